@@ -1,0 +1,109 @@
+"""Input validation. Every public op checks its arguments here before any backend runs, and
+every message names the argument, what it got and what it needs."""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+
+def _desc(x) -> str:
+    return f"shape {tuple(x.shape)} and dtype {x.dtype}"
+
+
+def _dims(spec: tuple[str, ...]) -> str:
+    return "[" + ", ".join(spec) + "]"
+
+
+def array(name, x):
+    """``x`` as something with .shape and .dtype (jax arrays, tracers, numpy arrays)."""
+    if x is None:
+        raise TypeError(f"{name} must be an array, got None")
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        if isinstance(x, (list, tuple, numbers.Number)):
+            x = np.asarray(x)
+        else:
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    return x
+
+
+def floating(name, x):
+    x = array(name, x)
+    if not any(x.dtype == d for d in FLOAT_DTYPES):
+        raise TypeError(
+            f"{name} must have a floating dtype (float16, bfloat16, float32 or float64), "
+            f"got {_desc(x)}")
+    return x
+
+
+def shaped(name, x, spec: tuple[str, ...], sizes: dict, *, kind=floating):
+    """Check ``x`` against a named shape like ('B', 'T', 'H', 'K'), binding names in ``sizes``.
+
+    The first argument to use a dimension name fixes its size; later ones must agree.
+    """
+    x = kind(name, x)
+    if x.ndim != len(spec):
+        raise ValueError(f"{name} must be {len(spec)}-D {_dims(spec)}, got {_desc(x)}")
+    for axis, (dim, size) in enumerate(zip(spec, x.shape)):
+        if dim.isdigit():
+            expected = int(dim)
+        elif dim in sizes:
+            expected = sizes[dim][0]
+        else:
+            sizes[dim] = (size, name)
+            continue
+        if size != expected:
+            origin = f" (from {sizes[dim][1]})" if not dim.isdigit() else ""
+            raise ValueError(
+                f"{name} must be {_dims(spec)} with {dim}={expected}{origin}, got {_desc(x)} "
+                f"(axis {axis} is {size})")
+    return x
+
+
+def integer(name, x):
+    x = array(name, x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype (int32), got {_desc(x)}")
+    return x
+
+
+def flag(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def scalar(name, value):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a Python float, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not np.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def positive_length(name, t):
+    if t < 1:
+        raise ValueError(f"{name} must have at least one time step, got T={t}")
+
+
+def cu_seqlens(x, batch: int, total: int):
+    """Validate ``cu_seqlens``; returns it as int32. Values are checked only when they are
+    already on the host (a numpy array or list): a device array is never read back."""
+    x = integer("cu_seqlens", x)
+    if x.ndim != 1 or x.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [N+1] with N >= 1 segments, got {_desc(x)}")
+    if batch != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1 (segments are packed along T), "
+                         f"got B={batch}")
+    if isinstance(x, np.ndarray):
+        if x[0] != 0 or x[-1] != total or np.any(np.diff(x) < 0):
+            raise ValueError(f"cu_seqlens must rise from 0 to T={total} without decreasing, got {x.tolist()}")
+    if isinstance(x, jax.core.Tracer) or isinstance(x, jax.Array):
+        return x.astype(jnp.int32)
+    return jnp.asarray(x, jnp.int32)

@@ -1,0 +1,131 @@
+"""Backend registry.
+
+A backend is a module that defines some of the functions named in ``OPS`` with the canonical
+signatures documented in ``rwkv_jax.backends.native`` (inputs already validated, layout
+``[B, T, H, *]``, ``initial_state`` float32 or None). Adding a backend is one ``register`` call
+below; the module is imported only when the backend is first asked for.
+
+Which backend runs an op: the explicit ``backend=`` argument, else the environment variable
+``RWKV_JAX_BACKEND`` (or ``KERNEL_TYPE``, where ``cuda`` means ``ffi``), else the first backend in
+``DEFAULT_ORDER`` for the platform that can run here and implements the op. An explicit or
+environment choice that cannot run raises ``BackendUnavailableError`` saying why: never a
+silent fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import os
+from typing import Callable, Optional
+
+import jax
+
+OPS = ("rwkv7", "rwkv6", "rwkv4", "gated_linear_attention", "rwkv7_step", "rwkv6_step")
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run this op on this machine."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    module: str
+    summary: str
+    # Returns None when the backend can run on ``platform`` ("cpu", "gpu", "tpu"), else the reason.
+    probe: Callable[[str], Optional[str]]
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+# Fastest first, per platform; backends that cannot run or lack the op are skipped.
+DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
+    "gpu": ("native",),
+    "cpu": ("native",),
+    "tpu": ("native",),
+}
+
+
+def register(name: str, module: str, summary: str, probe: Callable[[str], Optional[str]]) -> None:
+    _BACKENDS[name] = Backend(name, module, summary, probe)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_BACKENDS)
+
+
+def platform() -> str:
+    """The platform of JAX's default device: 'cpu', 'gpu' or 'tpu'."""
+    return jax.default_backend()
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable_reason(name: str, platform_name: str) -> Optional[str]:
+    """None if backend ``name`` can run on ``platform_name``, else a sentence saying why not."""
+    backend = _BACKENDS[name]
+    reason = backend.probe(platform_name)
+    if reason is not None:
+        return reason
+    try:
+        importlib.import_module(backend.module)
+    except Exception as err:  # an import error is a reason, reported to the user verbatim
+        return f"importing {backend.module} failed: {type(err).__name__}: {err}"
+    return None
+
+
+def implements(name: str, op: str) -> bool:
+    backend = _BACKENDS[name]
+    return callable(getattr(importlib.import_module(backend.module), op, None))
+
+
+def _requested() -> tuple[Optional[str], str]:
+    for var in ("RWKV_JAX_BACKEND", "KERNEL_TYPE"):
+        value = os.environ.get(var, "").strip().lower()
+        if value:
+            return ("ffi" if var == "KERNEL_TYPE" and value == "cuda" else value), f"{var}={value}"
+    return None, ""
+
+
+def resolve(op: str, backend: Optional[str]) -> tuple[str, Callable]:
+    """The (name, function) that runs ``op``; raises a clear error when that is impossible."""
+    source = f"backend={backend!r}"
+    if backend is None:
+        backend, source = _requested()
+    where = platform()
+    if backend is None:
+        for name in DEFAULT_ORDER.get(where, ("native",)):
+            if unavailable_reason(name, where) is None and implements(name, op):
+                return name, getattr(importlib.import_module(_BACKENDS[name].module), op)
+        raise BackendUnavailableError(f"no backend implements {op} on platform {where!r}")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} (from {source}); known: {', '.join(_BACKENDS)}")
+    reason = unavailable_reason(backend, where)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {backend!r} (from {source}) cannot run here: {reason}")
+    if not implements(backend, op):
+        have = [n for n in _BACKENDS if unavailable_reason(n, where) is None and implements(n, op)]
+        raise BackendUnavailableError(
+            f"backend {backend!r} (from {source}) does not implement {op}; "
+            f"backends that do here: {', '.join(have)}"
+        )
+    return backend, getattr(importlib.import_module(_BACKENDS[backend].module), op)
+
+
+def describe() -> list[dict]:
+    """One row per backend: name, summary, available here, why not, ops it implements."""
+    where = platform()
+    rows = []
+    for name, backend in _BACKENDS.items():
+        reason = unavailable_reason(name, where)
+        ops = [op for op in OPS if reason is None and implements(name, op)]
+        rows.append(dict(name=name, summary=backend.summary, available=reason is None,
+                         reason=reason or "", ops=ops))
+    return rows
+
+
+register("native", "rwkv_jax.backends.native",
+         "lax.scan over time, checkpointed blocks; the readable reference", lambda p: None)

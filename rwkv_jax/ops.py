@@ -1,0 +1,200 @@
+"""The public operators: validate, normalise the layout, pick a backend, call it.
+
+The math of each op is in DESIGN.md and in ``rwkv_jax.backends.native``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from . import _checks as checks
+from .backends import resolve
+
+_TIME_MAJOR = ("B", "T", "H")
+_HEAD_MAJOR = ("B", "H", "T")
+
+
+def _heads(head_first, last=None):
+    lead = _HEAD_MAJOR if head_first else _TIME_MAJOR
+    return lead + ((last,) if last else ())
+
+
+def _to_bthk(x, head_first):
+    """[B, H, T, *] -> [B, T, H, *] when head_first (the backends' layout), else unchanged."""
+    return x if x is None or not head_first else jnp.swapaxes(x, 1, 2)
+
+
+def _state_and_segments(initial_state, cu_seqlens, sizes, batch, total):
+    """Validate ``cu_seqlens`` and ``initial_state`` (rows: batch, or segments when packed)."""
+    if cu_seqlens is not None:
+        cu_seqlens = checks.cu_seqlens(cu_seqlens, batch, total)
+        sizes["N"] = (cu_seqlens.shape[0] - 1, "cu_seqlens (number of segments)")
+    else:
+        sizes["N"] = (batch, "the batch size B")
+    if initial_state is not None:
+        initial_state = checks.shaped("initial_state", initial_state, ("N", "H", "K", "V"), sizes)
+        initial_state = jnp.asarray(initial_state).astype(jnp.float32)
+    return initial_state, cu_seqlens
+
+
+def _sequence(op, named, scale, initial_state, output_final_state, cu_seqlens, head_first,
+              backend, extra=None, **options):
+    """Shared path of the [B, T, H, K] sequence ops (rwkv7, rwkv6, gated_linear_attention).
+
+    ``named``: name -> (array or None, last dim name or None for a per-token gate, optional).
+    ``extra``: name -> (array or None, shape spec) for arrays that carry no time axis.
+    ``options``: further keyword arguments for the backend function.
+    """
+    head_first = checks.flag("head_first", head_first)
+    output_final_state = checks.flag("output_final_state", output_final_state)
+    sizes: dict = {}
+    arrays = {}
+    for name, (x, last, optional) in named.items():
+        if x is None and optional:
+            arrays[name] = None
+            continue
+        arrays[name] = checks.shaped(name, x, _heads(head_first, last), sizes)
+    for name, (x, spec) in (extra or {}).items():
+        arrays[name] = None if x is None else checks.shaped(name, x, spec, sizes)
+    batch, total = sizes["B"][0], sizes["T"][0]
+    checks.positive_length("the inputs", total)
+    initial_state, cu_seqlens = _state_and_segments(initial_state, cu_seqlens, sizes, batch, total)
+    name, fn = resolve(op, backend)
+    arrays = {n: (_to_bthk(x, head_first) if n in named else x) for n, x in arrays.items()}
+    o, h = fn(**arrays, scale=scale, initial_state=initial_state,
+              output_final_state=output_final_state, cu_seqlens=cu_seqlens, **options)
+    if head_first:
+        o = jnp.swapaxes(o, 1, 2)
+    return o, (h if output_final_state else None)
+
+
+def rwkv7(r, w, k, v, a, b, *, scale=1.0, initial_state=None, output_final_state=True,
+          cu_seqlens=None, head_first=False, backend=None):
+    """RWKV-7 generalized delta rule.
+
+    ``h_t = diag(exp(w_t)) h_{t-1} + b_t (a_t^T h_{t-1}) + k_t v_t^T``, ``o_t = h_t^T (scale r_t)``.
+
+    Args:
+      r, w, k, a, b: ``[B, T, H, K]`` (``[B, H, T, K]`` if ``head_first``); ``w`` is a log decay.
+      v: ``[B, T, H, V]``.
+      scale: multiplies ``r``.
+      initial_state: ``[N, H, K, V]`` (N = B, or the number of segments with ``cu_seqlens``);
+        None means zeros.
+      output_final_state: return the final state (else None in its place).
+      cu_seqlens: int32 ``[N+1]`` offsets of packed sequences (B must be 1).
+      head_first: inputs and outputs are ``[B, H, T, *]``.
+      backend: "native", "chunked", "triton", "ffi", or None for the default.
+
+    Returns:
+      ``(o, h)``: ``o`` ``[B, T, H, V]`` in ``v``'s dtype, ``h`` float32 ``[N, H, K, V]`` or None.
+    """
+    scale = checks.scalar("scale", scale)
+    named = {n: (x, "V" if n == "v" else "K", False)
+             for n, x in dict(r=r, w=w, k=k, v=v, a=a, b=b).items()}
+    return _sequence("rwkv7", named, scale, initial_state, output_final_state, cu_seqlens,
+                     head_first, backend)
+
+
+def rwkv6(r, k, v, w, u, *, scale=1.0, initial_state=None, output_final_state=True,
+          cu_seqlens=None, head_first=False, backend=None):
+    """RWKV-6: ``o_t = (h_{t-1} + diag(u) k_t v_t^T)^T (scale r_t)``,
+    ``h_t = diag(exp(w_t)) h_{t-1} + k_t v_t^T``.
+
+    ``r, k, w``: ``[B, T, H, K]``; ``v``: ``[B, T, H, V]``; ``u`` (bonus): ``[H, K]``; ``w`` is a
+    log decay. Options and returns as in :func:`rwkv7`.
+    """
+    scale = checks.scalar("scale", scale)
+    named = {n: (x, "V" if n == "v" else "K", False)
+             for n, x in dict(r=r, k=k, v=v, w=w).items()}
+    return _sequence("rwkv6", named, scale, initial_state, output_final_state, cu_seqlens,
+                     head_first, backend, extra=dict(u=(u, ("H", "K"))))
+
+
+def gated_linear_attention(q, k, v, *, g=None, g_gamma=None, gk=None, gv=None, scale=None,
+                           initial_state=None, output_final_state=True, reverse=False,
+                           cu_seqlens=None, head_first=False, backend=None):
+    """Gated recurrent linear attention, all gates in log space:
+
+    ``h_t = (exp(g_t + g_gamma) * exp(gk_t)[:, None] * exp(gv_t)[None, :]) ⊙ h_{t-1} + k_t v_t^T``,
+    ``o_t = h_t^T (scale q_t)``.
+
+    ``q, k``: ``[B, T, H, K]``; ``v``: ``[B, T, H, V]``; optional ``g``: ``[B, T, H]``,
+    ``g_gamma``: ``[H]``, ``gk``: ``[B, T, H, K]``, ``gv``: ``[B, T, H, V]``. ``scale`` defaults to
+    ``K ** -0.5``; ``reverse=True`` runs from the last step to the first (per segment with
+    ``cu_seqlens``). Other options and returns as in :func:`rwkv7`.
+    """
+    reverse = checks.flag("reverse", reverse)
+    if scale is None:
+        k_size = checks.shaped("q", q, _heads(checks.flag("head_first", head_first), "K"), {})
+        scale = float(k_size.shape[-1]) ** -0.5
+    scale = checks.scalar("scale", scale)
+    named = dict(q=(q, "K", False), k=(k, "K", False), v=(v, "V", False), g=(g, None, True),
+                 gk=(gk, "K", True), gv=(gv, "V", True))
+    return _sequence("gated_linear_attention", named, scale, initial_state, output_final_state,
+                     cu_seqlens, head_first, backend, extra=dict(g_gamma=(g_gamma, ("H",))),
+                     reverse=reverse)
+
+
+def rwkv4(w, u, k, v, *, initial_state=None, output_final_state=True, backend=None):
+    """RWKV-4 WKV with the max trick for stability.
+
+    ``w`` (negative log decay, ``-exp(time_decay)``) and ``u`` (``time_first``): ``[C]``;
+    ``k, v``: ``[B, T, C]``. The state ``[B, C, 3]`` holds ``(aa, bb, pp)``; None means
+    ``(0, 0, -1e38)``. Returns ``(y [B, T, C] in v's dtype, state float32 [B, C, 3] or None)``.
+    """
+    output_final_state = checks.flag("output_final_state", output_final_state)
+    sizes: dict = {}
+    k = checks.shaped("k", k, ("B", "T", "C"), sizes)
+    v = checks.shaped("v", v, ("B", "T", "C"), sizes)
+    w = checks.shaped("w", w, ("C",), sizes)
+    u = checks.shaped("u", u, ("C",), sizes)
+    checks.positive_length("k and v", sizes["T"][0])
+    if initial_state is not None:
+        initial_state = checks.shaped("initial_state", initial_state, ("B", "C", "3"), sizes)
+        initial_state = jnp.asarray(initial_state).astype(jnp.float32)
+    _, fn = resolve("rwkv4", backend)
+    y, state = fn(w, u, k, v, initial_state=initial_state, output_final_state=output_final_state)
+    return y, (state if output_final_state else None)
+
+
+def _step(op, named, extra, state, scale, state_indices, backend):
+    """Shared path of the inference steps: inputs [B, T, H, *], state pool [S, H, K, V]."""
+    sizes: dict = {}
+    arrays = {n: checks.shaped(n, x, _heads(False, last), sizes) for n, (x, last) in named.items()}
+    arrays.update({n: checks.shaped(n, x, spec, sizes) for n, (x, spec) in extra.items()})
+    checks.positive_length("the inputs", sizes["T"][0])
+    state = checks.shaped("state", state, ("S", "H", "K", "V"), sizes)
+    if state.dtype != jnp.float32:
+        raise TypeError(f"state must be a float32 pool [S, H, K, V] (it is updated in place), "
+                        f"got dtype {state.dtype}")
+    batch, slots = sizes["B"][0], sizes["S"][0]
+    if state_indices is None:
+        if slots < batch:
+            raise ValueError(f"state has S={slots} slots for a batch of B={batch}; "
+                             f"pass state_indices [B] to pick a slot per row")
+        state_indices = jnp.arange(batch, dtype=jnp.int32)
+    else:
+        state_indices = checks.shaped("state_indices", state_indices, ("B",), sizes,
+                                      kind=checks.integer).astype(jnp.int32)
+    _, fn = resolve(op, backend)
+    return fn(**arrays, state=state, scale=scale, state_indices=state_indices)
+
+
+def rwkv7_step(r, w, k, v, a, b, state, *, scale=1.0, state_indices=None, backend=None):
+    """RWKV-7 inference: advance the rows ``state_indices`` of the float32 pool ``state``
+    ``[S, H, K, V]`` by the ``T`` (small) steps of ``r, w, k, v, a, b`` ``[B, T, H, *]``.
+
+    Returns ``(o [B, T, H, V], updated pool)``; donate ``state`` so the update is in place.
+    Rows of ``state_indices`` must be distinct.
+    """
+    scale = checks.scalar("scale", scale)
+    named = {n: (x, "V" if n == "v" else "K") for n, x in dict(r=r, w=w, k=k, v=v, a=a, b=b).items()}
+    return _step("rwkv7_step", named, {}, state, scale, state_indices, backend)
+
+
+def rwkv6_step(r, k, v, w, u, state, *, scale=1.0, state_indices=None, backend=None):
+    """RWKV-6 inference step on a state pool; see :func:`rwkv7_step` and :func:`rwkv6`."""
+    scale = checks.scalar("scale", scale)
+    named = {n: (x, "V" if n == "v" else "K") for n, x in dict(r=r, k=k, v=v, w=w).items()}
+    return _step("rwkv6_step", named, dict(u=(u, ("H", "K"))), state, scale, state_indices,
+                 backend)
