@@ -33,7 +33,7 @@ def _state_and_segments(initial_state, cu_seqlens, sizes, batch, total):
         sizes["N"] = (batch, "the batch size B")
     if initial_state is not None:
         initial_state = checks.shaped("initial_state", initial_state, ("N", "H", "K", "V"), sizes)
-        initial_state = jnp.asarray(initial_state).astype(jnp.float32)
+        initial_state = jnp.asarray(initial_state)
     return initial_state, cu_seqlens
 
 
@@ -151,7 +151,7 @@ def rwkv4(w, u, k, v, *, initial_state=None, output_final_state=True, backend=No
     checks.positive_length("k and v", sizes["T"][0])
     if initial_state is not None:
         initial_state = checks.shaped("initial_state", initial_state, ("B", "C", "3"), sizes)
-        initial_state = jnp.asarray(initial_state).astype(jnp.float32)
+        initial_state = jnp.asarray(initial_state)
     _, fn = resolve("rwkv4", backend)
     y, state = fn(w, u, k, v, initial_state=initial_state, output_final_state=output_final_state)
     return y, (state if output_final_state else None)

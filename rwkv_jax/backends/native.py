@@ -1,6 +1,7 @@
 """The ``native`` backend: a ``lax.scan`` over time, the readable reference for every op.
 
-Each op is written as one time step on a batch of states; ``_scan_time`` runs it over the
+Accumulation is float32 (float64 when given float64 inputs, which the CLI uses as its
+reference). Each op is written as one time step on a batch of states; ``_scan_time`` runs it over the
 sequence. For training, the scan runs in blocks of about sqrt(T) steps with ``jax.checkpoint``
 around each block, so the backward stores the state only at block boundaries and recomputes
 inside a block: memory O((T/C + C) * state) instead of O(T * state). Without a gradient
@@ -27,7 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-F32 = jnp.float32
+
+def _acc(*xs):
+    """Accumulation dtype: float32, or float64 when an input is float64 (reference runs)."""
+    return jnp.result_type(jnp.float32, *(x.dtype for x in xs if x is not None))
 
 
 def _checkpointed_scan(step, carry, xs, length):
@@ -77,11 +81,11 @@ def _scan_time(step, h0, xs, cu_seqlens):
     return jnp.moveaxis(ys, 0, 1), finals
 
 
-def _zeros_state(r, v, initial_state, cu_seqlens):
+def _zeros_state(r, v, initial_state, cu_seqlens, dtype):
     if initial_state is not None:
-        return initial_state.astype(F32)
+        return initial_state.astype(dtype)
     n = r.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return jnp.zeros((n, r.shape[2], r.shape[3], v.shape[3]), F32)
+    return jnp.zeros((n, r.shape[2], r.shape[3], v.shape[3]), dtype)
 
 
 def _read(h, q):
@@ -90,34 +94,38 @@ def _read(h, q):
 
 
 def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seqlens):
+    acc = _acc(r, w, k, v, a, b)
+
     def step(h, x):
-        r, w, k, v, a, b = (y.astype(F32) for y in x)
+        r, w, k, v, a, b = (y.astype(acc) for y in x)
         h = (h * jnp.exp(w)[..., None] + b[..., None] * _read(h, a)[..., None, :]
              + k[..., None] * v[..., None, :])
         return h, _read(h, r * scale)
 
-    h0 = _zeros_state(r, v, initial_state, cu_seqlens)
+    h0 = _zeros_state(r, v, initial_state, cu_seqlens, acc)
     o, h = _scan_time(step, h0, (r, w, k, v, a, b), cu_seqlens)
     return o.astype(v.dtype), h
 
 
 def rwkv6(r, k, v, w, u, *, scale, initial_state, output_final_state, cu_seqlens):
-    u = u.astype(F32)
+    acc = _acc(r, k, v, w, u)
+    u = u.astype(acc)
 
     def step(h, x):
-        r, k, v, w = (y.astype(F32) for y in x)
+        r, k, v, w = (y.astype(acc) for y in x)
         kv = k[..., None] * v[..., None, :]
         o = _read(h + u[:, :, None] * kv, r * scale)
         return h * jnp.exp(w)[..., None] + kv, o
 
-    h0 = _zeros_state(r, v, initial_state, cu_seqlens)
+    h0 = _zeros_state(r, v, initial_state, cu_seqlens, acc)
     o, h = _scan_time(step, h0, (r, k, v, w), cu_seqlens)
     return o.astype(v.dtype), h
 
 
 def gated_linear_attention(q, k, v, *, g, g_gamma, gk, gv, scale, initial_state,
                            output_final_state, reverse, cu_seqlens):
-    h0 = _zeros_state(q, v, initial_state, cu_seqlens)
+    acc = _acc(q, k, v, g, g_gamma, gk, gv)
+    h0 = _zeros_state(q, v, initial_state, cu_seqlens, acc)
     if reverse:
         # Running backwards in time is running forwards on the time-flipped sequence; with
         # packed segments the segment order flips too.
@@ -126,10 +134,10 @@ def gated_linear_attention(q, k, v, *, g, g_gamma, gk, gv, scale, initial_state,
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens[-1] - jnp.flip(cu_seqlens)
             h0 = jnp.flip(h0, axis=0)
-    gamma = None if g_gamma is None else g_gamma.astype(F32)
+    gamma = None if g_gamma is None else g_gamma.astype(acc)
 
     def step(h, x):
-        q, k, v, g, gk, gv = (None if y is None else y.astype(F32) for y in x)
+        q, k, v, g, gk, gv = (None if y is None else y.astype(acc) for y in x)
         if g is not None or gamma is not None:
             log_decay = (0.0 if g is None else g) + (0.0 if gamma is None else gamma)
             h = h * jnp.exp(log_decay)[..., None, None]
@@ -149,10 +157,11 @@ def gated_linear_attention(q, k, v, *, g, g_gamma, gk, gv, scale, initial_state,
 
 
 def rwkv4(w, u, k, v, *, initial_state, output_final_state):
-    w, u = w.astype(F32), u.astype(F32)
+    acc = _acc(w, u, k, v)
+    w, u = w.astype(acc), u.astype(acc)
 
     def step(state, x):
-        k, v = (y.astype(F32) for y in x)
+        k, v = (y.astype(acc) for y in x)
         aa, bb, pp = state[..., 0], state[..., 1], state[..., 2]
         ww = u + k
         p = jnp.maximum(pp, ww)
@@ -164,9 +173,9 @@ def rwkv4(w, u, k, v, *, initial_state, output_final_state):
         return jnp.stack([e1 * aa + e2 * v, e1 * bb + e2, p], axis=-1), y
 
     if initial_state is None:
-        zeros = jnp.zeros(k.shape[:1] + k.shape[2:], F32)
+        zeros = jnp.zeros(k.shape[:1] + k.shape[2:], acc)
         initial_state = jnp.stack([zeros, zeros, jnp.full_like(zeros, -1e38)], axis=-1)
-    y, state = _scan_time(step, initial_state.astype(F32), (k, v), None)
+    y, state = _scan_time(step, initial_state.astype(acc), (k, v), None)
     return y.astype(v.dtype), state
 
 
