@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numbers
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -104,6 +103,4 @@ def cu_seqlens(x, batch: int, total: int):
     if isinstance(x, np.ndarray):
         if x[0] != 0 or x[-1] != total or np.any(np.diff(x) < 0):
             raise ValueError(f"cu_seqlens must rise from 0 to T={total} without decreasing, got {x.tolist()}")
-    if isinstance(x, jax.core.Tracer) or isinstance(x, jax.Array):
-        return x.astype(jnp.int32)
-    return jnp.asarray(x, jnp.int32)
+    return jnp.asarray(x).astype(jnp.int32)
