@@ -1,0 +1,93 @@
+"""Shared test set-up: 8 CPU devices, the backends under test, tolerances, the gpu marker.
+
+A backend joins the whole suite by registration alone: every test that takes a ``backend``
+argument runs once per registered backend that can run here and implements the test's op
+(``op`` argument). ``RWKV_JAX_TEST_BACKENDS=native,chunked`` narrows the set.
+"""
+
+import jax
+
+# Before anything initialises a JAX backend: the sharding tests need 8 CPU devices.
+jax.config.update("jax_num_cpu_devices", 8)
+
+import os  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from rwkv_jax import backends  # noqa: E402
+
+# DESIGN.md, "Numerical contract": relative error against float64, per backend and input dtype.
+FLOAT32_TOLERANCE = {  # backend -> (forward, gradients)
+    "native": (1e-5, 1e-4),
+    "ffi": (1e-5, 1e-4),
+    "chunked": (2e-3, 2e-3),
+    "triton": (2e-3, 2e-3),
+}
+LOW_PRECISION_TOLERANCE = 1e-2  # bfloat16 / float16 inputs, reference from the rounded values
+
+
+def tolerance(backend, dtype, kind):
+    """Allowed relative error of ``kind`` ("forward" or "gradient") for inputs of ``dtype``."""
+    if np.dtype(dtype) != np.float32:
+        return LOW_PRECISION_TOLERANCE
+    if backend not in FLOAT32_TOLERANCE:
+        raise KeyError(f"backend {backend!r} has no tolerance in tests/conftest.py: add one "
+                       f"from DESIGN.md's numerical contract")
+    forward, gradient = FLOAT32_TOLERANCE[backend]
+    return forward if kind == "forward" else gradient
+
+
+def _backends_under_test():
+    platform = backends.platform()
+    available = [n for n in backends.names() if backends.unavailable_reason(n, platform) is None]
+    requested = os.environ.get("RWKV_JAX_TEST_BACKENDS", "").strip()
+    if not requested:
+        return available
+    chosen = [n.strip() for n in requested.split(",") if n.strip()]
+    for name in chosen:
+        if name not in backends.names():
+            raise pytest.UsageError(f"RWKV_JAX_TEST_BACKENDS names unknown backend {name!r}; "
+                                    f"registered: {', '.join(backends.names())}")
+        reason = backends.unavailable_reason(name, platform)
+        if reason is not None:
+            raise pytest.UsageError(f"RWKV_JAX_TEST_BACKENDS names {name!r}, which cannot run "
+                                    f"here: {reason}")
+    return chosen
+
+
+BACKENDS_UNDER_TEST = _backends_under_test()
+
+
+def has_gpu():
+    return any(d.platform == "gpu" for d in jax.devices())
+
+
+def pytest_report_header(config):
+    return f"rwkv_jax backends under test: {', '.join(BACKENDS_UNDER_TEST)}"
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", BACKENDS_UNDER_TEST)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect (backend, op) pairs the backend does not implement; skip gpu tests without a
+    GPU (the only legitimate skip)."""
+    keep, dropped = [], []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        backend, op = (params.params.get("backend"), params.params.get("op")) if params else (None, None)
+        if backend is not None and op is not None and not backends.implements(backend, op):
+            dropped.append(item)
+        else:
+            keep.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+    if not has_gpu():
+        skip = pytest.mark.skip(reason="needs a GPU; none here")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
