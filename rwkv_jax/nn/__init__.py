@@ -1,0 +1,18 @@
+"""Flax modules for RWKV models built on rwkv_jax's operators.
+
+- RWKV-7 ("x070"): :class:`RWKV7TimeMix`, :class:`RWKV7ChannelMix`, :class:`RWKV7Block`,
+  :class:`RWKV7LM` (sequence mode for training, step mode with a state cache for generation);
+- RWKV-6 ("x060"): :class:`RWKV6TimeMix`, :class:`RWKV6ChannelMix`;
+- checkpoints with the official parameter names: :func:`load_rwkv7`, :func:`rwkv7_state_dict`;
+- thin Linen wrappers of the bare operators in :mod:`rwkv_jax.nn.linen`.
+"""
+
+from .checkpoint import load_rwkv7, read_checkpoint, rwkv7_config, rwkv7_state_dict
+from .common import LayerState, TimeMixState
+from .rwkv7 import RWKV7Block, RWKV7ChannelMix, RWKV7Config, RWKV7LM, RWKV7TimeMix
+
+__all__ = [
+    "RWKV7Config", "RWKV7TimeMix", "RWKV7ChannelMix", "RWKV7Block", "RWKV7LM",
+    "LayerState", "TimeMixState",
+    "load_rwkv7", "read_checkpoint", "rwkv7_config", "rwkv7_state_dict",
+]

@@ -1,0 +1,188 @@
+"""Official RWKV-7 checkpoints <-> :class:`rwkv_jax.nn.RWKV7LM`.
+
+An official checkpoint is a flat dict with the names of BlinkDL's RWKV-LM (``emb.weight``,
+``blocks.{i}.att.w1``, ``blocks.{i}.ffn.key.weight``, ``head.weight``, ...): per-channel
+parameters are ``[1, 1, C]``, linear weights ``[out, in]``. :func:`load_rwkv7` reads one (a
+``.pth`` through torch when it is installed, ``.safetensors``, ``.npz``, or a dict of arrays),
+infers the model sizes from the shapes, checks every name and shape, and returns the model;
+:func:`rwkv7_state_dict` writes a model back in the official format.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .rwkv7 import RWKV7Config, RWKV7LM
+
+# The official trainer creates v0/v1/v2 in every layer, but layer 0 never uses them (its value
+# is the one carried to later layers): accepted and dropped.
+_UNUSED_IN_LAYER0 = ("v0", "v1", "v2")
+
+
+def read_checkpoint(path) -> dict[str, np.ndarray]:
+    """The arrays of a ``.pth``/``.pt`` (needs torch), ``.safetensors`` or ``.npz`` file."""
+    path = os.fspath(path)
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in (".pth", ".pt"):
+        try:
+            import torch
+        except ImportError as err:
+            raise ImportError(f"reading {path} needs torch; convert it to .safetensors or .npz "
+                              f"where torch is installed") from err
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+        return {name: _tensor_to_numpy(t) for name, t in tensors.items()}
+    if suffix == ".safetensors":
+        from safetensors.numpy import load_file
+        return dict(load_file(path))
+    if suffix == ".npz":
+        with np.load(path) as data:
+            return {name: data[name] for name in data.files}
+    raise ValueError(f"checkpoint path must end in .pth, .pt, .safetensors or .npz, got {path!r}")
+
+
+def _tensor_to_numpy(x):
+    if hasattr(x, "detach"):  # a torch tensor; numpy has no bfloat16, so widen low precision
+        x = x.detach().cpu()
+        return (x.float() if x.is_floating_point() and x.element_size() < 4 else x).numpy()
+    return np.asarray(x)
+
+
+def _layout(cfg: RWKV7Config) -> dict[str, tuple[tuple, tuple, str]]:
+    """Official name -> (path in the model, official shape with named sizes, kind). ``kind``:
+    "linear" (the model's kernel is the transpose), "channel" ([1, 1, C] stored as [C]) or
+    "same"."""
+    c, f, v = ("C", cfg.n_embd), ("F", cfg.dim_ffn), ("vocab", cfg.vocab_size)
+    h, n = ("H", cfg.n_head), ("N", cfg.head_size)
+    one = ("1", 1)
+    layout = {"emb.weight": (("emb", "embedding"), (v, c), "same"),
+              "ln_out.weight": (("ln_out", "scale"), (c,), "same"),
+              "ln_out.bias": (("ln_out", "bias"), (c,), "same"),
+              "head.weight": (("head", "kernel"), (v, c), "linear")}
+    widths = dict(w=("D_decay", cfg.decay_lora), a=("D_a", cfg.a_lora),
+                  v=("D_v", cfg.v_lora), g=("D_gate", cfg.gate_lora))
+    for i in range(cfg.n_layer):
+        block = ("blocks", i)
+        for norm in (["ln0"] if i == 0 else []) + ["ln1", "ln2"]:
+            layout[f"blocks.{i}.{norm}.weight"] = (block + (norm, "scale"), (c,), "same")
+            layout[f"blocks.{i}.{norm}.bias"] = (block + (norm, "bias"), (c,), "same")
+        att = block + ("att",)
+        channels = ["x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "w0", "a0", "k_k", "k_a"]
+        loras = ["w", "a", "g"] + (["v"] if i > 0 else [])
+        channels += ["v0"] if i > 0 else []
+        for name in channels:
+            layout[f"blocks.{i}.att.{name}"] = (att + (name,), (one, one, c), "channel")
+        for name in loras:
+            layout[f"blocks.{i}.att.{name}1"] = (att + (name + "1",), (c, widths[name]), "same")
+            layout[f"blocks.{i}.att.{name}2"] = (att + (name + "2",), (widths[name], c), "same")
+        layout[f"blocks.{i}.att.r_k"] = (att + ("r_k",), (h, n), "same")
+        for name in ("receptance", "key", "value", "output"):
+            layout[f"blocks.{i}.att.{name}.weight"] = (att + (name, "kernel"), (c, c), "linear")
+        layout[f"blocks.{i}.att.ln_x.weight"] = (att + ("ln_x", "scale"), (c,), "same")
+        layout[f"blocks.{i}.att.ln_x.bias"] = (att + ("ln_x", "bias"), (c,), "same")
+        ffn = block + ("ffn",)
+        layout[f"blocks.{i}.ffn.x_k"] = (ffn + ("x_k",), (one, one, c), "channel")
+        layout[f"blocks.{i}.ffn.key.weight"] = (ffn + ("key", "kernel"), (f, c), "linear")
+        layout[f"blocks.{i}.ffn.value.weight"] = (ffn + ("value", "kernel"), (c, f), "linear")
+    return layout
+
+
+def _shape_text(named):
+    return "[" + ", ".join(name if name == "1" else f"{name}={size}" for name, size in named) + "]"
+
+
+def _dim(params, name, axis, what):
+    if name not in params:
+        raise ValueError(f"the checkpoint has no {name!r}, needed to infer {what}")
+    shape = np.shape(params[name])
+    if len(shape) <= abs(axis):
+        raise ValueError(f"{name} must have at least {abs(axis) + 1} dims (to infer {what}), "
+                         f"got shape {shape}")
+    return int(shape[axis])
+
+
+def rwkv7_config(params: Mapping) -> RWKV7Config:
+    """The model sizes of an official RWKV-7 checkpoint, inferred from its shapes."""
+    layers = {int(m.group(1)) for name in params if (m := re.match(r"blocks\.(\d+)\.", name))}
+    if not layers:
+        raise ValueError("the checkpoint has no blocks.{i}.* parameters: not an RWKV-7 model")
+    n_layer = max(layers) + 1
+    missing = sorted(set(range(n_layer)) - layers)
+    if missing:
+        raise ValueError(f"the checkpoint has blocks up to {n_layer - 1} but none of blocks {missing}")
+    value_layer = 1 if n_layer > 1 else 0
+    return RWKV7Config(
+        vocab_size=_dim(params, "emb.weight", 0, "the vocabulary size"),
+        n_embd=_dim(params, "emb.weight", 1, "n_embd"),
+        n_layer=n_layer,
+        head_size=_dim(params, "blocks.0.att.r_k", 1, "the head size ([H, N])"),
+        dim_ffn=_dim(params, "blocks.0.ffn.key.weight", 0, "the channel-mix width"),
+        decay_lora=_dim(params, "blocks.0.att.w1", 1, "the decay LoRA width"),
+        a_lora=_dim(params, "blocks.0.att.a1", 1, "the in-context-rate LoRA width"),
+        v_lora=(_dim(params, f"blocks.{value_layer}.att.v1", 1, "the value-residual LoRA width")
+                if n_layer > 1 or "blocks.0.att.v1" in params else None),
+        gate_lora=_dim(params, "blocks.0.att.g1", 1, "the gate LoRA width"))
+
+
+def _variable(model, path):
+    node = model
+    for step in path:
+        node = node[step] if isinstance(step, int) else getattr(node, step)
+    return node
+
+
+def load_rwkv7(source, *, dtype=jnp.float32, param_dtype=jnp.float32) -> RWKV7LM:
+    """An :class:`RWKV7LM` holding the weights of an official RWKV-7 checkpoint.
+
+    ``source``: a path (``.pth``/``.pt`` with torch installed, ``.safetensors``, ``.npz``) or a
+    mapping from official names to arrays. Every expected name must be present with its official
+    shape (per-channel ``[1, 1, C]`` parameters may also come flat as ``[C]``); unknown names
+    are errors, except ``blocks.0.att.v0/v1/v2``, which layer 0 does not use.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        params = read_checkpoint(source)
+    elif isinstance(source, Mapping):
+        params = {name: _tensor_to_numpy(value) for name, value in source.items()}
+    else:
+        raise TypeError(f"source must be a checkpoint path or a dict of arrays, got "
+                        f"{type(source).__name__}")
+    cfg = rwkv7_config(params)
+    layout = _layout(cfg)
+    tolerated = {f"blocks.0.att.{name}" for name in _UNUSED_IN_LAYER0}
+    unknown = sorted(set(params) - set(layout) - tolerated)
+    missing = sorted(set(layout) - set(params))
+    if unknown or missing:
+        raise ValueError(f"checkpoint names do not match an RWKV-7 model with {cfg}: "
+                         f"unknown {unknown}, missing {missing}")
+
+    # Build the model abstractly (no random init), then fill in every parameter.
+    model = nnx.eval_shape(lambda: RWKV7LM(cfg, dtype=dtype, param_dtype=param_dtype,
+                                           rngs=nnx.Rngs(0)))
+    for name, (path, named_shape, kind) in layout.items():
+        value = np.asarray(params[name])
+        official = tuple(size for _, size in named_shape)
+        flat = official[2:] if kind == "channel" else official
+        if value.shape not in (official, flat):
+            raise ValueError(f"{name} must have shape {official} {_shape_text(named_shape)} for "
+                             f"this model ({cfg}), got {value.shape}")
+        if not np.issubdtype(value.dtype, np.floating):
+            raise TypeError(f"{name} must be floating point, got dtype {value.dtype}")
+        value = value.reshape(flat)
+        _variable(model, path).set_value(jnp.asarray(value.T if kind == "linear" else value,
+                                                     param_dtype))
+    return model
+
+
+def rwkv7_state_dict(model: RWKV7LM) -> dict[str, np.ndarray]:
+    """The model's weights under the official names and shapes (float32 numpy)."""
+    out = {}
+    for name, (path, named_shape, kind) in _layout(model.config).items():
+        value = np.asarray(_variable(model, path).get_value(), np.float32)
+        value = value.T if kind == "linear" else value
+        out[name] = value.reshape(tuple(size for _, size in named_shape))
+    return out

@@ -1,0 +1,153 @@
+"""Pieces shared by the RWKV-7 and RWKV-6 layers: token shift, the per-head group norm, LoRA
+helpers, state containers, and the two ways of running a layer (whole sequences or steps on a
+state pool)."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .. import _checks as checks
+
+
+class TimeMixState(NamedTuple):
+    """State of one time-mix layer: ``shift`` float32 ``[S, C]`` (the last input token of each
+    row) and ``wkv`` float32 ``[S, H, K, V]`` (the recurrent state). ``S`` is the batch size in
+    sequence mode, or the number of slots of a state pool in step mode."""
+    shift: jax.Array
+    wkv: jax.Array
+
+
+class LayerState(NamedTuple):
+    """State of one block: its time-mix state and the channel-mix token shift ``[S, C]``."""
+    att: TimeMixState
+    ffn_shift: jax.Array
+
+
+def zero_layer_state(slots, n_embd, n_head, head_size) -> LayerState:
+    shift = jnp.zeros((slots, n_embd), jnp.float32)
+    wkv = jnp.zeros((slots, n_head, head_size, head_size), jnp.float32)
+    return LayerState(TimeMixState(shift, wkv), shift)
+
+
+class Sequence:
+    """Run layers over whole sequences (training, prefill). A state, when given, holds one row
+    per batch row; without one, every sequence starts from zeros."""
+
+    def __init__(self, backend=None, wkv_op=None):
+        if backend is not None and wkv_op is not None:
+            raise ValueError(f"pass either backend= or wkv_op= (which picks its own backend), "
+                             f"got backend={backend!r} and wkv_op={wkv_op!r}")
+        self.backend = backend
+        self.wkv_op = wkv_op
+
+    def previous(self, x, shift):
+        """The token before each position of ``x [B, T, C]``; ``shift [B, C]`` (or None: zeros)
+        precedes the first."""
+        if shift is None:
+            return jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+        if shift.shape != x.shape[:1] + x.shape[2:]:
+            raise ValueError(f"in sequence mode the state holds one row per batch row: a token "
+                             f"shift of shape {x.shape[:1] + x.shape[2:]} is needed, got "
+                             f"{tuple(shift.shape)}")
+        first = shift[:, None].astype(x.dtype)
+        return jnp.concatenate([first, x[:, :-1]], axis=1)
+
+    def keep_last(self, shift, x):
+        return x[:, -1].astype(jnp.float32)
+
+    def wkv(self, sequence_op, step_op, args, state):
+        op = self.wkv_op or functools.partial(sequence_op, backend=self.backend)
+        return op(*args, initial_state=state)
+
+
+class Step:
+    """Advance rows ``state_indices`` (default ``arange(B)``) of state pools by the ``T`` (small)
+    tokens of ``x`` (decoding, or prefill through the step kernels)."""
+
+    def __init__(self, batch, state_indices=None, backend=None):
+        if state_indices is None:
+            state_indices = jnp.arange(batch, dtype=jnp.int32)
+        else:
+            state_indices = checks.shaped("state_indices", state_indices, ("B",),
+                                          {"B": (batch, "tokens")}, kind=checks.integer)
+            state_indices = jnp.asarray(state_indices, jnp.int32)
+        self.indices = state_indices
+        self.backend = backend
+
+    def previous(self, x, shift):
+        return jnp.concatenate([shift[self.indices][:, None].astype(x.dtype), x[:, :-1]], axis=1)
+
+    def keep_last(self, shift, x):
+        return shift.at[self.indices].set(x[:, -1].astype(jnp.float32))
+
+    def wkv(self, sequence_op, step_op, args, state):
+        return step_op(*args, state, state_indices=self.indices, backend=self.backend)
+
+
+def check_layer_state(name, state, n_embd, n_head, head_size):
+    """``state`` must be a LayerState of float32 arrays with one slot count ``S``."""
+    if not isinstance(state, LayerState):
+        raise TypeError(f"{name} must be a LayerState (see init_state), got {type(state).__name__}")
+    slots = getattr(state.att.wkv, "shape", (None,))[0]
+    needs = {"att.shift": (slots, n_embd), "att.wkv": (slots, n_head, head_size, head_size),
+             "ffn_shift": (slots, n_embd)}
+    got = {"att.shift": state.att.shift, "att.wkv": state.att.wkv, "ffn_shift": state.ffn_shift}
+    for part, shape in needs.items():
+        x = got[part]
+        if tuple(getattr(x, "shape", ())) != shape or getattr(x, "dtype", None) != jnp.float32:
+            raise ValueError(f"{name}.{part} must be float32 {list(shape)}, got shape "
+                             f"{tuple(getattr(x, 'shape', ()))} and dtype {getattr(x, 'dtype', None)}")
+
+
+class GroupNormPerHead(nnx.Module):
+    """The official ``ln_x``: each head's channels normalised on their own (torch
+    ``GroupNorm(H, C)``), then a per-channel scale and bias. Statistics in float32."""
+
+    def __init__(self, n_embd: int, n_head: int, *, eps: float = 64e-5,
+                 param_dtype=jnp.float32):
+        self.n_head = n_head
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((n_embd,), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((n_embd,), param_dtype))
+
+    def __call__(self, x):
+        """``x [B, T, H, N]`` -> ``[B, T, H * N]`` in ``x``'s dtype."""
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = x32.var(-1, keepdims=True)
+        y = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).reshape(*x.shape[:-2], -1)
+        return (y * self.scale[...].astype(jnp.float32)
+                + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def param(value, dtype) -> nnx.Param:
+    return nnx.Param(jnp.asarray(value, dtype))
+
+
+def lora(x, down, up, inner=None):
+    """Low-rank path ``inner(x @ down) @ up`` in ``x``'s dtype."""
+    h = x @ down[...].astype(x.dtype)
+    if inner is not None:
+        h = inner(h)
+    return h @ up[...].astype(x.dtype)
+
+
+def channel_ramp(n_embd: int, power: float) -> np.ndarray:
+    """Init of the token-shift mixes: ``1 - (c / C) ** power`` over channels ``c`` (mixes near
+    1 take mostly the previous token, near 0 mostly the current one)."""
+    return 1.0 - (np.arange(n_embd) / n_embd) ** power
+
+
+def check_tokens(tokens):
+    tokens = checks.array("tokens", tokens)
+    if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim != 2:
+        raise TypeError(f"tokens must be an integer array [B, T], got shape {tuple(tokens.shape)} "
+                        f"and dtype {tokens.dtype}")
+    checks.positive_length("tokens", tokens.shape[1])
+    return tokens

@@ -1,0 +1,297 @@
+"""Flax NNX modules for the official RWKV-7 ("x070") model: time-mix, channel-mix, block and a
+small language model.
+
+Every layer runs in two modes that compute the same function:
+
+- sequence mode, ``layer(x, ..., state=None, backend=None, wkv_op=None)``: whole sequences
+  through :func:`rwkv_jax.rwkv7` (training and prefill); an optional state holds one row per
+  batch row, and the final state comes back;
+- step mode, ``layer.step(x, ..., state, state_indices=None, backend=None)``: a few tokens
+  through :func:`rwkv_jax.rwkv7_step`, advancing the rows ``state_indices`` of state pools
+  (token-shift rows and the wkv state) for generation.
+
+Parameters keep the official names (``x_r``, ``w0``, ``w1``, ...; the linear maps are
+``nnx.Linear`` with ``[in, out]`` kernels) so :mod:`rwkv_jax.nn.checkpoint` maps an official
+checkpoint one to one. Parameters are float32 by default; ``dtype`` sets the compute dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..ops import rwkv7, rwkv7_step
+from .common import (GroupNormPerHead, LayerState, Sequence, Step, TimeMixState, channel_ramp,
+                     check_layer_state, check_tokens, lora, param, zero_layer_state)
+
+# w = -exp(-0.5) * sigmoid(.) keeps the per-step decay exp(w) in [exp(-0.6065), 1).
+_MAX_LOG_DECAY = math.exp(-0.5)
+
+
+def _lora_size(n_embd: int, factor: float) -> int:
+    """The official suggestion for a LoRA width: factor * sqrt(C), rounded to a multiple of 32
+    (at least 32)."""
+    return max(32, int(round(factor * math.sqrt(n_embd) / 32)) * 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class RWKV7Config:
+    """Sizes of an RWKV-7 model. The LoRA widths and the channel-mix width default to the
+    official choices (decay and in-context rate 2.5 sqrt(C), value residual 1.7 sqrt(C), gate
+    5 sqrt(C), rounded to multiples of 32; channel-mix 4 C)."""
+    vocab_size: int
+    n_embd: int
+    n_layer: int
+    head_size: int = 64
+    dim_ffn: Optional[int] = None
+    decay_lora: Optional[int] = None
+    a_lora: Optional[int] = None
+    v_lora: Optional[int] = None
+    gate_lora: Optional[int] = None
+
+    def __post_init__(self):
+        defaults = dict(dim_ffn=4 * self.n_embd, decay_lora=_lora_size(self.n_embd, 2.5),
+                        a_lora=_lora_size(self.n_embd, 2.5), v_lora=_lora_size(self.n_embd, 1.7),
+                        gate_lora=_lora_size(self.n_embd, 5.0))
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RWKV7Config.{field.name} must be a positive int, got {value!r}")
+        if self.n_embd % self.head_size:
+            raise ValueError(f"RWKV7Config.n_embd={self.n_embd} must be a multiple of "
+                             f"head_size={self.head_size}")
+
+    @property
+    def n_head(self) -> int:
+        return self.n_embd // self.head_size
+
+
+class RWKV7TimeMix(nnx.Module):
+    """The RWKV-7 time-mix (attention) layer. ``first_layer`` marks layer 0: it produces the
+    value ``v_first`` that later layers mix into theirs (the value residual), so it has no
+    ``v0, v1, v2`` of its own."""
+
+    def __init__(self, config: RWKV7Config, layer_id: int, *, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        c, h, n = config.n_embd, config.n_head, config.head_size
+        self.config = config
+        self.first_layer = layer_id == 0
+        self.dtype = dtype
+        # Deeper layers start with less token shift, as in the official init.
+        depth = 1.0 - layer_id / config.n_layer
+        for name, power in dict(x_r=0.2, x_w=0.9, x_k=0.7, x_v=0.7, x_a=0.9, x_g=0.2).items():
+            setattr(self, name, param(channel_ramp(c, power * depth), param_dtype))
+
+        def low_rank(width, out=c):
+            # Down-projections start at zero, up-projections small and orthogonal.
+            up = nnx.initializers.orthogonal(scale=0.1)(rngs.params(), (width, out), param_dtype)
+            return nnx.Param(jnp.zeros((c, width), param_dtype)), nnx.Param(up)
+
+        # Decay biases spread over each head from slow (log decay ~ -0.004) to fast (~ -0.45).
+        self.w0 = param(np.tile(np.linspace(-5.0, 1.0, n), h), param_dtype)
+        self.w1, self.w2 = low_rank(config.decay_lora)
+        self.a0 = param(np.zeros(c), param_dtype)
+        self.a1, self.a2 = low_rank(config.a_lora)
+        if not self.first_layer:
+            self.v0 = param(np.ones(c), param_dtype)
+            self.v1, self.v2 = low_rank(config.v_lora)
+        self.g1, self.g2 = low_rank(config.gate_lora)
+        self.k_k = param(np.full(c, 0.85), param_dtype)
+        self.k_a = param(np.ones(c), param_dtype)
+        self.r_k = param(np.zeros((h, n)), param_dtype)
+
+        def linear(fan_in, fan_out, init=nnx.initializers.lecun_normal()):
+            return nnx.Linear(fan_in, fan_out, use_bias=False, dtype=dtype,
+                              param_dtype=param_dtype, kernel_init=init, rngs=rngs)
+
+        self.receptance = linear(c, c)
+        self.key = linear(c, c, nnx.initializers.normal(0.1 / math.sqrt(c)))
+        self.value = linear(c, c)
+        self.output = linear(c, c, nnx.initializers.zeros_init())
+        self.ln_x = GroupNormPerHead(c, h, param_dtype=param_dtype)
+
+    def __call__(self, x, v_first=None, state: Optional[TimeMixState] = None, *, backend=None,
+                 wkv_op=None):
+        """Sequence mode. ``x [B, T, C]``; ``v_first [B, T, C]`` from layer 0 (None in layer 0);
+        ``state`` None (zeros) or one row per batch row. ``wkv_op`` replaces
+        :func:`rwkv_jax.rwkv7` (same signature, e.g. a ``rwkv_jax.shard`` of it).
+        Returns ``(y [B, T, C], v_first, final TimeMixState)``."""
+        return self.run(x, v_first, state, Sequence(backend, wkv_op))
+
+    def step(self, x, v_first, state: TimeMixState, *, state_indices=None, backend=None):
+        """Step mode: as the sequence mode, advancing rows ``state_indices`` of the pools."""
+        return self.run(x, v_first, state, Step(x.shape[0], state_indices, backend))
+
+    def run(self, x, v_first, state, runner):
+        batch, steps, c = x.shape
+        h, n = self.config.n_head, self.config.head_size
+        x = x.astype(self.dtype)
+        xx = runner.previous(x, None if state is None else state.shift) - x
+        xr, xw, xk, xv, xa, xg = (x + xx * getattr(self, name)[...].astype(x.dtype)
+                                  for name in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"))
+        r = self.receptance(xr)
+        # Official: decay = exp(-exp(-softplus(-z) - 0.5)) = exp(-exp(-0.5) * sigmoid(z)).
+        z = self.w0[...].astype(jnp.float32) + lora(xw, self.w1, self.w2, jnp.tanh).astype(jnp.float32)
+        w = (-_MAX_LOG_DECAY * jax.nn.sigmoid(z)).astype(x.dtype)
+        k = self.key(xk)
+        v = self.value(xv)
+        if self.first_layer:
+            v_first = v
+        else:
+            if v_first is None:
+                raise ValueError("v_first (the value of layer 0) is needed by every later layer")
+            mix = jax.nn.sigmoid(self.v0[...].astype(x.dtype) + lora(xv, self.v1, self.v2))
+            v = v + (v_first.astype(x.dtype) - v) * mix
+        a = jax.nn.sigmoid(self.a0[...].astype(x.dtype) + lora(xa, self.a1, self.a2))
+        g = lora(xg, self.g1, self.g2, jax.nn.sigmoid)
+
+        heads = lambda t: t.reshape(batch, steps, h, n)
+        kk = heads(k * self.k_k[...].astype(x.dtype))
+        # Unit-norm key per head (as torch F.normalize: divide by max(norm, 1e-12)).
+        kk = kk / jnp.maximum(jnp.linalg.norm(kk.astype(jnp.float32), axis=-1, keepdims=True),
+                              1e-12).astype(x.dtype)
+        k = k * (1 + (a - 1) * self.k_a[...].astype(x.dtype))
+        r, w, k, v, a = map(heads, (r, w, k, v, a))
+        o, wkv = runner.wkv(rwkv7, rwkv7_step, (r, w, k, v, -kk, kk * a),
+                            None if state is None else state.wkv)
+
+        bonus = (r * k * self.r_k[...].astype(x.dtype)).sum(-1, keepdims=True) * v
+        y = self.ln_x(o) + bonus.reshape(batch, steps, c)
+        shift = runner.keep_last(None if state is None else state.shift, x)
+        return self.output(y * g), v_first, TimeMixState(shift, wkv)
+
+
+class RWKV7ChannelMix(nnx.Module):
+    """The RWKV-7 channel-mix (feed-forward) layer: ``value(relu(key(x + (x_prev - x) x_k))^2)``."""
+
+    def __init__(self, config: RWKV7Config, layer_id: int, *, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        c = config.n_embd
+        self.dtype = dtype
+        self.x_k = param(channel_ramp(c, (1.0 - layer_id / config.n_layer) ** 4), param_dtype)
+        self.key = nnx.Linear(c, config.dim_ffn, use_bias=False, dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
+        self.value = nnx.Linear(config.dim_ffn, c, use_bias=False, dtype=dtype,
+                                param_dtype=param_dtype,
+                                kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
+
+    def __call__(self, x, shift=None):
+        """Sequence mode: ``x [B, T, C]``, ``shift [B, C]`` or None. Returns ``(y, last x)``."""
+        return self.run(x, shift, Sequence())
+
+    def step(self, x, shift, *, state_indices=None):
+        """Step mode on a token-shift pool ``shift [S, C]``. Returns ``(y, updated pool)``."""
+        return self.run(x, shift, Step(x.shape[0], state_indices))
+
+    def run(self, x, shift, runner):
+        x = x.astype(self.dtype)
+        xk = x + (runner.previous(x, shift) - x) * self.x_k[...].astype(x.dtype)
+        return self.value(jnp.square(jax.nn.relu(self.key(xk)))), runner.keep_last(shift, x)
+
+
+class RWKV7Block(nnx.Module):
+    """``x += att(ln1(x)); x += ffn(ln2(x))``, with ``ln0`` applied first in layer 0."""
+
+    def __init__(self, config: RWKV7Config, layer_id: int, *, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        norm = lambda: nnx.LayerNorm(config.n_embd, epsilon=1e-5, dtype=dtype,
+                                     param_dtype=param_dtype, rngs=rngs)
+        self.config = config
+        self.ln0 = norm() if layer_id == 0 else None
+        self.ln1 = norm()
+        self.ln2 = norm()
+        self.att = RWKV7TimeMix(config, layer_id, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.ffn = RWKV7ChannelMix(config, layer_id, dtype=dtype, param_dtype=param_dtype,
+                                   rngs=rngs)
+
+    def __call__(self, x, v_first=None, state: Optional[LayerState] = None, *, backend=None,
+                 wkv_op=None):
+        """Sequence mode; returns ``(x, v_first, final LayerState)``."""
+        return self.run(x, v_first, state, Sequence(backend, wkv_op))
+
+    def step(self, x, v_first, state: LayerState, *, state_indices=None, backend=None):
+        """Step mode on state pools; returns ``(x, v_first, updated LayerState)``."""
+        return self.run(x, v_first, state, Step(x.shape[0], state_indices, backend))
+
+    def run(self, x, v_first, state, runner):
+        if self.ln0 is not None:
+            x = self.ln0(x)
+        y, v_first, att = self.att.run(self.ln1(x), v_first, None if state is None else state.att,
+                                       runner)
+        x = x + y
+        y, ffn_shift = self.ffn.run(self.ln2(x), None if state is None else state.ffn_shift,
+                                    runner)
+        return x + y, v_first, LayerState(att, ffn_shift)
+
+
+class RWKV7LM(nnx.Module):
+    """A small RWKV-7 language model: embedding, blocks, ``ln_out`` and the output head.
+
+    ``model(tokens)`` gives logits ``[B, T, vocab]`` (sequence mode); ``model.step(tokens,
+    state)`` advances a generation state made by ``model.init_state(slots)``. Both modes give the
+    same logits on the same tokens.
+    """
+
+    def __init__(self, config: RWKV7Config, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        self.emb = nnx.Embed(config.vocab_size, config.n_embd, dtype=dtype,
+                             param_dtype=param_dtype,
+                             embedding_init=nnx.initializers.uniform(2e-4), rngs=rngs)
+        self.blocks = nnx.List([RWKV7Block(config, i, dtype=dtype, param_dtype=param_dtype,
+                                           rngs=rngs) for i in range(config.n_layer)])
+        self.ln_out = nnx.LayerNorm(config.n_embd, epsilon=1e-5, dtype=dtype,
+                                    param_dtype=param_dtype, rngs=rngs)
+        self.head = nnx.Linear(config.n_embd, config.vocab_size, use_bias=False, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)
+
+    def init_state(self, slots: int) -> tuple[LayerState, ...]:
+        """A zero state: per layer, pools of ``slots`` rows (float32)."""
+        cfg = self.config
+        return tuple(zero_layer_state(slots, cfg.n_embd, cfg.n_head, cfg.head_size)
+                     for _ in range(cfg.n_layer))
+
+    def __call__(self, tokens, state=None, *, return_state=False, backend=None, wkv_op=None):
+        """Sequence mode. ``tokens`` int ``[B, T]``; ``state`` None (zeros) or one row per batch
+        row (``init_state(B)`` or a state returned earlier). Returns logits ``[B, T, vocab]``,
+        and the final state too when ``return_state``. ``backend`` / ``wkv_op`` as in
+        :class:`RWKV7TimeMix`."""
+        logits, state = self.run(check_tokens(tokens), state, Sequence(backend, wkv_op))
+        return (logits, state) if return_state else logits
+
+    def step(self, tokens, state, *, state_indices=None, backend=None):
+        """Step mode: feed ``tokens [B, T]`` (T small, usually 1) to the rows ``state_indices``
+        (default ``arange(B)``) of ``state``. Returns ``(logits [B, T, vocab], new state)``;
+        donate ``state`` under ``jax.jit`` so the pools update in place."""
+        if state is None:
+            raise ValueError("step needs a state; make one with init_state(slots)")
+        tokens = check_tokens(tokens)
+        return self.run(tokens, state, Step(tokens.shape[0], state_indices, backend))
+
+    def run(self, tokens, state, runner):
+        cfg = self.config
+        if state is not None:
+            if not isinstance(state, (tuple, list)) or len(state) != cfg.n_layer:
+                raise ValueError(f"state must hold one LayerState per layer ({cfg.n_layer}), got "
+                                 f"{type(state).__name__} of length {len(state) if isinstance(state, (tuple, list)) else '-'}")
+            for i, layer_state in enumerate(state):
+                check_layer_state(f"state[{i}]", layer_state, cfg.n_embd, cfg.n_head,
+                                  cfg.head_size)
+        x = self.emb(tokens)
+        v_first = None
+        new_state = []
+        for i, block in enumerate(self.blocks):
+            x, v_first, layer_state = block.run(x, v_first, None if state is None else state[i],
+                                                runner)
+            new_state.append(layer_state)
+        return self.head(self.ln_out(x)), tuple(new_state)
