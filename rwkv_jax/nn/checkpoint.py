@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 import re
+import types
 from typing import Mapping
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .rwkv6 import RWKV6ChannelMix, RWKV6Config, RWKV6TimeMix
 from .rwkv7 import RWKV7Config, RWKV7LM
 
 # The official trainer creates v0/v1/v2 in every layer, but layer 0 never uses them (its value
@@ -136,6 +138,37 @@ def _variable(model, path):
     return node
 
 
+def _arrays(source) -> dict[str, np.ndarray]:
+    if isinstance(source, (str, os.PathLike)):
+        return read_checkpoint(source)
+    if isinstance(source, Mapping):
+        return {name: _tensor_to_numpy(value) for name, value in source.items()}
+    raise TypeError(f"source must be a checkpoint path or a dict of arrays, got "
+                    f"{type(source).__name__}")
+
+
+def _fill(root, layout, params, what, tolerated=(), param_dtype=jnp.float32):
+    """Check the names and shapes of ``params`` against ``layout`` and set every parameter of
+    ``root`` from them."""
+    unknown = sorted(set(params) - set(layout) - set(tolerated))
+    missing = sorted(set(layout) - set(params))
+    if unknown or missing:
+        raise ValueError(f"checkpoint names do not match {what}: unknown {unknown}, "
+                         f"missing {missing}")
+    for name, (path, named_shape, kind) in layout.items():
+        value = np.asarray(params[name])
+        official = tuple(size for _, size in named_shape)
+        flat = official[2:] if kind == "channel" else official
+        if value.shape not in (official, flat):
+            raise ValueError(f"{name} must have shape {official} {_shape_text(named_shape)} for "
+                             f"{what}, got {value.shape}")
+        if not np.issubdtype(value.dtype, np.floating):
+            raise TypeError(f"{name} must be floating point, got dtype {value.dtype}")
+        value = value.reshape(flat)
+        _variable(root, path).set_value(jnp.asarray(value.T if kind == "linear" else value,
+                                                    param_dtype))
+
+
 def load_rwkv7(source, *, dtype=jnp.float32, param_dtype=jnp.float32) -> RWKV7LM:
     """An :class:`RWKV7LM` holding the weights of an official RWKV-7 checkpoint.
 
@@ -144,37 +177,13 @@ def load_rwkv7(source, *, dtype=jnp.float32, param_dtype=jnp.float32) -> RWKV7LM
     shape (per-channel ``[1, 1, C]`` parameters may also come flat as ``[C]``); unknown names
     are errors, except ``blocks.0.att.v0/v1/v2``, which layer 0 does not use.
     """
-    if isinstance(source, (str, os.PathLike)):
-        params = read_checkpoint(source)
-    elif isinstance(source, Mapping):
-        params = {name: _tensor_to_numpy(value) for name, value in source.items()}
-    else:
-        raise TypeError(f"source must be a checkpoint path or a dict of arrays, got "
-                        f"{type(source).__name__}")
+    params = _arrays(source)
     cfg = rwkv7_config(params)
-    layout = _layout(cfg)
-    tolerated = {f"blocks.0.att.{name}" for name in _UNUSED_IN_LAYER0}
-    unknown = sorted(set(params) - set(layout) - tolerated)
-    missing = sorted(set(layout) - set(params))
-    if unknown or missing:
-        raise ValueError(f"checkpoint names do not match an RWKV-7 model with {cfg}: "
-                         f"unknown {unknown}, missing {missing}")
-
     # Build the model abstractly (no random init), then fill in every parameter.
     model = nnx.eval_shape(lambda: RWKV7LM(cfg, dtype=dtype, param_dtype=param_dtype,
                                            rngs=nnx.Rngs(0)))
-    for name, (path, named_shape, kind) in layout.items():
-        value = np.asarray(params[name])
-        official = tuple(size for _, size in named_shape)
-        flat = official[2:] if kind == "channel" else official
-        if value.shape not in (official, flat):
-            raise ValueError(f"{name} must have shape {official} {_shape_text(named_shape)} for "
-                             f"this model ({cfg}), got {value.shape}")
-        if not np.issubdtype(value.dtype, np.floating):
-            raise TypeError(f"{name} must be floating point, got dtype {value.dtype}")
-        value = value.reshape(flat)
-        _variable(model, path).set_value(jnp.asarray(value.T if kind == "linear" else value,
-                                                     param_dtype))
+    tolerated = [f"blocks.0.att.{name}" for name in _UNUSED_IN_LAYER0]
+    _fill(model, _layout(cfg), params, f"an RWKV-7 model with {cfg}", tolerated, param_dtype)
     return model
 
 
@@ -186,3 +195,56 @@ def rwkv7_state_dict(model: RWKV7LM) -> dict[str, np.ndarray]:
         value = value.T if kind == "linear" else value
         out[name] = value.reshape(tuple(size for _, size in named_shape))
     return out
+
+
+def _rwkv6_layout(cfg: RWKV6Config, layer_id: int):
+    c, f = ("C", cfg.n_embd), ("F", cfg.dim_ffn)
+    h, n, one = ("H", cfg.n_head), ("N", cfg.head_size), ("1", 1)
+    mix, decay = ("D_mix", cfg.mix_lora), ("D_decay", cfg.decay_lora)
+    att, ffn = f"blocks.{layer_id}.att.", f"blocks.{layer_id}.ffn."
+    layout = {att + name: (("att", name), (one, one, c), "channel")
+              for name in ("time_maa_x", "time_maa_w", "time_maa_k", "time_maa_v", "time_maa_r",
+                           "time_maa_g", "time_decay")}
+    layout.update({
+        att + "time_maa_w1": (("att", "time_maa_w1"), (c, ("5*D_mix", 5 * cfg.mix_lora)), "same"),
+        att + "time_maa_w2": (("att", "time_maa_w2"), (("5", 5), mix, c), "same"),
+        att + "time_decay_w1": (("att", "time_decay_w1"), (c, decay), "same"),
+        att + "time_decay_w2": (("att", "time_decay_w2"), (decay, c), "same"),
+        att + "time_faaaa": (("att", "time_faaaa"), (h, n), "same"),
+        att + "ln_x.weight": (("att", "ln_x", "scale"), (c,), "same"),
+        att + "ln_x.bias": (("att", "ln_x", "bias"), (c,), "same"),
+        ffn + "time_maa_k": (("ffn", "time_maa_k"), (one, one, c), "channel"),
+        ffn + "time_maa_r": (("ffn", "time_maa_r"), (one, one, c), "channel"),
+        ffn + "key.weight": (("ffn", "key", "kernel"), (f, c), "linear"),
+        ffn + "receptance.weight": (("ffn", "receptance", "kernel"), (c, c), "linear"),
+        ffn + "value.weight": (("ffn", "value", "kernel"), (c, f), "linear"),
+    })
+    for name in ("receptance", "key", "value", "gate", "output"):
+        layout[att + name + ".weight"] = (("att", name, "kernel"), (c, c), "linear")
+    return layout
+
+
+def load_rwkv6_layer(source, layer_id: int, *, dtype=jnp.float32, param_dtype=jnp.float32):
+    """``(RWKV6TimeMix, RWKV6ChannelMix)`` holding layer ``layer_id`` (``blocks.{i}.att.*`` and
+    ``blocks.{i}.ffn.*``) of an official RWKV-6 ("x060") checkpoint (a path or a dict of
+    arrays); the sizes come from the shapes. Other layers' names are ignored."""
+    params = _arrays(source)
+    prefixes = (f"blocks.{layer_id}.att.", f"blocks.{layer_id}.ffn.")
+    params = {name: value for name, value in params.items() if name.startswith(prefixes)}
+    att = prefixes[0]
+    n_head = _dim(params, att + "time_faaaa", 0, "the number of heads ([H, N])")
+    cfg = RWKV6Config(n_embd=_dim(params, att + "time_maa_x", -1, "n_embd"), n_layer=layer_id + 1,
+                      head_size=_dim(params, att + "time_faaaa", 1, "the head size ([H, N])"),
+                      dim_ffn=_dim(params, prefixes[1] + "key.weight", 0, "the channel-mix width"),
+                      mix_lora=_dim(params, att + "time_maa_w2", 1, "the token-shift LoRA width"),
+                      decay_lora=_dim(params, att + "time_decay_w1", 1, "the decay LoRA width"))
+    if cfg.n_head != n_head:
+        raise ValueError(f"{att}time_faaaa must be [H, N] with H * N = n_embd = {cfg.n_embd}, got "
+                         f"{np.shape(params[att + 'time_faaaa'])}")
+    rngs = nnx.Rngs(0)
+    layers = types.SimpleNamespace(
+        att=RWKV6TimeMix(cfg, layer_id, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
+        ffn=RWKV6ChannelMix(cfg, layer_id, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+    _fill(layers, _rwkv6_layout(cfg, layer_id), params,
+          f"RWKV-6 layer {layer_id} with {cfg}", param_dtype=param_dtype)
+    return layers.att, layers.ffn
