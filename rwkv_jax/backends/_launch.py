@@ -1,0 +1,150 @@
+"""The one way rwkv_jax launches a Triton kernel from JAX.
+
+On an NVIDIA GPU the kernel goes through ``jax_triton.triton_call``. Elsewhere (CPU) the same
+``@triton.jit`` kernel runs under Triton's interpreter inside a ``jax.pure_callback``: numpy
+arrays become torch tensors without a copy (bfloat16 travels as uint16 and is viewed back, since
+numpy has no bfloat16 that torch understands), the kernel runs with the same grid and argument
+order, and its outputs come back as numpy arrays. Either way the kernel's signature is: every
+input pointer, then every output pointer, then the ``constexprs`` by name.
+
+Neither path has a batching rule, so under ``jax.vmap`` a launch runs once per batch element
+(``lax.map``); the backends fold real batch dimensions into their grids themselves.
+
+Importing this module has no side effects: :func:`kernels` imports ``rwkv_jax.triton_kernels``
+(after setting ``TRITON_INTERPRET=1`` off the GPU, which must precede the kernels' definition).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import warnings
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+from jax import lax
+
+_KERNELS = "rwkv_jax.triton_kernels"
+
+
+def unavailable_reason(platform: str) -> Optional[str]:
+    """None if Triton kernels can run on ``platform``, else why not (the backend's probe)."""
+    if platform == "gpu":
+        try:
+            import jax_triton  # noqa: F401
+        except Exception as err:
+            return (f"jax_triton does not import ({type(err).__name__}: {err}); "
+                    f"install jax-triton==0.3.1 next to a CUDA jaxlib")
+        return None
+    if platform == "cpu":
+        # Found, not imported: triton must first be imported with TRITON_INTERPRET=1 set.
+        missing = [name for name in ("triton", "torch") if importlib.util.find_spec(name) is None]
+        if missing:
+            return ("on CPU the Triton kernels run in Triton's interpreter, which needs "
+                    + " and ".join(missing) + " (pip install triton torch)")
+        return None
+    return f"Triton kernels run on NVIDIA GPUs (or interpreted on CPU), not on {platform!r}"
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def kernels(module: str):
+    """Import ``rwkv_jax.triton_kernels.<module>``, interpreted unless on a GPU."""
+    if not _on_gpu():
+        os.environ["TRITON_INTERPRET"] = "1"
+    loaded = importlib.import_module(f"{_KERNELS}.{module}")
+    if not _on_gpu():
+        import triton.language as tl
+        from triton.runtime.jit import JITFunction  # the compiled kind, not the interpreted
+        if any(isinstance(f, JITFunction) for f in (*vars(loaded).values(), tl.cumsum)):
+            raise RuntimeError(
+                "triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot "
+                "run in the interpreter on this CPU: set TRITON_INTERPRET=1 in the environment, "
+                "or use rwkv_jax's triton backend before anything imports triton")
+    return loaded
+
+
+def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDtypeStruct],
+           grid: tuple, *, num_warps: int = 4, num_stages: Optional[int] = None, **constexprs):
+    """Run ``kernel[grid](*inputs, *outputs, **constexprs)`` and return the outputs (a tuple).
+
+    Outputs are uninitialised: the kernel must write every element that is read back. On the
+    CPU path they start as NaN (integers as -1), so an element a kernel forgets shows up.
+    """
+    out_shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes)
+    if _on_gpu():
+        import jax_triton
+
+        def run(*arrays):
+            return tuple(jax_triton.triton_call(
+                *arrays, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps,
+                num_stages=num_stages, **constexprs))
+    else:
+        def run(*arrays):
+            host = lambda *xs: _interpret(kernel, grid, xs, out_shapes, constexprs)
+            return tuple(jax.pure_callback(host, out_shapes, *arrays))
+    return _one_at_a_time_under_vmap(run)(*inputs)
+
+
+def _one_at_a_time_under_vmap(run):
+    @jax.custom_batching.custom_vmap
+    def call(*arrays):
+        return run(*arrays)
+
+    @call.def_vmap
+    def _batched(axis_size, in_batched, *arrays):
+        batched = [x for x, is_batched in zip(arrays, in_batched) if is_batched]
+
+        def one(slices):
+            it = iter(slices)
+            return call(*[next(it) if is_batched else x
+                          for x, is_batched in zip(arrays, in_batched)])
+
+        outs = lax.map(one, batched)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return call
+
+
+# ----------------------------------------------------------------------------------------------
+# The CPU bridge.
+# ----------------------------------------------------------------------------------------------
+
+_BFLOAT16 = np.dtype(jax.numpy.bfloat16)
+
+
+def _to_torch(x: np.ndarray):
+    import torch
+    x = np.ascontiguousarray(x)
+    with warnings.catch_warnings():  # inputs are read-only buffers; the kernel only reads them
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        if x.dtype == _BFLOAT16:
+            return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(x)
+
+
+def _empty_torch(shape, dtype):
+    import torch
+    dtype = np.dtype(dtype)
+    if dtype == _BFLOAT16:
+        return torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    tensor = torch.from_numpy(np.empty(shape, dtype))
+    return tensor.fill_(float("nan") if dtype.kind == "f" else -1)
+
+
+def _to_numpy(tensor, dtype) -> np.ndarray:
+    import torch
+    if np.dtype(dtype) == _BFLOAT16:
+        return tensor.view(torch.int16).numpy().view(_BFLOAT16)
+    return tensor.numpy()
+
+
+def _interpret(kernel, grid, inputs, out_shapes, constexprs):
+    tensors = [_to_torch(np.asarray(x)) for x in inputs]
+    outputs = [_empty_torch(s.shape, s.dtype) for s in out_shapes]
+    kernel[grid](*tensors, *outputs, **constexprs)
+    return tuple(_to_numpy(t, s.dtype) for t, s in zip(outputs, out_shapes))

@@ -1,0 +1,166 @@
+"""The ``triton`` backend: chunked RWKV-7 Triton kernels (``rwkv_jax.triton_kernels.rwkv7``).
+
+The kernels see the batch flattened to rows ``[B * T, H, *]`` and one list of sequences,
+``cu`` (``cu_seqlens``, or ``arange(B + 1) * T`` for a plain batch), so packed and plain inputs
+share one code path. The forward saves the state every ``CHUNK * chunks_per_state`` tokens of
+each sequence for the backward; where sequence ``n``'s saved states start in that buffer is
+computed on the device from ``cu``, and the buffer has the static size
+``rows // span + N`` (an upper bound over all length patterns): no host sync, no recompile per
+length pattern. Launches go through :mod:`rwkv_jax.backends._launch` (jax-triton on GPU,
+Triton's interpreter on CPU); :func:`rwkv7` is a ``jax.custom_vjp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import _launch
+
+_kernels = _launch.kernels("rwkv7")
+
+CHUNK = 16  # tokens per chunk: exponents stay finite for w down to about -10
+MAX_HEAD_SIZE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    block_v: int            # V columns per program (fewer: more programs, recomputed chunk work)
+    chunks_per_state: int   # the forward saves the state every this many chunks
+    forward_warps: int
+    backward_warps: int
+    stages: int | None = None
+
+
+def _pow2_at_least(n, floor=16):
+    return max(floor, 1 << (n - 1).bit_length())
+
+
+def default_config(k_size: int, v_size: int) -> KernelConfig:
+    block_k, block_v = _pow2_at_least(k_size), _pow2_at_least(v_size)
+    warps = 8 if block_k * block_v > 64 * 64 else 4
+    return KernelConfig(block_v=min(block_v, 64), chunks_per_state=4, forward_warps=warps,
+                        backward_warps=warps)
+
+
+# (K, V) -> KernelConfig, to try other settings (benchmarks/gpu_rwkv7.py) without editing code.
+CONFIG_OVERRIDES: dict = {}
+
+
+def _check_head_sizes(k_size, v_size):
+    for name, size in (("K (the key/head size of r, w, k, a, b)", k_size),
+                       ("V (the value size of v)", v_size)):
+        if not 1 <= size <= MAX_HEAD_SIZE:
+            raise ValueError(f"backend 'triton' supports head sizes up to {MAX_HEAD_SIZE} "
+                             f"(32, 64 and 128 are the tuned ones); got {name} = {size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the kernels are specialised on (hashable: a custom_vjp nondiff argument)."""
+    scale: float
+    heads: int
+    k_size: int
+    v_size: int
+    config: KernelConfig
+
+    @property
+    def span(self):
+        return CHUNK * self.config.chunks_per_state
+
+    def constexprs(self):
+        return dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
+                    BK=_pow2_at_least(self.k_size), BV=self.config.block_v, C=CHUNK,
+                    CHUNKS_PER_STATE=self.config.chunks_per_state)
+
+    def grid(self, sequences):
+        return (sequences * self.heads, -(-self.v_size // self.config.block_v))
+
+
+def _state_index(cu, span):
+    """First saved-state slot of each sequence: one slot per started span of tokens."""
+    spans = (cu[1:] - cu[:-1] + span - 1) // span
+    return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(spans)[:-1]]).astype(jnp.int32)
+
+
+def _forward(static, r, w, k, v, a, b, h0, cu, save_states):
+    rows = r.shape[0]
+    sequences = cu.shape[0] - 1
+    state_shape = (sequences, static.heads, static.k_size, static.v_size)
+    slots = (rows // static.span + sequences) if save_states else 1
+    saved_shape = (slots, static.heads, static.k_size, static.v_size) if save_states else (1,)
+    o, ht, states = _launch.launch(
+        _kernels.rwkv7_forward_kernel,
+        (r, w, k, v, a, b, h0, cu, _state_index(cu, static.span)),
+        (jax.ShapeDtypeStruct((rows, static.heads, static.v_size), v.dtype),
+         jax.ShapeDtypeStruct(state_shape, jnp.float32),
+         jax.ShapeDtypeStruct(saved_shape, jnp.float32)),
+        static.grid(sequences), num_warps=static.config.forward_warps,
+        num_stages=static.config.stages, SAVE_STATES=save_states, **static.constexprs())
+    return o, ht, states
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rwkv7(static, r, w, k, v, a, b, h0, cu):
+    o, ht, _ = _forward(static, r, w, k, v, a, b, h0, cu, save_states=False)
+    return o, ht
+
+
+def _rwkv7_fwd(static, r, w, k, v, a, b, h0, cu):
+    o, ht, states = _forward(static, r, w, k, v, a, b, h0, cu, save_states=True)
+    return (o, ht), (r, w, k, v, a, b, states, cu)
+
+
+def _rwkv7_bwd(static, residuals, cotangents):
+    r, w, k, v, a, b, states, cu = residuals
+    do, dht = cotangents
+    rows = r.shape[0]
+    sequences = cu.shape[0] - 1
+    grid = static.grid(sequences)
+    v_blocks = grid[1]
+    block_k = _pow2_at_least(static.k_size)
+    # K-side gradients sum over V: with several V blocks each writes a float32 partial sum.
+    if v_blocks == 1:
+        k_grad = lambda x: jax.ShapeDtypeStruct((rows, static.heads, static.k_size), x.dtype)
+        reduce = lambda g, x: g
+    else:
+        k_grad = lambda x: jax.ShapeDtypeStruct((v_blocks, rows, static.heads, static.k_size),
+                                                jnp.float32)
+        reduce = lambda g, x: g.sum(0).astype(x.dtype)
+    dr, dw, dk, dv, da, db, dh0, _ = _launch.launch(
+        _kernels.rwkv7_backward_kernel,
+        (r, w, k, v, a, b, do.astype(v.dtype), dht.astype(jnp.float32), states, cu,
+         _state_index(cu, static.span)),
+        (k_grad(r), k_grad(w), k_grad(k), jax.ShapeDtypeStruct(v.shape, v.dtype),
+         k_grad(a), k_grad(b),
+         jax.ShapeDtypeStruct((sequences, static.heads, static.k_size, static.v_size),
+                              jnp.float32),
+         jax.ShapeDtypeStruct((grid[0] * v_blocks, static.config.chunks_per_state, block_k,
+                               static.config.block_v), jnp.float32)),
+        grid, num_warps=static.config.backward_warps, num_stages=static.config.stages,
+        ROWS=rows, **static.constexprs())
+    return (reduce(dr, r), reduce(dw, w), reduce(dk, k), dv, reduce(da, a), reduce(db, b), dh0,
+            None)
+
+
+_rwkv7.defvjp(_rwkv7_fwd, _rwkv7_bwd)
+
+
+def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seqlens):
+    batch, steps, heads, k_size = r.shape
+    v_size = v.shape[-1]
+    _check_head_sizes(k_size, v_size)
+    config = CONFIG_OVERRIDES.get((k_size, v_size)) or default_config(k_size, v_size)
+    static = _Static(float(scale), heads, k_size, v_size, config)
+    if cu_seqlens is None:
+        cu = jnp.arange(batch + 1, dtype=jnp.int32) * steps
+    else:
+        cu = cu_seqlens.astype(jnp.int32)
+    if initial_state is None:
+        initial_state = jnp.zeros((cu.shape[0] - 1, heads, k_size, v_size), jnp.float32)
+    rows = lambda x: x.reshape(batch * steps, heads, x.shape[-1])
+    o, ht = _rwkv7(static, *map(rows, (r, w, k, v, a, b)), initial_state.astype(jnp.float32), cu)
+    return o.reshape(batch, steps, heads, v_size), ht

@@ -1,0 +1,297 @@
+"""Chunked RWKV-7 (generalized delta rule) forward and backward kernels.
+
+Per head, with the float32 state h [K, V] and q = scale * r:
+
+    h_t = diag(exp w_t) h_{t-1} + b_t (a_t^T h_{t-1}) + k_t v_t^T,   o_t = h_t^T q_t
+
+A chunk of C tokens starting from the state H is, with the in-chunk cumulative log decays
+gi_t = w_1 + ... + w_t (inclusive), ge_t = gi_t - w_t (exclusive), g = gi_C, and the
+decayed rows  a~ = a e^ge,  q~ = q e^gi,  k^ = k e^(g - gi),  b^ = b e^(g - gi):
+
+    A_ab[t,i] = sum_k a_t e^(ge_t - gi_i) b_i  (i < t),  A_ak likewise with k_i  (i < t)
+    A_qb[t,i] = sum_k q_t e^(gi_t - gi_i) b_i  (i <= t), A_qk likewise with k_i  (i <= t)
+    U  = (I - A_ab)^-1 (A_ak V + a~ H)           # u_t = h_{t-1}^T a_t, rows of U
+    O  = q~ H + A_qk V + A_qb U
+    H' = e^g H + k^T V + b^T U
+
+Every exponent is a difference of log decays inside one chunk: the factors of the A matrices
+are taken relative to the chunk's middle (so each stays within e^(C/2 * |w|), and C = 16 keeps
+that finite for w down to about -10), the others are at most 1. One program owns one
+(sequence, head, block of V columns) and walks its chunks in order, keeping H in registers; the
+forward saves H every ``CHUNKS_PER_STATE`` chunks for the backward, which walks the chunks in
+reverse carrying dH, recomputing the states inside each saved span into a per-program scratch.
+
+Sequences are rows [cu[n], cu[n+1]) of the flattened [rows, heads, *] inputs (fixed-length
+batches are the special case cu = arange(B + 1) * T). ``state_index[n]`` is the first slot of
+sequence n in the saved-state buffer, which holds one state per span of
+CHUNK * CHUNKS_PER_STATE tokens.
+
+K-side gradients (r, w, k, a, b) sum over V, so with several V blocks (NUM_V_BLOCKS > 1) each
+program writes its own partial [NUM_V_BLOCKS, rows, heads, K] slice and the caller sums them.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row(x, index, i):
+    """Row ``i`` of the tile ``x`` (rows numbered by ``index``) as a vector."""
+    return tl.sum(tl.where(index[:, None] == i, x, 0.0), axis=0)
+
+
+@triton.jit
+def _inverse_unit_lower(lower, C: tl.constexpr):
+    """(I - lower)^-1 for a strictly lower-triangular [C, C] tile, by forward substitution."""
+    index = tl.arange(0, C)
+    inverse = tl.where(index[:, None] == index[None, :], 1.0, 0.0)
+    for t in tl.static_range(1, C):
+        # Row t of the inverse is e_t + sum_{i<t} lower[t, i] * (row i of the inverse).
+        coefficients = _row(lower, index, t)
+        update = tl.sum(coefficients[:, None] * inverse, axis=0)
+        inverse += tl.where(index[:, None] == t, update[None, :], 0.0)
+    return inverse
+
+
+@triton.jit
+def _tile(ptr, rows, row_mask, head, cols, col_mask, HEADS: tl.constexpr, WIDTH: tl.constexpr):
+    """Load rows x cols of a [rows, HEADS, WIDTH] array at ``head`` as float32 (zeros outside)."""
+    offsets = (rows[:, None] * HEADS + head) * WIDTH + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _put(ptr, x, rows, row_mask, head, cols, col_mask, HEADS: tl.constexpr, WIDTH: tl.constexpr):
+    """Store the tile ``x`` into a [rows, HEADS, WIDTH] array at ``head``."""
+    offsets = (rows[:, None] * HEADS + head) * WIDTH + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(ptr + offsets, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _intra_chunk(q, w, k, a, b, C: tl.constexpr):
+    """Everything of a chunk that does not depend on its starting state."""
+    index = tl.arange(0, C)
+    gi = tl.cumsum(w, axis=0)
+    ge = gi - w
+    g_end = tl.sum(w, axis=0)
+    # Middle of the chunk as the reference of the factored exponents of the A matrices.
+    middle = _row(gi, index, C // 2 - 1)[None, :]
+    a_f = a * tl.exp(ge - middle)
+    q_f = q * tl.exp(gi - middle)
+    to_middle = tl.exp(middle - gi)
+    b_f = b * to_middle
+    k_f = k * to_middle
+    strict = index[:, None] > index[None, :]
+    causal = index[:, None] >= index[None, :]
+    # tl.where, not a multiplication: masked entries may overflow to inf.
+    A_ab = tl.where(strict, tl.dot(a_f, tl.trans(b_f)), 0.0)
+    A_ak = tl.where(strict, tl.dot(a_f, tl.trans(k_f)), 0.0)
+    A_qb = tl.where(causal, tl.dot(q_f, tl.trans(b_f)), 0.0)
+    A_qk = tl.where(causal, tl.dot(q_f, tl.trans(k_f)), 0.0)
+    to_end = tl.exp(g_end[None, :] - gi)
+    return (gi, ge, g_end, middle, a_f, q_f, b_f, k_f, A_ab, A_ak, A_qb, A_qk,
+            a * tl.exp(ge), q * tl.exp(gi), k * to_end, b * to_end)
+
+
+@triton.jit
+def _chunk_inputs(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, start, end, head, v_cols, v_mask,
+                  scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, C: tl.constexpr):
+    rows = start + tl.arange(0, C)
+    row_mask = rows < end
+    k_cols = tl.arange(0, BK)
+    k_mask = k_cols < K
+    q = _tile(r_ptr, rows, row_mask, head, k_cols, k_mask, HEADS, K) * scale
+    w = _tile(w_ptr, rows, row_mask, head, k_cols, k_mask, HEADS, K)
+    k = _tile(k_ptr, rows, row_mask, head, k_cols, k_mask, HEADS, K)
+    a = _tile(a_ptr, rows, row_mask, head, k_cols, k_mask, HEADS, K)
+    b = _tile(b_ptr, rows, row_mask, head, k_cols, k_mask, HEADS, K)
+    v = _tile(v_ptr, rows, row_mask, head, v_cols, v_mask, HEADS, V)
+    return rows, row_mask, q, w, k, v, a, b
+
+
+@triton.jit
+def _chunk_forward(h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, o_ptr, start, end, head,
+                   v_cols, v_mask, WRITE_OUTPUT: tl.constexpr, scale: tl.constexpr,
+                   HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                   C: tl.constexpr):
+    """Advance the state ``h`` [BK, BV] over one chunk, writing its output rows if asked."""
+    rows, row_mask, q, w, k, v, a, b = _chunk_inputs(
+        r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, start, end, head, v_cols, v_mask,
+        scale, HEADS, K, V, BK, C)
+    (gi, ge, g_end, middle, a_f, q_f, b_f, k_f, A_ab, A_ak, A_qb, A_qk,
+     a_d, q_d, k_e, b_e) = _intra_chunk(q, w, k, a, b, C)
+    u = tl.dot(_inverse_unit_lower(A_ab, C), tl.dot(A_ak, v) + tl.dot(a_d, h))
+    if WRITE_OUTPUT:
+        o = tl.dot(q_d, h) + tl.dot(A_qk, v) + tl.dot(A_qb, u)
+        _put(o_ptr, o, rows, row_mask, head, v_cols, v_mask, HEADS, V)
+    return tl.exp(g_end)[:, None] * h + tl.dot(tl.trans(k_e), v) + tl.dot(tl.trans(b_e), u)
+
+
+@triton.jit
+def _state_offsets(slot, head, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BK: tl.constexpr, v_cols):
+    k_rows = tl.arange(0, BK)
+    return (slot.to(tl.int64) * HEADS + head) * (K * V) + k_rows[:, None] * V + v_cols[None, :]
+
+
+@triton.jit
+def rwkv7_forward_kernel(
+    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, h0_ptr, cu_ptr, state_index_ptr,  # inputs
+    o_ptr, ht_ptr, states_ptr,                                                  # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
+    SAVE_STATES: tl.constexpr,
+):
+    """Grid (sequences * HEADS, V blocks). o [rows, HEADS, V]; ht [N, HEADS, K, V] float32;
+    states [slots, HEADS, K, V] float32: the state at the start of every span (if SAVE_STATES)."""
+    program = tl.program_id(0)
+    sequence = program // HEADS
+    head = program % HEADS
+    v_cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    v_mask = v_cols < V
+    state_mask = (tl.arange(0, BK) < K)[:, None] & v_mask[None, :]
+    start = tl.load(cu_ptr + sequence).to(tl.int64)
+    end = tl.load(cu_ptr + sequence + 1).to(tl.int64)
+    span = C * CHUNKS_PER_STATE
+    local = _state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
+    h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
+    first_slot = tl.load(state_index_ptr + sequence)
+    spans = (end - start + span - 1) // span
+    s = 0
+    while s < spans:  # not `for ... in range`: the interpreter cannot take a run-time bound
+        if SAVE_STATES:
+            saved = _state_offsets(first_slot + s, head, HEADS, K, V, BK, v_cols)
+            tl.store(states_ptr + saved, h, mask=state_mask)
+        for j in tl.static_range(CHUNKS_PER_STATE):
+            h = _chunk_forward(h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, o_ptr,
+                               start + s * span + j * C, end, head, v_cols, v_mask, True,
+                               scale, HEADS, K, V, BK, C)
+        s += 1
+    tl.store(ht_ptr + local, h, mask=state_mask)
+
+
+@triton.jit
+def _chunk_backward(h, dh, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr,
+                    dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr, start, end, head, v_block,
+                    v_cols, v_mask, scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr,
+                    V: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr):
+    """Gradients of one chunk from its starting state ``h`` and the gradient ``dh`` of its
+    final state; returns the gradient of its starting state."""
+    rows, row_mask, q, w, k, v, a, b = _chunk_inputs(
+        r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, start, end, head, v_cols, v_mask,
+        scale, HEADS, K, V, BK, C)
+    do = _tile(do_ptr, rows, row_mask, head, v_cols, v_mask, HEADS, V)
+    (gi, ge, g_end, middle, a_f, q_f, b_f, k_f, A_ab, A_ak, A_qb, A_qk,
+     a_d, q_d, k_e, b_e) = _intra_chunk(q, w, k, a, b, C)
+    index = tl.arange(0, C)
+    strict = index[:, None] > index[None, :]
+    causal = index[:, None] >= index[None, :]
+    inverse = _inverse_unit_lower(A_ab, C)
+    x = tl.dot(A_ak, v) + tl.dot(a_d, h)
+    u = tl.dot(inverse, x)
+    # H' = e^g H + k^T V + b^T U
+    decay_end = tl.exp(g_end)
+    dh_prev = decay_end[:, None] * dh
+    dk_e = tl.dot(v, tl.trans(dh))
+    dv = tl.dot(k_e, dh)
+    db_e = tl.dot(u, tl.trans(dh))
+    du = tl.dot(b_e, dh)
+    dg_end = decay_end * tl.sum(h * dh, axis=1)
+    # O = q~ H + A_qk V + A_qb U
+    dq_d = tl.dot(do, tl.trans(h))
+    dh_prev += tl.dot(tl.trans(q_d), do)
+    dA_qk = tl.where(causal, tl.dot(do, tl.trans(v)), 0.0)
+    dv += tl.dot(tl.trans(A_qk), do)
+    dA_qb = tl.where(causal, tl.dot(do, tl.trans(u)), 0.0)
+    du += tl.dot(tl.trans(A_qb), do)
+    # U = (I - A_ab)^-1 X, X = A_ak V + a~ H
+    dx = tl.dot(tl.trans(inverse), du)
+    dA_ab = tl.where(strict, tl.dot(dx, tl.trans(u)), 0.0)
+    dA_ak = tl.where(strict, tl.dot(dx, tl.trans(v)), 0.0)
+    dv += tl.dot(tl.trans(A_ak), dx)
+    da_d = tl.dot(dx, tl.trans(h))
+    dh_prev += tl.dot(tl.trans(a_d), dx)
+    # The A matrices as products of the middle-referenced factors.
+    dq_f = tl.dot(dA_qb, b_f) + tl.dot(dA_qk, k_f)
+    da_f = tl.dot(dA_ab, b_f) + tl.dot(dA_ak, k_f)
+    db_f = tl.dot(tl.trans(dA_ab), a_f) + tl.dot(tl.trans(dA_qb), q_f)
+    dk_f = tl.dot(tl.trans(dA_ak), a_f) + tl.dot(tl.trans(dA_qk), q_f)
+    # Back to the inputs; x * e^y contributes x e^y to the gradient of its exponent y.
+    to_middle = tl.exp(middle - gi)
+    to_end = tl.exp(g_end[None, :] - gi)
+    dq = dq_d * tl.exp(gi) + dq_f * tl.exp(gi - middle)
+    da = da_d * tl.exp(ge) + da_f * tl.exp(ge - middle)
+    db = db_e * to_end + db_f * to_middle
+    dk = dk_e * to_end + dk_f * to_middle
+    d_ge = da_d * a_d + da_f * a_f
+    d_gi = dq_d * q_d + dq_f * q_f - db_f * b_f - dk_f * k_f - dk_e * k_e - db_e * b_e
+    dg_end += tl.sum(dk_e * k_e + db_e * b_e, axis=0)
+    # gi_t = sum_{j<=t} w_j, ge_t = gi_t - w_t, g = sum_j w_j.
+    dw = tl.cumsum(d_gi + d_ge, axis=0, reverse=True) - d_ge + dg_end[None, :]
+
+    k_cols = tl.arange(0, BK)
+    k_mask = k_cols < K
+    partial = v_block * ROWS  # row offset of this V block's partial K-side gradients
+    _put(dr_ptr, dq * scale, partial + rows, row_mask, head, k_cols, k_mask, HEADS, K)
+    _put(dw_ptr, dw, partial + rows, row_mask, head, k_cols, k_mask, HEADS, K)
+    _put(dk_ptr, dk, partial + rows, row_mask, head, k_cols, k_mask, HEADS, K)
+    _put(da_ptr, da, partial + rows, row_mask, head, k_cols, k_mask, HEADS, K)
+    _put(db_ptr, db, partial + rows, row_mask, head, k_cols, k_mask, HEADS, K)
+    _put(dv_ptr, dv, rows, row_mask, head, v_cols, v_mask, HEADS, V)
+    return dh_prev
+
+
+@triton.jit
+def rwkv7_backward_kernel(
+    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, dht_ptr, states_ptr, cu_ptr,
+    state_index_ptr,                                                            # inputs
+    dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr, dh0_ptr, scratch_ptr,       # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Grid as the forward's. dr, dw, dk, da, db: [V blocks, rows, HEADS, K] (partial sums per
+    V block); dv [rows, HEADS, V]; dh0 [N, HEADS, K, V] float32; scratch: float32
+    [programs, CHUNKS_PER_STATE, K, BV], the chunk states of the span being differentiated."""
+    program = tl.program_id(0)
+    v_block = tl.program_id(1)
+    sequence = program // HEADS
+    head = program % HEADS
+    v_cols = v_block * BV + tl.arange(0, BV)
+    v_mask = v_cols < V
+    state_mask = (tl.arange(0, BK) < K)[:, None] & v_mask[None, :]
+    start = tl.load(cu_ptr + sequence).to(tl.int64)
+    end = tl.load(cu_ptr + sequence + 1).to(tl.int64)
+    span = C * CHUNKS_PER_STATE
+    local = _state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
+    dh = tl.load(dht_ptr + local, mask=state_mask, other=0.0)
+    first_slot = tl.load(state_index_ptr + sequence)
+    spans = (end - start + span - 1) // span
+    scratch_row = (program * tl.num_programs(1) + v_block).to(tl.int64) * CHUNKS_PER_STATE
+    k_rows = tl.arange(0, BK)
+    scratch_tile = k_rows[:, None] * BV + tl.arange(0, BV)[None, :]
+    s = spans - 1
+    while s >= 0:
+        saved = _state_offsets(first_slot + s, head, HEADS, K, V, BK, v_cols)
+        h = tl.load(states_ptr + saved, mask=state_mask, other=0.0)
+        # Recompute the states at the start of each chunk of the span.
+        for j in tl.static_range(CHUNKS_PER_STATE):
+            tl.store(scratch_ptr + (scratch_row + j) * (BK * BV) + scratch_tile, h)
+            if j + 1 < CHUNKS_PER_STATE:
+                h = _chunk_forward(h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, r_ptr,
+                                   start + s * span + j * C, end, head, v_cols, v_mask, False,
+                                   scale, HEADS, K, V, BK, C)
+        tl.debug_barrier()
+        for jj in tl.static_range(CHUNKS_PER_STATE):
+            j = CHUNKS_PER_STATE - 1 - jj
+            h = tl.load(scratch_ptr + (scratch_row + j) * (BK * BV) + scratch_tile)
+            dh = _chunk_backward(h, dh, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr,
+                                 dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr,
+                                 start + s * span + j * C, end, head, v_block, v_cols, v_mask,
+                                 scale, HEADS, K, V, BK, C, ROWS)
+        tl.debug_barrier()
+        s -= 1
+    tl.store(dh0_ptr + local, dh, mask=state_mask)
