@@ -129,3 +129,6 @@ def describe() -> list[dict]:
 
 register("native", "rwkv_jax.backends.native",
          "lax.scan over time, checkpointed blocks; the readable reference", lambda p: None)
+register("triton", "rwkv_jax.backends.triton",
+         "chunked Triton kernels (jax-triton on GPU, Triton's interpreter on CPU)",
+         lambda p: importlib.import_module("rwkv_jax.backends._launch").unavailable_reason(p))
