@@ -1,0 +1,169 @@
+"""The ``rwkv-jax`` command: info, check (passing, and failing on a broken backend), bench."""
+
+import json
+import math
+import subprocess
+import sys
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rwkv_jax import _bench, backends, cli
+from rwkv_jax.backends import native
+
+TINY = "1,12,2,16"
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    """Register a backend module made in the test; the registry is restored afterwards."""
+    monkeypatch.setattr(backends, "_BACKENDS", dict(backends._BACKENDS))
+
+    def add(name, reason=None, **functions):
+        module = types.ModuleType(f"rwkv_jax_test_{name}")
+        module.__dict__.update(functions)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        backends.register(name, module.__name__, f"test backend {name}", lambda platform: reason)
+
+    yield add
+    backends.unavailable_reason.cache_clear()
+
+
+def test_info_lists_versions_backends_and_defaults(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "jax " in out and "numpy " in out and "platform: cpu" in out
+    for row in backends.describe():
+        assert row["name"] in out
+    for op in backends.OPS:
+        assert op in out
+    assert "native" in out
+
+
+def test_info_says_why_a_backend_is_unavailable(fake_backend, capsys):
+    fake_backend("elsewhere", reason="needs an NVIDIA GPU")
+    assert cli.main(["info"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("elsewhere"))
+    assert " no " in line and "needs an NVIDIA GPU" in line
+
+
+def test_module_entry_point_runs():
+    done = subprocess.run([sys.executable, "-m", "rwkv_jax", "info"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "native" in done.stdout
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_check_passes_on_native(dtype, capsys):
+    ops = ",".join(backends.OPS) if dtype == "float32" else "rwkv7,rwkv4"
+    assert cli.main(["check", "--quick", "--backend", "native", "--dtype", dtype, "--op", ops]) == 0
+    out = capsys.readouterr().out
+    results = [line.split()[-1] for line in out.splitlines() if line.split()[:1] in ([o] for o in ops.split(","))]
+    assert results == ["pass"] * len(ops.split(","))
+    assert f"{len(ops.split(','))} passed, 0 failed" in out
+
+
+def _native_rwkv7_times(factor):
+    def rwkv7(**kwargs):
+        o, h = native.rwkv7(**kwargs)
+        return o * factor, h
+    return rwkv7
+
+
+def _raises(**kwargs):
+    raise ValueError("this backend is broken on purpose")
+
+
+@pytest.mark.parametrize("rwkv7, verdict", [
+    (_native_rwkv7_times(1.01), "FAIL"),  # 1e-2 off: above any float32 bound
+    (_native_rwkv7_times(float("nan")), "non-finite"),
+    (_raises, "broken on purpose"),
+])
+def test_check_fails_on_a_broken_backend(fake_backend, capsys, rwkv7, verdict):
+    fake_backend("broken", rwkv7=rwkv7)
+    status = cli.main(["check", "--quick", "--backend", "broken", "--op", "rwkv7", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert verdict in out and "0 passed, 1 failed" in out
+
+
+def test_check_runs_every_available_backend_by_default(fake_backend):
+    fake_backend("extra", rwkv7=native.rwkv7)
+    fake_backend("elsewhere", reason="needs an NVIDIA GPU", rwkv7=native.rwkv7)
+    args = cli.build_parser().parse_args(["check"])
+    chosen = cli._selected_backends(args, "rwkv7")
+    assert "native" in chosen and "extra" in chosen and "elsewhere" not in chosen
+    assert "extra" not in cli._selected_backends(args, "rwkv4")  # it lacks that op
+
+
+def test_check_refuses_an_unavailable_backend(fake_backend, capsys):
+    fake_backend("elsewhere", reason="needs an NVIDIA GPU", rwkv7=native.rwkv7)
+    assert cli.main(["check", "--backend", "elsewhere"]) == 1
+    assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_bench_writes_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    status = cli.main(["bench", "--size", TINY, "--op", "rwkv7,rwkv4,rwkv7_step", "--backend",
+                       "native", "--repeats", "3", "--warmup", "1", "--json", str(out_json),
+                       "--plot", str(out_png)])
+    assert status == 0
+    report = json.loads(out_json.read_text())
+    assert report["info"]["platform"] == "cpu"
+    results = report["results"]
+    assert {(r["op"], r["pass"]) for r in results} == {
+        (op, p) for op in ("rwkv7", "rwkv4", "rwkv7_step") for p in ("fwd", "fwd+bwd")}
+    for r in results:
+        assert r["backend"] == "native" and r["dtype"] == "float32" and r["repeats"] == 3
+        assert 0 < r["min_ms"] <= r["median_ms"] and math.isfinite(r["median_ms"])
+        assert r["tokens_per_s"] > 0 and r["peak_bytes"] > 0
+        assert r["T"] == (1 if r["op"] == "rwkv7_step" else 12)
+    backward = {r["op"]: r["peak_bytes"] for r in results if r["pass"] == "fwd+bwd"}
+    forward = {r["op"]: r["peak_bytes"] for r in results if r["pass"] == "fwd"}
+    assert all(backward[op] > forward[op] for op in forward)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tokens/s" in capsys.readouterr().out
+
+
+def test_bench_plot_without_matplotlib_names_it(monkeypatch, capsys):
+    find_spec = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    assert cli.main(["bench", "--size", TINY, "--plot", "out.png"]) == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["bench", "--size", "1,2,3"], ["bench", "--size", "1,0,2,16"],
+                                  ["check", "--op", "rwkv5"], ["check", "--backend", "nope"],
+                                  ["bench", "--dtype", "int8"]])
+def test_bad_command_lines_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert "rwkv-jax" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("op", backends.OPS)
+def test_random_inputs_are_realistic_and_never_zero(op):
+    case = _bench.make_case(op, 2, 9, 3, 16, seed=5)
+    for name, x in case.arrays.items():
+        assert x.dtype == np.float32 and np.all(np.isfinite(x)) and np.all(x != 0), name
+    arrays = case.arrays
+    if op.startswith("rwkv7"):
+        assert np.all((arrays["w"] >= -np.exp(-0.5)) & (arrays["w"] < 0))
+        kk = -arrays["a"]
+        np.testing.assert_allclose(np.linalg.norm(kk, axis=-1), 1.0, rtol=1e-5)
+        iclr = arrays["b"] / kk
+        assert np.all((iclr > 0) & (iclr < 1))
+    if op in ("rwkv6", "rwkv6_step", "rwkv4"):
+        assert np.all(arrays["w"] < 0)
+    if op in _bench.STEP_OPS:
+        indices = case.options["state_indices"]
+        assert len(set(indices.tolist())) == 2 and arrays["state"].shape[0] == 3
+    bf16 = case.as_dtype(jnp.bfloat16)
+    state = "state" if op in _bench.STEP_OPS else "initial_state"
+    assert bf16[state].dtype == np.float32
+    assert all(x.dtype == jnp.bfloat16 for n, x in bf16.items() if n != state)
