@@ -132,3 +132,5 @@ register("native", "rwkv_jax.backends.native",
 register("triton", "rwkv_jax.backends.triton",
          "chunked Triton kernels (jax-triton on GPU, Triton's interpreter on CPU)",
          lambda p: importlib.import_module("rwkv_jax.backends._launch").unavailable_reason(p))
+register("ffi", "rwkv_jax.backends.ffi", "compiled C++ (CPU) and CUDA kernels through the XLA FFI",
+         lambda p: importlib.import_module("rwkv_jax.backends.ffi").unavailable(p))

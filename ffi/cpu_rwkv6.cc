@@ -1,0 +1,322 @@
+// RWKV-6 on the CPU: training forward/backward and the inference step.
+//
+//   o_t = (h_{t-1} + diag(u) k_t v_t^T)^T (scale r_t),   h_t = diag(exp(w_t)) h_{t-1} + k_t v_t^T
+//
+// Same structure as cpu_rwkv7.cc: one task per (sequence, head), checkpoints every kChunk steps,
+// and a backward that recomputes a chunk's states and runs dh_{t-1} = diag(exp w_t) dh_t + rs_t do_t^T.
+#include "cpu_util.h"
+#include "handlers.h"
+
+namespace rwkv_ffi {
+namespace {
+
+struct Dims {
+  int64_t H, K, V;
+};
+
+struct Token {
+  std::vector<float> rs, k, ew, v;
+  Token(const Dims& d) : rs(d.K), k(d.K), ew(d.K), v(d.V) {}
+  template <typename T>
+  void load_at(const T* const in[4], int64_t g, int64_t h, const Dims& d, float scale) {
+    const int64_t ok = (g * d.H + h) * d.K;
+    load(in[0] + ok, rs.data(), d.K);
+    load(in[1] + ok, k.data(), d.K);
+    load(in[2] + (g * d.H + h) * d.V, v.data(), d.V);
+    load(in[3] + ok, ew.data(), d.K);
+    for (int64_t i = 0; i < d.K; ++i) {
+      rs[i] *= scale;
+      ew[i] = std::exp(ew[i]);
+    }
+  }
+};
+
+// out = h^T rs + (rs . (u * k)) v, then h = diag(ew) h + k v^T (in place).
+void step(const Token& x, const float* u, float* h, float* out, const Dims& d) {
+  const int64_t K = d.K, V = d.V;
+  float bonus = 0.f;
+  for (int64_t i = 0; i < K; ++i) bonus += x.rs[i] * u[i] * x.k[i];
+  if (out)
+    for (int64_t j = 0; j < V; ++j) out[j] = bonus * x.v[j];
+  for (int64_t i = 0; i < K; ++i) {
+    float* __restrict row = h + i * V;
+    if (out) axpy(out, x.rs[i], row, V);
+    const float e = x.ew[i], ki = x.k[i];
+    const float* __restrict v = x.v.data();
+    for (int64_t j = 0; j < V; ++j) row[j] = row[j] * e + ki * v[j];
+  }
+}
+
+template <typename T>
+void forward_sequence(const T* const in[4], const float* u, T* o, float* h, float* ckpt,
+                      int64_t slot_stride, int64_t start, int64_t end, int64_t hd, float scale,
+                      const Dims& d) {
+  Token x(d);
+  std::vector<float> out(d.V);
+  for (int64_t g = start; g < end; ++g) {
+    if (ckpt && (g - start) % kChunk == 0)
+      std::memcpy(ckpt + ((g - start) / kChunk) * slot_stride, h, sizeof(float) * d.K * d.V);
+    x.load_at(in, g, hd, d, scale);
+    step(x, u, h, out.data(), d);
+    store(out.data(), o + (g * d.H + hd) * d.V, d.V);
+  }
+}
+
+struct Shapes {
+  int64_t B, T, H, K, V;
+};
+Shapes shapes_of(const ffi::AnyBuffer* ins) {
+  auto d = ins[0].dimensions();
+  return {d[0], d[1], d[2], d[3], ins[2].dimensions()[3]};
+}
+
+template <typename T>
+ffi::Error forward(const ffi::AnyBuffer* ins, ffi::AnyBuffer u, ffi::AnyBuffer h0,
+                   ffi::Buffer<ffi::S32> cu, float scale, ffi::Result<ffi::AnyBuffer> o,
+                   ffi::Result<ffi::AnyBuffer> h_final, ffi::Result<ffi::AnyBuffer> ckpt) {
+  const Shapes s = shapes_of(ins);
+  const int64_t N = cu.dimensions()[0] - 1, kv = s.K * s.V;
+  const Dims d{s.H, s.K, s.V};
+  const T* in[4];
+  for (int i = 0; i < 4; ++i) in[i] = ins[i].typed_data<T>();
+  const int32_t* seg = cu.typed_data();
+  float* hf = h_final->typed_data<float>();
+  float* cp = ckpt->typed_data<float>();
+  parallel_for(N * s.H, (s.B * s.T / N) * kv * 4, [&](int64_t task) {
+    const int64_t n = task / s.H, hd = task % s.H;
+    float* h = hf + (n * s.H + hd) * kv;
+    std::memcpy(h, h0.typed_data<float>() + (n * s.H + hd) * kv, sizeof(float) * kv);
+    const int64_t start = seg[n], end = seg[n + 1];
+    forward_sequence(in, u.typed_data<float>() + hd * s.K, o->typed_data<T>(), h,
+                     cp + (first_slot(n, start) * s.H + hd) * kv, s.H * kv, start, end, hd, scale, d);
+  });
+  return ffi::Error::Success();
+}
+
+template <typename T>
+ffi::Error backward(const ffi::AnyBuffer* ins, ffi::AnyBuffer u_buf, ffi::AnyBuffer d_o,
+                    ffi::AnyBuffer dh_final, ffi::AnyBuffer ckpt, ffi::Buffer<ffi::S32> cu,
+                    float scale, ffi::Result<ffi::AnyBuffer>* grads, ffi::Result<ffi::AnyBuffer> du,
+                    ffi::Result<ffi::AnyBuffer> dh0) {
+  const Shapes s = shapes_of(ins);
+  const int64_t H = s.H, K = s.K, V = s.V, N = cu.dimensions()[0] - 1, kv = K * V;
+  const Dims d{H, K, V};
+  const T* in[4];
+  T* gr[4];
+  for (int i = 0; i < 4; ++i) {
+    in[i] = ins[i].typed_data<T>();
+    gr[i] = grads[i]->typed_data<T>();
+  }
+  const int32_t* seg = cu.typed_data();
+  parallel_for(N * H, (s.B * s.T / N) * kv * 12, [&](int64_t task) {
+    const int64_t n = task / H, hd = task % H;
+    const int64_t start = seg[n], end = seg[n + 1];
+    const float* u = u_buf.typed_data<float>() + hd * K;
+    float* G = dh0->typed_data<float>() + (n * H + hd) * kv;  // dL/dh_t, walked back to dL/dh_0
+    std::memcpy(G, dh_final.typed_data<float>() + (n * H + hd) * kv, sizeof(float) * kv);
+    float* g_u = du->typed_data<float>() + (n * H + hd) * K;
+    std::fill(g_u, g_u + K, 0.f);
+    std::vector<float> states(kChunk * kv), dv(V), d_out(V), g_r(K), g_k(K), g_w(K);
+    Token x(d);
+    const float* slots = ckpt.typed_data<float>() + (first_slot(n, start) * H + hd) * kv;
+    const int64_t n_chunks = (end - start + kChunk - 1) / kChunk;
+    for (int64_t c = n_chunks - 1; c >= 0; --c) {
+      const int64_t c0 = start + c * kChunk, c1 = std::min(c0 + kChunk, end);
+      std::memcpy(states.data(), slots + c * H * kv, sizeof(float) * kv);
+      for (int64_t g = c0; g + 1 < c1; ++g) {
+        const int64_t i = g - c0;
+        x.load_at(in, g, hd, d, scale);
+        std::memcpy(states.data() + (i + 1) * kv, states.data() + i * kv, sizeof(float) * kv);
+        step(x, u, states.data() + (i + 1) * kv, nullptr, d);
+      }
+      for (int64_t g = c1 - 1; g >= c0; --g) {
+        const float* hp = states.data() + (g - c0) * kv;
+        x.load_at(in, g, hd, d, scale);
+        load(d_o.typed_data<T>() + (g * H + hd) * V, d_out.data(), V);
+        const float v_do = dot(x.v.data(), d_out.data(), V);
+        float bonus = 0.f;
+        for (int64_t i = 0; i < K; ++i) bonus += x.rs[i] * u[i] * x.k[i];
+        for (int64_t j = 0; j < V; ++j) dv[j] = bonus * d_out[j];
+        for (int64_t i = 0; i < K; ++i) {
+          float* Gi = G + i * V;
+          const float* hi = hp + i * V;
+          axpy(dv.data(), x.k[i], Gi, V);
+          g_r[i] = scale * (dot(hi, d_out.data(), V) + u[i] * x.k[i] * v_do);
+          g_k[i] = dot(Gi, x.v.data(), V) + x.rs[i] * u[i] * v_do;
+          g_w[i] = x.ew[i] * dot(Gi, hi, V);
+          g_u[i] += x.rs[i] * x.k[i] * v_do;
+          const float e = x.ew[i], ri = x.rs[i];
+          for (int64_t j = 0; j < V; ++j) Gi[j] = e * Gi[j] + ri * d_out[j];
+        }
+        const int64_t ok = (g * H + hd) * K;
+        store(g_r.data(), gr[0] + ok, K);
+        store(g_k.data(), gr[1] + ok, K);
+        store(dv.data(), gr[2] + (g * H + hd) * V, V);
+        store(g_w.data(), gr[3] + ok, K);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+template <typename T>
+ffi::Error step_pool(const ffi::AnyBuffer* ins, ffi::AnyBuffer u, ffi::Buffer<ffi::S32> rows,
+                     float scale, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> pool) {
+  const Shapes s = shapes_of(ins);
+  const Dims d{s.H, s.K, s.V};
+  const T* in[4];
+  for (int i = 0; i < 4; ++i) in[i] = ins[i].typed_data<T>();
+  const int64_t kv = s.K * s.V;
+  parallel_for(s.B * s.H, s.T * kv * 4, [&](int64_t task) {
+    const int64_t n = task / s.H, hd = task % s.H;
+    forward_sequence(in, u.typed_data<float>() + hd * s.K, o->typed_data<T>(),
+                     pool->typed_data<float>() + (rows.typed_data()[n] * s.H + hd) * kv, nullptr,
+                     0, n * s.T, (n + 1) * s.T, hd, scale, d);
+  });
+  return ffi::Error::Success();
+}
+
+// r, k, w [B, T, H, K], v [B, T, H, V] of one float dtype; u float32 [H, K].
+Checks check_inputs(const ffi::AnyBuffer* ins, ffi::AnyBuffer u) {
+  Checks c;
+  static const char* names[4] = {"r", "k", "v", "w"};
+  auto d0 = ins[0].dimensions();
+  c.require(d0.size() == 4, "r must be 4-D [B, T, H, K], got " + dims_str(d0));
+  if (!c.ok()) return c;
+  for (int i = 0; i < 4; ++i) {
+    c.shape(names[i], ins[i].dimensions(), {d0[0], d0[1], d0[2], i == 2 ? -1 : d0[3]});
+    c.require(ins[i].element_type() == ins[0].element_type(),
+              std::string(names[i]) + " must have the dtype of r");
+  }
+  c.shape("u", u.dimensions(), {d0[2], d0[3]});
+  c.require(u.element_type() == ffi::DataType::F32, "u must be float32");
+  return c;
+}
+
+}  // namespace
+
+ffi::Error Rwkv6ForwardCpu(ffi::AnyBuffer r, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer w,
+                           ffi::AnyBuffer u, ffi::AnyBuffer h0, ffi::Buffer<ffi::S32> cu,
+                           float scale, ffi::Result<ffi::AnyBuffer> o,
+                           ffi::Result<ffi::AnyBuffer> h_final, ffi::Result<ffi::AnyBuffer> ckpt) {
+  const ffi::AnyBuffer ins[4] = {r, k, v, w};
+  Checks c = check_inputs(ins, u);
+  if (!c.ok()) return c.error("rwkv6 forward");
+  const Shapes s = shapes_of(ins);
+  const int64_t N = cu.dimensions()[0] - 1;
+  c.require(N >= 1, "cu_seqlens needs at least 2 entries");
+  c.shape("h0", h0.dimensions(), {N, s.H, s.K, s.V});
+  c.require(h0.element_type() == ffi::DataType::F32, "h0 must be float32");
+  c.shape("o", o->dimensions(), {s.B, s.T, s.H, s.V});
+  c.shape("h_final", h_final->dimensions(), {N, s.H, s.K, s.V});
+  c.shape("checkpoints", ckpt->dimensions(), {checkpoint_slots(N, s.B * s.T), s.H, s.K, s.V});
+  if (c.ok()) c.require(check_segments(cu.typed_data(), N, s.B * s.T).empty(),
+                        check_segments(cu.typed_data(), N, s.B * s.T));
+  if (!c.ok()) return c.error("rwkv6 forward");
+  return dispatch_float(r.element_type(), "rwkv6 forward", [&]<typename T>() {
+    return forward<T>(ins, u, h0, cu, scale, o, h_final, ckpt);
+  });
+}
+
+ffi::Error Rwkv6BackwardCpu(ffi::AnyBuffer r, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::AnyBuffer w, ffi::AnyBuffer u, ffi::AnyBuffer d_o,
+                            ffi::AnyBuffer dh_final, ffi::AnyBuffer ckpt,
+                            ffi::Buffer<ffi::S32> cu, float scale, ffi::Result<ffi::AnyBuffer> dr,
+                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                            ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> du,
+                            ffi::Result<ffi::AnyBuffer> dh0) {
+  const ffi::AnyBuffer ins[4] = {r, k, v, w};
+  Checks c = check_inputs(ins, u);
+  if (!c.ok()) return c.error("rwkv6 backward");
+  const Shapes s = shapes_of(ins);
+  const int64_t N = cu.dimensions()[0] - 1;
+  c.require(N >= 1, "cu_seqlens needs at least 2 entries");
+  c.shape("d_o", d_o.dimensions(), {s.B, s.T, s.H, s.V});
+  c.require(d_o.element_type() == r.element_type(), "d_o must have the dtype of r");
+  c.shape("dh_final", dh_final.dimensions(), {N, s.H, s.K, s.V});
+  c.shape("checkpoints", ckpt.dimensions(), {checkpoint_slots(N, s.B * s.T), s.H, s.K, s.V});
+  c.shape("du", du->dimensions(), {N, s.H, s.K});
+  c.shape("dh0", dh0->dimensions(), {N, s.H, s.K, s.V});
+  ffi::Result<ffi::AnyBuffer> grads[4] = {dr, dk, dv, dw};
+  for (int i = 0; i < 4; ++i)
+    c.shape("gradient", grads[i]->dimensions(), {s.B, s.T, s.H, i == 2 ? s.V : s.K});
+  if (c.ok()) c.require(check_segments(cu.typed_data(), N, s.B * s.T).empty(),
+                        check_segments(cu.typed_data(), N, s.B * s.T));
+  if (!c.ok()) return c.error("rwkv6 backward");
+  return dispatch_float(r.element_type(), "rwkv6 backward", [&]<typename T>() {
+    return backward<T>(ins, u, d_o, dh_final, ckpt, cu, scale, grads, du, dh0);
+  });
+}
+
+ffi::Error Rwkv6StepCpu(ffi::AnyBuffer r, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer w,
+                        ffi::AnyBuffer u, ffi::AnyBuffer pool_in, ffi::Buffer<ffi::S32> rows,
+                        float scale, ffi::Result<ffi::AnyBuffer> o,
+                        ffi::Result<ffi::AnyBuffer> pool) {
+  const ffi::AnyBuffer ins[4] = {r, k, v, w};
+  Checks c = check_inputs(ins, u);
+  if (!c.ok()) return c.error("rwkv6_step");
+  const Shapes s = shapes_of(ins);
+  c.shape("state", pool_in.dimensions(), {-1, s.H, s.K, s.V});
+  c.shape("state_indices", rows.dimensions(), {s.B});
+  c.shape("o", o->dimensions(), {s.B, s.T, s.H, s.V});
+  c.require(pool->untyped_data() == pool_in.untyped_data(), "state output must alias the input");
+  const int64_t S = c.ok() ? pool_in.dimensions()[0] : 0;
+  for (int64_t i = 0; c.ok() && i < s.B; ++i)
+    c.require(rows.typed_data()[i] >= 0 && rows.typed_data()[i] < S,
+              "state_indices[" + std::to_string(i) + "] = " + std::to_string(rows.typed_data()[i]) +
+                  " is outside the pool of " + std::to_string(S) + " slots");
+  if (!c.ok()) return c.error("rwkv6_step");
+  return dispatch_float(r.element_type(), "rwkv6_step", [&]<typename T>() {
+    return step_pool<T>(ins, u, rows, scale, o, pool);
+  });
+}
+
+}  // namespace rwkv_ffi
+
+using namespace rwkv_ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv6ForwardCpu, Rwkv6ForwardCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv6BackwardCpu, Rwkv6BackwardCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv6StepCpu, Rwkv6StepCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

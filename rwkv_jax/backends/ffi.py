@@ -1,0 +1,294 @@
+"""The ``ffi`` backend: compiled kernels called through the XLA FFI (``jax.ffi.ffi_call``).
+
+``rwkv_jax._ffi_cpu`` (C++, threaded over sequences x heads) is built by every ``pip install``;
+``rwkv_jax._ffi_cuda`` only where nvcc was found (see BUILD.md). Both register the same target
+names, for the platforms "cpu" and "CUDA", so one ``ffi_call`` runs wherever the array lives.
+
+Each op is a ``jax.custom_vjp``: the forward kernel saves the state every ``checkpoint_chunk``
+steps and the backward kernel recomputes each chunk from its checkpoint and runs the exact
+reverse recurrence. Kernels take one float dtype (float32, bfloat16 or float16; float64 inputs
+run in float32), accumulate in float32 and return the state in float32. Under ``vmap`` the calls
+run sequentially over the mapped axis; inside ``shard_map`` results keep their inputs' varying
+axes (result types come from ``jax.typeof``). The ``*_step`` ops update the float32 state pool
+in place (the pool is aliased to the output; donate it under ``jit``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Head sizes K the CUDA kernels are compiled for (each needs V a multiple of 32, at most 1024).
+CUDA_HEAD_SIZES = (32, 64, 128)
+
+
+def _module_name(platform: str) -> str:
+    return "rwkv_jax._ffi_cuda" if platform == "gpu" else "rwkv_jax._ffi_cpu"
+
+
+def unavailable(platform: str) -> Optional[str]:
+    """None if the kernels for ``platform`` ('cpu', 'gpu', 'tpu') are built, else why not."""
+    if platform not in ("cpu", "gpu"):
+        return f"the ffi backend has CPU and CUDA kernels only, not {platform!r}"
+    if importlib.util.find_spec(_module_name(platform)) is None:
+        what = "CUDA extension (built only where nvcc is found)" if platform == "gpu" else "CPU extension"
+        return (f"the {what} {_module_name(platform)} is not built; reinstall with "
+                f"`pip install .` (see BUILD.md)")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk() -> int:
+    """Register the targets of every built extension (once) and return the checkpoint interval."""
+    chunk = None
+    for platform, ffi_platform in (("cpu", "cpu"), ("gpu", "CUDA")):
+        if importlib.util.find_spec(_module_name(platform)) is None:
+            continue
+        module = importlib.import_module(_module_name(platform))
+        for name, capsule in module.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform=ffi_platform)
+        chunk = module.checkpoint_chunk
+    if chunk is None:
+        raise RuntimeError(unavailable("cpu"))
+    return chunk
+
+
+def _call(target, results, *args, aliases=None, **attrs):
+    _chunk()
+    call = jax.ffi.ffi_call(f"rwkv_jax_{target}", results, vmap_method="sequential",
+                            input_output_aliases=aliases)
+    return call(*args, **{k: np.float32(v) for k, v in attrs.items()})
+
+
+def _like(x, shape, dtype):
+    """Result type of ``shape`` and ``dtype`` that keeps ``x``'s varying mesh axes (shard_map)."""
+    return jax.typeof(x).update(shape=tuple(shape), dtype=jnp.dtype(dtype))
+
+
+def _kernel_dtype(*xs):
+    dtype = jnp.result_type(*xs)
+    return jnp.dtype(jnp.float32) if dtype == jnp.float64 else dtype
+
+
+def _check_cuda_shape(op, k_size, v_size):
+    if jax.default_backend() != "gpu":
+        return
+    if k_size not in CUDA_HEAD_SIZES or v_size % 32 or not 32 <= v_size <= 1024:
+        raise ValueError(f"{op}: the ffi backend's CUDA kernels need K in {CUDA_HEAD_SIZES} and V a "
+                         f"multiple of 32 up to 1024, got K={k_size}, V={v_size}")
+
+
+def _segments(batch, length, cu_seqlens):
+    if cu_seqlens is None:
+        return jnp.arange(batch + 1, dtype=jnp.int32) * length
+    return cu_seqlens.astype(jnp.int32)
+
+
+def _states(r, v, n, initial_state):
+    if initial_state is not None:
+        return initial_state.astype(jnp.float32)
+    return jnp.zeros((n, r.shape[2], r.shape[3], v.shape[3]), jnp.float32)
+
+
+def _checkpoint_shape(r, v, n):
+    batch, length, heads, k_size = r.shape
+    return (n + batch * length // _chunk(), heads, k_size, v.shape[3])
+
+
+# ---------------------------------------------------------------------------------------------
+# RWKV-7
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rwkv7(scale, r, w, k, v, a, b, h0, cu):
+    return _rwkv7_fwd(scale, r, w, k, v, a, b, h0, cu)[0]
+
+
+def _rwkv7_fwd(scale, r, w, k, v, a, b, h0, cu):
+    o, h, ckpt = _call("rwkv7_fwd",
+                       (_like(v, v.shape, v.dtype), _like(h0, h0.shape, jnp.float32),
+                        _like(h0, _checkpoint_shape(r, v, h0.shape[0]), jnp.float32)),
+                       r, w, k, v, a, b, h0, cu, scale=scale)
+    return (o, h), (r, w, k, v, a, b, ckpt, cu)
+
+
+def _rwkv7_bwd(scale, residuals, cotangents):
+    r, w, k, v, a, b, ckpt, cu = residuals
+    d_o, dh = cotangents
+    n = cu.shape[0] - 1
+    grads = _call("rwkv7_bwd",
+                  tuple(_like(x, x.shape, x.dtype) for x in (r, w, k, v, a, b))
+                  + (_like(ckpt, (n,) + ckpt.shape[1:], jnp.float32),),
+                  r, w, k, v, a, b, d_o.astype(v.dtype), dh.astype(jnp.float32), ckpt, cu,
+                  scale=scale)
+    return (*grads, None)
+
+
+_rwkv7.defvjp(_rwkv7_fwd, _rwkv7_bwd)
+
+
+def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seqlens):
+    _check_cuda_shape("rwkv7", r.shape[3], v.shape[3])
+    dtype = _kernel_dtype(r, w, k, v, a, b)
+    batch, length = r.shape[:2]
+    cu = _segments(batch, length, cu_seqlens)
+    h0 = _states(r, v, cu.shape[0] - 1, initial_state)
+    o, h = _rwkv7(float(scale), *(x.astype(dtype) for x in (r, w, k, v, a, b)), h0, cu)
+    return o.astype(v.dtype), h
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rwkv7_step(scale, r, w, k, v, a, b, state, rows):
+    return _call("rwkv7_step", (_like(v, v.shape, v.dtype), _like(state, state.shape, jnp.float32)),
+                 r, w, k, v, a, b, state, rows, aliases={6: 1}, scale=scale)
+
+
+def _rwkv7_step_fwd(scale, r, w, k, v, a, b, state, rows):
+    h0 = state[rows]  # read before the kernel overwrites these rows in place
+    return _rwkv7_step(scale, r, w, k, v, a, b, state, rows), (r, w, k, v, a, b, h0, rows)
+
+
+def _rwkv7_step_bwd(scale, residuals, cotangents):
+    r, w, k, v, a, b, h0, rows = residuals
+    d_o, d_state = cotangents
+    cu = _segments(r.shape[0], r.shape[1], None)
+    _, saved = _rwkv7_fwd(scale, r, w, k, v, a, b, h0, cu)
+    *grads, dh0, _ = _rwkv7_bwd(scale, saved, (d_o, d_state[rows]))
+    return (*grads, d_state.at[rows].set(dh0), None)
+
+
+_rwkv7_step.defvjp(_rwkv7_step_fwd, _rwkv7_step_bwd)
+
+
+def rwkv7_step(r, w, k, v, a, b, state, *, scale, state_indices):
+    _check_cuda_shape("rwkv7_step", r.shape[3], v.shape[3])
+    dtype = _kernel_dtype(r, w, k, v, a, b)
+    o, state = _rwkv7_step(float(scale), *(x.astype(dtype) for x in (r, w, k, v, a, b)), state,
+                           state_indices.astype(jnp.int32))
+    return o.astype(v.dtype), state
+
+
+# ---------------------------------------------------------------------------------------------
+# RWKV-6
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rwkv6(scale, r, k, v, w, u, h0, cu):
+    return _rwkv6_fwd(scale, r, k, v, w, u, h0, cu)[0]
+
+
+def _rwkv6_fwd(scale, r, k, v, w, u, h0, cu):
+    o, h, ckpt = _call("rwkv6_fwd",
+                       (_like(v, v.shape, v.dtype), _like(h0, h0.shape, jnp.float32),
+                        _like(h0, _checkpoint_shape(r, v, h0.shape[0]), jnp.float32)),
+                       r, k, v, w, u, h0, cu, scale=scale)
+    return (o, h), (r, k, v, w, u, ckpt, cu)
+
+
+def _rwkv6_bwd(scale, residuals, cotangents):
+    r, k, v, w, u, ckpt, cu = residuals
+    d_o, dh = cotangents
+    n = cu.shape[0] - 1
+    dr, dk, dv, dw, du, dh0 = _call(
+        "rwkv6_bwd",
+        tuple(_like(x, x.shape, x.dtype) for x in (r, k, v, w))
+        + (_like(u, (n,) + u.shape, jnp.float32), _like(ckpt, (n,) + ckpt.shape[1:], jnp.float32)),
+        r, k, v, w, u, d_o.astype(v.dtype), dh.astype(jnp.float32), ckpt, cu, scale=scale)
+    return dr, dk, dv, dw, du.sum(0), dh0, None
+
+
+_rwkv6.defvjp(_rwkv6_fwd, _rwkv6_bwd)
+
+
+def rwkv6(r, k, v, w, u, *, scale, initial_state, output_final_state, cu_seqlens):
+    _check_cuda_shape("rwkv6", r.shape[3], v.shape[3])
+    dtype = _kernel_dtype(r, k, v, w)
+    batch, length = r.shape[:2]
+    cu = _segments(batch, length, cu_seqlens)
+    h0 = _states(r, v, cu.shape[0] - 1, initial_state)
+    o, h = _rwkv6(float(scale), *(x.astype(dtype) for x in (r, k, v, w)), u.astype(jnp.float32),
+                  h0, cu)
+    return o.astype(v.dtype), h
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rwkv6_step(scale, r, k, v, w, u, state, rows):
+    return _call("rwkv6_step", (_like(v, v.shape, v.dtype), _like(state, state.shape, jnp.float32)),
+                 r, k, v, w, u, state, rows, aliases={5: 1}, scale=scale)
+
+
+def _rwkv6_step_fwd(scale, r, k, v, w, u, state, rows):
+    h0 = state[rows]  # read before the kernel overwrites these rows in place
+    return _rwkv6_step(scale, r, k, v, w, u, state, rows), (r, k, v, w, u, h0, rows)
+
+
+def _rwkv6_step_bwd(scale, residuals, cotangents):
+    r, k, v, w, u, h0, rows = residuals
+    d_o, d_state = cotangents
+    cu = _segments(r.shape[0], r.shape[1], None)
+    _, saved = _rwkv6_fwd(scale, r, k, v, w, u, h0, cu)
+    *grads, dh0, _ = _rwkv6_bwd(scale, saved, (d_o, d_state[rows]))
+    return (*grads, d_state.at[rows].set(dh0), None)
+
+
+_rwkv6_step.defvjp(_rwkv6_step_fwd, _rwkv6_step_bwd)
+
+
+def rwkv6_step(r, k, v, w, u, state, *, scale, state_indices):
+    _check_cuda_shape("rwkv6_step", r.shape[3], v.shape[3])
+    dtype = _kernel_dtype(r, k, v, w)
+    o, state = _rwkv6_step(float(scale), *(x.astype(dtype) for x in (r, k, v, w)),
+                           u.astype(jnp.float32), state, state_indices.astype(jnp.int32))
+    return o.astype(v.dtype), state
+
+
+# ---------------------------------------------------------------------------------------------
+# RWKV-4
+
+
+@jax.custom_vjp
+def _rwkv4(w, u, k, v, s0):
+    return _rwkv4_fwd(w, u, k, v, s0)[0]
+
+
+def _rwkv4_fwd(w, u, k, v, s0):
+    batch, length, channels = k.shape
+    chunks = -(-length // _chunk())
+    y, s, ckpt = _call("rwkv4_fwd",
+                       (_like(v, v.shape, v.dtype), _like(s0, s0.shape, jnp.float32),
+                        _like(s0, (batch, chunks, channels, 3), jnp.float32)),
+                       w, u, k, v, s0)
+    return (y, s), (w, u, k, v, ckpt)
+
+
+def _rwkv4_bwd(residuals, cotangents):
+    w, u, k, v, ckpt = residuals
+    dy, ds = cotangents
+    batch, _, channels = k.shape
+    per_row = _like(k, (batch, channels), jnp.float32)
+    dw, du, dk, dv, ds0 = _call("rwkv4_bwd",
+                                (per_row, per_row, _like(k, k.shape, k.dtype),
+                                 _like(v, v.shape, v.dtype),
+                                 _like(ckpt, (batch, channels, 3), jnp.float32)),
+                                w, u, k, v, dy.astype(v.dtype), ds.astype(jnp.float32), ckpt)
+    return dw.sum(0), du.sum(0), dk, dv, ds0
+
+
+_rwkv4.defvjp(_rwkv4_fwd, _rwkv4_bwd)
+
+
+def rwkv4(w, u, k, v, *, initial_state, output_final_state):
+    dtype = _kernel_dtype(k, v)
+    batch, _, channels = k.shape
+    if initial_state is None:
+        zeros = jnp.zeros((batch, channels), jnp.float32)
+        initial_state = jnp.stack([zeros, zeros, jnp.full_like(zeros, -1e38)], axis=-1)
+    y, s = _rwkv4(w.astype(jnp.float32), u.astype(jnp.float32), k.astype(dtype), v.astype(dtype),
+                  initial_state.astype(jnp.float32))
+    return y.astype(v.dtype), s
