@@ -35,38 +35,24 @@ import triton.language as tl
 
 
 @triton.jit
-def _row(x, index, i):
-    """Row ``i`` of the tile ``x`` (rows numbered by ``index``) as a vector."""
-    return tl.sum(tl.where(index[:, None] == i, x, 0.0), axis=0)
-
-
-@triton.jit
 def _inverse_unit_lower(lower, C: tl.constexpr):
-    """(I - lower)^-1 for a strictly lower-triangular [C, C] tile, by forward substitution."""
+    """(I - lower)^-1 for a strictly lower-triangular [C, C] tile (C = 16): lower is nilpotent,
+    so the inverse is (I + L)(I + L^2)(I + L^4)(I + L^8), six exact float32 products."""
     index = tl.arange(0, C)
-    inverse = tl.where(index[:, None] == index[None, :], 1.0, 0.0)
-    for t in tl.static_range(1, C):
-        # Row t of the inverse is e_t + sum_{i<t} lower[t, i] * (row i of the inverse).
-        coefficients = _row(lower, index, t)
-        update = tl.sum(coefficients[:, None] * inverse, axis=0)
-        inverse += tl.where(index[:, None] == t, update[None, :], 0.0)
+    identity = tl.where(index[:, None] == index[None, :], 1.0, 0.0)
+    inverse = identity + lower
+    power = lower
+    for _ in tl.static_range(3):
+        power = tl.dot(power, power, input_precision="ieee")
+        inverse = tl.dot(inverse, identity + power, input_precision="ieee")
     return inverse
 
 
 @triton.jit
-def _tile(ptr, rows, row_mask, head, cols, col_mask, HEADS: tl.constexpr, WIDTH: tl.constexpr):
-    """Load rows x cols of a [rows, HEADS, WIDTH] array at ``head`` as float32 (zeros outside)."""
-    offsets = (rows[:, None] * HEADS + head) * WIDTH + cols[None, :]
-    mask = row_mask[:, None] & col_mask[None, :]
-    return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _put(ptr, x, rows, row_mask, head, cols, col_mask, HEADS: tl.constexpr, WIDTH: tl.constexpr):
-    """Store the tile ``x`` into a [rows, HEADS, WIDTH] array at ``head``."""
-    offsets = (rows[:, None] * HEADS + head) * WIDTH + cols[None, :]
-    mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(ptr + offsets, x.to(ptr.dtype.element_ty), mask=mask)
+def _tile_offsets(rows, row_mask, head, cols, col_mask, HEADS: tl.constexpr, WIDTH: tl.constexpr):
+    """Offsets and mask of the tile rows x cols of a [rows, HEADS, WIDTH] array at ``head``."""
+    return ((rows[:, None] * HEADS + head) * WIDTH + cols[None, :],
+            row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -77,7 +63,7 @@ def _intra_chunk(q, w, k, a, b, C: tl.constexpr):
     ge = gi - w
     g_end = tl.sum(w, axis=0)
     # Middle of the chunk as the reference of the factored exponents of the A matrices.
-    middle = _row(gi, index, C // 2 - 1)[None, :]
+    middle = tl.sum(tl.where(index[:, None] == C // 2 - 1, gi, 0.0), axis=0)[None, :]
     a_f = a * tl.exp(ge - middle)
     q_f = q * tl.exp(gi - middle)
     to_middle = tl.exp(middle - gi)
@@ -99,17 +85,19 @@ def _intra_chunk(q, w, k, a, b, C: tl.constexpr):
 def _chunk_inputs(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, start, end, head, v_cols, v_mask,
                   scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BK: tl.constexpr, C: tl.constexpr):
+    """The chunk's input tiles as float32 (zeros past ``end``), and where they live."""
     rows = start + tl.arange(0, C)
     row_mask = rows < end
     k_cols = tl.arange(0, BK)
-    k_mask = k_cols < K
-    q = _tile(r_ptr, rows, row_mask, head, k_cols, k_mask, HEADS, K) * scale
-    w = _tile(w_ptr, rows, row_mask, head, k_cols, k_mask, HEADS, K)
-    k = _tile(k_ptr, rows, row_mask, head, k_cols, k_mask, HEADS, K)
-    a = _tile(a_ptr, rows, row_mask, head, k_cols, k_mask, HEADS, K)
-    b = _tile(b_ptr, rows, row_mask, head, k_cols, k_mask, HEADS, K)
-    v = _tile(v_ptr, rows, row_mask, head, v_cols, v_mask, HEADS, V)
-    return rows, row_mask, q, w, k, v, a, b
+    k_at, k_in = _tile_offsets(rows, row_mask, head, k_cols, k_cols < K, HEADS, K)
+    v_at, v_in = _tile_offsets(rows, row_mask, head, v_cols, v_mask, HEADS, V)
+    q = tl.load(r_ptr + k_at, mask=k_in, other=0.0).to(tl.float32) * scale
+    w = tl.load(w_ptr + k_at, mask=k_in, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + k_at, mask=k_in, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + k_at, mask=k_in, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + k_at, mask=k_in, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + v_at, mask=v_in, other=0.0).to(tl.float32)
+    return k_at, k_in, v_at, v_in, q, w, k, v, a, b
 
 
 @triton.jit
@@ -118,7 +106,7 @@ def _chunk_forward(h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, o_ptr, start, en
                    HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    C: tl.constexpr):
     """Advance the state ``h`` [BK, BV] over one chunk, writing its output rows if asked."""
-    rows, row_mask, q, w, k, v, a, b = _chunk_inputs(
+    k_at, k_in, v_at, v_in, q, w, k, v, a, b = _chunk_inputs(
         r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, start, end, head, v_cols, v_mask,
         scale, HEADS, K, V, BK, C)
     (gi, ge, g_end, middle, a_f, q_f, b_f, k_f, A_ab, A_ak, A_qb, A_qk,
@@ -126,7 +114,7 @@ def _chunk_forward(h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, o_ptr, start, en
     u = tl.dot(_inverse_unit_lower(A_ab, C), tl.dot(A_ak, v) + tl.dot(a_d, h))
     if WRITE_OUTPUT:
         o = tl.dot(q_d, h) + tl.dot(A_qk, v) + tl.dot(A_qb, u)
-        _put(o_ptr, o, rows, row_mask, head, v_cols, v_mask, HEADS, V)
+        tl.store(o_ptr + v_at, o.to(o_ptr.dtype.element_ty), mask=v_in)
     return tl.exp(g_end)[:, None] * h + tl.dot(tl.trans(k_e), v) + tl.dot(tl.trans(b_e), u)
 
 
@@ -180,10 +168,10 @@ def _chunk_backward(h, dh, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr,
                     V: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr):
     """Gradients of one chunk from its starting state ``h`` and the gradient ``dh`` of its
     final state; returns the gradient of its starting state."""
-    rows, row_mask, q, w, k, v, a, b = _chunk_inputs(
+    k_at, k_in, v_at, v_in, q, w, k, v, a, b = _chunk_inputs(
         r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, start, end, head, v_cols, v_mask,
         scale, HEADS, K, V, BK, C)
-    do = _tile(do_ptr, rows, row_mask, head, v_cols, v_mask, HEADS, V)
+    do = tl.load(do_ptr + v_at, mask=v_in, other=0.0).to(tl.float32)
     (gi, ge, g_end, middle, a_f, q_f, b_f, k_f, A_ab, A_ak, A_qb, A_qk,
      a_d, q_d, k_e, b_e) = _intra_chunk(q, w, k, a, b, C)
     index = tl.arange(0, C)
@@ -232,15 +220,13 @@ def _chunk_backward(h, dh, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr,
     # gi_t = sum_{j<=t} w_j, ge_t = gi_t - w_t, g = sum_j w_j.
     dw = tl.cumsum(d_gi + d_ge, axis=0, reverse=True) - d_ge + dg_end[None, :]
 
-    k_cols = tl.arange(0, BK)
-    k_mask = k_cols < K
-    partial = v_block * ROWS  # row offset of this V block's partial K-side gradients
-    _put(dr_ptr, dq * scale, partial + rows, row_mask, head, k_cols, k_mask, HEADS, K)
-    _put(dw_ptr, dw, partial + rows, row_mask, head, k_cols, k_mask, HEADS, K)
-    _put(dk_ptr, dk, partial + rows, row_mask, head, k_cols, k_mask, HEADS, K)
-    _put(da_ptr, da, partial + rows, row_mask, head, k_cols, k_mask, HEADS, K)
-    _put(db_ptr, db, partial + rows, row_mask, head, k_cols, k_mask, HEADS, K)
-    _put(dv_ptr, dv, rows, row_mask, head, v_cols, v_mask, HEADS, V)
+    k_at += v_block.to(tl.int64) * (ROWS * HEADS * K)  # this V block's partial sums of K-side gradients
+    tl.store(dr_ptr + k_at, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
+    tl.store(dw_ptr + k_at, dw.to(dw_ptr.dtype.element_ty), mask=k_in)
+    tl.store(dk_ptr + k_at, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
+    tl.store(da_ptr + k_at, da.to(da_ptr.dtype.element_ty), mask=k_in)
+    tl.store(db_ptr + k_at, db.to(db_ptr.dtype.element_ty), mask=k_in)
+    tl.store(dv_ptr + v_at, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
     return dh_prev
 
 

@@ -1,0 +1,163 @@
+"""Tests of the triton backend itself, on CPU through Triton's interpreter (tiny shapes: the
+interpreter is slow). The shared suite (test_ops.py) covers the public options; these cover the
+launch bridge, chunk and saved-state boundaries, several V blocks and the head-size limits."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference
+import rwkv_jax
+from conftest import tolerance
+# Imported before triton: on CPU it switches Triton to the interpreter before anything defines
+# a kernel (the test kernel below included).
+from rwkv_jax.backends import _launch
+from rwkv_jax.backends import triton as triton_backend
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _scale_and_shift_kernel(x_ptr, y_ptr, doubled_ptr, shifted_ptr, SIZE: tl.constexpr,
+                            SHIFT: tl.constexpr):
+    """doubled = 2 * x (in x's dtype), shifted = y + SHIFT: inputs first, then outputs."""
+    block = tl.program_id(0) * SIZE + tl.arange(0, SIZE)
+    doubled = tl.load(x_ptr + block).to(tl.float32) * 2
+    tl.store(doubled_ptr + block, doubled.to(doubled_ptr.dtype.element_ty))
+    tl.store(shifted_ptr + block, tl.load(y_ptr + block) + SHIFT)
+
+
+def relative_error(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(x - ref) / np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_launch_keeps_argument_order_and_dtypes(dtype):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal(32), dtype)
+    y = jnp.asarray(rng.standard_normal(32), jnp.float32)
+    out_shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype))
+    run = jax.jit(lambda x, y: _launch.launch(_scale_and_shift_kernel, (x, y), out_shapes, (2,),
+                                              SIZE=16, SHIFT=3.0))
+    doubled, shifted = run(x, y)
+    assert doubled.dtype == x.dtype and shifted.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(doubled), np.asarray(x * 2))
+    np.testing.assert_allclose(np.asarray(shifted), np.asarray(y) + 3.0, rtol=1e-6)
+
+
+def test_launch_under_vmap_runs_each_element():
+    rng = np.random.default_rng(1)
+    xs = jnp.asarray(rng.standard_normal((3, 16)), jnp.bfloat16)
+    y = jnp.asarray(rng.standard_normal(16), jnp.float32)  # not batched
+    out_shapes = (jax.ShapeDtypeStruct((16,), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((16,), jnp.float32))
+    one = lambda x: _launch.launch(_scale_and_shift_kernel, (x, y), out_shapes, (1,), SIZE=16,
+                                   SHIFT=-1.0)
+    doubled, shifted = jax.vmap(one)(xs)
+    np.testing.assert_array_equal(np.asarray(doubled), np.asarray(xs * 2))
+    np.testing.assert_allclose(np.asarray(shifted), np.broadcast_to(np.asarray(y) - 1.0, (3, 16)),
+                               rtol=1e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    steps: int = 20
+    batch: int = 1
+    heads: int = 1
+    key: int = 16
+    value: int = 16
+    decay: str = "model"
+    dtype: str = "float32"
+    cu_seqlens: tuple = ()
+    config: dict = dataclasses.field(default_factory=dict)  # KernelConfig fields to override
+
+
+def check(case, seed):
+    """Forward, final state and every gradient against the float64 reference."""
+    rng = np.random.default_rng(seed)
+    packed = bool(case.cu_seqlens)
+    drawn = reference.random_inputs(
+        "rwkv7", rng, batch=case.batch, steps=case.steps, heads=case.heads, key=case.key,
+        value=case.value, decay=case.decay,
+        state_rows=len(case.cu_seqlens) - 1 if packed else None)
+    x = {n: jnp.asarray(a, jnp.float32 if n == "initial_state" else case.dtype)
+         for n, a in drawn.items()}
+    x64 = {n: np.asarray(a, np.float64) for n, a in x.items()}
+    options = dict(cu_seqlens=np.asarray(case.cu_seqlens)) if packed else {}
+    ref_out, ref_state = reference.forward("rwkv7", x64, **options)
+    d_out = jnp.asarray(rng.standard_normal(ref_out.shape), case.dtype)
+    d_state = jnp.asarray(rng.standard_normal(ref_state.shape), jnp.float32)
+    ref_grads = reference.gradients("rwkv7", x64, np.asarray(d_out, np.float64),
+                                    np.asarray(d_state, np.float64), **options)
+
+    default = triton_backend.default_config(case.key, case.value)
+    key = (case.key, case.value)
+    triton_backend.CONFIG_OVERRIDES[key] = dataclasses.replace(default, **case.config)
+    try:
+        @jax.jit
+        def run(x, cu_seqlens):
+            def op(x):
+                return rwkv_jax.rwkv7(*(x[n] for n in "rwkvab"),
+                                      initial_state=x["initial_state"], cu_seqlens=cu_seqlens,
+                                      backend="triton")
+            (out, state), pullback = jax.vjp(op, x)
+            return out, state, pullback((d_out, d_state))[0]
+
+        cu = jnp.asarray(case.cu_seqlens, jnp.int32) if packed else None
+        out, state, grads = run(x, cu)
+    finally:
+        del triton_backend.CONFIG_OVERRIDES[key]
+
+    forward_tol = tolerance("triton", case.dtype, "forward")
+    gradient_tol = tolerance("triton", case.dtype, "gradient")
+    assert out.dtype == x["v"].dtype
+    errors = {"out": relative_error(out, ref_out), "state": relative_error(state, ref_state)}
+    assert errors["out"] <= forward_tol and errors["state"] <= forward_tol, errors
+    for name, grad in grads.items():
+        assert grad.dtype == x[name].dtype, name
+        assert np.all(np.isfinite(np.asarray(grad, np.float64))), f"non-finite d{name}"
+        errors[name] = relative_error(grad, ref_grads[name])
+        assert errors[name] <= gradient_tol, (name, errors)
+    return errors
+
+
+# Saved states every 2 chunks (32 tokens) so that short sequences cross span boundaries.
+SHORT_SPANS = dict(chunks_per_state=2)
+
+
+@pytest.mark.parametrize("steps", [1, 15, 16, 17, 32, 33, 70])
+def test_chunk_and_span_boundaries(steps):
+    check(Case(steps=steps, config=SHORT_SPANS), seed=steps)
+
+
+@pytest.mark.parametrize("decay", ["strong", "zero"])
+def test_decay_extremes_across_chunks(decay):
+    check(Case(steps=40, decay=decay, config=SHORT_SPANS), seed=len(decay))
+
+
+def test_packed_sequences_with_initial_states_bfloat16():
+    # Segments of 0, 17, 40 and 3 tokens: empty, partial chunk, several spans, short.
+    check(Case(steps=60, cu_seqlens=(0, 0, 17, 57, 60), dtype="bfloat16", config=SHORT_SPANS),
+          seed=7)
+
+
+@pytest.mark.parametrize("key, value, block_v", [(32, 32, 16), (128, 64, 64), (16, 48, 32)])
+def test_head_sizes_and_v_blocks(key, value, block_v):
+    """Several V blocks per head (their K-side partial gradients are summed); padded sizes."""
+    check(Case(steps=20, heads=2, key=key, value=value, config=dict(block_v=block_v)),
+          seed=key + value)
+
+
+def test_head_size_above_limit_is_refused():
+    x = jnp.ones((1, 4, 1, 256), jnp.float32)
+    with pytest.raises(ValueError, match="K .*= 256"):
+        rwkv_jax.rwkv7(x, -x, x, x, x, x, backend="triton")
+
+
+def test_platform_without_triton_gets_a_reason():
+    assert "NVIDIA" in _launch.unavailable_reason("tpu")
+    assert _launch.unavailable_reason("cpu") is None  # triton and torch are test requirements
