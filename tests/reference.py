@@ -436,8 +436,11 @@ def random_inputs(op, rng, *, batch=2, steps=37, heads=2, key=16, value=None, de
             x["gv"] = _log_decay(rng, token + (value,), decay, gla_gate)
     elif op == "rwkv4":
         channels = heads * key
-        strongest = {"model": 1.0, "strong": np.log(8.0), "zero": -30.0}[decay]
-        x = dict(w=-np.exp(rng.uniform(-5.0, strongest, channels)),
+        # w = -exp(time_decay); strong decays reach w = -8.
+        time_decay = {"model": (-5.0, 1.0), "strong": (-1.0, np.log(8.0))}
+        w = np.zeros(channels) if decay == "zero" else -np.exp(rng.uniform(*time_decay[decay],
+                                                                             channels))
+        x = dict(w=w,
                  u=0.5 * normal(channels) - 1.0,
                  k=2.0 * normal(batch, steps, channels), v=normal(batch, steps, channels))
         if initial_state:
