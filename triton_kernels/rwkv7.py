@@ -143,21 +143,20 @@ def rwkv7_forward_kernel(
     state_mask = (tl.arange(0, BK) < K)[:, None] & v_mask[None, :]
     start = tl.load(cu_ptr + sequence).to(tl.int64)
     end = tl.load(cu_ptr + sequence + 1).to(tl.int64)
-    span = C * CHUNKS_PER_STATE
     local = _state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
     h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
     first_slot = tl.load(state_index_ptr + sequence)
-    spans = (end - start + span - 1) // span
-    s = 0
-    while s < spans:  # not `for ... in range`: the interpreter cannot take a run-time bound
+    chunks = (end - start + C - 1) // C
+    c = 0
+    while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
         if SAVE_STATES:
-            saved = _state_offsets(first_slot + s, head, HEADS, K, V, BK, v_cols)
-            tl.store(states_ptr + saved, h, mask=state_mask)
-        for j in tl.static_range(CHUNKS_PER_STATE):
-            h = _chunk_forward(h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, o_ptr,
-                               start + s * span + j * C, end, head, v_cols, v_mask, True,
-                               scale, HEADS, K, V, BK, C)
-        s += 1
+            if c % CHUNKS_PER_STATE == 0:
+                saved = _state_offsets(first_slot + c // CHUNKS_PER_STATE, head, HEADS, K, V,
+                                       BK, v_cols)
+                tl.store(states_ptr + saved, h, mask=state_mask)
+        h = _chunk_forward(h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, o_ptr, start + c * C,
+                           end, head, v_cols, v_mask, True, scale, HEADS, K, V, BK, C)
+        c += 1
     tl.store(ht_ptr + local, h, mask=state_mask)
 
 
@@ -251,33 +250,37 @@ def rwkv7_backward_kernel(
     state_mask = (tl.arange(0, BK) < K)[:, None] & v_mask[None, :]
     start = tl.load(cu_ptr + sequence).to(tl.int64)
     end = tl.load(cu_ptr + sequence + 1).to(tl.int64)
-    span = C * CHUNKS_PER_STATE
     local = _state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
     dh = tl.load(dht_ptr + local, mask=state_mask, other=0.0)
     first_slot = tl.load(state_index_ptr + sequence)
-    spans = (end - start + span - 1) // span
+    chunks = (end - start + C - 1) // C
     scratch_row = (program * tl.num_programs(1) + v_block).to(tl.int64) * CHUNKS_PER_STATE
     k_rows = tl.arange(0, BK)
     scratch_tile = k_rows[:, None] * BV + tl.arange(0, BV)[None, :]
-    s = spans - 1
+    s = (chunks + CHUNKS_PER_STATE - 1) // CHUNKS_PER_STATE - 1
     while s >= 0:
         saved = _state_offsets(first_slot + s, head, HEADS, K, V, BK, v_cols)
         h = tl.load(states_ptr + saved, mask=state_mask, other=0.0)
-        # Recompute the states at the start of each chunk of the span.
-        for j in tl.static_range(CHUNKS_PER_STATE):
+        first_chunk = s * CHUNKS_PER_STATE
+        in_span = tl.minimum(chunks - first_chunk, CHUNKS_PER_STATE)
+        # Recompute the state at the start of each chunk of the span into the scratch.
+        j = 0
+        while j < in_span:
             tl.store(scratch_ptr + (scratch_row + j) * (BK * BV) + scratch_tile, h)
-            if j + 1 < CHUNKS_PER_STATE:
+            if j + 1 < in_span:
                 h = _chunk_forward(h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, r_ptr,
-                                   start + s * span + j * C, end, head, v_cols, v_mask, False,
-                                   scale, HEADS, K, V, BK, C)
+                                   start + (first_chunk + j) * C, end, head, v_cols, v_mask,
+                                   False, scale, HEADS, K, V, BK, C)
+            j += 1
         tl.debug_barrier()
-        for jj in tl.static_range(CHUNKS_PER_STATE):
-            j = CHUNKS_PER_STATE - 1 - jj
+        j = in_span - 1
+        while j >= 0:
             h = tl.load(scratch_ptr + (scratch_row + j) * (BK * BV) + scratch_tile)
             dh = _chunk_backward(h, dh, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr,
                                  dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr,
-                                 start + s * span + j * C, end, head, v_block, v_cols, v_mask,
-                                 scale, HEADS, K, V, BK, C, ROWS)
-        tl.debug_barrier()
+                                 start + (first_chunk + j) * C, end, head, v_block, v_cols,
+                                 v_mask, scale, HEADS, K, V, BK, C, ROWS)
+            j -= 1
+        tl.debug_barrier()  # the next span overwrites the scratch
         s -= 1
     tl.store(dh0_ptr + local, dh, mask=state_mask)
