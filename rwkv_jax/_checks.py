@@ -57,9 +57,10 @@ def shaped(name, x, spec: tuple[str, ...], sizes: dict, *, kind=floating):
             sizes[dim] = (size, name)
             continue
         if size != expected:
-            origin = f" (from {sizes[dim][1]})" if not dim.isdigit() else ""
+            # A literal size speaks for itself; a named one says which argument fixed it.
+            need = "" if dim.isdigit() else f" with {dim}={expected} (from {sizes[dim][1]})"
             raise ValueError(
-                f"{name} must be {_dims(spec)} with {dim}={expected}{origin}, got {_desc(x)} "
+                f"{name} must be {_dims(spec)}{need}, got {_desc(x)} "
                 f"(axis {axis} is {size})")
     return x
 

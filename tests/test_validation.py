@@ -1,0 +1,225 @@
+"""Bad input raises ValueError/TypeError naming the argument and what it got, before any
+kernel runs; a backend that cannot run says why."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rwkv_jax
+from rwkv_jax import backends
+
+B, T, H, K = 2, 5, 2, 4
+
+
+def _normal(*shape, dtype=jnp.float32, seed=0):
+    return jnp.asarray(np.random.default_rng(seed + len(shape)).standard_normal(shape), dtype)
+
+
+def rwkv7_args(**changes):
+    x = dict(r=_normal(B, T, H, K), w=-jnp.abs(_normal(B, T, H, K)), k=_normal(B, T, H, K),
+             v=_normal(B, T, H, K), a=_normal(B, T, H, K), b=_normal(B, T, H, K))
+    x.update(changes)
+    return x
+
+
+def rwkv6_args(**changes):
+    x = dict(r=_normal(B, T, H, K), k=_normal(B, T, H, K), v=_normal(B, T, H, K),
+             w=-jnp.abs(_normal(B, T, H, K)), u=_normal(H, K))
+    x.update(changes)
+    return x
+
+
+def gla_args(**changes):
+    x = dict(q=_normal(B, T, H, K), k=_normal(B, T, H, K), v=_normal(B, T, H, K))
+    x.update(changes)
+    return x
+
+
+def rwkv4_args(**changes):
+    x = dict(w=-jnp.abs(_normal(K)), u=_normal(K), k=_normal(B, T, K), v=_normal(B, T, K))
+    x.update(changes)
+    return x
+
+
+def call_rwkv7(options=None, **changes):
+    return rwkv_jax.rwkv7(**rwkv7_args(**changes), **(options or {}))
+
+
+def call_rwkv6(options=None, **changes):
+    return rwkv_jax.rwkv6(**rwkv6_args(**changes), **(options or {}))
+
+
+def call_gla(options=None, **changes):
+    return rwkv_jax.gated_linear_attention(**gla_args(**changes), **(options or {}))
+
+
+def call_rwkv4(options=None, **changes):
+    return rwkv_jax.rwkv4(**rwkv4_args(**changes), **(options or {}))
+
+
+def call_rwkv7_step(state=None, options=None, **changes):
+    pool = _normal(4, H, K, K) if state is None else state
+    return rwkv_jax.rwkv7_step(**rwkv7_args(**changes), state=pool, **(options or {}))
+
+
+def call_rwkv6_step(state=None, options=None, **changes):
+    pool = _normal(4, H, K, K) if state is None else state
+    return rwkv_jax.rwkv6_step(**rwkv6_args(**changes), state=pool, **(options or {}))
+
+
+# (id, call, exception, words the message must contain: the argument and what it got)
+BAD_INPUTS = [
+    ("rank", lambda: call_rwkv7(r=_normal(B, T, H * K)), ValueError, ["r", "4-D", "(2, 5, 8)"]),
+    ("mismatched_K", lambda: call_rwkv7(k=_normal(B, T, H, K + 1)), ValueError, ["k", "K=4", "5"]),
+    ("mismatched_T", lambda: call_rwkv7(v=_normal(B, T + 1, H, K)), ValueError, ["v", "T=5", "6"]),
+    ("mismatched_B", lambda: call_rwkv6(w=_normal(B + 1, T, H, K)), ValueError, ["w", "B=2"]),
+    ("integer_dtype", lambda: call_rwkv7(a=jnp.ones((B, T, H, K), jnp.int32)), TypeError,
+     ["a", "int32", "float"]),
+    ("bool_dtype", lambda: call_gla(q=jnp.ones((B, T, H, K), bool)), TypeError, ["q", "bool"]),
+    ("not_an_array", lambda: call_rwkv7(r="r"), TypeError, ["r", "str"]),
+    ("missing_array", lambda: call_rwkv7(b=None), TypeError, ["b", "None"]),
+    ("empty_sequence", lambda: call_rwkv7(**{n: jnp.zeros((B, 0, H, K)) for n in "rwkvab"}),
+     ValueError, ["T=0"]),
+    ("initial_state_shape", lambda: call_rwkv7(dict(initial_state=_normal(B, H, K, K + 1))),
+     ValueError, ["initial_state", "V=4", "(2, 2, 4, 5)"]),
+    ("initial_state_rank", lambda: call_rwkv6(dict(initial_state=_normal(H, K, K))),
+     ValueError, ["initial_state", "4-D"]),
+    ("initial_state_dtype", lambda: call_rwkv7(dict(initial_state=jnp.ones((B, H, K, K), int))),
+     TypeError, ["initial_state", "int"]),
+    ("initial_state_rows_with_cu_seqlens",
+     lambda: call_rwkv7(dict(cu_seqlens=np.array([0, 2, 5], np.int32),
+                             initial_state=_normal(3, H, K, K)),
+                        **{n: _normal(1, T, H, K) for n in "rwkvab"}),
+     ValueError, ["initial_state", "N=2", "cu_seqlens"]),
+    ("cu_seqlens_batch", lambda: call_rwkv7(dict(cu_seqlens=jnp.array([0, 2, 5], jnp.int32))),
+     ValueError, ["cu_seqlens", "B=2"]),
+    ("cu_seqlens_float", lambda: call_gla(dict(cu_seqlens=jnp.array([0.0, 5.0])),
+                                          **{n: _normal(1, T, H, K) for n in "qkv"}),
+     TypeError, ["cu_seqlens", "float32", "int"]),
+    ("cu_seqlens_rank", lambda: call_rwkv6(dict(cu_seqlens=jnp.array([[0, 5]], jnp.int32)),
+                                           **{n: _normal(1, T, H, K) for n in "rkvw"}),
+     ValueError, ["cu_seqlens", "1-D"]),
+    ("cu_seqlens_host_values", lambda: call_rwkv7(dict(cu_seqlens=np.array([0, 3, 4], np.int32)),
+                                                  **{n: _normal(1, T, H, K) for n in "rwkvab"}),
+     ValueError, ["cu_seqlens", "T=5", "[0, 3, 4]"]),
+    ("head_first_not_bool", lambda: call_rwkv7(dict(head_first=1)), TypeError,
+     ["head_first", "bool", "int"]),
+    ("output_final_state_not_bool", lambda: call_rwkv4(dict(output_final_state="yes")),
+     TypeError, ["output_final_state", "bool"]),
+    ("reverse_not_bool", lambda: call_gla(dict(reverse=None)), TypeError, ["reverse", "bool"]),
+    ("scale_string", lambda: call_rwkv7(dict(scale="0.5")), TypeError, ["scale", "str"]),
+    ("scale_nan", lambda: call_rwkv6(dict(scale=float("nan"))), ValueError, ["scale", "nan"]),
+    ("scale_array", lambda: call_gla(dict(scale=jnp.ones(3))), TypeError, ["scale"]),
+    ("rwkv6_u_shape", lambda: call_rwkv6(u=_normal(H * K)), ValueError, ["u", "2-D", "(8,)"]),
+    ("gla_g_shape", lambda: call_gla(dict(g=_normal(B, T, H, K))), ValueError, ["g", "3-D"]),
+    ("gla_g_gamma_shape", lambda: call_gla(dict(g_gamma=_normal(H + 1))), ValueError,
+     ["g_gamma", "H=2", "(3,)"]),
+    ("gla_gk_shape", lambda: call_gla(dict(gk=_normal(B, T, H, K + 2))), ValueError,
+     ["gk", "K=4"]),
+    ("gla_gv_dtype", lambda: call_gla(dict(gv=jnp.zeros((B, T, H, K), jnp.int8))), TypeError,
+     ["gv", "int8"]),
+    ("rwkv4_w_shape", lambda: call_rwkv4(w=_normal(K + 1)), ValueError, ["w", "C=4", "(5,)"]),
+    ("rwkv4_kv_rank", lambda: call_rwkv4(k=_normal(B, T, H, K)), ValueError, ["k", "3-D"]),
+    ("rwkv4_state_shape", lambda: call_rwkv4(dict(initial_state=_normal(B, K, 2))), ValueError,
+     ["initial_state", "[B, C, 3]", "(2, 4, 2)", "axis 2 is 2"]),
+    ("step_pool_not_float32", lambda: call_rwkv7_step(state=_normal(4, H, K, K, dtype=jnp.bfloat16)),
+     TypeError, ["state", "float32", "bfloat16"]),
+    ("step_pool_shape", lambda: call_rwkv6_step(state=_normal(4, H, K + 1, K)), ValueError,
+     ["state", "K=4"]),
+    ("step_pool_too_small", lambda: call_rwkv7_step(state=_normal(1, H, K, K)), ValueError,
+     ["state", "S=1", "state_indices"]),
+    ("step_indices_shape", lambda: call_rwkv7_step(options=dict(
+        state_indices=jnp.array([0, 1, 2], jnp.int32))), ValueError, ["state_indices", "B=2"]),
+    ("step_indices_float", lambda: call_rwkv6_step(options=dict(
+        state_indices=jnp.array([0.0, 1.0]))), TypeError, ["state_indices", "float32"]),
+    ("step_bad_scale", lambda: call_rwkv6_step(options=dict(scale=True)), TypeError,
+     ["scale", "bool"]),
+    ("unknown_backend", lambda: call_rwkv7(dict(backend="cudnn")), ValueError,
+     ["backend", "'cudnn'", "native"]),
+    ("backend_not_str", lambda: call_rwkv4(dict(backend=3)), TypeError, ["backend", "int"]),
+]
+
+
+@pytest.mark.parametrize("call, error, words", [p[1:] for p in BAD_INPUTS],
+                         ids=[p[0] for p in BAD_INPUTS])
+def test_bad_input_is_named(call, error, words):
+    with pytest.raises(error) as info:
+        call()
+    message = str(info.value)
+    for word in words:
+        assert word in message, f"{word!r} missing from: {message}"
+
+
+# RWKV6_OP: [B, T, C] tensors with head_size N = K.
+def rwkv6_op_call(u=None, **options):
+    x = {n: _normal(B, T, H * K) for n in "rkvw"}
+    return rwkv_jax.RWKV6_OP(head_size=K)(**x, u=_normal(H, K) if u is None else u, **options)
+
+
+RWKV6_OP_BAD = [
+    ("u_shape", lambda: rwkv6_op_call(u=_normal(H, K + 1)), ValueError, ["u", "[H, N]", "(2, 5)"]),
+    ("u_dtype", lambda: rwkv6_op_call(u=jnp.ones((H, K), jnp.int32)), TypeError, ["u", "int32"]),
+    ("init_state_shape", lambda: rwkv6_op_call(init_state=_normal(B, H, K, K + 1)), ValueError,
+     ["init_state", "(2, 2, 4, 5)"]),
+    ("init_state_rows", lambda: rwkv6_op_call(init_state=_normal(3, H, K, K)), ValueError,
+     ["init_state", "n_state=3", "state_map"]),
+    ("state_map_shape", lambda: rwkv6_op_call(init_state=_normal(3, H, K, K),
+                                              state_map=jnp.array([0, 1, 2], jnp.int32)),
+     ValueError, ["state_map", "(3,)"]),
+    ("state_map_dtype", lambda: rwkv6_op_call(init_state=_normal(3, H, K, K),
+                                              state_map=jnp.array([0.0, 1.0])),
+     TypeError, ["state_map", "float32"]),
+    ("state_map_alone", lambda: rwkv6_op_call(state_map=jnp.array([0, 1], jnp.int32)),
+     ValueError, ["state_map", "init_state"]),
+    ("channels_not_multiple", lambda: rwkv_jax.RWKV6_OP(head_size=3)(
+        *(_normal(B, T, H * K) for _ in "rkvw"), u=_normal(H * K)), ValueError,
+     ["C=8", "head_size=3"]),
+    ("head_size", lambda: rwkv_jax.RWKV6_OP(head_size=0), ValueError, ["head_size", "0"]),
+]
+
+
+@pytest.mark.parametrize("call, error, words", [p[1:] for p in RWKV6_OP_BAD],
+                         ids=[p[0] for p in RWKV6_OP_BAD])
+def test_rwkv6_op_bad_input_is_named(call, error, words):
+    test_bad_input_is_named(call, error, words)
+
+
+@pytest.fixture
+def unavailable_backend(monkeypatch):
+    """A registered backend whose probe says it cannot run here."""
+    name = "test_unavailable"
+    monkeypatch.setitem(backends._BACKENDS, name, backends.Backend(
+        name, "rwkv_jax.backends.native", "a backend for this test",
+        lambda platform: f"it needs hardware that {platform} lacks"))
+    backends.unavailable_reason.cache_clear()
+    yield name
+    backends.unavailable_reason.cache_clear()
+
+
+def test_backend_that_cannot_run_says_why(unavailable_backend):
+    with pytest.raises(backends.BackendUnavailableError, match="cannot run here: it needs hardware"):
+        call_rwkv7(dict(backend=unavailable_backend))
+
+
+def test_environment_backend_that_cannot_run_says_why(unavailable_backend, monkeypatch):
+    monkeypatch.setenv("RWKV_JAX_BACKEND", unavailable_backend)
+    with pytest.raises(backends.BackendUnavailableError,
+                       match=f"RWKV_JAX_BACKEND={unavailable_backend}.*it needs hardware"):
+        call_rwkv6()
+
+
+def test_backend_without_the_op_says_so(monkeypatch):
+    # A registered backend whose module defines none of the ops.
+    monkeypatch.setitem(backends._BACKENDS, "test_empty", backends.Backend(
+        "test_empty", "rwkv_jax._checks", "a backend for this test", lambda platform: None))
+    with pytest.raises(backends.BackendUnavailableError,
+                       match="'test_empty'.*does not implement rwkv4; backends that do here: native"):
+        call_rwkv4(dict(backend="test_empty"))
+
+
+def test_unavailable_backends_report_reasons():
+    """Every registered backend is either available here or carries a reason (rwkv-jax info)."""
+    rows = backends.describe()
+    assert {row["name"] for row in rows} == set(backends.names())
+    for row in rows:
+        assert row["available"] or row["reason"], row
