@@ -67,8 +67,17 @@ def pytest_report_header(config):
     return f"rwkv_jax backends under test: {', '.join(BACKENDS_UNDER_TEST)}"
 
 
+def _parametrized_by_the_test(metafunc, name):
+    for marker in metafunc.definition.iter_markers("parametrize"):
+        names = marker.args[0]
+        if name in ([n.strip() for n in names.split(",")] if isinstance(names, str) else names):
+            return True
+    return False
+
+
 def pytest_generate_tests(metafunc):
-    if "backend" in metafunc.fixturenames:
+    """A ``backend`` argument means: every backend under test (unless the test lists its own)."""
+    if "backend" in metafunc.fixturenames and not _parametrized_by_the_test(metafunc, "backend"):
         metafunc.parametrize("backend", BACKENDS_UNDER_TEST)
 
 
