@@ -30,7 +30,7 @@ def _softplus(x):
 
 
 def _shift(x):
-    """The previous token of every position (zeros before the first): torch ZeroPad2d((0,0,1,-1))."""
+    """The token before every position, zeros before the first (torch ZeroPad2d((0, 0, 1, -1)))."""
     return np.concatenate([np.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
 
 
@@ -45,7 +45,8 @@ def time_mix(p, prefix, x, v_first, first_layer):
     n_head, head_size = g_("r_k").shape
     batch, steps, c = x.shape
     xx = _shift(x) - x
-    xr, xw, xk, xv, xa, xg = (x + xx * _vec(g_(m)) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"))
+    xr, xw, xk, xv, xa, xg = (x + xx * _vec(g_(m))
+                              for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"))
     r = xr @ g_("receptance.weight").T
     w_raw = -_softplus(-(_vec(g_("w0")) + np.tanh(xw @ g_("w1")) @ g_("w2"))) - 0.5
     k = xk @ g_("key.weight").T

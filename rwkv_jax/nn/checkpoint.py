@@ -116,7 +116,8 @@ def rwkv7_config(params: Mapping) -> RWKV7Config:
     n_layer = max(layers) + 1
     missing = sorted(set(range(n_layer)) - layers)
     if missing:
-        raise ValueError(f"the checkpoint has blocks up to {n_layer - 1} but none of blocks {missing}")
+        raise ValueError(f"the checkpoint has blocks up to {n_layer - 1} but none of blocks "
+                         f"{missing}")
     value_layer = 1 if n_layer > 1 else 0
     return RWKV7Config(
         vocab_size=_dim(params, "emb.weight", 0, "the vocabulary size"),

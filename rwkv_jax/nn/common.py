@@ -5,7 +5,7 @@ state pool)."""
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -99,10 +99,10 @@ def check_layer_state(name, state, n_embd, n_head, head_size):
              "ffn_shift": (slots, n_embd)}
     got = {"att.shift": state.att.shift, "att.wkv": state.att.wkv, "ffn_shift": state.ffn_shift}
     for part, shape in needs.items():
-        x = got[part]
-        if tuple(getattr(x, "shape", ())) != shape or getattr(x, "dtype", None) != jnp.float32:
-            raise ValueError(f"{name}.{part} must be float32 {list(shape)}, got shape "
-                             f"{tuple(getattr(x, 'shape', ()))} and dtype {getattr(x, 'dtype', None)}")
+        x_shape, x_dtype = tuple(getattr(got[part], "shape", ())), getattr(got[part], "dtype", None)
+        if x_shape != shape or x_dtype != jnp.float32:
+            raise ValueError(f"{name}.{part} must be float32 {list(shape)}, got shape {x_shape} "
+                             f"and dtype {x_dtype}")
 
 
 class GroupNormPerHead(nnx.Module):
@@ -124,6 +124,20 @@ class GroupNormPerHead(nnx.Module):
         y = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).reshape(*x.shape[:-2], -1)
         return (y * self.scale[...].astype(jnp.float32)
                 + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class ChannelMixBase(nnx.Module):
+    """The two modes of a channel-mix layer, whose only state is its token shift; subclasses
+    define ``run(x, shift, runner) -> (y, shift)``."""
+
+    def __call__(self, x, shift=None):
+        """Sequence mode: ``x [B, T, C]``, ``shift [B, C]`` (the token before ``x``) or None
+        for zeros. Returns ``(y [B, T, C], the last token of x as float32 [B, C])``."""
+        return self.run(x, shift, Sequence())
+
+    def step(self, x, shift, *, state_indices=None):
+        """Step mode on a token-shift pool ``shift [S, C]``. Returns ``(y, updated pool)``."""
+        return self.run(x, shift, Step(x.shape[0], state_indices))
 
 
 def param(value, dtype) -> nnx.Param:

@@ -18,7 +18,8 @@ import numpy as np
 from flax import nnx
 
 from ..ops import rwkv6, rwkv6_step
-from .common import GroupNormPerHead, Sequence, Step, TimeMixState, channel_ramp, lora, param
+from .common import (ChannelMixBase, GroupNormPerHead, Sequence, Step, TimeMixState,
+                     channel_ramp, lora, param)
 
 # The data-dependent token shift makes five mixes, in this order.
 _MIXES = ("w", "k", "v", "r", "g")
@@ -124,7 +125,7 @@ class RWKV6TimeMix(nnx.Module):
         return self.output(self.ln_x(o) * g), TimeMixState(shift, wkv)
 
 
-class RWKV6ChannelMix(nnx.Module):
+class RWKV6ChannelMix(ChannelMixBase):
     """The RWKV-6 channel-mix layer:
     ``sigmoid(receptance(x_r)) * value(relu(key(x_k))^2)`` with static token-shift mixes."""
 
@@ -139,14 +140,6 @@ class RWKV6ChannelMix(nnx.Module):
         self.receptance = _linear(c, c, dtype, param_dtype, rngs)
         self.value = _linear(config.dim_ffn, c, dtype, param_dtype, rngs,
                              nnx.initializers.zeros_init())
-
-    def __call__(self, x, shift=None):
-        """Sequence mode: ``x [B, T, C]``, ``shift [B, C]`` or None. Returns ``(y, last x)``."""
-        return self.run(x, shift, Sequence())
-
-    def step(self, x, shift, *, state_indices=None):
-        """Step mode on a token-shift pool ``shift [S, C]``. Returns ``(y, updated pool)``."""
-        return self.run(x, shift, Step(x.shape[0], state_indices))
 
     def run(self, x, shift, runner):
         x = x.astype(self.dtype)

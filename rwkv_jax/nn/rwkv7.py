@@ -27,8 +27,9 @@ import numpy as np
 from flax import nnx
 
 from ..ops import rwkv7, rwkv7_step
-from .common import (GroupNormPerHead, LayerState, Sequence, Step, TimeMixState, channel_ramp,
-                     check_layer_state, check_tokens, lora, param, zero_layer_state)
+from .common import (ChannelMixBase, GroupNormPerHead, LayerState, Sequence, Step, TimeMixState,
+                     channel_ramp, check_layer_state, check_tokens, lora, param,
+                     zero_layer_state)
 
 # w = -exp(-0.5) * sigmoid(.) keeps the per-step decay exp(w) in [exp(-0.6065), 1).
 _MAX_LOG_DECAY = math.exp(-0.5)
@@ -140,7 +141,8 @@ class RWKV7TimeMix(nnx.Module):
                                   for name in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"))
         r = self.receptance(xr)
         # Official: decay = exp(-exp(-softplus(-z) - 0.5)) = exp(-exp(-0.5) * sigmoid(z)).
-        z = self.w0[...].astype(jnp.float32) + lora(xw, self.w1, self.w2, jnp.tanh).astype(jnp.float32)
+        z = (self.w0[...].astype(jnp.float32)
+             + lora(xw, self.w1, self.w2, jnp.tanh).astype(jnp.float32))
         w = (-_MAX_LOG_DECAY * jax.nn.sigmoid(z)).astype(x.dtype)
         k = self.key(xk)
         v = self.value(xv)
@@ -170,7 +172,7 @@ class RWKV7TimeMix(nnx.Module):
         return self.output(y * g), v_first, TimeMixState(shift, wkv)
 
 
-class RWKV7ChannelMix(nnx.Module):
+class RWKV7ChannelMix(ChannelMixBase):
     """The RWKV-7 channel-mix (feed-forward) layer: ``value(relu(key(x + (x_prev - x) x_k))^2)``."""
 
     def __init__(self, config: RWKV7Config, layer_id: int, *, dtype=jnp.float32,
@@ -183,14 +185,6 @@ class RWKV7ChannelMix(nnx.Module):
         self.value = nnx.Linear(config.dim_ffn, c, use_bias=False, dtype=dtype,
                                 param_dtype=param_dtype,
                                 kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
-
-    def __call__(self, x, shift=None):
-        """Sequence mode: ``x [B, T, C]``, ``shift [B, C]`` or None. Returns ``(y, last x)``."""
-        return self.run(x, shift, Sequence())
-
-    def step(self, x, shift, *, state_indices=None):
-        """Step mode on a token-shift pool ``shift [S, C]``. Returns ``(y, updated pool)``."""
-        return self.run(x, shift, Step(x.shape[0], state_indices))
 
     def run(self, x, shift, runner):
         x = x.astype(self.dtype)
@@ -282,8 +276,10 @@ class RWKV7LM(nnx.Module):
         cfg = self.config
         if state is not None:
             if not isinstance(state, (tuple, list)) or len(state) != cfg.n_layer:
-                raise ValueError(f"state must hold one LayerState per layer ({cfg.n_layer}), got "
-                                 f"{type(state).__name__} of length {len(state) if isinstance(state, (tuple, list)) else '-'}")
+                got = (f"{len(state)} entries" if isinstance(state, (tuple, list))
+                       else type(state).__name__)
+                raise ValueError(f"state must hold one LayerState per layer ({cfg.n_layer}), "
+                                 f"got {got}")
             for i, layer_state in enumerate(state):
                 check_layer_state(f"state[{i}]", layer_state, cfg.n_embd, cfg.n_head,
                                   cfg.head_size)

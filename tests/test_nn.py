@@ -1,0 +1,360 @@
+"""rwkv_jax.nn: the Flax layers against float64 numpy restatements of the official models
+(tests/official_rwkv7.py, tests/official_rwkv6.py), sequence mode against step mode,
+checkpoint files, errors, the Linen wrappers and the training example."""
+
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import official_rwkv6
+import official_rwkv7
+import rwkv_jax
+from conftest import tolerance
+from rwkv_jax import nn as rnn
+from rwkv_jax.nn import linen
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+VOCAB, TOKENS_SHAPE = 50, (2, 9)
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(out))
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+def model_tolerance(backend):
+    # Logits go through every layer, so allow the kernel's float32 error, at least 1e-4.
+    return max(1e-4, tolerance(backend, np.float32, "forward"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return official_rwkv7.random_checkpoint(0, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(1).integers(0, VOCAB, TOKENS_SHAPE).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def reference_logits(checkpoint, tokens):
+    return official_rwkv7.forward(checkpoint, tokens)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return rnn.load_rwkv7(checkpoint)
+
+
+# --- RWKV-7 ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["rwkv7"])
+def test_rwkv7_lm_matches_official_reference(backend, op, model, tokens, reference_logits):
+    logits = model(tokens, backend=backend)
+    assert logits.shape == TOKENS_SHAPE + (VOCAB,) and logits.dtype == jnp.float32
+    assert rel_err(logits, reference_logits) < model_tolerance(backend)
+
+
+@pytest.mark.parametrize("op", ["rwkv7_step"])
+def test_rwkv7_step_mode_equals_sequence_mode(backend, op, model, tokens, reference_logits):
+    # Token by token through the step kernel.
+    state = model.init_state(tokens.shape[0])
+    pieces = []
+    for t in range(tokens.shape[1]):
+        logits, state = model.step(tokens[:, t:t + 1], state, backend=backend)
+        pieces.append(logits)
+    assert rel_err(jnp.concatenate(pieces, 1), reference_logits) < model_tolerance(backend)
+
+    # Prefill 4 tokens in sequence mode, then 2 steps of 3 and 2 tokens, on slots 3 and 1 of a
+    # pool of 4 whose other slots must stay untouched.
+    prefill, state = model(tokens[:, :4], return_state=True)
+    pool = model.init_state(4)
+    pool = jax.tree.map(lambda p, s: p.at[jnp.array([3, 1])].set(s), pool, state)
+    middle, pool = model.step(tokens[:, 4:7], pool, state_indices=jnp.array([3, 1]),
+                              backend=backend)
+    last, pool = model.step(tokens[:, 7:], pool, state_indices=np.array([3, 1]), backend=backend)
+    assert rel_err(jnp.concatenate([prefill, middle, last], 1),
+                   reference_logits) < model_tolerance(backend)
+    for leaf in jax.tree.leaves(pool):
+        assert not np.any(leaf[jnp.array([0, 2])])
+
+    # The sequence mode's final state continues the same way.
+    _, full_state = model(tokens, return_state=True)
+    for got, want in zip(jax.tree.leaves(full_state), jax.tree.leaves(pool)):
+        assert rel_err(got, want[jnp.array([3, 1])]) < 1e-5
+
+
+def test_rwkv7_layers_compose_to_the_lm(model, tokens, reference_logits):
+    """The block and layer modules used on their own give the LM's logits."""
+    x = model.emb(tokens)
+    v_first = None
+    for block in model.blocks:
+        x, v_first, _ = block(x, v_first)
+    assert rel_err(model.head(model.ln_out(x)), reference_logits) < 1e-4
+
+    block = model.blocks[1]
+    x = jax.random.normal(jax.random.key(0), (2, 5, 32))
+    v_first = jax.random.normal(jax.random.key(1), (2, 5, 32))
+    y_att, _, att_state = block.att(x, v_first)
+    y_ffn, ffn_shift = block.ffn(x)
+    att_pool = rnn.TimeMixState(jnp.zeros((2, 32)), jnp.zeros((2, 2, 16, 16)))
+    ffn_pool = jnp.zeros((2, 32))
+    steps_att, steps_ffn = [], []
+    for t in range(5):
+        y, _, att_pool = block.att.step(x[:, t:t + 1], v_first[:, t:t + 1], att_pool)
+        steps_att.append(y)
+        y, ffn_pool = block.ffn.step(x[:, t:t + 1], ffn_pool)
+        steps_ffn.append(y)
+    assert rel_err(jnp.concatenate(steps_att, 1), y_att) < 1e-5
+    assert rel_err(jnp.concatenate(steps_ffn, 1), y_ffn) < 1e-5
+    assert rel_err(att_pool.wkv, att_state.wkv) < 1e-5
+    np.testing.assert_array_equal(ffn_pool, ffn_shift)
+
+
+def test_rwkv7_through_shard_and_jit(model, tokens, reference_logits):
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    wkv_op = rwkv_jax.shard(rwkv_jax.rwkv7, mesh, batch_axis="data")
+    logits = nnx.jit(lambda m, t: m(t, wkv_op=wkv_op))(model, tokens)
+    assert rel_err(logits, reference_logits) < 1e-4
+
+
+def test_rwkv7_bfloat16_compute(checkpoint, tokens, reference_logits):
+    model = rnn.load_rwkv7(checkpoint, dtype=jnp.bfloat16)
+    assert model.blocks[0].att.w1.get_value().dtype == jnp.float32
+    logits = model(tokens)
+    assert logits.dtype == jnp.bfloat16
+    assert rel_err(logits, reference_logits) < 5e-2
+
+
+def test_rwkv7_gradients_are_finite_and_reach_every_parameter(model, tokens):
+    def loss(model):
+        logits = model(tokens[:, :-1])
+        return jnp.mean(jax.nn.logsumexp(logits, -1)
+                        - jnp.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0])
+    grads = nnx.grad(loss)(model)
+    for path, g in jax.tree.leaves_with_path(nnx.state(grads, nnx.Param)):
+        g = np.asarray(g)
+        assert np.all(np.isfinite(g)) and np.any(g != 0), jax.tree_util.keystr(path)
+
+
+def test_rwkv7_fresh_model_runs_both_modes():
+    cfg = rnn.RWKV7Config(vocab_size=20, n_embd=32, n_layer=2, head_size=16)
+    assert (cfg.dim_ffn, cfg.decay_lora, cfg.gate_lora) == (128, 32, 32)
+    model = rnn.RWKV7LM(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.array([[1, 2, 3], [4, 5, 6]], jnp.int32)
+    logits = model(tokens)
+    state = model.init_state(2)
+    stepped, _ = model.step(tokens, state)
+    assert logits.shape == (2, 3, 20)
+    assert rel_err(stepped, logits) < 1e-5
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+def _save(path, params):
+    if path.suffix == ".npz":
+        np.savez(path, **params)
+    elif path.suffix == ".safetensors":
+        from safetensors.numpy import save_file
+        save_file(params, str(path))
+    else:
+        torch = pytest.importorskip("torch")
+        torch.save({n: torch.from_numpy(v) for n, v in params.items()}, path)
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors", ".pth"])
+def test_checkpoint_files_round_trip(tmp_path, suffix, checkpoint, model, tokens):
+    path = tmp_path / f"model{suffix}"
+    _save(path, checkpoint)
+    loaded = rnn.load_rwkv7(path)
+    exported = rnn.rwkv7_state_dict(loaded)
+    # Everything comes back, except layer 0's unused value-residual LoRA.
+    assert set(checkpoint) - set(exported) == {"blocks.0.att.v0", "blocks.0.att.v1",
+                                               "blocks.0.att.v2"}
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value, checkpoint[name], err_msg=name)
+    np.testing.assert_array_equal(loaded(tokens), model(tokens))
+
+
+def test_checkpoint_torch_bfloat16_and_flat_vectors(tmp_path, checkpoint, tokens):
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "bf16.pth"
+    # bf16 tensors (as released models are) and [C] instead of [1, 1, C] per-channel vectors.
+    torch.save({n: torch.from_numpy(v.reshape(-1) if v.shape[:2] == (1, 1) else v)
+                .to(torch.bfloat16) for n, v in checkpoint.items()}, path)
+    rounded = {n: torch.from_numpy(v).to(torch.bfloat16).float().numpy()
+               for n, v in checkpoint.items()}
+    logits = rnn.load_rwkv7(path)(tokens)
+    assert rel_err(logits, official_rwkv7.forward(rounded, tokens)) < 1e-4
+
+
+def test_checkpoint_without_layer0_value_lora(tokens):
+    params = official_rwkv7.random_checkpoint(3, vocab_size=VOCAB, n_layer=1,
+                                              layer0_value_lora=False)
+    model = rnn.load_rwkv7(params)
+    assert model.config.n_layer == 1
+    assert rel_err(model(tokens), official_rwkv7.forward(params, tokens)) < 1e-4
+
+
+def test_config_is_inferred_from_shapes(checkpoint):
+    cfg = rnn.rwkv7_config(checkpoint)
+    assert cfg == rnn.RWKV7Config(vocab_size=VOCAB, n_embd=32, n_layer=2, head_size=16,
+                                  dim_ffn=128, decay_lora=8, a_lora=8, v_lora=4, gate_lora=12)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p.pop("blocks.1.att.k_a"), r"missing \['blocks\.1\.att\.k_a'\]"),
+    (lambda p: p.update({"blocks.1.att.extra": np.ones(3, np.float32)}),
+     r"unknown \['blocks\.1\.att\.extra'\]"),
+    (lambda p: p.update({"blocks.1.att.w2": np.ones((8, 31), np.float32)}),
+     r"blocks\.1\.att\.w2 must have shape \(8, 32\) \[D_decay=8, C=32\].*got \(8, 31\)"),
+    (lambda p: p.update({"blocks.0.att.receptance.weight": np.ones((32, 16), np.float32)}),
+     r"blocks\.0\.att\.receptance\.weight must have shape \(32, 32\).*got \(32, 16\)"),
+    (lambda p: p.update({"head.weight": np.ones((49, 32), np.float32)}),
+     r"head\.weight must have shape \(50, 32\) \[vocab=50, C=32\].*got \(49, 32\)"),
+    (lambda p: p.pop("blocks.0.att.r_k"),
+     r"no 'blocks\.0\.att\.r_k', needed to infer the head size"),
+    (lambda p: p.update({"blocks.0.att.x_r": np.ones((1, 1, 32), np.int32)}),
+     r"blocks\.0\.att\.x_r must be floating point"),
+])
+def test_checkpoint_errors_name_the_key(checkpoint, change, message):
+    params = dict(checkpoint)
+    change(params)
+    with pytest.raises((ValueError, TypeError), match=message):
+        rnn.load_rwkv7(params)
+
+
+def test_checkpoint_path_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"must end in \.pth, \.pt, \.safetensors or \.npz"):
+        rnn.load_rwkv7(tmp_path / "model.bin")
+    with pytest.raises(TypeError, match="source must be a checkpoint path or a dict"):
+        rnn.load_rwkv7(42)
+
+
+def test_bad_inputs_are_named(model, tokens):
+    with pytest.raises(TypeError, match=r"tokens must be an integer array \[B, T\]"):
+        model(tokens.astype(np.float32))
+    with pytest.raises(ValueError, match="pass either backend= or wkv_op="):
+        model(tokens, backend="native", wkv_op=rwkv_jax.rwkv7)
+    with pytest.raises(ValueError, match="state must hold one LayerState per layer"):
+        model.step(tokens, model.init_state(2)[:1])
+    bad = list(model.init_state(2))
+    bad[1] = bad[1]._replace(ffn_shift=jnp.zeros((2, 31)))
+    with pytest.raises(ValueError, match=r"state\[1\]\.ffn_shift must be float32 \[2, 32\]"):
+        model.step(tokens, tuple(bad))
+    with pytest.raises(ValueError, match="one row per batch row"):
+        model(tokens, model.init_state(3))
+    with pytest.raises(ValueError, match="v_first"):
+        model.blocks[1].att(jnp.zeros((1, 2, 32)))
+    with pytest.raises(ValueError, match="head_size=16"):
+        rnn.RWKV7Config(vocab_size=5, n_embd=40, n_layer=1, head_size=16)
+
+
+# --- RWKV-6 ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rwkv6_layer():
+    params = official_rwkv6.random_layer(0, layer_id=1)
+    x = np.random.default_rng(2).standard_normal((2, 9, 32))
+    return params, x
+
+
+@pytest.mark.parametrize("op", ["rwkv6"])
+def test_rwkv6_layers_match_official_reference(backend, op, rwkv6_layer):
+    params, x = rwkv6_layer
+    att, ffn = rnn.load_rwkv6_layer(params, 1)
+    y, _ = att(jnp.asarray(x, jnp.float32), backend=backend)
+    assert rel_err(y, official_rwkv6.time_mix(params, 1, x)) < model_tolerance(backend)
+    y, _ = ffn(jnp.asarray(x, jnp.float32))
+    assert rel_err(y, official_rwkv6.channel_mix(params, 1, x)) < 1e-5
+
+
+@pytest.mark.parametrize("op", ["rwkv6_step"])
+def test_rwkv6_step_mode_equals_sequence_mode(backend, op, rwkv6_layer):
+    params, x = rwkv6_layer
+    att, ffn = rnn.load_rwkv6_layer(params, 1)
+    x = jnp.asarray(x, jnp.float32)
+    want, want_state = att(x)
+    # Three slots, the batch on slots 2 and 0; prefill 4 tokens in sequence mode first.
+    head, first = att(x[:, :4])
+    pool = rnn.TimeMixState(jnp.zeros((3, 32)).at[jnp.array([2, 0])].set(first.shift),
+                            jnp.zeros((3, 2, 16, 16)).at[jnp.array([2, 0])].set(first.wkv))
+    pieces = [head]
+    for t in range(4, 9):
+        y, pool = att.step(x[:, t:t + 1], pool, state_indices=jnp.array([2, 0]), backend=backend)
+        pieces.append(y)
+    assert rel_err(jnp.concatenate(pieces, 1), want) < model_tolerance(backend)
+    assert rel_err(pool.wkv[jnp.array([2, 0])], want_state.wkv) < model_tolerance(backend)
+    assert not np.any(pool.wkv[1])
+
+    y_seq, _ = ffn(x)
+    shift = jnp.zeros((2, 32))
+    steps = []
+    for t in range(9):
+        y, shift = ffn.step(x[:, t:t + 1], shift)
+        steps.append(y)
+    assert rel_err(jnp.concatenate(steps, 1), y_seq) < 1e-5
+
+
+def test_rwkv6_fresh_layers_and_errors():
+    cfg = rnn.RWKV6Config(n_embd=32, n_layer=2, head_size=16, mix_lora=4, decay_lora=8)
+    assert cfg.dim_ffn == 96
+    att = rnn.RWKV6TimeMix(cfg, 0, rngs=nnx.Rngs(0))
+    y, state = att(jnp.ones((1, 3, 32)))
+    assert y.shape == (1, 3, 32) and state.wkv.shape == (1, 2, 16, 16)
+    params = official_rwkv6.random_layer(0, layer_id=0)
+    params["blocks.0.att.time_maa_w2"] = np.ones((4, 4, 32), np.float32)
+    with pytest.raises(ValueError, match=r"time_maa_w2 must have shape \(5, 4, 32\)"):
+        rnn.load_rwkv6_layer(params, 0)
+
+
+# --- Linen wrappers --------------------------------------------------------------------------
+
+def test_linen_wrappers_call_the_ops():
+    rng = np.random.default_rng(4)
+    shape = (1, 5, 2, 4)
+    r, k, v, a = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(4))
+    w = -jnp.asarray(rng.uniform(0.01, 0.6, shape), jnp.float32)
+    kk = a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+    u = jnp.asarray(rng.standard_normal((2, 4)), jnp.float32)
+    module = linen.RWKV7(scale=0.5, backend="native")
+    o, h = module.apply({}, r, w, k, v, -kk, kk * 0.5)
+    want_o, want_h = rwkv_jax.rwkv7(r, w, k, v, -kk, kk * 0.5, scale=0.5, backend="native")
+    np.testing.assert_array_equal(o, want_o)
+    np.testing.assert_array_equal(h, want_h)
+    o, pool = module.apply({}, r, w, k, v, -kk, kk * 0.5, jnp.zeros((1, 2, 4, 4)), method="step")
+    assert rel_err(o, want_o) < 1e-5 and rel_err(pool, want_h) < 1e-5
+
+    o, h = linen.RWKV6().apply({}, r, k, v, w, u)
+    np.testing.assert_array_equal(o, rwkv_jax.rwkv6(r, k, v, w, u)[0])
+    o, _ = linen.RWKV6().apply({}, r, k, v, w, u, jnp.zeros((1, 2, 4, 4)), method="step")
+    assert rel_err(o, rwkv_jax.rwkv6(r, k, v, w, u)[0]) < 1e-5
+    o, _ = linen.GatedLinearAttention(reverse=True).apply({}, r, k, v, gk=w)
+    want_o, _ = rwkv_jax.gated_linear_attention(r, k, v, gk=w, reverse=True)
+    np.testing.assert_array_equal(o, want_o)
+    c = (1, 5, 8)
+    kc, vc = (jnp.asarray(rng.standard_normal(c), jnp.float32) for _ in range(2))
+    wc, uc = -jnp.ones(8), jnp.zeros(8)
+    y, _ = linen.RWKV4().apply({}, wc, uc, kc, vc)
+    np.testing.assert_array_equal(y, rwkv_jax.rwkv4(wc, uc, kc, vc)[0])
+
+
+# --- the training example --------------------------------------------------------------------
+
+def test_associative_recall_example_tiny_learns(capsys):
+    spec = importlib.util.spec_from_file_location(
+        "train_associative_recall", ROOT / "examples" / "train_associative_recall.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main(["--tiny"])
+    losses = result["losses"]
+    assert np.mean(losses[-10:]) < 0.85 * np.mean(losses[:10])
+    assert result["accuracy"] > result["chance"]
+    assert "loss" in capsys.readouterr().out
