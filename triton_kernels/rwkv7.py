@@ -219,7 +219,8 @@ def _chunk_backward(h, dh, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr,
     # gi_t = sum_{j<=t} w_j, ge_t = gi_t - w_t, g = sum_j w_j.
     dw = tl.cumsum(d_gi + d_ge, axis=0, reverse=True) - d_ge + dg_end[None, :]
 
-    k_at += v_block.to(tl.int64) * (ROWS * HEADS * K)  # this V block's partial sums of K-side gradients
+    if ROWS > 0:  # several V blocks: this one's partial sums of the K-side gradients
+        k_at += v_block.to(tl.int64) * (ROWS * HEADS * K)
     tl.store(dr_ptr + k_at, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
     tl.store(dw_ptr + k_at, dw.to(dw_ptr.dtype.element_ty), mask=k_in)
     tl.store(dk_ptr + k_at, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
@@ -238,9 +239,10 @@ def rwkv7_backward_kernel(
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    """Grid as the forward's. dr, dw, dk, da, db: [V blocks, rows, HEADS, K] (partial sums per
-    V block); dv [rows, HEADS, V]; dh0 [N, HEADS, K, V] float32; scratch: float32
-    [programs, CHUNKS_PER_STATE, K, BV], the chunk states of the span being differentiated."""
+    """Grid as the forward's. dr, dw, dk, da, db: [rows, HEADS, K], or float32 partial sums
+    [V blocks, ROWS, HEADS, K] when ROWS > 0 (several V blocks); dv [rows, HEADS, V];
+    dh0 [N, HEADS, K, V] float32; scratch: float32 [programs * V blocks, CHUNKS_PER_STATE, BK,
+    BV], the chunk states of the span being differentiated."""
     program = tl.program_id(0)
     v_block = tl.program_id(1)
     sequence = program // HEADS

@@ -141,7 +141,8 @@ def _rwkv7_bwd(static, residuals, cotangents):
          jax.ShapeDtypeStruct((grid[0] * v_blocks, static.config.chunks_per_state, block_k,
                                static.config.block_v), jnp.float32)),
         grid, num_warps=static.config.backward_warps, num_stages=static.config.stages,
-        ROWS=rows, **static.constexprs())
+        ROWS=rows if v_blocks > 1 else 0,  # (0: one V block; no recompile per length)
+        **static.constexprs())
     return (reduce(dr, r), reduce(dw, w), reduce(dk, k), dv, reduce(da, a), reduce(db, b), dh0,
             None)
 

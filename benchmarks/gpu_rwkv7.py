@@ -1,0 +1,322 @@
+"""RWKV-7 on an NVIDIA GPU: the triton backend against a float64 reference, then side by side
+with fla's ``chunk_rwkv7`` (fastest and default configurations) on the same inputs.
+
+Run on the GPU machine (benchmarks/gpu_rwkv7.sh installs jax-triton and fla-core first):
+
+    python benchmarks/gpu_rwkv7.py --out DIR [--sweep]
+
+1. Correctness: forward, final state and every gradient (with an initial state, packed
+   sequences, bf16 and fp32, K = 64 and 128, strong and zero decays) against the float64 numpy
+   reference of tests/reference.py, on fresh random inputs.
+2. Benchmark at B=8, T=4096, H=64, K=V=64, bf16 (model-range decays): forward and
+   forward+backward times (medians), peak memory (inputs, outputs and temporaries), and each
+   one's error against float64 on a slice of the same inputs (batch 0, the first 4 heads, all
+   4096 steps). ``--sweep`` also times other kernel configurations of the triton backend.
+The table comes last; everything is also written to DIR/gpu_rwkv7.log and DIR/gpu_rwkv7.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import reference  # noqa: E402
+
+import rwkv_jax  # noqa: E402
+from rwkv_jax.backends import triton as triton_backend  # noqa: E402
+
+NAMES = tuple("rwkvab")
+TOLERANCE = {"float32": 2e-3, "bfloat16": 1e-2}  # DESIGN.md's numerical contract
+LOWER_BOUND = -0.6065  # fla's fastest configuration asserts w >= this
+
+_log_file = None
+results: dict = {"correctness": [], "benchmark": [], "sweep": []}
+
+
+def log(*parts):
+    line = " ".join(str(p) for p in parts)
+    print(line, flush=True)
+    if _log_file:
+        _log_file.write(line + "\n")
+        _log_file.flush()
+
+
+def relative_error(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Correctness against float64.
+# ----------------------------------------------------------------------------------------------
+
+def triton_vjp(x, d_out, d_state, cu_seqlens=None):
+    def op(x):
+        return rwkv_jax.rwkv7(*(x[n] for n in NAMES), initial_state=x.get("initial_state"),
+                              cu_seqlens=cu_seqlens, backend="triton")
+    (out, state), pullback = jax.vjp(op, x)
+    return out, state, pullback((d_out, d_state))[0]
+
+
+def check(name, dtype, key, value, steps=300, batch=2, heads=4, decay="model", cu_seqlens=None,
+          seed=0):
+    rng = np.random.default_rng(seed)
+    rows = len(cu_seqlens) - 1 if cu_seqlens else None
+    drawn = reference.random_inputs("rwkv7", rng, batch=1 if cu_seqlens else batch, steps=steps,
+                                    heads=heads, key=key, value=value, decay=decay,
+                                    state_rows=rows)
+    x = {n: jnp.asarray(a, jnp.float32 if n == "initial_state" else dtype)
+         for n, a in drawn.items()}
+    x64 = {n: np.asarray(a, np.float64) for n, a in x.items()}
+    options = dict(cu_seqlens=np.asarray(cu_seqlens)) if cu_seqlens else {}
+    ref_out, ref_state = reference.forward("rwkv7", x64, **options)
+    d_out = jnp.asarray(rng.standard_normal(ref_out.shape), dtype)
+    d_state = jnp.asarray(rng.standard_normal(ref_state.shape), jnp.float32)
+    ref_grads = reference.gradients("rwkv7", x64, np.asarray(d_out, np.float64),
+                                    np.asarray(d_state, np.float64), **options)
+    cu = jnp.asarray(cu_seqlens, jnp.int32) if cu_seqlens else None
+    out, state, grads = jax.jit(triton_vjp)(x, d_out, d_state, cu)
+    errors = {"out": relative_error(out, ref_out), "state": relative_error(state, ref_state)}
+    errors.update({f"d{n}": relative_error(g, ref_grads[n]) for n, g in grads.items()})
+    finite = all(np.isfinite(np.asarray(a, np.float64)).all()
+                 for a in [out, state, *grads.values()])
+    worst = max(errors.values())
+    ok = finite and worst <= TOLERANCE[dtype]
+    log(f"check {name:34s} {'PASS' if ok else 'FAIL'} worst {worst:.2e}  "
+        + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+    results["correctness"].append(dict(name=name, ok=ok, finite=finite, errors=errors))
+    return ok
+
+
+def correctness():
+    packed = [0, 100, 100, 117, 300]  # with an empty segment and a partial chunk
+    check("bf16 K=V=64 initial state", "bfloat16", 64, 64, seed=1)
+    check("fp32 K=V=64 initial state", "float32", 64, 64, seed=2)
+    check("bf16 K=V=128 initial state", "bfloat16", 128, 128, seed=3)
+    check("fp32 K=V=128 initial state", "float32", 128, 128, seed=4)
+    check("bf16 K=64 packed (cu_seqlens)", "bfloat16", 64, 64, cu_seqlens=packed, seed=5)
+    check("fp32 K=128 V=64 packed (cu_seqlens)", "float32", 128, 64, cu_seqlens=packed, seed=6)
+    check("fp32 K=V=32", "float32", 32, 32, seed=7)
+    check("fp32 K=V=64 strong decay (w>=-8)", "float32", 64, 64, decay="strong", seed=8)
+    check("fp32 K=V=64 zero decay", "float32", 64, 64, decay="zero", seed=9)
+    check("bf16 K=V=64 T=4097", "bfloat16", 64, 64, steps=4097, batch=1, heads=2, seed=10)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Benchmark against fla.
+# ----------------------------------------------------------------------------------------------
+
+def model_inputs(batch, steps, heads, size, seed=0):
+    """RWKV-7 inputs as a model makes them, on the GPU in bf16 (torch), plus cotangents."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    normal = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)
+    shape = (batch, steps, heads, size)
+    k = normal(*shape)
+    kk = torch.nn.functional.normalize(k, dim=-1)
+    x = dict(r=normal(*shape), w=LOWER_BOUND * torch.sigmoid(normal(*shape)), k=k,
+             v=normal(*shape), a=-kk, b=kk * torch.sigmoid(normal(*shape)))
+    x = {n: t.to(torch.bfloat16).contiguous() for n, t in x.items()}
+    d_out = normal(*shape).to(torch.bfloat16)
+    d_state = normal(batch, heads, size, size)
+    return x, d_out, d_state
+
+
+def float64_slice(x, d_out, d_state, heads=4):
+    """The float64 reference on batch 0 and the first ``heads`` heads (all steps)."""
+    pick = lambda t: t[:1, :, :heads].double().cpu().numpy()
+    x64 = {n: pick(t) for n, t in x.items()}
+    out, state = reference.forward("rwkv7", x64)
+    grads = reference.gradients("rwkv7", x64, pick(d_out),
+                                d_state[:1, :heads].double().cpu().numpy())
+    return out, state, grads
+
+
+def slice_errors(out, state, grads, ref, heads=4):
+    ref_out, ref_state, ref_grads = ref
+    pick = lambda a: np.asarray(a, np.float64)[:1, :, :heads]
+    errors = {"out": relative_error(pick(out), ref_out),
+              "state": relative_error(np.asarray(state, np.float64)[:1, :heads], ref_state)}
+    if grads is not None:
+        errors.update({f"d{n}": relative_error(pick(grads[n]), ref_grads[n]) for n in NAMES})
+    return errors
+
+
+def time_jax(fn, *args, reps=7, min_seconds=0.2):
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = time.perf_counter() - start
+    iters = max(3, int(min_seconds / max(once, 1e-4)))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / iters)
+    return statistics.median(times) * 1e3
+
+
+def jax_peak_bytes(fn, *args):
+    """Arguments + outputs + temporaries of the compiled program (what it holds at its peak)."""
+    stats = fn.lower(*args).compile().memory_analysis()
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+            + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def bench_triton(label, x_jax, d_out, d_state, ref, config=None):
+    size = x_jax["k"].shape[-1]
+    if config is not None:
+        triton_backend.CONFIG_OVERRIDES[(size, size)] = config
+    try:
+        forward = jax.jit(lambda x: rwkv_jax.rwkv7(*(x[n] for n in NAMES), backend="triton"))
+        both = jax.jit(triton_vjp)
+        compile_start = time.perf_counter()
+        out, state = jax.block_until_ready(forward(x_jax))
+        _, _, grads = jax.block_until_ready(both(x_jax, d_out, d_state))
+        compile_s = time.perf_counter() - compile_start
+        row = dict(name=label, forward_ms=time_jax(forward, x_jax),
+                   forward_backward_ms=time_jax(both, x_jax, d_out, d_state),
+                   peak_bytes=jax_peak_bytes(both, x_jax, d_out, d_state),
+                   forward_peak_bytes=jax_peak_bytes(forward, x_jax),
+                   errors=slice_errors(out, state, grads, ref), compile_s=compile_s,
+                   config=dataclasses.asdict(triton_backend.CONFIG_OVERRIDES.get(
+                       (size, size), triton_backend.default_config(size, size))))
+    finally:
+        triton_backend.CONFIG_OVERRIDES.pop((size, size), None)
+    return row
+
+
+def bench_fla(label, x, d_out, d_state, ref, **options):
+    import triton.testing
+    from fla.ops.rwkv7 import chunk_rwkv7
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+
+    def forward():
+        with torch.no_grad():
+            return chunk_rwkv7(*(leaves[n] for n in NAMES), scale=1.0,
+                               output_final_state=True, **options)
+
+    def forward_backward():
+        out, state = chunk_rwkv7(*(leaves[n] for n in NAMES), scale=1.0,
+                                 output_final_state=True, **options)
+        torch.autograd.backward((out, state), (d_out, d_state))
+
+    out, state = forward()
+    forward_backward()
+    grads = {n: t.grad.float().cpu().numpy() for n, t in leaves.items()}
+    errors = slice_errors(out.float().cpu().numpy(), state.float().cpu().numpy(), grads, ref)
+    fresh = list(leaves.values())
+    forward_ms = triton.testing.do_bench(forward, warmup=100, rep=500, return_mode="median")
+    both_ms = triton.testing.do_bench(forward_backward, warmup=100, rep=1000,
+                                      grad_to_none=fresh, return_mode="median")
+    held = sum(t.numel() * t.element_size() for t in [*x.values(), d_out, d_state])
+    peaks = []
+    for fn in (forward_backward, forward):
+        for t in fresh:
+            t.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base + held)
+    return dict(name=label, forward_ms=forward_ms, forward_backward_ms=both_ms,
+                peak_bytes=peaks[0], forward_peak_bytes=peaks[1], errors=errors, options=options)
+
+
+def describe(row):
+    errors = row["errors"]
+    worst_grad = max(v for k, v in errors.items() if k.startswith("d"))
+    return (f"{row['name']:38s} fwd {row['forward_ms']:7.3f} ms  fwd+bwd "
+            f"{row['forward_backward_ms']:7.3f} ms  peak {row['peak_bytes'] / 2**30:6.2f} GiB "
+            f"(fwd {row['forward_peak_bytes'] / 2**30:5.2f})  err out {errors['out']:.1e} "
+            f"state {errors['state']:.1e} grads<= {worst_grad:.1e}")
+
+
+def benchmark(sweep, deadline):
+    batch, steps, heads, size = 8, 4096, 64, 64
+    x, d_out, d_state = model_inputs(batch, steps, heads, size)
+    log(f"benchmark inputs: B={batch} T={steps} H={heads} K=V={size} bf16, "
+        f"w in [{LOWER_BOUND}, 0)")
+    ref = float64_slice(x, d_out, d_state)
+    x_jax = {n: jax.dlpack.from_dlpack(t) for n, t in x.items()}
+    d_out_jax = jax.dlpack.from_dlpack(d_out)
+    d_state_jax = jax.dlpack.from_dlpack(d_state)
+    rows = []
+
+    def attempt(fn, *args, **kwargs):
+        try:
+            row = fn(*args, **kwargs)
+        except Exception as err:  # one failing contender must not hide the others
+            log(f"  {args[0]}: FAILED {type(err).__name__}: {str(err)[:400]}")
+            return None
+        log("  " + describe(row))
+        rows.append(row)
+        return row
+
+    attempt(bench_triton, "rwkv_jax triton (default config)", x_jax, d_out_jax, d_state_jax, ref)
+    attempt(bench_fla, "fla chunk_rwkv7 fastest (C=64, safe)", x, d_out, d_state, ref,
+            chunk_size=64, safe_gate=True, lower_bound=LOWER_BOUND)
+    attempt(bench_fla, "fla chunk_rwkv7 default", x, d_out, d_state, ref)
+    results["benchmark"] = rows
+    if sweep:
+        default = triton_backend.default_config(size, size)
+        variants = [dict(forward_warps=8, backward_warps=8), dict(block_v=32),
+                    dict(block_v=32, backward_warps=8), dict(chunks_per_state=8),
+                    dict(forward_warps=8), dict(backward_warps=8), dict(stages=1)]
+        for change in variants:
+            if time.time() > deadline:
+                log(f"  sweep stopped at the time budget; not run: {change} and later")
+                break
+            config = dataclasses.replace(default, **change)
+            row = attempt(bench_triton, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,
+                          config)
+            if row:
+                results["sweep"].append(row)
+    return rows
+
+
+def main():
+    global _log_file
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--sweep", action="store_true", help="also time other kernel configs")
+    parser.add_argument("--budget", type=float, default=420.0,
+                        help="seconds after which the sweep stops starting new configs")
+    parser.add_argument("--skip-correctness", action="store_true")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    _log_file = open(os.path.join(args.out, "gpu_rwkv7.log"), "w")
+    deadline = time.time() + args.budget
+    gpu = torch.cuda.get_device_name()
+    log(f"GPU {gpu}; jax {jax.__version__} ({jax.devices()[0]}), torch {torch.__version__}")
+    results["gpu"] = gpu
+    if not args.skip_correctness:
+        correctness()
+    rows = benchmark(args.sweep, deadline)
+    with open(os.path.join(args.out, "gpu_rwkv7.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    log("\ncorrectness: " + ", ".join(f"{c['name']}: {'ok' if c['ok'] else 'FAIL'}"
+                                      for c in results["correctness"]))
+    log(f"\nRWKV-7 B=8 T=4096 H=64 K=V=64 bf16 on {gpu}")
+    for row in rows + results["sweep"]:
+        log(describe(row))
+
+
+if __name__ == "__main__":
+    main()
