@@ -1,0 +1,241 @@
+"""rwkv_jax.shard on 8 simulated CPU devices (tests/conftest.py creates them).
+
+Every combination of batch, head and sequence axes on a (2, 2, 2) mesh must give the
+single-device result of the same op and backend, forward and gradients (initial state
+included), with outputs really split: each device holds only its block.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference
+import rwkv_jax
+from conftest import tolerance
+
+MESH_AXES = {"batch_axis": "data", "head_axis": "heads", "seq_axis": "seq"}
+COMBINATIONS = [roles for n in (1, 2, 3) for roles in itertools.combinations(MESH_AXES, n)]
+SEQUENCE_OPS = ("rwkv7", "rwkv6", "gated_linear_attention")
+POSITIONAL = {"rwkv7": tuple("rwkvab"), "rwkv6": tuple("rkvwu"),
+              "gated_linear_attention": ("q", "k", "v"), "rwkv4": ("w", "u", "k", "v")}
+SIZES = dict(batch=2, steps=16, heads=2, key=8)
+ALL_GATES = ("g", "g_gamma", "gk", "gv")
+
+
+def test_eight_devices():
+    assert len(jax.devices()) == 8, "tests/conftest.py must set jax_num_cpu_devices to 8"
+
+
+def _mesh(shape=(2, 2, 2), names=("data", "heads", "seq")):
+    return jax.make_mesh(shape, names)
+
+
+def _inputs(op, seed, dtype="float32", **options):
+    options = {**SIZES, **options}
+    if op == "gated_linear_attention":
+        options.setdefault("gates", ALL_GATES)
+    x = reference.random_inputs(op, np.random.default_rng(seed), **options)
+    return {n: jnp.asarray(y, jnp.float32 if n == "initial_state" else dtype) for n, y in x.items()}
+
+
+def _call(fn, op, x, options):
+    positional = [x[n] for n in POSITIONAL[op]]
+    keywords = {n: y for n, y in x.items() if n not in POSITIONAL[op]}
+    return fn(*positional, **keywords, **options)
+
+
+def _forward_and_gradients(fn, op, x, options, seed=1):
+    """(output, final state, gradients of every input) for random cotangents, under jit."""
+    @jax.jit
+    def run(x):
+        (o, h), pull = jax.vjp(lambda x: _call(fn, op, x, options), x)
+        rng = np.random.default_rng(seed)
+        do = jnp.asarray(rng.standard_normal(o.shape), o.dtype)
+        dh = None if h is None else jnp.asarray(rng.standard_normal(h.shape), h.dtype)
+        return o, h, pull((do, dh))[0]
+    return run(x)
+
+
+def _relative_error(got, want):
+    got, want = (np.asarray(y, np.float64) for y in (got, want))
+    assert np.all(np.isfinite(got))
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+_ONE_DEVICE = {}
+
+
+def _assert_matches(op, x, roles, *, options=None, mesh=None, backend="native", dtype="float32"):
+    """Sharded over ``roles`` equals one device, forward and gradients; returns (o, h)."""
+    options = dict(options or {})
+    mesh = _mesh() if mesh is None else mesh
+    fn = functools.partial(getattr(rwkv_jax, op), backend=backend)
+    sharded = rwkv_jax.shard(fn, mesh, **{role: MESH_AXES[role] for role in roles})
+    o, h, grads = _forward_and_gradients(sharded, op, x, options)
+    # The single-device run is shared by the tests that give it the same inputs.
+    key = (op, backend, repr(options), tuple((n, y.shape, np.asarray(y, np.float32).tobytes())
+                                             for n, y in x.items()))
+    if key not in _ONE_DEVICE:
+        _ONE_DEVICE[key] = _forward_and_gradients(fn, op, x, options)
+    o1, h1, grads1 = _ONE_DEVICE[key]
+    forward, gradient = tolerance(backend, dtype, "forward"), tolerance(backend, dtype, "gradient")
+    assert o.dtype == o1.dtype and o.shape == o1.shape
+    assert _relative_error(o, o1) <= forward, "output"
+    if h1 is None:
+        assert h is None
+    else:
+        assert h.dtype == h1.dtype and _relative_error(h, h1) <= forward, "final state"
+    for name in x:
+        assert grads[name].dtype == grads1[name].dtype, name
+        assert _relative_error(grads[name], grads1[name]) <= gradient, f"gradient of {name}"
+    return o, h
+
+
+def _assert_split(x, mesh, axes_per_dim):
+    """Each of the mesh's devices holds only its block of ``x``: the shape divided by the
+    sizes of the mesh axes named per dimension (None: not split)."""
+    block = tuple(size // (mesh.shape[a] if a else 1) for size, a in zip(x.shape, axes_per_dim))
+    shards = x.addressable_shards
+    assert len(shards) == mesh.size
+    assert all(s.data.shape == block for s in shards), (block, [s.data.shape for s in shards])
+    distinct = {tuple((i.start, i.stop) for i in s.index) for s in shards}
+    assert len(distinct) == math.prod(mesh.shape[a] for a in axes_per_dim if a)
+
+
+@pytest.mark.parametrize("roles", COMBINATIONS, ids="+".join)
+@pytest.mark.parametrize("op", SEQUENCE_OPS)
+def test_every_axis_combination_matches_one_device(op, roles):
+    mesh = _mesh()
+    o, h = _assert_matches(op, _inputs(op, seed=0), roles, mesh=mesh)
+    axis = {r[0]: MESH_AXES[r] for r in roles}   # "b", "h", "s"
+    _assert_split(o, mesh, (axis.get("b"), axis.get("s"), axis.get("h"), None))
+    _assert_split(h, mesh, (axis.get("b"), axis.get("h"), None, None))
+
+
+@pytest.mark.parametrize("roles", [("batch_axis",), ("head_axis",), ("batch_axis", "head_axis")],
+                         ids="+".join)
+def test_rwkv4_over_batch_and_channels(roles):
+    mesh = _mesh()
+    o, state = _assert_matches("rwkv4", _inputs("rwkv4", seed=3), roles, mesh=mesh)
+    axis = {r[0]: MESH_AXES[r] for r in roles}
+    _assert_split(o, mesh, (axis.get("b"), None, axis.get("h")))
+    _assert_split(state, mesh, (axis.get("b"), axis.get("h"), None))
+
+
+def _head_first(x):
+    return {n: jnp.swapaxes(y, 1, 2) if n not in ("u", "g_gamma", "initial_state") else y
+            for n, y in x.items()}
+
+
+@pytest.mark.parametrize("op", SEQUENCE_OPS)
+def test_every_backend_head_first_over_all_three_axes(op, backend):
+    mesh = _mesh()
+    o, _ = _assert_matches(op, _head_first(_inputs(op, seed=4)), tuple(MESH_AXES),
+                           options=dict(head_first=True), mesh=mesh, backend=backend)
+    _assert_split(o, mesh, ("data", "heads", "seq", None))
+
+
+@pytest.mark.parametrize("case", [
+    ("rwkv7", dict(value=4, decay="strong"), {}),       # V != K: the widened identity run
+    ("rwkv6", dict(decay="zero"), dict(scale=0.37)),
+    ("gated_linear_attention", dict(decay="strong"), dict(reverse=True)),
+    ("gated_linear_attention", dict(gates=("g_gamma",), value=4), dict(reverse=True)),
+], ids=lambda case: "-".join([case[0]] + [f"{k}={v}" for k, v in {**case[1], **case[2]}.items()]))
+def test_sequence_over_eight_devices(case):
+    """Two steps per device: the state crosses seven device boundaries."""
+    op, input_options, options = case
+    mesh = _mesh((8,), ("seq",))
+    o, _ = _assert_matches(op, _inputs(op, seed=5, **input_options), ("seq_axis",),
+                           options=options, mesh=mesh)
+    _assert_split(o, mesh, (None, "seq", None, None))
+
+
+@pytest.mark.parametrize("op", SEQUENCE_OPS)
+def test_without_initial_or_final_state(op):
+    gates = dict(gates=()) if op == "gated_linear_attention" else {}   # GLA: no gate at all
+    x = _inputs(op, seed=7, initial_state=False, **gates)
+    _assert_matches(op, x, tuple(MESH_AXES), options=dict(output_final_state=False))
+
+
+def test_bfloat16_over_the_sequence():
+    x = _inputs("rwkv7", seed=8, dtype="bfloat16")
+    o, _ = _assert_matches("rwkv7", x, ("batch_axis", "seq_axis"), dtype="bfloat16")
+    assert o.dtype == jnp.bfloat16
+
+
+def test_partial_with_options_and_packed_sequences_over_heads():
+    x = _inputs("rwkv6", seed=9, batch=1, state_rows=3)
+    options = dict(cu_seqlens=np.array([0, 5, 5, 16], np.int32), scale=0.5)
+    o, h = _assert_matches("rwkv6", x, ("head_axis",), options=options)
+    assert h.shape == (3, 2, 8, 8)
+
+
+def test_sequence_parallel_result_equals_float64_reference():
+    """Not only the same as one device: right, against the independent numpy reference."""
+    raw = reference.random_inputs("rwkv7", np.random.default_rng(10), **SIZES)
+    x = {n: jnp.asarray(y, jnp.float32) for n, y in raw.items()}
+    sharded = rwkv_jax.shard(rwkv_jax.rwkv7, _mesh(), **MESH_AXES)
+    o, h = jax.jit(lambda x: _call(sharded, "rwkv7", x, {}))(x)
+    want_o, want_h = reference.forward("rwkv7", raw)
+    assert _relative_error(o, want_o) <= 1e-5 and _relative_error(h, want_h) <= 1e-5
+
+
+def test_inside_a_mesh_context_with_explicit_axes():
+    mesh = _mesh()
+    x = _inputs("rwkv7", seed=11)
+    with jax.set_mesh(mesh):
+        _assert_matches("rwkv7", x, tuple(MESH_AXES), mesh=mesh)
+
+
+def _sequence_args(op="rwkv7", **options):
+    x = _inputs(op, seed=12, **options)
+    return [x[n] for n in POSITIONAL[op]], {n: y for n, y in x.items() if n not in POSITIONAL[op]}
+
+
+@pytest.mark.parametrize("axes, error, message", [
+    (dict(batch_axis="rows"), ValueError, "batch_axis='rows' is not an axis of the mesh"),
+    (dict(head_axis=0), TypeError, "head_axis must be a mesh axis name"),
+    (dict(batch_axis="data", seq_axis="data"), ValueError, "both name mesh axis 'data'"),
+])
+def test_bad_axes(axes, error, message):
+    with pytest.raises(error, match=message):
+        rwkv_jax.shard(rwkv_jax.rwkv7, _mesh(), **axes)
+
+
+def test_bad_op_and_mesh():
+    with pytest.raises(TypeError, match="op must be one of rwkv_jax.rwkv7"):
+        rwkv_jax.shard(rwkv_jax.rwkv7_step, _mesh(), batch_axis="data")
+    with pytest.raises(TypeError, match="op must be one of"):
+        rwkv_jax.shard(functools.partial(jnp.add, 1), _mesh(), batch_axis="data")
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        rwkv_jax.shard(rwkv_jax.rwkv7, ("data",), batch_axis="data")
+    with pytest.raises(ValueError, match="rwkv4 supports batch_axis and head_axis"):
+        rwkv_jax.shard(rwkv_jax.rwkv4, _mesh(), seq_axis="seq")
+
+
+def test_indivisible_dimension():
+    args, keywords = _sequence_args(steps=15)
+    sharded = rwkv_jax.shard(rwkv_jax.rwkv7, _mesh(), seq_axis="seq")
+    with pytest.raises(ValueError, match=r"r has size 15 on axis 1 .* mesh axis 'seq' of size 2"):
+        sharded(*args, **keywords)
+
+
+def test_op_validation_runs_first():
+    args, keywords = _sequence_args()
+    sharded = rwkv_jax.shard(rwkv_jax.rwkv7, _mesh(), batch_axis="data")
+    with pytest.raises(ValueError, match="v must be"):
+        sharded(*args[:3], args[3][:, :, :1, :], *args[4:], **keywords)
+
+
+def test_packed_sequences_over_the_sequence_axis_are_refused():
+    args, keywords = _sequence_args(batch=1, state_rows=2)
+    sharded = rwkv_jax.shard(rwkv_jax.rwkv7, _mesh(), seq_axis="seq")
+    with pytest.raises(ValueError, match="cu_seqlens with seq_axis='seq' is not supported"):
+        sharded(*args, **keywords, cu_seqlens=np.array([0, 7, 16], np.int32))
