@@ -24,9 +24,9 @@ ffi::Error forward(ffi::AnyBuffer w, ffi::AnyBuffer u, ffi::AnyBuffer k, ffi::An
   parallel_for(s.B * blocks, s.T * kChannelBlock * 30, [&](int64_t task) {
     const int64_t b = task / blocks, c0 = (task % blocks) * kChannelBlock;
     const int64_t c1 = std::min(c0 + kChannelBlock, s.C);
-    const T* kp = k.typed_data<T>() + b * s.T * s.C;
-    const T* vp = v.typed_data<T>() + b * s.T * s.C;
-    T* yp = y->typed_data<T>() + b * s.T * s.C;
+    const T* kp = ptr<T>(k) + b * s.T * s.C;
+    const T* vp = ptr<T>(v) + b * s.T * s.C;
+    T* yp = ptr<T>(*y) + b * s.T * s.C;
     for (int64_t c = c0; c < c1; ++c) {
       Wkv4State st = init[b * s.C + c];
       const float wc = w.typed_data<float>()[c], uc = u.typed_data<float>()[c];
@@ -55,11 +55,11 @@ ffi::Error backward(ffi::AnyBuffer w, ffi::AnyBuffer u, ffi::AnyBuffer k, ffi::A
     const int64_t b = task / blocks, c0 = (task % blocks) * kChannelBlock;
     const int64_t c1 = std::min(c0 + kChannelBlock, s.C);
     const int64_t off = b * s.T * s.C;
-    const T* kp = k.typed_data<T>() + off;
-    const T* vp = v.typed_data<T>() + off;
-    const T* dyp = dy.typed_data<T>() + off;
-    T* dkp = dk->typed_data<T>() + off;
-    T* dvp = dv->typed_data<T>() + off;
+    const T* kp = ptr<T>(k) + off;
+    const T* vp = ptr<T>(v) + off;
+    const T* dyp = ptr<T>(dy) + off;
+    T* dkp = ptr<T>(*dk) + off;
+    T* dvp = ptr<T>(*dv) + off;
     Wkv4State states[kChunk];
     for (int64_t c = c0; c < c1; ++c) {
       const float wc = w.typed_data<float>()[c], uc = u.typed_data<float>()[c];

@@ -24,30 +24,70 @@ struct Token {
     load(in[1] + ok, k.data(), d.K);
     load(in[2] + (g * d.H + h) * d.V, v.data(), d.V);
     load(in[3] + ok, ew.data(), d.K);
-    for (int64_t i = 0; i < d.K; ++i) {
-      rs[i] *= scale;
-      ew[i] = std::exp(ew[i]);
-    }
+    for (int64_t i = 0; i < d.K; ++i) rs[i] *= scale;
+    vexp_inplace(ew.data(), d.K);
   }
 };
 
-// out = h^T rs + (rs . (u * k)) v, then h = diag(ew) h + k v^T (in place).
+// out = h^T rs + (rs . (u * k)) v, then h = diag(ew) h + k v^T (in place). VC: the value size
+// when known at compile time (loops unroll, V-vectors stay in registers), else 0.
+template <int VC>
 void step(const Token& x, const float* u, float* h, float* out, const Dims& d) {
-  const int64_t K = d.K, V = d.V;
+  const int64_t K = d.K, V = VC ? VC : d.V;
+  alignas(64) float o[VC ? VC : kMaxValueSize];
   float bonus = 0.f;
   for (int64_t i = 0; i < K; ++i) bonus += x.rs[i] * u[i] * x.k[i];
-  if (out)
-    for (int64_t j = 0; j < V; ++j) out[j] = bonus * x.v[j];
+  const float* v = x.v.data();
+  for (int64_t j = 0; j < V; ++j) o[j] = bonus * v[j];
   for (int64_t i = 0; i < K; ++i) {
-    float* __restrict row = h + i * V;
-    if (out) axpy(out, x.rs[i], row, V);
-    const float e = x.ew[i], ki = x.k[i];
-    const float* __restrict v = x.v.data();
-    for (int64_t j = 0; j < V; ++j) row[j] = row[j] * e + ki * v[j];
+    const float e = x.ew[i], ki = x.k[i], ri = x.rs[i];
+    float* row = h + i * V;
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) {
+      o[j] += ri * row[j];
+      row[j] = row[j] * e + ki * v[j];
+    }
   }
+  if (out) std::copy(o, o + V, out);
 }
 
-template <typename T>
+// Reverse of one step from hp = h_{t-1}: G holds dL/dh_t on entry and dL/dh_{t-1} on return;
+// writes the gradients of this step's r, k, v, w and adds to g_u.
+template <int VC>
+void step_back(const Token& x, const float* u, const float* hp, const float* d_out, float* G,
+               float* g_r, float* g_k, float* g_v, float* g_w, float* g_u, float scale,
+               const Dims& d) {
+  const int64_t K = d.K, V = VC ? VC : d.V;
+  alignas(64) float dv[VC ? VC : kMaxValueSize];
+  const float* v = x.v.data();
+  float v_do = 0.f, bonus = 0.f;
+#pragma omp simd reduction(+ : v_do)
+  for (int64_t j = 0; j < V; ++j) v_do += v[j] * d_out[j];
+  for (int64_t i = 0; i < K; ++i) bonus += x.rs[i] * u[i] * x.k[i];
+  for (int64_t j = 0; j < V; ++j) dv[j] = bonus * d_out[j];
+  for (int64_t i = 0; i < K; ++i) {
+    const float* h = hp + i * V;
+    float* g = G + i * V;
+    const float e = x.ew[i], ki = x.k[i], ri = x.rs[i];
+    float h_do = 0.f, g_v = 0.f, g_h = 0.f;
+#pragma omp simd reduction(+ : h_do, g_v, g_h)
+    for (int64_t j = 0; j < V; ++j) {
+      const float gj = g[j];
+      dv[j] += ki * gj;
+      h_do += h[j] * d_out[j];
+      g_v += gj * v[j];
+      g_h += gj * h[j];
+      g[j] = e * gj + ri * d_out[j];  // dh_{t-1} = diag(ew) dh_t + rs do^T
+    }
+    g_r[i] = scale * (h_do + u[i] * ki * v_do);
+    g_k[i] = g_v + ri * u[i] * v_do;
+    g_w[i] = e * g_h;
+    g_u[i] += ri * ki * v_do;
+  }
+  std::copy(dv, dv + V, g_v);
+}
+
+template <typename T, int VC>
 void forward_sequence(const T* const in[4], const float* u, T* o, float* h, float* ckpt,
                       int64_t slot_stride, int64_t start, int64_t end, int64_t hd, float scale,
                       const Dims& d) {
@@ -57,7 +97,7 @@ void forward_sequence(const T* const in[4], const float* u, T* o, float* h, floa
     if (ckpt && (g - start) % kChunk == 0)
       std::memcpy(ckpt + ((g - start) / kChunk) * slot_stride, h, sizeof(float) * d.K * d.V);
     x.load_at(in, g, hd, d, scale);
-    step(x, u, h, out.data(), d);
+    step<VC>(x, u, h, out.data(), d);
     store(out.data(), o + (g * d.H + hd) * d.V, d.V);
   }
 }
@@ -78,7 +118,7 @@ ffi::Error forward(const ffi::AnyBuffer* ins, ffi::AnyBuffer u, ffi::AnyBuffer h
   const int64_t N = cu.dimensions()[0] - 1, kv = s.K * s.V;
   const Dims d{s.H, s.K, s.V};
   const T* in[4];
-  for (int i = 0; i < 4; ++i) in[i] = ins[i].typed_data<T>();
+  for (int i = 0; i < 4; ++i) in[i] = ptr<T>(ins[i]);
   const int32_t* seg = cu.typed_data();
   float* hf = h_final->typed_data<float>();
   float* cp = ckpt->typed_data<float>();
@@ -87,10 +127,45 @@ ffi::Error forward(const ffi::AnyBuffer* ins, ffi::AnyBuffer u, ffi::AnyBuffer h
     float* h = hf + (n * s.H + hd) * kv;
     std::memcpy(h, h0.typed_data<float>() + (n * s.H + hd) * kv, sizeof(float) * kv);
     const int64_t start = seg[n], end = seg[n + 1];
-    forward_sequence(in, u.typed_data<float>() + hd * s.K, o->typed_data<T>(), h,
-                     cp + (first_slot(n, start) * s.H + hd) * kv, s.H * kv, start, end, hd, scale, d);
+    with_value_size(s.V, [&]<int VC>() {
+      forward_sequence<T, VC>(in, u.typed_data<float>() + hd * s.K, ptr<T>(*o), h,
+                              cp + (first_slot(n, start) * s.H + hd) * kv, s.H * kv, start, end,
+                              hd, scale, d);
+    });
   });
   return ffi::Error::Success();
+}
+
+// Backward of one (sequence, head): G holds dL/dh_final on entry and dL/dh_0 on return.
+template <typename T, int VC>
+void backward_sequence(const T* const in[4], const float* u, const T* d_o, T* const grads[4],
+                       float* G, float* g_u, const float* slots, int64_t slot_stride,
+                       int64_t start, int64_t end, int64_t hd, float scale, const Dims& d) {
+  const int64_t H = d.H, K = d.K, V = VC ? VC : d.V, kv = K * V;
+  std::vector<float> states(kChunk * kv), dv(V), d_out(V), g_r(K), g_k(K), g_w(K);
+  Token x(d);
+  const int64_t n_chunks = (end - start + kChunk - 1) / kChunk;
+  for (int64_t c = n_chunks - 1; c >= 0; --c) {
+    const int64_t c0 = start + c * kChunk, c1 = std::min(c0 + kChunk, end);
+    std::memcpy(states.data(), slots + c * slot_stride, sizeof(float) * kv);
+    for (int64_t g = c0; g + 1 < c1; ++g) {
+      const int64_t i = g - c0;
+      x.load_at(in, g, hd, d, scale);
+      std::memcpy(states.data() + (i + 1) * kv, states.data() + i * kv, sizeof(float) * kv);
+      step<VC>(x, u, states.data() + (i + 1) * kv, nullptr, d);
+    }
+    for (int64_t g = c1 - 1; g >= c0; --g) {
+      x.load_at(in, g, hd, d, scale);
+      load(d_o + (g * H + hd) * V, d_out.data(), V);
+      step_back<VC>(x, u, states.data() + (g - c0) * kv, d_out.data(), G, g_r.data(), g_k.data(),
+                    dv.data(), g_w.data(), g_u, scale, d);
+      const int64_t ok = (g * H + hd) * K;
+      store(g_r.data(), grads[0] + ok, K);
+      store(g_k.data(), grads[1] + ok, K);
+      store(dv.data(), grads[2] + (g * H + hd) * V, V);
+      store(g_w.data(), grads[3] + ok, K);
+    }
+  }
 }
 
 template <typename T>
@@ -104,8 +179,8 @@ ffi::Error backward(const ffi::AnyBuffer* ins, ffi::AnyBuffer u_buf, ffi::AnyBuf
   const T* in[4];
   T* gr[4];
   for (int i = 0; i < 4; ++i) {
-    in[i] = ins[i].typed_data<T>();
-    gr[i] = grads[i]->typed_data<T>();
+    in[i] = ptr<T>(ins[i]);
+    gr[i] = ptr<T>(*grads[i]);
   }
   const int32_t* seg = cu.typed_data();
   parallel_for(N * H, (s.B * s.T / N) * kv * 12, [&](int64_t task) {
@@ -116,45 +191,11 @@ ffi::Error backward(const ffi::AnyBuffer* ins, ffi::AnyBuffer u_buf, ffi::AnyBuf
     std::memcpy(G, dh_final.typed_data<float>() + (n * H + hd) * kv, sizeof(float) * kv);
     float* g_u = du->typed_data<float>() + (n * H + hd) * K;
     std::fill(g_u, g_u + K, 0.f);
-    std::vector<float> states(kChunk * kv), dv(V), d_out(V), g_r(K), g_k(K), g_w(K);
-    Token x(d);
-    const float* slots = ckpt.typed_data<float>() + (first_slot(n, start) * H + hd) * kv;
-    const int64_t n_chunks = (end - start + kChunk - 1) / kChunk;
-    for (int64_t c = n_chunks - 1; c >= 0; --c) {
-      const int64_t c0 = start + c * kChunk, c1 = std::min(c0 + kChunk, end);
-      std::memcpy(states.data(), slots + c * H * kv, sizeof(float) * kv);
-      for (int64_t g = c0; g + 1 < c1; ++g) {
-        const int64_t i = g - c0;
-        x.load_at(in, g, hd, d, scale);
-        std::memcpy(states.data() + (i + 1) * kv, states.data() + i * kv, sizeof(float) * kv);
-        step(x, u, states.data() + (i + 1) * kv, nullptr, d);
-      }
-      for (int64_t g = c1 - 1; g >= c0; --g) {
-        const float* hp = states.data() + (g - c0) * kv;
-        x.load_at(in, g, hd, d, scale);
-        load(d_o.typed_data<T>() + (g * H + hd) * V, d_out.data(), V);
-        const float v_do = dot(x.v.data(), d_out.data(), V);
-        float bonus = 0.f;
-        for (int64_t i = 0; i < K; ++i) bonus += x.rs[i] * u[i] * x.k[i];
-        for (int64_t j = 0; j < V; ++j) dv[j] = bonus * d_out[j];
-        for (int64_t i = 0; i < K; ++i) {
-          float* Gi = G + i * V;
-          const float* hi = hp + i * V;
-          axpy(dv.data(), x.k[i], Gi, V);
-          g_r[i] = scale * (dot(hi, d_out.data(), V) + u[i] * x.k[i] * v_do);
-          g_k[i] = dot(Gi, x.v.data(), V) + x.rs[i] * u[i] * v_do;
-          g_w[i] = x.ew[i] * dot(Gi, hi, V);
-          g_u[i] += x.rs[i] * x.k[i] * v_do;
-          const float e = x.ew[i], ri = x.rs[i];
-          for (int64_t j = 0; j < V; ++j) Gi[j] = e * Gi[j] + ri * d_out[j];
-        }
-        const int64_t ok = (g * H + hd) * K;
-        store(g_r.data(), gr[0] + ok, K);
-        store(g_k.data(), gr[1] + ok, K);
-        store(dv.data(), gr[2] + (g * H + hd) * V, V);
-        store(g_w.data(), gr[3] + ok, K);
-      }
-    }
+    with_value_size(V, [&]<int VC>() {
+      backward_sequence<T, VC>(in, u, ptr<T>(d_o), gr, G, g_u,
+                               ckpt.typed_data<float>() + (first_slot(n, start) * H + hd) * kv,
+                               H * kv, start, end, hd, scale, d);
+    });
   });
   return ffi::Error::Success();
 }
@@ -165,13 +206,15 @@ ffi::Error step_pool(const ffi::AnyBuffer* ins, ffi::AnyBuffer u, ffi::Buffer<ff
   const Shapes s = shapes_of(ins);
   const Dims d{s.H, s.K, s.V};
   const T* in[4];
-  for (int i = 0; i < 4; ++i) in[i] = ins[i].typed_data<T>();
+  for (int i = 0; i < 4; ++i) in[i] = ptr<T>(ins[i]);
   const int64_t kv = s.K * s.V;
   parallel_for(s.B * s.H, s.T * kv * 4, [&](int64_t task) {
     const int64_t n = task / s.H, hd = task % s.H;
-    forward_sequence(in, u.typed_data<float>() + hd * s.K, o->typed_data<T>(),
-                     pool->typed_data<float>() + (rows.typed_data()[n] * s.H + hd) * kv, nullptr,
-                     0, n * s.T, (n + 1) * s.T, hd, scale, d);
+    with_value_size(s.V, [&]<int VC>() {
+      forward_sequence<T, VC>(in, u.typed_data<float>() + hd * s.K, ptr<T>(*o),
+                              pool->typed_data<float>() + (rows.typed_data()[n] * s.H + hd) * kv,
+                              nullptr, 0, n * s.T, (n + 1) * s.T, hd, scale, d);
+    });
   });
   return ffi::Error::Success();
 }
@@ -188,6 +231,8 @@ Checks check_inputs(const ffi::AnyBuffer* ins, ffi::AnyBuffer u) {
     c.require(ins[i].element_type() == ins[0].element_type(),
               std::string(names[i]) + " must have the dtype of r");
   }
+  c.require(ins[2].dimensions()[3] <= kMaxValueSize,
+            "the CPU kernels support V <= " + std::to_string(kMaxValueSize));
   c.shape("u", u.dimensions(), {d0[2], d0[3]});
   c.require(u.element_type() == ffi::DataType::F32, "u must be float32");
   return c;

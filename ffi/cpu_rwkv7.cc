@@ -29,33 +29,95 @@ struct Token {
     load(in[3] + ov, v.data(), d.V);
     load(in[4] + ok, a.data(), d.K);
     load(in[5] + ok, b.data(), d.K);
-    for (int64_t i = 0; i < d.K; ++i) {
-      rs[i] *= scale;
-      ew[i] = std::exp(ew[i]);
-    }
+    for (int64_t i = 0; i < d.K; ++i) rs[i] *= scale;
+    vexp_inplace(ew.data(), d.K);
   }
 };
 
 // sa = a^T hp; hn = diag(ew) hp + b sa^T + k v^T (hn may alias hp); out = hn^T rs if out.
+// VC: the value size when known at compile time (then the loops unroll and the V-vectors stay in
+// registers), else 0.
+template <int VC>
 void step(const Token& x, const float* hp, float* hn, float* sa, float* out, const Dims& d) {
-  const int64_t K = d.K, V = d.V;
-  std::fill(sa, sa + V, 0.f);
-  for (int64_t i = 0; i < K; ++i) axpy(sa, x.a[i], hp + i * V, V);
-  if (out) std::fill(out, out + V, 0.f);
+  const int64_t K = d.K, V = VC ? VC : d.V;
+  alignas(64) float s[VC ? VC : kMaxValueSize], o[VC ? VC : kMaxValueSize];
+  std::fill(s, s + V, 0.f);
+  std::fill(o, o + V, 0.f);
   for (int64_t i = 0; i < K; ++i) {
-    const float* __restrict p = hp + i * V;
-    float* __restrict n = hn + i * V;
-    const float e = x.ew[i], bi = x.b[i], ki = x.k[i];
-    const float* __restrict s = sa;
-    const float* __restrict v = x.v.data();
-    for (int64_t j = 0; j < V; ++j) n[j] = p[j] * e + bi * s[j] + ki * v[j];
-    if (out) axpy(out, x.rs[i], n, V);
+    const float ai = x.a[i];
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) s[j] += ai * hp[i * V + j];
   }
+  const float* v = x.v.data();
+  for (int64_t i = 0; i < K; ++i) {
+    const float e = x.ew[i], bi = x.b[i], ki = x.k[i], ri = x.rs[i];
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) {
+      const float n = hp[i * V + j] * e + bi * s[j] + ki * v[j];
+      hn[i * V + j] = n;
+      o[j] += ri * n;
+    }
+  }
+  std::copy(s, s + V, sa);
+  if (out) std::copy(o, o + V, out);
+}
+
+// Reverse of one step from hp = h_{t-1} and sa = a^T h_{t-1}: G holds dL/dh_t (without o_t's
+// read) on entry and dL/dh_{t-1} on return; writes the gradients of this step's inputs.
+template <int VC>
+void step_back(const Token& x, const float* hp, const float* sa, const float* d_out, float* G,
+               float* g_r, float* g_w, float* g_k, float* g_v, float* g_a, float* g_b,
+               float scale, const Dims& d) {
+  const int64_t K = d.K, V = VC ? VC : d.V;
+  alignas(64) float dsa[VC ? VC : kMaxValueSize], dv[VC ? VC : kMaxValueSize];
+  std::fill(dsa, dsa + V, 0.f);
+  std::fill(dv, dv + V, 0.f);
+  const float* v = x.v.data();
+  float sa_do = 0.f, v_do = 0.f;
+#pragma omp simd reduction(+ : sa_do, v_do)
+  for (int64_t j = 0; j < V; ++j) {
+    sa_do += sa[j] * d_out[j];
+    v_do += v[j] * d_out[j];
+  }
+  // dh_t = G + rs do^T (the read of o_t); dsa = dh_t^T b; dv = dh_t^T k.
+  for (int64_t i = 0; i < K; ++i) {
+    const float ri = x.rs[i], bi = x.b[i], ki = x.k[i];
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) {
+      const float g = G[i * V + j] + ri * d_out[j];
+      G[i * V + j] = g;
+      dsa[j] += bi * g;
+      dv[j] += ki * g;
+    }
+  }
+  for (int64_t i = 0; i < K; ++i) {
+    const float* h = hp + i * V;
+    float* g = G + i * V;
+    const float e = x.ew[i], ai = x.a[i];
+    float h_do = 0.f, g_h = 0.f, g_v = 0.f, g_sa = 0.f, h_dsa = 0.f;
+#pragma omp simd reduction(+ : h_do, g_h, g_v, g_sa, h_dsa)
+    for (int64_t j = 0; j < V; ++j) {
+      const float gj = g[j];
+      h_do += h[j] * d_out[j];
+      g_h += gj * h[j];
+      g_v += gj * v[j];
+      g_sa += gj * sa[j];
+      h_dsa += h[j] * dsa[j];
+      g[j] = e * gj + ai * dsa[j];  // dh_{t-1} = diag(ew) dh_t + a (b^T dh_t)
+    }
+    // o_t reads h_t = ew h_{t-1} + b sa^T + k v^T.
+    g_r[i] = scale * (e * h_do + x.b[i] * sa_do + x.k[i] * v_do);
+    g_w[i] = e * g_h;
+    g_k[i] = g_v;
+    g_b[i] = g_sa;
+    g_a[i] = h_dsa;
+  }
+  std::copy(dv, dv + V, g_v);
 }
 
 // Runs tokens [start, end) of one head from the state in `h` (updated in place), writing o and,
 // if ckpt, the state before every kChunk-th step into consecutive slots (stride slot_stride).
-template <typename T>
+template <typename T, int VC>
 void forward_sequence(const T* const in[6], T* o, float* h, float* ckpt, int64_t slot_stride,
                       int64_t start, int64_t end, int64_t hd, float scale, const Dims& d) {
   Token x(d);
@@ -64,7 +126,7 @@ void forward_sequence(const T* const in[6], T* o, float* h, float* ckpt, int64_t
     if (ckpt && (g - start) % kChunk == 0)
       std::memcpy(ckpt + ((g - start) / kChunk) * slot_stride, h, sizeof(float) * d.K * d.V);
     x.load_at(in, g, hd, d, scale);
-    step(x, h, h, sa.data(), out.data(), d);
+    step<VC>(x, h, h, sa.data(), out.data(), d);
     store(out.data(), o + (g * d.H + hd) * d.V, d.V);
   }
 }
@@ -78,22 +140,61 @@ ffi::Error forward(const ffi::AnyBuffer* ins, ffi::AnyBuffer h0, ffi::Buffer<ffi
   const int64_t N = cu.dimensions()[0] - 1;
   const Dims d{H, K, V};
   const T* in[6];
-  for (int i = 0; i < 6; ++i) in[i] = ins[i].typed_data<T>();
+  for (int i = 0; i < 6; ++i) in[i] = ptr<T>(ins[i]);
   const int32_t* seg = cu.typed_data();
   const float* h0p = h0.typed_data<float>();
   float* hf = h_final->typed_data<float>();
   float* cp = ckpt->typed_data<float>();
-  T* op = o->typed_data<T>();
+  T* op = ptr<T>(*o);
   const int64_t kv = K * V;
-  parallel_for(N * H, (B * T_ / std::max<int64_t>(N, 1)) * kv * 5, [&](int64_t task) {
+  parallel_for(N * H, (B * T_ / N) * kv * 5, [&](int64_t task) {
     const int64_t n = task / H, hd = task % H;
     float* h = hf + (n * H + hd) * kv;
     std::memcpy(h, h0p + (n * H + hd) * kv, sizeof(float) * kv);
     const int64_t start = seg[n], end = seg[n + 1];
-    forward_sequence(in, op, h, cp + (first_slot(n, start) * H + hd) * kv, H * kv, start, end, hd,
-                     scale, d);
+    with_value_size(V, [&]<int VC>() {
+      forward_sequence<T, VC>(in, op, h, cp + (first_slot(n, start) * H + hd) * kv, H * kv, start,
+                              end, hd, scale, d);
+    });
   });
   return ffi::Error::Success();
+}
+
+// Backward of one (sequence, head): G holds dL/dh_final on entry and dL/dh_0 on return.
+template <typename T, int VC>
+void backward_sequence(const T* const in[6], const T* d_o, T* const grads[6], float* G,
+                       const float* slots, int64_t slot_stride, int64_t start, int64_t end,
+                       int64_t hd, float scale, const Dims& d) {
+  const int64_t H = d.H, K = d.K, V = VC ? VC : d.V, kv = K * V;
+  // states[i]: the state before step i of the chunk (one extra slot: the last step's successor).
+  std::vector<float> states((kChunk + 1) * kv), sas(kChunk * V), dv(V), d_out(V);
+  std::vector<float> g_r(K), g_w(K), g_k(K), g_a(K), g_b(K);
+  Token x(d);
+  const int64_t n_chunks = (end - start + kChunk - 1) / kChunk;
+  for (int64_t c = n_chunks - 1; c >= 0; --c) {
+    const int64_t c0 = start + c * kChunk, c1 = std::min(c0 + kChunk, end);
+    std::memcpy(states.data(), slots + c * slot_stride, sizeof(float) * kv);
+    for (int64_t g = c0; g < c1; ++g) {
+      const int64_t i = g - c0;
+      x.load_at(in, g, hd, d, scale);
+      step<VC>(x, states.data() + i * kv, states.data() + (i + 1) * kv, sas.data() + i * V,
+               nullptr, d);
+    }
+    for (int64_t g = c1 - 1; g >= c0; --g) {
+      const int64_t i = g - c0;
+      x.load_at(in, g, hd, d, scale);
+      load(d_o + (g * H + hd) * V, d_out.data(), V);
+      step_back<VC>(x, states.data() + i * kv, sas.data() + i * V, d_out.data(), G, g_r.data(),
+                    g_w.data(), g_k.data(), dv.data(), g_a.data(), g_b.data(), scale, d);
+      const int64_t ok = (g * H + hd) * K;
+      store(g_r.data(), grads[0] + ok, K);
+      store(g_w.data(), grads[1] + ok, K);
+      store(g_k.data(), grads[2] + ok, K);
+      store(dv.data(), grads[3] + (g * H + hd) * V, V);
+      store(g_a.data(), grads[4] + ok, K);
+      store(g_b.data(), grads[5] + ok, K);
+    }
+  }
 }
 
 template <typename T>
@@ -102,83 +203,25 @@ ffi::Error backward(const ffi::AnyBuffer* ins, ffi::AnyBuffer d_o, ffi::AnyBuffe
                     ffi::Result<ffi::AnyBuffer>* grads, ffi::Result<ffi::AnyBuffer> dh0) {
   auto dims = ins[0].dimensions();
   const int64_t B = dims[0], T_ = dims[1], H = dims[2], K = dims[3], V = ins[3].dimensions()[3];
-  const int64_t N = cu.dimensions()[0] - 1;
+  const int64_t N = cu.dimensions()[0] - 1, kv = K * V;
   const Dims d{H, K, V};
   const T* in[6];
   T* gr[6];
   for (int i = 0; i < 6; ++i) {
-    in[i] = ins[i].typed_data<T>();
-    gr[i] = grads[i]->typed_data<T>();
+    in[i] = ptr<T>(ins[i]);
+    gr[i] = ptr<T>(*grads[i]);
   }
-  const T* dop = d_o.typed_data<T>();
   const int32_t* seg = cu.typed_data();
-  const float* cp = ckpt.typed_data<float>();
-  const float* dhf = dh_final.typed_data<float>();
-  float* dh0p = dh0->typed_data<float>();
-  const int64_t kv = K * V;
-  parallel_for(N * H, (B * T_ / std::max<int64_t>(N, 1)) * kv * 20, [&](int64_t task) {
+  parallel_for(N * H, (B * T_ / N) * kv * 20, [&](int64_t task) {
     const int64_t n = task / H, hd = task % H;
     const int64_t start = seg[n], end = seg[n + 1];
-    float* G = dh0p + (n * H + hd) * kv;  // dL/dh_t, walked back to dL/dh_0 in place
-    std::memcpy(G, dhf + (n * H + hd) * kv, sizeof(float) * kv);
-    std::vector<float> states(kChunk * kv), sas(kChunk * V), dsa(V), dv(V), d_out(V);
-    std::vector<float> g_r(K), g_w(K), g_k(K), g_a(K), g_b(K);
-    Token x(d);
-    const float* slots = cp + (first_slot(n, start) * H + hd) * kv;
-    const int64_t n_chunks = (end - start + kChunk - 1) / kChunk;
-    for (int64_t c = n_chunks - 1; c >= 0; --c) {
-      const int64_t c0 = start + c * kChunk, c1 = std::min(c0 + kChunk, end);
-      // States before each step of the chunk, and a^T h_{t-1} of each step.
-      std::memcpy(states.data(), slots + c * H * kv, sizeof(float) * kv);
-      for (int64_t g = c0; g < c1; ++g) {
-        const int64_t i = g - c0;
-        x.load_at(in, g, hd, d, scale);
-        float* next = (g + 1 < c1) ? states.data() + (i + 1) * kv : nullptr;
-        if (next) {
-          step(x, states.data() + i * kv, next, sas.data() + i * V, nullptr, d);
-        } else {
-          std::fill(sas.begin() + i * V, sas.begin() + (i + 1) * V, 0.f);
-          for (int64_t r = 0; r < K; ++r) axpy(sas.data() + i * V, x.a[r], states.data() + i * kv + r * V, V);
-        }
-      }
-      for (int64_t g = c1 - 1; g >= c0; --g) {
-        const int64_t i = g - c0;
-        const float* hp = states.data() + i * kv;
-        const float* sa = sas.data() + i * V;
-        x.load_at(in, g, hd, d, scale);
-        load(dop + (g * H + hd) * V, d_out.data(), V);
-        // dh_t = G + rs do^T: the read of o_t.
-        for (int64_t r = 0; r < K; ++r) axpy(G + r * V, x.rs[r], d_out.data(), V);
-        std::fill(dsa.begin(), dsa.end(), 0.f);
-        std::fill(dv.begin(), dv.end(), 0.f);
-        for (int64_t r = 0; r < K; ++r) {
-          axpy(dsa.data(), x.b[r], G + r * V, V);
-          axpy(dv.data(), x.k[r], G + r * V, V);
-        }
-        const float sa_do = dot(sa, d_out.data(), V), v_do = dot(x.v.data(), d_out.data(), V);
-        for (int64_t r = 0; r < K; ++r) {
-          const float* Gr = G + r * V;
-          const float* hr = hp + r * V;
-          const float h_do = dot(hr, d_out.data(), V);
-          // o_t reads h_t = ew h_{t-1} + b sa^T + k v^T.
-          g_r[r] = scale * (x.ew[r] * h_do + x.b[r] * sa_do + x.k[r] * v_do);
-          g_w[r] = x.ew[r] * dot(Gr, hr, V);
-          g_k[r] = dot(Gr, x.v.data(), V);
-          g_b[r] = dot(Gr, sa, V);
-          g_a[r] = dot(hr, dsa.data(), V);
-          float* Gw = G + r * V;
-          const float e = x.ew[r], ar = x.a[r];
-          for (int64_t j = 0; j < V; ++j) Gw[j] = e * Gw[j] + ar * dsa[j];
-        }
-        const int64_t ok = (g * H + hd) * K;
-        store(g_r.data(), gr[0] + ok, K);
-        store(g_w.data(), gr[1] + ok, K);
-        store(g_k.data(), gr[2] + ok, K);
-        store(dv.data(), gr[3] + (g * H + hd) * V, V);
-        store(g_a.data(), gr[4] + ok, K);
-        store(g_b.data(), gr[5] + ok, K);
-      }
-    }
+    float* G = dh0->typed_data<float>() + (n * H + hd) * kv;
+    std::memcpy(G, dh_final.typed_data<float>() + (n * H + hd) * kv, sizeof(float) * kv);
+    const float* slots = ckpt.typed_data<float>() + (first_slot(n, start) * H + hd) * kv;
+    with_value_size(V, [&]<int VC>() {
+      backward_sequence<T, VC>(in, ptr<T>(d_o), gr, G, slots, H * kv, start, end, hd,
+                               scale, d);
+    });
   });
   return ffi::Error::Success();
 }
@@ -190,15 +233,17 @@ ffi::Error step_pool(const ffi::AnyBuffer* ins, ffi::Buffer<ffi::S32> rows, floa
   const int64_t B = dims[0], T_ = dims[1], H = dims[2], K = dims[3], V = ins[3].dimensions()[3];
   const Dims d{H, K, V};
   const T* in[6];
-  for (int i = 0; i < 6; ++i) in[i] = ins[i].typed_data<T>();
+  for (int i = 0; i < 6; ++i) in[i] = ptr<T>(ins[i]);
   const int32_t* idx = rows.typed_data();
   float* state = pool->typed_data<float>();
-  T* op = o->typed_data<T>();
+  T* op = ptr<T>(*o);
   const int64_t kv = K * V;
   parallel_for(B * H, T_ * kv * 5, [&](int64_t task) {
     const int64_t n = task / H, hd = task % H;
-    forward_sequence(in, op, state + (idx[n] * H + hd) * kv, nullptr, 0, n * T_, (n + 1) * T_, hd,
-                     scale, d);
+    with_value_size(V, [&]<int VC>() {
+      forward_sequence<T, VC>(in, op, state + (idx[n] * H + hd) * kv, nullptr, 0, n * T_,
+                              (n + 1) * T_, hd, scale, d);
+    });
   });
   return ffi::Error::Success();
 }
@@ -215,6 +260,8 @@ Checks check_inputs(const ffi::AnyBuffer* ins) {
     c.require(ins[i].element_type() == ins[0].element_type(),
               std::string(names[i]) + " must have the dtype of r");
   }
+  c.require(ins[3].dimensions()[3] <= kMaxValueSize,
+            "the CPU kernels support V <= " + std::to_string(kMaxValueSize));
   return c;
 }
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -36,6 +37,9 @@ template <> inline bf16 from_float<bf16>(float x) {
   return bf16{static_cast<uint16_t>(u >> 16)};
 }
 
+// The data of an AnyBuffer as T (typed_data<T> accepts only XLA's own native types).
+template <typename T> inline T* ptr(const ffi::AnyBuffer& b) { return static_cast<T*>(b.untyped_data()); }
+
 template <typename T> inline void load(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
@@ -49,8 +53,47 @@ inline void axpy(float* __restrict y, float alpha, const float* __restrict x, in
 }
 inline float dot(const float* __restrict x, const float* __restrict y, int64_t n) {
   float s = 0.f;
+#pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += x[i] * y[i];
   return s;
+}
+
+// exp(x) in a form the compiler vectorises (libm's expf is a call per element): x = n ln2 + f,
+// |f| <= ln2 / 2, e^f by its Taylor series to degree 7 (truncation < 1e-8 relative).
+inline float vexp(float x) {
+  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float f = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 5040.f;
+  p = p * f + 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  const float y = p * scale;
+  return x < -87.0f ? 0.f : (x == x ? y : x);
+}
+inline void vexp_inplace(float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] = vexp(x[i]);
+}
+
+// Largest value size V of the CPU kernels (per-step vectors of V floats live on the stack).
+constexpr int64_t kMaxValueSize = 1024;
+
+// Calls body.template operator()<VC>() with VC = V for the common value sizes (the compiler
+// unrolls and keeps the rows in registers), else VC = 0 (loops over the run-time V).
+template <typename Body> auto with_value_size(int64_t V, Body&& body) {
+  switch (V) {
+    case 64: return body.template operator()<64>();
+    case 128: return body.template operator()<128>();
+    default: return body.template operator()<0>();
+  }
 }
 
 // Worker threads: RWKV_JAX_FFI_THREADS if set, else the hardware's.
