@@ -8,8 +8,10 @@ included), with outputs really split: each device holds only its block.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -239,3 +241,33 @@ def test_packed_sequences_over_the_sequence_axis_are_refused():
     sharded = rwkv_jax.shard(rwkv_jax.rwkv7, _mesh(), seq_axis="seq")
     with pytest.raises(ValueError, match="cu_seqlens with seq_axis='seq' is not supported"):
         sharded(*args, **keywords, cu_seqlens=np.array([0, 7, 16], np.int32))
+
+
+def _load_example():
+    path = pathlib.Path(__file__).parent.parent / "examples" / "sharded_training.py"
+    spec = importlib.util.spec_from_file_location("sharded_training", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sharded_training_example():
+    example = _load_example()
+    losses = example.main(["--steps", "6", "--batch", "2", "--seq-len", "8", "--width", "16",
+                           "--layers", "1", "--backend", "native"])
+    assert len(losses) == 6 and np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_sharded_model_gradients_equal_one_device():
+    """The example's whole model: loss and parameter gradients as on one device."""
+    example = _load_example()
+    mesh = _mesh((2, 4), ("data", "seq"))
+    one_device = functools.partial(rwkv_jax.rwkv7, backend="native")
+    sharded = rwkv_jax.shard(one_device, mesh, batch_axis="data", seq_axis="seq")
+    params = example.init_params(jax.random.PRNGKey(1), vocab=16, width=32, layers=1)
+    tokens = jnp.asarray(example.make_batch(np.random.default_rng(1), 2, 17, 16))
+    grad = jax.jit(jax.value_and_grad(example.loss_fn), static_argnums=2)
+    (loss, grads), (loss1, grads1) = grad(params, tokens, sharded), grad(params, tokens, one_device)
+    assert abs(float(loss) - float(loss1)) <= 1e-5 * abs(float(loss1))
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
+        assert _relative_error(got, want) <= 1e-4
