@@ -178,13 +178,21 @@ def jax_peak_bytes(fn, *args):
             + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
 
 
-def bench_triton(label, x_jax, d_out, d_state, ref, config=None):
+def bench_jax(label, x_jax, d_out, d_state, ref, backend="triton", config=None):
+    """One rwkv_jax backend: times, peak memory, errors; for triton also the forward that
+    saves states for the backward (the backward alone is the difference)."""
     size = x_jax["k"].shape[-1]
     if config is not None:
         triton_backend.CONFIG_OVERRIDES[(size, size)] = config
     try:
-        forward = jax.jit(lambda x: rwkv_jax.rwkv7(*(x[n] for n in NAMES), backend="triton"))
-        both = jax.jit(triton_vjp)
+        def op(x):
+            return rwkv_jax.rwkv7(*(x[n] for n in NAMES), backend=backend)
+
+        def both(x, d_out, d_state):
+            (out, state), pullback = jax.vjp(op, x)
+            return out, state, pullback((d_out, d_state))[0]
+
+        forward, both = jax.jit(op), jax.jit(both)
         compile_start = time.perf_counter()
         out, state = jax.block_until_ready(forward(x_jax))
         _, _, grads = jax.block_until_ready(both(x_jax, d_out, d_state))
@@ -193,9 +201,12 @@ def bench_triton(label, x_jax, d_out, d_state, ref, config=None):
                    forward_backward_ms=time_jax(both, x_jax, d_out, d_state),
                    peak_bytes=jax_peak_bytes(both, x_jax, d_out, d_state),
                    forward_peak_bytes=jax_peak_bytes(forward, x_jax),
-                   errors=slice_errors(out, state, grads, ref), compile_s=compile_s,
-                   config=dataclasses.asdict(triton_backend.CONFIG_OVERRIDES.get(
-                       (size, size), triton_backend.default_config(size, size))))
+                   errors=slice_errors(out, state, grads, ref), compile_s=compile_s)
+        if backend == "triton":
+            saving = jax.jit(lambda x: jax.vjp(op, x)[0])
+            row["forward_saving_states_ms"] = time_jax(saving, x_jax)
+            row["config"] = dataclasses.asdict(triton_backend.CONFIG_OVERRIDES.get(
+                (size, size), triton_backend.default_config(size, size)))
     finally:
         triton_backend.CONFIG_OVERRIDES.pop((size, size), None)
     return row
@@ -242,13 +253,15 @@ def bench_fla(label, x, d_out, d_state, ref, **options):
 def describe(row):
     errors = row["errors"]
     worst_grad = max(v for k, v in errors.items() if k.startswith("d"))
-    return (f"{row['name']:38s} fwd {row['forward_ms']:7.3f} ms  fwd+bwd "
+    saving = (f" (saving states {row['forward_saving_states_ms']:.3f})"
+              if "forward_saving_states_ms" in row else "")
+    return (f"{row['name']:38s} fwd {row['forward_ms']:7.3f} ms{saving}  fwd+bwd "
             f"{row['forward_backward_ms']:7.3f} ms  peak {row['peak_bytes'] / 2**30:6.2f} GiB "
             f"(fwd {row['forward_peak_bytes'] / 2**30:5.2f})  err out {errors['out']:.1e} "
             f"state {errors['state']:.1e} grads<= {worst_grad:.1e}")
 
 
-def benchmark(sweep, deadline):
+def benchmark(sweep, others, deadline):
     batch, steps, heads, size = 8, 4096, 64, 64
     x, d_out, d_state = model_inputs(batch, steps, heads, size)
     log(f"benchmark inputs: B={batch} T={steps} H={heads} K=V={size} bf16, "
@@ -269,23 +282,26 @@ def benchmark(sweep, deadline):
         rows.append(row)
         return row
 
-    attempt(bench_triton, "rwkv_jax triton (default config)", x_jax, d_out_jax, d_state_jax, ref)
+    attempt(bench_jax, "rwkv_jax triton (default config)", x_jax, d_out_jax, d_state_jax, ref)
     attempt(bench_fla, "fla chunk_rwkv7 fastest (C=64, safe)", x, d_out, d_state, ref,
             chunk_size=64, safe_gate=True, lower_bound=LOWER_BOUND)
     attempt(bench_fla, "fla chunk_rwkv7 default", x, d_out, d_state, ref)
+    for backend in others:
+        attempt(bench_jax, f"rwkv_jax {backend}", x_jax, d_out_jax, d_state_jax, ref, backend)
     results["benchmark"] = rows
     if sweep:
         default = triton_backend.default_config(size, size)
-        variants = [dict(forward_warps=8, backward_warps=8), dict(block_v=32),
-                    dict(block_v=32, backward_warps=8), dict(chunks_per_state=8),
-                    dict(forward_warps=8), dict(backward_warps=8), dict(stages=1)]
+        variants = [dict(chunks_per_state=1), dict(chunks_per_state=2),
+                    dict(chunks_per_state=1, backward_warps=8), dict(backward_warps=8),
+                    dict(inverse_precision="tf32"), dict(block_v=32, backward_warps=8),
+                    dict(stages=1)]
         for change in variants:
             if time.time() > deadline:
                 log(f"  sweep stopped at the time budget; not run: {change} and later")
                 break
             config = dataclasses.replace(default, **change)
-            row = attempt(bench_triton, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,
-                          config)
+            row = attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,
+                          "triton", config)
             if row:
                 results["sweep"].append(row)
     return rows
@@ -299,6 +315,8 @@ def main():
     parser.add_argument("--budget", type=float, default=420.0,
                         help="seconds after which the sweep stops starting new configs")
     parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--others", default="native,chunked",
+                        help="other rwkv_jax backends to time at the benchmark shape")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     _log_file = open(os.path.join(args.out, "gpu_rwkv7.log"), "w")
@@ -308,7 +326,7 @@ def main():
     results["gpu"] = gpu
     if not args.skip_correctness:
         correctness()
-    rows = benchmark(args.sweep, deadline)
+    rows = benchmark(args.sweep, [b for b in args.others.split(",") if b], deadline)
     with open(os.path.join(args.out, "gpu_rwkv7.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     log("\ncorrectness: " + ", ".join(f"{c['name']}: {'ok' if c['ok'] else 'FAIL'}"

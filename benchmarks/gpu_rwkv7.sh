@@ -4,7 +4,7 @@
 set -eo pipefail
 out=${OUT:-/tmp/gpu_rwkv7}
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
 # The package build maps triton_kernels/ to rwkv_jax.triton_kernels; from the source tree, link it.
 [ -e rwkv_jax/triton_kernels ] || ln -s ../triton_kernels rwkv_jax/triton_kernels
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv

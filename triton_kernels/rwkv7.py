@@ -35,17 +35,28 @@ import triton.language as tl
 
 
 @triton.jit
-def _inverse_unit_lower(lower, C: tl.constexpr):
+def _inverse_unit_lower(lower, C: tl.constexpr, PRECISION: tl.constexpr):
     """(I - lower)^-1 for a strictly lower-triangular [C, C] tile (C = 16): lower is nilpotent,
-    so the inverse is (I + L)(I + L^2)(I + L^4)(I + L^8), six exact float32 products."""
+    so the inverse is (I + L)(I + L^2)(I + L^4)(I + L^8): six matrix products."""
     index = tl.arange(0, C)
     identity = tl.where(index[:, None] == index[None, :], 1.0, 0.0)
     inverse = identity + lower
     power = lower
     for _ in tl.static_range(3):
-        power = tl.dot(power, power, input_precision="ieee")
-        inverse = tl.dot(inverse, identity + power, input_precision="ieee")
+        power = tl.dot(power, power, input_precision=PRECISION)
+        inverse = tl.dot(inverse, identity + power, input_precision=PRECISION)
     return inverse
+
+
+@triton.jit
+def _in_range(cols, SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """cols < SIZE, as a constant when blocks of BLOCK tile SIZE exactly (so that loads and
+    stores of whole rows can be vectorised)."""
+    if SIZE % BLOCK == 0:
+        inside = tl.full([BLOCK], 1, tl.int1)
+    else:
+        inside = cols < SIZE
+    return inside
 
 
 @triton.jit
@@ -56,7 +67,7 @@ def _tile_offsets(rows, row_mask, head, cols, col_mask, HEADS: tl.constexpr, WID
 
 
 @triton.jit
-def _intra_chunk(q, w, k, a, b, C: tl.constexpr):
+def _intra_chunk(q, w, k, a, b, C: tl.constexpr, PRECISION: tl.constexpr):
     """Everything of a chunk that does not depend on its starting state."""
     index = tl.arange(0, C)
     gi = tl.cumsum(w, axis=0)
@@ -72,10 +83,10 @@ def _intra_chunk(q, w, k, a, b, C: tl.constexpr):
     strict = index[:, None] > index[None, :]
     causal = index[:, None] >= index[None, :]
     # tl.where, not a multiplication: masked entries may overflow to inf.
-    A_ab = tl.where(strict, tl.dot(a_f, tl.trans(b_f)), 0.0)
-    A_ak = tl.where(strict, tl.dot(a_f, tl.trans(k_f)), 0.0)
-    A_qb = tl.where(causal, tl.dot(q_f, tl.trans(b_f)), 0.0)
-    A_qk = tl.where(causal, tl.dot(q_f, tl.trans(k_f)), 0.0)
+    A_ab = tl.where(strict, tl.dot(a_f, tl.trans(b_f), input_precision=PRECISION), 0.0)
+    A_ak = tl.where(strict, tl.dot(a_f, tl.trans(k_f), input_precision=PRECISION), 0.0)
+    A_qb = tl.where(causal, tl.dot(q_f, tl.trans(b_f), input_precision=PRECISION), 0.0)
+    A_qk = tl.where(causal, tl.dot(q_f, tl.trans(k_f), input_precision=PRECISION), 0.0)
     to_end = tl.exp(g_end[None, :] - gi)
     return (gi, ge, g_end, middle, a_f, q_f, b_f, k_f, A_ab, A_ak, A_qb, A_qk,
             a * tl.exp(ge), q * tl.exp(gi), k * to_end, b * to_end)
@@ -89,7 +100,7 @@ def _chunk_inputs(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, start, end, head, v_
     rows = start + tl.arange(0, C)
     row_mask = rows < end
     k_cols = tl.arange(0, BK)
-    k_at, k_in = _tile_offsets(rows, row_mask, head, k_cols, k_cols < K, HEADS, K)
+    k_at, k_in = _tile_offsets(rows, row_mask, head, k_cols, _in_range(k_cols, K, BK), HEADS, K)
     v_at, v_in = _tile_offsets(rows, row_mask, head, v_cols, v_mask, HEADS, V)
     q = tl.load(r_ptr + k_at, mask=k_in, other=0.0).to(tl.float32) * scale
     w = tl.load(w_ptr + k_at, mask=k_in, other=0.0).to(tl.float32)
@@ -104,18 +115,23 @@ def _chunk_inputs(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, start, end, head, v_
 def _chunk_forward(h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, o_ptr, start, end, head,
                    v_cols, v_mask, WRITE_OUTPUT: tl.constexpr, scale: tl.constexpr,
                    HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                   C: tl.constexpr):
+                   C: tl.constexpr, PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr):
     """Advance the state ``h`` [BK, BV] over one chunk, writing its output rows if asked."""
     k_at, k_in, v_at, v_in, q, w, k, v, a, b = _chunk_inputs(
         r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, start, end, head, v_cols, v_mask,
         scale, HEADS, K, V, BK, C)
     (gi, ge, g_end, middle, a_f, q_f, b_f, k_f, A_ab, A_ak, A_qb, A_qk,
-     a_d, q_d, k_e, b_e) = _intra_chunk(q, w, k, a, b, C)
-    u = tl.dot(_inverse_unit_lower(A_ab, C), tl.dot(A_ak, v) + tl.dot(a_d, h))
+     a_d, q_d, k_e, b_e) = _intra_chunk(q, w, k, a, b, C, PRECISION)
+    inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
+    x = tl.dot(a_d, h, tl.dot(A_ak, v, input_precision=PRECISION), input_precision=PRECISION)
+    u = tl.dot(inverse, x, input_precision=PRECISION)
     if WRITE_OUTPUT:
-        o = tl.dot(q_d, h) + tl.dot(A_qk, v) + tl.dot(A_qb, u)
+        o = tl.dot(q_d, h, input_precision=PRECISION)
+        o = tl.dot(A_qk, v, o, input_precision=PRECISION)
+        o = tl.dot(A_qb, u, o, input_precision=PRECISION)
         tl.store(o_ptr + v_at, o.to(o_ptr.dtype.element_ty), mask=v_in)
-    return tl.exp(g_end)[:, None] * h + tl.dot(tl.trans(k_e), v) + tl.dot(tl.trans(b_e), u)
+    h = tl.dot(tl.trans(k_e), v, tl.exp(g_end)[:, None] * h, input_precision=PRECISION)
+    return tl.dot(tl.trans(b_e), u, h, input_precision=PRECISION)
 
 
 @triton.jit
@@ -131,7 +147,7 @@ def rwkv7_forward_kernel(
     o_ptr, ht_ptr, states_ptr,                                                  # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
-    SAVE_STATES: tl.constexpr,
+    SAVE_STATES: tl.constexpr, PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
 ):
     """Grid (sequences * HEADS, V blocks). o [rows, HEADS, V]; ht [N, HEADS, K, V] float32;
     states [slots, HEADS, K, V] float32: the state at the start of every span (if SAVE_STATES)."""
@@ -139,8 +155,8 @@ def rwkv7_forward_kernel(
     sequence = program // HEADS
     head = program % HEADS
     v_cols = tl.program_id(1) * BV + tl.arange(0, BV)
-    v_mask = v_cols < V
-    state_mask = (tl.arange(0, BK) < K)[:, None] & v_mask[None, :]
+    v_mask = _in_range(v_cols, V, BV)
+    state_mask = _in_range(tl.arange(0, BK), K, BK)[:, None] & v_mask[None, :]
     start = tl.load(cu_ptr + sequence).to(tl.int64)
     end = tl.load(cu_ptr + sequence + 1).to(tl.int64)
     local = _state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
@@ -155,7 +171,8 @@ def rwkv7_forward_kernel(
                                        BK, v_cols)
                 tl.store(states_ptr + saved, h, mask=state_mask)
         h = _chunk_forward(h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, o_ptr, start + c * C,
-                           end, head, v_cols, v_mask, True, scale, HEADS, K, V, BK, C)
+                           end, head, v_cols, v_mask, True, scale, HEADS, K, V, BK, C, PRECISION,
+                           INVERSE_PRECISION)
         c += 1
     tl.store(ht_ptr + local, h, mask=state_mask)
 
@@ -164,7 +181,8 @@ def rwkv7_forward_kernel(
 def _chunk_backward(h, dh, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr,
                     dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr, start, end, head, v_block,
                     v_cols, v_mask, scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr,
-                    V: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr):
+                    V: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr,
+                    PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr):
     """Gradients of one chunk from its starting state ``h`` and the gradient ``dh`` of its
     final state; returns the gradient of its starting state."""
     k_at, k_in, v_at, v_in, q, w, k, v, a, b = _chunk_inputs(
@@ -172,40 +190,44 @@ def _chunk_backward(h, dh, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr,
         scale, HEADS, K, V, BK, C)
     do = tl.load(do_ptr + v_at, mask=v_in, other=0.0).to(tl.float32)
     (gi, ge, g_end, middle, a_f, q_f, b_f, k_f, A_ab, A_ak, A_qb, A_qk,
-     a_d, q_d, k_e, b_e) = _intra_chunk(q, w, k, a, b, C)
+     a_d, q_d, k_e, b_e) = _intra_chunk(q, w, k, a, b, C, PRECISION)
     index = tl.arange(0, C)
     strict = index[:, None] > index[None, :]
     causal = index[:, None] >= index[None, :]
-    inverse = _inverse_unit_lower(A_ab, C)
-    x = tl.dot(A_ak, v) + tl.dot(a_d, h)
-    u = tl.dot(inverse, x)
+    inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
+    x = tl.dot(a_d, h, tl.dot(A_ak, v, input_precision=PRECISION), input_precision=PRECISION)
+    u = tl.dot(inverse, x, input_precision=PRECISION)
     # H' = e^g H + k^T V + b^T U
     decay_end = tl.exp(g_end)
     dh_prev = decay_end[:, None] * dh
-    dk_e = tl.dot(v, tl.trans(dh))
-    dv = tl.dot(k_e, dh)
-    db_e = tl.dot(u, tl.trans(dh))
-    du = tl.dot(b_e, dh)
+    dk_e = tl.dot(v, tl.trans(dh), input_precision=PRECISION)
+    dv = tl.dot(k_e, dh, input_precision=PRECISION)
+    db_e = tl.dot(u, tl.trans(dh), input_precision=PRECISION)
+    du = tl.dot(b_e, dh, input_precision=PRECISION)
     dg_end = decay_end * tl.sum(h * dh, axis=1)
     # O = q~ H + A_qk V + A_qb U
-    dq_d = tl.dot(do, tl.trans(h))
-    dh_prev += tl.dot(tl.trans(q_d), do)
-    dA_qk = tl.where(causal, tl.dot(do, tl.trans(v)), 0.0)
-    dv += tl.dot(tl.trans(A_qk), do)
-    dA_qb = tl.where(causal, tl.dot(do, tl.trans(u)), 0.0)
-    du += tl.dot(tl.trans(A_qb), do)
+    dq_d = tl.dot(do, tl.trans(h), input_precision=PRECISION)
+    dh_prev = tl.dot(tl.trans(q_d), do, dh_prev, input_precision=PRECISION)
+    dA_qk = tl.where(causal, tl.dot(do, tl.trans(v), input_precision=PRECISION), 0.0)
+    dv = tl.dot(tl.trans(A_qk), do, dv, input_precision=PRECISION)
+    dA_qb = tl.where(causal, tl.dot(do, tl.trans(u), input_precision=PRECISION), 0.0)
+    du = tl.dot(tl.trans(A_qb), do, du, input_precision=PRECISION)
     # U = (I - A_ab)^-1 X, X = A_ak V + a~ H
-    dx = tl.dot(tl.trans(inverse), du)
-    dA_ab = tl.where(strict, tl.dot(dx, tl.trans(u)), 0.0)
-    dA_ak = tl.where(strict, tl.dot(dx, tl.trans(v)), 0.0)
-    dv += tl.dot(tl.trans(A_ak), dx)
-    da_d = tl.dot(dx, tl.trans(h))
-    dh_prev += tl.dot(tl.trans(a_d), dx)
+    dx = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
+    dA_ab = tl.where(strict, tl.dot(dx, tl.trans(u), input_precision=PRECISION), 0.0)
+    dA_ak = tl.where(strict, tl.dot(dx, tl.trans(v), input_precision=PRECISION), 0.0)
+    dv = tl.dot(tl.trans(A_ak), dx, dv, input_precision=PRECISION)
+    da_d = tl.dot(dx, tl.trans(h), input_precision=PRECISION)
+    dh_prev = tl.dot(tl.trans(a_d), dx, dh_prev, input_precision=PRECISION)
     # The A matrices as products of the middle-referenced factors.
-    dq_f = tl.dot(dA_qb, b_f) + tl.dot(dA_qk, k_f)
-    da_f = tl.dot(dA_ab, b_f) + tl.dot(dA_ak, k_f)
-    db_f = tl.dot(tl.trans(dA_ab), a_f) + tl.dot(tl.trans(dA_qb), q_f)
-    dk_f = tl.dot(tl.trans(dA_ak), a_f) + tl.dot(tl.trans(dA_qk), q_f)
+    dq_f = tl.dot(dA_qk, k_f, tl.dot(dA_qb, b_f, input_precision=PRECISION),
+                  input_precision=PRECISION)
+    da_f = tl.dot(dA_ak, k_f, tl.dot(dA_ab, b_f, input_precision=PRECISION),
+                  input_precision=PRECISION)
+    db_f = tl.dot(tl.trans(dA_qb), q_f, tl.dot(tl.trans(dA_ab), a_f, input_precision=PRECISION),
+                  input_precision=PRECISION)
+    dk_f = tl.dot(tl.trans(dA_qk), q_f, tl.dot(tl.trans(dA_ak), a_f, input_precision=PRECISION),
+                  input_precision=PRECISION)
     # Back to the inputs; x * e^y contributes x e^y to the gradient of its exponent y.
     to_middle = tl.exp(middle - gi)
     to_end = tl.exp(g_end[None, :] - gi)
@@ -237,7 +259,7 @@ def rwkv7_backward_kernel(
     dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr, dh0_ptr, scratch_ptr,       # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
 ):
     """Grid as the forward's. dr, dw, dk, da, db: [rows, HEADS, K], or float32 partial sums
     [V blocks, ROWS, HEADS, K] when ROWS > 0 (several V blocks); dv [rows, HEADS, V];
@@ -248,8 +270,8 @@ def rwkv7_backward_kernel(
     sequence = program // HEADS
     head = program % HEADS
     v_cols = v_block * BV + tl.arange(0, BV)
-    v_mask = v_cols < V
-    state_mask = (tl.arange(0, BK) < K)[:, None] & v_mask[None, :]
+    v_mask = _in_range(v_cols, V, BV)
+    state_mask = _in_range(tl.arange(0, BK), K, BK)[:, None] & v_mask[None, :]
     start = tl.load(cu_ptr + sequence).to(tl.int64)
     end = tl.load(cu_ptr + sequence + 1).to(tl.int64)
     local = _state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
@@ -272,7 +294,7 @@ def rwkv7_backward_kernel(
             if j + 1 < in_span:
                 h = _chunk_forward(h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, r_ptr,
                                    start + (first_chunk + j) * C, end, head, v_cols, v_mask,
-                                   False, scale, HEADS, K, V, BK, C)
+                                   False, scale, HEADS, K, V, BK, C, PRECISION, INVERSE_PRECISION)
             j += 1
         tl.debug_barrier()
         j = in_span - 1
@@ -281,7 +303,8 @@ def rwkv7_backward_kernel(
             dh = _chunk_backward(h, dh, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr,
                                  dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr,
                                  start + (first_chunk + j) * C, end, head, v_block, v_cols,
-                                 v_mask, scale, HEADS, K, V, BK, C, ROWS)
+                                 v_mask, scale, HEADS, K, V, BK, C, ROWS, PRECISION,
+                                 INVERSE_PRECISION)
             j -= 1
         tl.debug_barrier()  # the next span overwrites the scratch
         s -= 1

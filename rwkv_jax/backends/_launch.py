@@ -33,7 +33,7 @@ def unavailable_reason(platform: str) -> Optional[str]:
     """None if Triton kernels can run on ``platform``, else why not (the backend's probe)."""
     if platform == "gpu":
         try:
-            import jax_triton  # noqa: F401
+            _import_jax_triton()
         except Exception as err:
             return (f"jax_triton does not import ({type(err).__name__}: {err}); "
                     f"install jax-triton==0.3.1 next to a CUDA jaxlib")
@@ -46,6 +46,18 @@ def unavailable_reason(platform: str) -> Optional[str]:
                     + " and ".join(missing) + " (pip install triton torch)")
         return None
     return f"Triton kernels run on NVIDIA GPUs (or interpreted on CPU), not on {platform!r}"
+
+
+def _import_jax_triton():
+    """jax_triton, without its import-time ``TRITON_CACHE_DIR=""``, which would leave every
+    other Triton user of the process (torch, say) unable to compile."""
+    previous = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton
+    if previous is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = previous
+    return jax_triton
 
 
 def _on_gpu() -> bool:
@@ -77,7 +89,7 @@ def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDt
     """
     out_shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes)
     if _on_gpu():
-        import jax_triton
+        jax_triton = _import_jax_triton()
 
         def run(*arrays):
             return tuple(jax_triton.triton_call(

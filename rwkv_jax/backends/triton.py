@@ -33,6 +33,7 @@ class KernelConfig:
     forward_warps: int
     backward_warps: int
     stages: int | None = None
+    inverse_precision: str = "ieee"  # of the (I - A_ab)^-1 products ("tf32": faster, coarser)
 
 
 def _pow2_at_least(n, floor=16):
@@ -66,6 +67,7 @@ class _Static:
     k_size: int
     v_size: int
     config: KernelConfig
+    precision: str  # of the float32 matrix products: "tf32x3" for float32 inputs, else "tf32"
 
     @property
     def span(self):
@@ -74,7 +76,8 @@ class _Static:
     def constexprs(self):
         return dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
                     BK=_pow2_at_least(self.k_size), BV=self.config.block_v, C=CHUNK,
-                    CHUNKS_PER_STATE=self.config.chunks_per_state)
+                    CHUNKS_PER_STATE=self.config.chunks_per_state, PRECISION=self.precision,
+                    INVERSE_PRECISION=self.config.inverse_precision)
 
     def grid(self, sequences):
         return (sequences * self.heads, -(-self.v_size // self.config.block_v))
@@ -155,7 +158,9 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     v_size = v.shape[-1]
     _check_head_sizes(k_size, v_size)
     config = CONFIG_OVERRIDES.get((k_size, v_size)) or default_config(k_size, v_size)
-    static = _Static(float(scale), heads, k_size, v_size, config)
+    # tf32 alone (10-bit mantissa) would miss the float32 contract; split products recover it.
+    precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
+    static = _Static(float(scale), heads, k_size, v_size, config, "tf32x3" if precise else "tf32")
     if cu_seqlens is None:
         cu = jnp.arange(batch + 1, dtype=jnp.int32) * steps
     else:
