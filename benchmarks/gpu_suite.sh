@@ -37,7 +37,9 @@ install() {
   if [ ${#wheels[@]} -gt 0 ]; then
     "$PY" -m pip install -q --no-index --no-deps --upgrade --target "$SITE" "${wheels[@]}" || return
   fi
-  "$PY" -m pip install --no-index --no-deps --no-build-isolation --upgrade --target "$SITE" . || return
+  # Its own build folder (kept between runs, so a rerun rebuilds only what changed).
+  "$PY" -m pip install --no-index --no-deps --no-build-isolation --upgrade --target "$SITE" \
+    -C build-dir=build/gpu-suite/{wheel_tag} . || return
   # The installed copy, not the source folder, must be what Python finds, triton_kernels included.
   "$PY" - "$SITE" <<'EOF'
 import sys, rwkv_jax, rwkv_jax.triton_kernels, jax

@@ -71,9 +71,6 @@ def make_case(op: str, batch: int, length: int, heads: int, head_size: int, *, s
     def normal(*shape, std=1.0):
         return (std * rng.standard_normal(shape)).astype(np.float32)
 
-    def state():
-        return normal(batch, heads, head_size, head_size, std=0.5)
-
     options: dict = {}
     if op in ("rwkv7", "rwkv7_step"):
         kk = normal(*bthk)
@@ -107,7 +104,7 @@ def make_case(op: str, batch: int, length: int, heads: int, head_size: int, *, s
         arrays["state"] = normal(slots, heads, head_size, head_size, std=0.5)
         options["state_indices"] = np.arange(slots - 1, slots - 1 - batch, -1, dtype=np.int32)
     elif op != "rwkv4":
-        arrays["initial_state"] = state()
+        arrays["initial_state"] = normal(batch, heads, head_size, head_size, std=0.5)
     arrays = {n: np.asarray(x, np.float32) for n, x in arrays.items()}
     return Case(op, arrays, options, tokens=batch * length, shape=bthk)
 

@@ -18,6 +18,7 @@ import json
 import os
 import platform as host
 import sys
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -164,21 +165,27 @@ def _check_requested_backends(args) -> str | None:
 # check
 
 def _relative_error(x, ref) -> float:
-    """``||x - ref|| / ||ref||`` in float64; inf when x is non-finite or misshapen."""
+    """``||x - ref|| / ||ref||`` in float64; inf when x is non-finite."""
     x = np.asarray(x, np.float64)
-    if x.shape != ref.shape or not np.all(np.isfinite(x)):
+    if x.shape != ref.shape:
+        raise ValueError(f"result of shape {x.shape} where the reference has {ref.shape}")
+    if not np.all(np.isfinite(x)):
         return float("inf")
     norm = np.linalg.norm(ref)
     return float(np.linalg.norm(x - ref) / (norm if norm > 0 else 1.0))
 
 
+def _native(case: Case, names) -> Callable:
+    """The native backend function of ``case.op`` as a function of the positional arrays."""
+    return bind(getattr(native, case.op), names, {**case.options, **BACKEND_DEFAULTS[case.op]})
+
+
 def _reference(case: Case, arrays: dict, cotangents):
     """Outputs and gradients of the native backend on float64 copies of ``arrays``."""
-    fn = bind(getattr(native, case.op), tuple(arrays), {**case.options, **BACKEND_DEFAULTS[case.op]})
     with jax.enable_x64(True):
         to64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
         xs = tuple(to64(x) for x in arrays.values())
-        result = jax.jit(vjp_function(fn))(xs, jax.tree.map(to64, cotangents))
+        result = jax.jit(vjp_function(_native(case, tuple(arrays))))(xs, jax.tree.map(to64, cotangents))
         return jax.tree.map(lambda y: np.asarray(y, np.float64), result)
 
 
@@ -187,8 +194,7 @@ def check_case(case: Case, dtype_name: str, backend_names: list[str]) -> list[di
     arrays = case.as_dtype(DTYPES[dtype_name])
     names = tuple(arrays)
     xs = tuple(jnp.asarray(x) for x in arrays.values())
-    native_fn = bind(getattr(native, case.op), names, {**case.options, **BACKEND_DEFAULTS[case.op]})
-    cotangents = random_cotangents(native_fn, xs)
+    cotangents = random_cotangents(_native(case, names), xs)  # shaped and typed per the contract
     (ref_out, ref_state), ref_grads = _reference(case, arrays, cotangents)
     public = getattr(public_ops, case.op)
     rows = []
@@ -198,15 +204,17 @@ def check_case(case: Case, dtype_name: str, backend_names: list[str]) -> list[di
         try:
             forward = bind(functools.partial(public, backend=name), names, case.options)
             (out, state), grads = jax.jit(vjp_function(forward))(xs, cotangents)
+            mistyped = [n for n, g, x in zip(names, grads, xs) if g.dtype != x.dtype]
+            if mistyped:
+                raise TypeError(f"gradients of {', '.join(mistyped)} are not in their input's dtype")
+            grad_errors = {n: _relative_error(g, r) for n, g, r in zip(names, grads, ref_grads)}
+            output, final_state = _relative_error(out, ref_out), _relative_error(state, ref_state)
         except Exception as err:  # a backend that raises fails the check; the message says why
             rows.append(dict(row, ok=False, error=_error_text(err)))
             continue
-        grad_errors = {n: _relative_error(g, r) for n, g, r in zip(names, grads, ref_grads)}
         worst = max(grad_errors, key=grad_errors.get)
-        row.update(output=_relative_error(out, ref_out), state=_relative_error(state, ref_state),
-                   gradient=grad_errors[worst], worst_input=worst)
-        row["ok"] = (row["output"] <= fwd_tol and row["state"] <= fwd_tol
-                     and row["gradient"] <= grad_tol)
+        row.update(output=output, state=final_state, gradient=grad_errors[worst], worst_input=worst)
+        row["ok"] = output <= fwd_tol and final_state <= fwd_tol and row["gradient"] <= grad_tol
         rows.append(row)
     return rows
 

@@ -77,10 +77,16 @@ def _raises(**kwargs):
     raise ValueError("this backend is broken on purpose")
 
 
+def _drops_last_step(**kwargs):
+    o, h = native.rwkv7(**kwargs)
+    return o[:, :-1], h
+
+
 @pytest.mark.parametrize("rwkv7, verdict", [
     (_native_rwkv7_times(1.01), "FAIL"),  # 1e-2 off: above any float32 bound
     (_native_rwkv7_times(float("nan")), "non-finite"),
     (_raises, "broken on purpose"),
+    (_drops_last_step, "ERROR"),
 ])
 def test_check_fails_on_a_broken_backend(fake_backend, capsys, rwkv7, verdict):
     fake_backend("broken", rwkv7=rwkv7)
