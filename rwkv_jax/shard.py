@@ -14,16 +14,19 @@ each device
 
 1. runs the op on its block from zero (the first block from ``initial_state``), which gives
    ``o_local`` and ``h_local``, and gets its transition together with ``p_t = Φ_t^T (scale r_t)``:
-   for RWKV-6 and GLA from cumulative sums of the log decays; for RWKV-7 by running the same op,
-   in the same call, on zero values from the identity state (its final state is ``M``, the
-   product of ``diag(exp w_t) + b_t a_t^T`` over the block, and its outputs are ``p_t``);
+   for RWKV-6 and GLA from cumulative sums of the log decays; for RWKV-7 by running the same op
+   a second time, on zero values (V = K) from the identity state: its final state is ``M``, the
+   product of ``diag(exp w_t) + b_t a_t^T`` over the block, and its outputs are ``p_t``;
 2. all-gathers ``(Φ, h_local)`` over ``seq_axis`` and composes them in order: the state entering
    its block (an exclusive scan) and the final state of the whole sequence;
 3. adds ``h_in^T p_t`` to its outputs, which is exactly what rerunning the block from ``h_in``
-   would give, without the second pass.
+   would give, without rerunning it.
 
 Everything is ordinary differentiable JAX around the public op, so gradients are exact and any
-backend works; per-device memory is that of one block (plus ``n`` states for the scan).
+backend works; per-device memory is that of one block (plus ``n`` states for the scan). Cost:
+RWKV-7 runs its recurrence twice per block (the transition is a K×K matrix), so over ``n``
+devices each does ``2/n`` of the one-device work; RWKV-6 and GLA do ``1/n`` plus elementwise
+work and one ``[T/n, K] x [K, V]`` product per head.
 """
 
 from __future__ import annotations
@@ -64,24 +67,14 @@ def _exclusive_cumsum(x):
 def _rwkv7_block(run, x, start, options):
     """RWKV-7: h_t = A_t h_{t-1} + k_t v_t^T with A_t = diag(exp w_t) + b_t a_t^T, a full K×K map.
     The op run on zero values from the identity state has final state M = A_T ... A_1 and
-    outputs p_t = (A_t ... A_1)^T (scale r_t); it shares the call with the real block."""
-    v = x["v"]
+    outputs p_t = (A_t ... A_1)^T (scale r_t). A second call of the op on the same arrays (not
+    one call on inputs stacked along the batch) so that no input is copied: the memory of a
+    block stays that of the op plus one zero value block."""
+    o, h = run(**x, initial_state=start)
     batch, _, heads, keys = x["k"].shape
-    values = v.shape[-1]
-    if start is None:
-        start = jnp.zeros((batch, heads, keys, values), jnp.float32)
-    eye = jnp.broadcast_to(jnp.eye(keys, dtype=start.dtype), (batch, heads, keys, keys))
-    if values == keys:
-        # Stack the two problems along the batch: the call has the op's own shapes, so kernels
-        # that only handle V == K run it.
-        doubled = {n: jnp.concatenate([y, y]) for n, y in x.items() if n != "v"}
-        o, h = run(**doubled, v=jnp.concatenate([v, jnp.zeros_like(v)]),
-                   initial_state=jnp.concatenate([start, eye]))
-        return o[:batch], h[:batch], h[batch:], True, o[batch:], None
-    # V != K: widen the values to [v, 0] and the state to [start, I] instead.
-    widened = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (keys,), v.dtype)], axis=-1)
-    o, h = run(**{**x, "v": widened}, initial_state=jnp.concatenate([start, eye], axis=-1))
-    return o[..., :values], h[..., :values], h[..., values:], True, o[..., values:], None
+    eye = jnp.broadcast_to(jnp.eye(keys, dtype=jnp.float32), (batch, heads, keys, keys))
+    p, transition = run(**{**x, "v": jnp.zeros(x["k"].shape, x["v"].dtype)}, initial_state=eye)
+    return o, h, transition, True, p, None
 
 
 def _rwkv6_block(run, x, start, options):

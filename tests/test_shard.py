@@ -145,7 +145,7 @@ def test_every_backend_head_first_over_all_three_axes(op, backend):
 
 
 @pytest.mark.parametrize("case", [
-    ("rwkv7", dict(value=4, decay="strong"), {}),       # V != K: the widened identity run
+    ("rwkv7", dict(value=4, decay="strong"), {}),       # V != K: the identity run has V = K
     ("rwkv6", dict(decay="zero"), dict(scale=0.37)),
     ("gated_linear_attention", dict(decay="strong"), dict(reverse=True)),
     ("gated_linear_attention", dict(gates=("g_gamma",), value=4), dict(reverse=True)),
