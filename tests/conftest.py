@@ -31,10 +31,8 @@ def tolerance(backend, dtype, kind):
     """Allowed relative error of ``kind`` ("forward" or "gradient") for inputs of ``dtype``."""
     if np.dtype(dtype) != np.float32:
         return LOW_PRECISION_TOLERANCE
-    if backend not in FLOAT32_TOLERANCE:
-        raise KeyError(f"backend {backend!r} has no tolerance in tests/conftest.py: add one "
-                       f"from DESIGN.md's numerical contract")
-    forward, gradient = FLOAT32_TOLERANCE[backend]
+    # A backend not listed is held to the strict contract of the sequential backends.
+    forward, gradient = FLOAT32_TOLERANCE.get(backend, FLOAT32_TOLERANCE["native"])
     return forward if kind == "forward" else gradient
 
 
