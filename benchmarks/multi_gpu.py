@@ -98,16 +98,16 @@ def measure(mode, shape, args):
 
     @jax.jit
     def forward_backward(r, w, k, v, a, b, do):
-        (o, _), pull = jax.vjp(lambda *x: fn(*x), r, w, k, v, a, b)
+        _, pull = jax.vjp(fn, r, w, k, v, a, b)
         return pull((do, None))
 
     x = inputs(0)
     compiled = forward_backward.lower(*x).compile()
-    jax.block_until_ready(forward_backward(*x))      # warm-up
+    jax.block_until_ready(compiled(*x))      # warm-up
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        jax.block_until_ready(forward_backward(*x))
+        jax.block_until_ready(compiled(*x))
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
 
@@ -122,7 +122,8 @@ def measure(mode, shape, args):
         source = "compiled estimate"
     return dict(mode=mode, shape=shape, dtype=args.dtype, devices=len(devices),
                 platform=devices[0].platform, device_kind=devices[0].device_kind,
-                backend=rwkv_jax.backends.resolve("rwkv7", args.backend)[0], milliseconds=1e3 * seconds,
+                backend=rwkv_jax.backends.resolve("rwkv7", args.backend)[0],
+                milliseconds=1e3 * seconds,
                 all_milliseconds=[1e3 * t for t in times],
                 tokens_per_second=batch * steps / seconds,
                 peak_bytes_per_device=peaks, memory_source=source, error=None)

@@ -106,10 +106,12 @@ def _gla_block(run, x, start, options):
         scalar = scalar + x["g_gamma"]
     per_key = scalar[..., None] + (0.0 if x.get("gk") is None else x["gk"])   # [B, T, H, K or 1]
     p = scale * q * jnp.exp(through(per_key))
-    post = None if x.get("gv") is None else jnp.exp(through(x["gv"]))
-    transition = jnp.exp(jnp.sum(per_key.astype(jnp.float32), axis=1))[..., None]   # [B, H, K, 1]
-    if post is not None:
-        transition = transition * jnp.exp(jnp.sum(x["gv"].astype(jnp.float32), axis=1))[..., None, :]
+    transition = jnp.exp(jnp.sum(per_key, axis=1))[..., None]     # [B, H, K or 1, 1]
+    post = None
+    if x.get("gv") is not None:   # per value: a factor on the outputs and on the transition
+        per_value = x["gv"].astype(jnp.float32)
+        post = jnp.exp(through(per_value))
+        transition = transition * jnp.exp(jnp.sum(per_value, axis=1))[..., None, :]
     return o, h, transition, False, p, post
 
 
@@ -210,9 +212,9 @@ def _advance(transition, is_matrix, h):
 
 def _sequence_parallel(spec, base, options, arrays, axis, devices):
     """One device's share of a sequence-parallel run (inside shard_map); arrays are time-major."""
-    reverse = options.get("reverse", False)
-    order = list(range(devices))[::-1] if reverse else list(range(devices))
+    order = list(range(devices))[::-1] if options.get("reverse", False) else list(range(devices))
     index = lax.axis_index(axis)
+    arrays = dict(arrays)
     h0 = arrays.pop("initial_state", None)
     # The block that comes first in the recurrence starts from the true initial state, so its
     # outputs need no correction; the others start from zero.

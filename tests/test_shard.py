@@ -243,16 +243,16 @@ def test_packed_sequences_over_the_sequence_axis_are_refused():
         sharded(*args, **keywords, cu_seqlens=np.array([0, 7, 16], np.int32))
 
 
-def _load_example():
-    path = pathlib.Path(__file__).parent.parent / "examples" / "sharded_training.py"
-    spec = importlib.util.spec_from_file_location("sharded_training", path)
+def _load_script(relative_path):
+    path = pathlib.Path(__file__).parent.parent / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_sharded_training_example():
-    example = _load_example()
+    example = _load_script("examples/sharded_training.py")
     losses = example.main(["--steps", "6", "--batch", "2", "--seq-len", "8", "--width", "16",
                            "--layers", "1", "--backend", "native"])
     assert len(losses) == 6 and np.all(np.isfinite(losses)) and losses[-1] < losses[0]
@@ -260,7 +260,7 @@ def test_sharded_training_example():
 
 def test_sharded_model_gradients_equal_one_device():
     """The example's whole model: loss and parameter gradients as on one device."""
-    example = _load_example()
+    example = _load_script("examples/sharded_training.py")
     mesh = _mesh((2, 4), ("data", "seq"))
     one_device = functools.partial(rwkv_jax.rwkv7, backend="native")
     sharded = rwkv_jax.shard(one_device, mesh, batch_axis="data", seq_axis="seq")
@@ -271,3 +271,14 @@ def test_sharded_model_gradients_equal_one_device():
     assert abs(float(loss) - float(loss1)) <= 1e-5 * abs(float(loss1))
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
         assert _relative_error(got, want) <= 1e-4
+
+
+def test_multi_gpu_benchmark_rows():
+    """benchmarks/multi_gpu.py, in this process (on the first 2 of the 8 CPU devices)."""
+    bench = _load_script("benchmarks/multi_gpu.py")
+    args = bench.parse_args(["--tiny", "--repeats", "1", "--backend", "native"])
+    rows = [bench.measure(mode, "2x16x2x8", args) for mode in bench.MODES]
+    for row, devices in zip(rows, (1, 2, 2)):
+        assert row["devices"] == devices and row["milliseconds"] > 0
+        assert len(row["peak_bytes_per_device"]) == devices
+    assert "| 2x16x2x8 | sequence | 2 |" in bench.table(rows)
