@@ -58,7 +58,9 @@ def _acc(*xs):
 
 
 # ------------------------------------------------------------------------------------------
-# Intra-chunk pieces. Arrays are [..., C, D]: any leading dims, C tokens of one chunk.
+# Intra-chunk pieces. Arrays are [L, C, D]: L chunks (of all batch rows and heads), C tokens.
+# Every contraction has exactly one batch dimension: XLA:CPU 0.10.2 crashes (segfault) running
+# the gradient of a dot_general whose several batch dimensions include one of size 1.
 # ------------------------------------------------------------------------------------------
 
 
@@ -69,51 +71,79 @@ def _masked_exp(exponent, mask):
 
 
 def _cumulative(log_decay):
-    """Inclusive and exclusive in-chunk cumulative sums over the token axis (-2)."""
-    inclusive = jnp.cumsum(log_decay, axis=-2)
-    exclusive = jnp.concatenate([jnp.zeros_like(inclusive[..., :1, :]), inclusive[..., :-1, :]],
-                                axis=-2)
+    """Inclusive and exclusive in-chunk cumulative sums over the token axis."""
+    inclusive = jnp.cumsum(log_decay, axis=1)
+    exclusive = jnp.concatenate([jnp.zeros_like(inclusive[:, :1]), inclusive[:, :-1]], axis=1)
     return inclusive, exclusive
 
 
 def _sub_chunks(x, sub):
-    """[..., C, D] -> [..., C // sub, sub, D]."""
-    return x.reshape(*x.shape[:-2], x.shape[-2] // sub, sub, x.shape[-1])
+    """[..., L, C, D] -> [..., L * C // sub, sub, D]."""
+    *lead, rows, chunk, dim = x.shape
+    return x.reshape(*lead, rows * chunk // sub, sub, dim)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(4, 5))
-def _decayed_scores(rows, cols, g_rows, g_cols, sub, strict):
-    """``A[x, y, ..., i, j] = sum_k rows[x,...,i,k] cols[y,...,j,k] exp(g_rows[i,k] - g_cols[j,k])``
-    for ``j < i`` (``j <= i`` unless ``strict``), else 0.
-
-    ``rows``: [X, ..., C, K]; ``cols``: [Y, ..., C, K]; ``g_rows``, ``g_cols``: [..., C, K]
-    cumulative log decays with ``g_rows[i] <= g_cols[j]`` wherever ``j < i`` (or ``<=``), and
-    ``p[I] = g_cols[I*sub - 1] >= g_rows[i]`` for rows ``i`` of sub-chunk ``I``. Returns
-    [X, Y, ..., C, C]. Checkpointed: the [.., sub, sub, K] decays are recomputed for the
-    gradient, not stored.
-    """
-    chunk, keys = g_cols.shape[-2:]
-    sub = min(sub, chunk)
-    n = chunk // sub
-    # Log decay before each sub-chunk: 0 for the first, else the inclusive sum up to its start.
-    before = jnp.concatenate([jnp.zeros_like(g_cols[..., :1, :]),
-                              g_cols[..., sub - 1:-1:sub, :]], axis=-2)             # [..., n, K]
-    # Between sub-chunks (column j before row i's sub-chunk I): e^{g_i - p_I} e^{p_I - g_j}.
-    row_factor = jnp.exp(_sub_chunks(g_rows, sub) - before[..., None, :])          # [..., n, sub, K]
-    earlier = (jnp.arange(chunk)[None, :] < sub * jnp.arange(n)[:, None])[..., None]  # [n, C, 1]
-    col_factor = _masked_exp(before[..., :, None, :] - g_cols[..., None, :, :], earlier)
-    cross = jnp.einsum("x...nik,y...njk->xy...nij", _sub_chunks(rows, sub) * row_factor,
-                       cols[..., None, :, :] * col_factor)                           # [..., n, sub, C]
-    # Within a sub-chunk: the exact masked exponential of each pairwise difference.
+def _pairwise_decay(g_rows, g_cols, sub, strict):
+    """Within each sub-chunk: ``exp(g_rows[i] - g_cols[j])`` for ``j < i`` (``j <= i`` unless
+    ``strict``), else 0: [L * n, sub, sub, D], each exponent a difference ``<= 0``."""
     pairs = jnp.tril(jnp.ones((sub, sub), bool), -1 if strict else 0)[..., None]
-    decay = _masked_exp(_sub_chunks(g_rows, sub)[..., :, None, :]
-                        - _sub_chunks(g_cols, sub)[..., None, :, :], pairs)        # [..., n, sub, sub, K]
-    diagonal = jnp.einsum("x...nik,y...nijk->xy...nij", _sub_chunks(rows, sub),
-                          decay * _sub_chunks(cols, sub)[:, ..., None, :, :])
-    # Place each sub-chunk's block on the diagonal of the [sub, C] row strip.
-    on_diagonal = jnp.eye(n, dtype=diagonal.dtype)[:, None, :, None]                # [n, 1, n, 1]
-    blocks = (diagonal[..., :, :, None, :] * on_diagonal).reshape(cross.shape)
-    return (cross + blocks).reshape(*cross.shape[:-3], chunk, chunk)
+    return _masked_exp(_sub_chunks(g_rows, sub)[:, :, None] - _sub_chunks(g_cols, sub)[:, None],
+                       pairs)
+
+
+def _across_sub_chunks(g_rows, g_cols, sub):
+    """For a row ``i`` in sub-chunk ``I`` and a column ``j`` in an earlier sub-chunk,
+    ``exp(g_rows[i] - g_cols[j]) = row[I, i] * col[I, j]``, factored through ``p_I``, the
+    inclusive cumulative decay just before sub-chunk ``I``; both factors are ``<= 1``.
+    Returns ``row`` [L * n, sub, D] and ``col`` [L * n, C, D] (0 where ``j`` is not earlier).
+    Needs two sub-chunks or more."""
+    rows, chunk, dim = g_cols.shape
+    n = chunk // sub
+    before = jnp.concatenate([jnp.zeros_like(g_cols[:, :1]), g_cols[:, sub - 1:-1:sub]], axis=1)
+    row = jnp.exp(_sub_chunks(g_rows, sub) - before.reshape(rows * n, 1, dim))
+    earlier = (jnp.arange(chunk)[None, :] < sub * jnp.arange(n)[:, None])[..., None]  # [n, C, 1]
+    col = _masked_exp(before[:, :, None] - g_cols[:, None], earlier)                  # [L, n, C, D]
+    return row, col.reshape(rows * n, chunk, dim)
+
+
+def _block_diagonal(blocks, n):
+    """[..., L * n, sub, sub] -> [..., L, C, C] with the blocks on the diagonal."""
+    *lead, rows_n, sub, _ = blocks.shape
+    rows = rows_n // n
+    blocks = blocks.reshape(*lead, rows, n, sub, 1, sub)
+    eye = jnp.eye(n, dtype=blocks.dtype)[:, None, :, None]                          # [n, 1, n, 1]
+    return (blocks * eye).reshape(*lead, rows, n * sub, n * sub)
+
+
+def _diagonal_blocks(matrix, sub):
+    """[L, C, C] -> its [L * n, sub, sub] blocks on the diagonal."""
+    rows, chunk, _ = matrix.shape
+    n = chunk // sub
+    blocks = jnp.diagonal(matrix.reshape(rows, n, sub, n, sub), axis1=1, axis2=3)  # [L, sub, sub, n]
+    return jnp.moveaxis(blocks, -1, 1).reshape(rows * n, sub, sub)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(4,))
+def _decayed_scores(rows, cols, g_rows, g_cols, sub):
+    """``A[x, y, l, i, j] = sum_k rows[x,l,i,k] cols[y,l,j,k] exp(g_rows[l,i,k] - g_cols[l,j,k])``
+    for ``j < i``, else 0.
+
+    ``rows``: [X, L, C, K]; ``cols``: [Y, L, C, K]; ``g_rows`` the exclusive and ``g_cols`` the
+    inclusive cumulative log decays [L, C, K]. Returns [X, Y, L, C, C]. Checkpointed: the
+    pairwise decays are recomputed for the gradient, not stored.
+    """
+    count, chunk, keys = g_cols.shape
+    n = chunk // sub
+    flat = lambda x: x.reshape(x.shape[0], -1, *x.shape[3:])
+    decayed_cols = _pairwise_decay(g_rows, g_cols, sub, strict=True) * _sub_chunks(cols, sub)[:, :, None]
+    within = jnp.einsum("xbk,ybjk->xybj", flat(_sub_chunks(rows, sub)), flat(decayed_cols))
+    scores = _block_diagonal(within.reshape(*within.shape[:2], count * n, sub, sub), n)
+    if n > 1:
+        row, col = _across_sub_chunks(g_rows, g_cols, sub)
+        cols_by_block = jnp.repeat(cols, n, axis=1) * col                            # [Y, L * n, C, K]
+        across = jnp.einsum("xbik,ybjk->xybij", _sub_chunks(rows, sub) * row, cols_by_block)
+        scores = scores + across.reshape(scores.shape)
+    return scores
 
 
 def _diagonal(values):
@@ -123,31 +153,23 @@ def _diagonal(values):
 
 @functools.partial(jax.checkpoint, static_argnums=(3,))
 def _decayed_mix(scores, values, g_values, sub):
-    """``out[i, v] = sum_{j<=i} scores[i, j] exp(g_values[i, v] - g_values[j, v]) values[j, v]``
-    for a value-side decay (inclusive cumulative ``g_values`` [..., C, V]), split into
-    sub-chunks like :func:`_decayed_scores`."""
-    chunk = values.shape[-2]
-    sub = min(sub, chunk)
+    """``out[l, i, v] = sum_{j<=i} scores[l,i,j] exp(g_values[l,i,v] - g_values[l,j,v]) values[l,j,v]``
+    for a value-side decay (inclusive cumulative ``g_values`` [L, C, V]), split into sub-chunks
+    like :func:`_decayed_scores`."""
+    count, chunk, dim = values.shape
     n = chunk // sub
-    before = jnp.concatenate([jnp.zeros_like(g_values[..., :1, :]),
-                              g_values[..., sub - 1:-1:sub, :]], axis=-2)           # [..., n, V]
-    row_factor = jnp.exp(_sub_chunks(g_values, sub) - before[..., None, :])        # [..., n, sub, V]
-    earlier = (jnp.arange(chunk)[None, :] < sub * jnp.arange(n)[:, None])[..., None]
-    col_factor = _masked_exp(before[..., :, None, :] - g_values[..., None, :, :], earlier)
-    strips = _sub_chunks(scores, sub)                                               # [..., n, sub, C]
-    cross = row_factor * jnp.einsum("...nij,...njv->...niv", strips,
-                                    values[..., None, :, :] * col_factor)
-    pairs = jnp.tril(jnp.ones((sub, sub), bool))[..., None]
-    g_blocks = _sub_chunks(g_values, sub)
-    decay = _masked_exp(g_blocks[..., :, None, :] - g_blocks[..., None, :, :], pairs)
-    diagonal_scores = jnp.stack([strips[..., m, :, m * sub:(m + 1) * sub] for m in range(n)], -3)
-    inner = jnp.einsum("...nij,...nijv,...njv->...niv", diagonal_scores, decay,
-                       _sub_chunks(values, sub))
-    return (cross + inner).reshape(values.shape)
+    decay = _pairwise_decay(g_values, g_values, sub, strict=False)                  # [L*n, sub, sub, V]
+    out = jnp.sum(_diagonal_blocks(scores, sub)[..., None] * decay
+                  * _sub_chunks(values, sub)[:, None], axis=2)                      # [L*n, sub, V]
+    if n > 1:
+        row, col = _across_sub_chunks(g_values, g_values, sub)
+        out = out + row * jnp.einsum("bij,bjv->biv", _sub_chunks(scores, sub),
+                                     jnp.repeat(values, n, axis=0) * col)
+    return out.reshape(values.shape)
 
 
 class _Chunks(NamedTuple):
-    """What the cross-chunk pass needs, per chunk ([B, H, n, ...]).
+    """What the cross-chunk pass needs, per chunk ([L, ...]).
 
     Each chunk maps its incoming state S [K, V] to ``advance(transition, S) + update`` and
     outputs ``gate * (read @ S) + intra`` ([C, V]; ``gate`` None means 1).
@@ -161,7 +183,7 @@ class _Chunks(NamedTuple):
 
 def _advance_matrix(transition, state):
     (matrix,) = transition
-    return jnp.einsum("...kj,...jv->...kv", matrix, state)
+    return matrix @ state
 
 
 def _advance_diagonal(transition, state):
@@ -170,51 +192,52 @@ def _advance_diagonal(transition, state):
     return state if value_decay is None else state * value_decay[..., None, :]
 
 
+def _transpose(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
 def _rwkv7_chunks(r, w, k, v, a, b, sub):
     g, gx = _cumulative(w)
-    g_last = g[..., -1:, :]
-    scores = _decayed_scores(jnp.stack([r * jnp.exp(w), a]), jnp.stack([k, b]), gx, g, sub,
-                             True)
+    g_last = g[:, -1:]
+    scores = _decayed_scores(jnp.stack([r * jnp.exp(w), a]), jnp.stack([k, b]), gx, g, sub)
     a_qk = scores[0, 0] + _diagonal(jnp.sum(r * k, -1))
     a_qb = scores[0, 1] + _diagonal(jnp.sum(r * b, -1))
     a_ak, a_ab = scores[1, 0], scores[1, 1]
     # UT transform: (I - A_ab) [u | W] = [A_ak V | a e^{Gx}], unit lower triangular.
-    eye = jnp.eye(r.shape[-2], dtype=r.dtype)
+    eye = jnp.eye(r.shape[1], dtype=r.dtype)
     rhs = jnp.concatenate([a_ak @ v, a * jnp.exp(gx)], axis=-1)
     solved = lax.linalg.triangular_solve(eye - a_ab, rhs, left_side=True, lower=True,
                                          unit_diagonal=True)
     u, wy = solved[..., : v.shape[-1]], solved[..., v.shape[-1]:]
     to_end = jnp.exp(g_last - g)
     kg, bg = k * to_end, b * to_end
-    transpose = lambda x: jnp.swapaxes(x, -1, -2)
-    matrix = _diagonal(jnp.exp(g_last[..., 0, :])) + transpose(bg) @ wy
-    return _Chunks(transition=(matrix,),
-                   update=transpose(kg) @ v + transpose(bg) @ u,
+    return _Chunks(transition=(_diagonal(jnp.exp(g_last[:, 0])) + _transpose(bg) @ wy,),
+                   update=_transpose(kg) @ v + _transpose(bg) @ u,
                    read=r * jnp.exp(g) + a_qb @ wy, gate=None,
                    intra=a_qk @ v + a_qb @ u)
 
 
 def _gated_chunks(q, k, v, key_log_decay, value_log_decay, bonus, sub):
-    """Gated linear attention (read after the update) or, with ``bonus``, RWKV-6 (read before
-    the update, the current token weighted by ``bonus`` [..., 1, K])."""
+    """Gated linear attention (read after the update) or, with ``bonus`` ([L, C, K]), RWKV-6
+    (read before the update, the current token weighted by the bonus)."""
     g, gx = _cumulative(key_log_decay)
-    g_last = g[..., -1:, :]
+    g_last = g[:, -1:]
     if bonus is None:  # o_i reads h_i: rows decay by G_i, the diagonal has weight 1
         rows, read, on_diagonal = q * jnp.exp(key_log_decay), q * jnp.exp(g), q
     else:  # o_i reads h_{i-1}: rows decay by Gx_i, the diagonal is weighted by the bonus
         rows, read, on_diagonal = q, q * jnp.exp(gx), q * bonus
-    scores = _decayed_scores(rows[None], k[None], gx, g, sub, True)[0, 0]
+    scores = _decayed_scores(rows[None], k[None], gx, g, sub)[0, 0]
     scores = scores + _diagonal(jnp.sum(on_diagonal * k, -1))
     keys_to_end = k * jnp.exp(g_last - g)
     if value_log_decay is None:
         gate, intra, values_to_end, value_decay = None, scores @ v, v, None
     else:
         gv, _ = _cumulative(value_log_decay)
-        gv_last = gv[..., -1:, :]
+        gv_last = gv[:, -1:]
         gate, intra = jnp.exp(gv), _decayed_mix(scores, v, gv, sub)
-        values_to_end, value_decay = v * jnp.exp(gv_last - gv), jnp.exp(gv_last[..., 0, :])
-    return _Chunks(transition=(jnp.exp(g_last[..., 0, :]), value_decay),
-                   update=jnp.swapaxes(keys_to_end, -1, -2) @ values_to_end,
+        values_to_end, value_decay = v * jnp.exp(gv_last - gv), jnp.exp(gv_last[:, 0])
+    return _Chunks(transition=(jnp.exp(g_last[:, 0]), value_decay),
+                   update=_transpose(keys_to_end) @ values_to_end,
                    read=read, gate=gate, intra=intra)
 
 
@@ -224,15 +247,17 @@ def _gated_chunks(q, k, v, key_log_decay, value_log_decay, bonus, sub):
 
 
 def _to_chunks(x, chunk):
-    """[B, T, H, D] (T a multiple of ``chunk``) -> [B, H, n, C, D]."""
+    """[B, T, H, D] (T a multiple of ``chunk``) -> [n * B * H, C, D], chunk index major."""
     batch, steps, heads, dim = x.shape
-    return x.reshape(batch, steps // chunk, chunk, heads, dim).transpose(0, 3, 1, 2, 4)
+    x = x.reshape(batch, steps // chunk, chunk, heads, dim).transpose(1, 0, 3, 2, 4)
+    return x.reshape(-1, chunk, dim)
 
 
-def _from_chunks(x):
-    """[B, H, n, C, D] -> [B, n * C, H, D]."""
-    batch, heads, n, chunk, dim = x.shape
-    return x.transpose(0, 2, 3, 1, 4).reshape(batch, n * chunk, heads, dim)
+def _from_chunks(x, batch, heads):
+    """[n * B * H, C, D] -> [B, n * C, H, D]."""
+    _, chunk, dim = x.shape
+    x = x.reshape(-1, batch, heads, chunk, dim).transpose(1, 0, 3, 2, 4)
+    return x.reshape(batch, -1, heads, dim)
 
 
 class _Packing(NamedTuple):
@@ -263,31 +288,33 @@ def _packing(cu_seqlens, steps, chunk):
 
 
 def _chunk_states(advance, chunks, h0, packing):
-    """Scan over chunks: the state entering each chunk [B, H, n, K, V] and the last state."""
-    time_major = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
+    """Scan over chunks. ``h0``: [B * H, K, V], or [N, H, K, V] with packing.
+    Returns the state entering each chunk [n * B * H, K, V] and the last state."""
+    rows = h0.shape[0] if packing is None else h0.shape[1]  # B * H, or H (B == 1)
+    by_chunk = lambda x: None if x is None else x.reshape(-1, rows, *x.shape[1:])
     resets = None if packing is None else (packing.starts, packing.segment)
 
     def step(state, x):
         transition, update, reset = x
         if reset is not None:  # a chunk that starts a segment loads that segment's state
             starts, segment = reset
-            state = jnp.where(starts, h0[segment][None], state)
+            state = jnp.where(starts, h0[segment], state)
         return advance(transition, state) + update, state
 
-    init = h0 if packing is None else jnp.zeros_like(h0[:1])
-    xs = (jax.tree.map(time_major, chunks.transition), time_major(chunks.update), resets)
+    init = h0 if packing is None else jnp.zeros_like(h0[0])
+    xs = (jax.tree.map(by_chunk, chunks.transition), by_chunk(chunks.update), resets)
     last, states = lax.scan(step, init, xs)
-    return jnp.moveaxis(states, 0, 2), last
+    return states.reshape(-1, *states.shape[2:]), last
 
 
 def _run(build, advance, tokens, h0, cu_seqlens, chunk_size):
     """Run a chunked recurrence over ``tokens`` ([B, T, H, *] arrays whose zero padding is
-    inert). ``build`` maps their chunked form [B, H, n, C, *] to :class:`_Chunks`.
-    Returns (o [B, T, H, V], final states [N, H, K, V])."""
-    steps = tokens[0].shape[1]
+    inert) from ``h0`` [N, H, K, V]. ``build`` maps their chunked form [L, C, *] to
+    :class:`_Chunks`. Returns (o [B, T, H, V], final states [N, H, K, V])."""
+    batch, steps, heads = tokens[0].shape[:3]
     # Short inputs take a shorter chunk (a multiple of the sub-chunk) instead of padding.
     chunk = min(chunk_size, -(-steps // SUB_CHUNK) * SUB_CHUNK)
-    if chunk % min(SUB_CHUNK, chunk):
+    if chunk % SUB_CHUNK:
         raise ValueError(f"chunk_size must be a multiple of {SUB_CHUNK}, got {chunk_size}")
     if cu_seqlens is None:
         packing = None
@@ -298,17 +325,21 @@ def _run(build, advance, tokens, h0, cu_seqlens, chunk_size):
         length = packing.chunks * chunk
         pad = lambda x: jnp.zeros((1, length) + x.shape[2:], x.dtype).at[:, packing.slots].set(
             x, unique_indices=True)
-    chunks = build(*(_to_chunks(pad(x), chunk) for x in tokens))
-    states, last = _chunk_states(advance, chunks, h0, packing)
-    o = jnp.einsum("bhnck,bhnkv->bhncv", chunks.read, states)
-    o = _from_chunks((o if chunks.gate is None else o * chunks.gate) + chunks.intra)
+    chunks = build(*(_to_chunks(pad(x), chunk) for x in tokens), sub=SUB_CHUNK)
+    flat_h0 = h0.reshape(-1, *h0.shape[2:]) if packing is None else h0
+    states, last = _chunk_states(advance, chunks, flat_h0, packing)
+    o = jnp.einsum("lck,lkv->lcv", chunks.read, states)
+    o = (o if chunks.gate is None else o * chunks.gate) + chunks.intra
+    o = _from_chunks(o, batch, heads)
     if packing is None:
-        return o[:, :steps], last
+        return o[:, :steps], last.reshape(h0.shape)
     # A segment's final state: its last chunk applied to the state entering that chunk.
-    at_last = lambda x: None if x is None else x[0][:, packing.last_chunk]  # [H, N, ...]
+    at_last = lambda x: None if x is None else (
+        x.reshape(packing.chunks, heads, *x.shape[1:])[packing.last_chunk]
+        .reshape(-1, *x.shape[1:]))                                                # [N * H, ...]
     final = (advance(jax.tree.map(at_last, chunks.transition), at_last(states))
              + at_last(chunks.update))
-    final = jnp.where(packing.nonempty[:, None, None, None], jnp.swapaxes(final, 0, 1), h0)
+    final = jnp.where(packing.nonempty[:, None, None, None], final.reshape(h0.shape), h0)
     return o[:, packing.slots], final
 
 
@@ -330,8 +361,7 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     r, w, k, a, b, v32 = (x.astype(acc) for x in (r, w, k, a, b, v))
     h0 = _initial_state(initial_state, r.shape[0], cu_seqlens, r.shape[2], r.shape[3],
                         v.shape[3], acc)
-    build = functools.partial(_rwkv7_chunks, sub=SUB_CHUNK)
-    o, h = _run(build, _advance_matrix, (r * scale, w, k, v32, a, b), h0, cu_seqlens,
+    o, h = _run(_rwkv7_chunks, _advance_matrix, (r * scale, w, k, v32, a, b), h0, cu_seqlens,
                 chunk_size or CHUNK_SIZE)
     return o.astype(v.dtype), h
 
@@ -342,12 +372,12 @@ def rwkv6(r, k, v, w, u, *, scale, initial_state, output_final_state, cu_seqlens
     r, k, w, v32 = (x.astype(acc) for x in (r, k, w, v))
     h0 = _initial_state(initial_state, r.shape[0], cu_seqlens, r.shape[2], r.shape[3],
                         v.shape[3], acc)
-    bonus = u.astype(acc)[None, :, None, None, :]  # [1, H, 1, 1, K] against [B, H, n, C, K]
+    bonus = jnp.broadcast_to(u.astype(acc), r.shape)  # chunked like the tokens
 
-    def build(r, k, v, w):
-        return _gated_chunks(r, k, v, w, None, bonus, SUB_CHUNK)
+    def build(r, k, v, w, bonus, *, sub):
+        return _gated_chunks(r, k, v, w, None, bonus, sub)
 
-    o, h = _run(build, _advance_diagonal, (r * scale, k, v32, w), h0, cu_seqlens,
+    o, h = _run(build, _advance_diagonal, (r * scale, k, v32, w, bonus), h0, cu_seqlens,
                 chunk_size or CHUNK_SIZE)
     return o.astype(v.dtype), h
 
@@ -372,8 +402,8 @@ def gated_linear_attention(q, k, v, *, g, g_gamma, gk, gv, scale, initial_state,
             cu_seqlens = cu_seqlens[-1] - jnp.flip(cu_seqlens)
             h0 = jnp.flip(h0, axis=0)
 
-    def build(q, k, v, key_log_decay, value_log_decay=None):
-        return _gated_chunks(q, k, v, key_log_decay, value_log_decay, None, SUB_CHUNK)
+    def build(q, k, v, key_log_decay, value_log_decay=None, *, sub):
+        return _gated_chunks(q, k, v, key_log_decay, value_log_decay, None, sub)
 
     o, h = _run(build, _advance_diagonal, tokens, h0, cu_seqlens, chunk_size or CHUNK_SIZE)
     if reverse:
