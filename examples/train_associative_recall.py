@@ -36,10 +36,10 @@ from rwkv_jax.nn import RWKV7Config, RWKV7LM
 
 CONFIGS = {
     # keys, values, pairs per sequence, queries, model width, layers, head size, steps, batch, lr
-    "full": dict(keys=32, values=32, pairs=8, queries=8, n_embd=64, n_layer=2, head_size=32,
-                 steps=400, batch=32, lr=3e-3),
+    "full": dict(keys=16, values=16, pairs=6, queries=6, n_embd=64, n_layer=2, head_size=32,
+                 steps=400, batch=32, lr=1e-2),
     "tiny": dict(keys=8, values=8, pairs=4, queries=4, n_embd=32, n_layer=1, head_size=16,
-                 steps=80, batch=16, lr=1e-2),
+                 steps=150, batch=16, lr=1e-2),
 }
 
 
@@ -61,16 +61,20 @@ def make_batch(rng, batch, keys, values, pairs, queries):
 
 
 def data_parallel(backend):
-    """(wkv_op for the model, a function placing a batch on the devices): the batch is split
-    over all devices through rwkv_jax.shard when there are several and it exists."""
+    """(wkv_op for the model, a function placing a batch on the devices, one replicating a
+    pytree on them): the batch is split over all devices through rwkv_jax.shard when there are
+    several and it exists."""
     devices = jax.devices()
     if len(devices) == 1 or not hasattr(rwkv_jax, "shard"):
-        return None, lambda x: x
-    mesh = jax.make_mesh((len(devices),), ("data",))
+        return None, lambda x: x, lambda x: x
+    # Auto axes: XLA shards the rest of the model (matmuls, norms) from the batch's placement.
+    mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     wkv_op = rwkv_jax.shard(functools.partial(rwkv_jax.rwkv7, backend=backend), mesh,
                             batch_axis="data")
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    return wkv_op, lambda x: jax.device_put(x, split)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return (wkv_op, lambda x: jax.device_put(x, split),
+            lambda tree: jax.device_put(tree, replicated))
 
 
 def answer_loss(logits, targets, answer):
@@ -110,7 +114,7 @@ def main(argv=None):
     steps = args.steps or cfg["steps"]
     task = {n: cfg[n] for n in ("keys", "values", "pairs", "queries")}
 
-    wkv_op, place = data_parallel(args.backend)
+    wkv_op, place, replicate = data_parallel(args.backend)
     devices = jax.device_count() if wkv_op is not None else 1
     batch = -(-cfg["batch"] // devices) * devices          # a multiple of the device count
     model = RWKV7LM(RWKV7Config(vocab_size=cfg["keys"] + cfg["values"], n_embd=cfg["n_embd"],
@@ -121,6 +125,10 @@ def main(argv=None):
     optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0),
                                                  optax.adamw(schedule, weight_decay=0.01)),
                               wrt=nnx.Param)
+    # Parameters and optimizer state live on every device (else the first update moves them
+    # there and jit compiles again).
+    for tree in (model, optimizer):
+        nnx.update(tree, replicate(nnx.state(tree)))
     print(f"RWKV-7 LM {model.config}; batch {batch} over {devices} device(s) "
           f"({'rwkv_jax.shard' if wkv_op else 'jax.jit'}); task {task}")
 

@@ -64,35 +64,29 @@ def test_rwkv7_lm_matches_official_reference(backend, op, model, tokens, referen
 
 @pytest.mark.parametrize("op", ["rwkv7_step"])
 def test_rwkv7_step_mode_equals_sequence_mode(backend, op, model, tokens, reference_logits):
-    # Token by token through the step kernel.
-    state = model.init_state(tokens.shape[0])
-    pieces = []
-    for t in range(tokens.shape[1]):
-        logits, state = model.step(tokens[:, t:t + 1], state, backend=backend)
+    # Prefill 4 tokens in sequence mode, then one step of 3 tokens and two single-token steps,
+    # on slots 3 and 1 of a pool of 4 whose other slots must stay untouched.
+    slots = jnp.array([3, 1])
+    prefill, state = model(tokens[:, :4], return_state=True)
+    pool = jax.tree.map(lambda p, s: p.at[slots].set(s), model.init_state(4), state)
+    pieces = [prefill]
+    for start, stop in ((4, 7), (7, 8), (8, 9)):
+        logits, pool = model.step(tokens[:, start:stop], pool, state_indices=slots,
+                                  backend=backend)
         pieces.append(logits)
     assert rel_err(jnp.concatenate(pieces, 1), reference_logits) < model_tolerance(backend)
-
-    # Prefill 4 tokens in sequence mode, then 2 steps of 3 and 2 tokens, on slots 3 and 1 of a
-    # pool of 4 whose other slots must stay untouched.
-    prefill, state = model(tokens[:, :4], return_state=True)
-    pool = model.init_state(4)
-    pool = jax.tree.map(lambda p, s: p.at[jnp.array([3, 1])].set(s), pool, state)
-    middle, pool = model.step(tokens[:, 4:7], pool, state_indices=jnp.array([3, 1]),
-                              backend=backend)
-    last, pool = model.step(tokens[:, 7:], pool, state_indices=np.array([3, 1]), backend=backend)
-    assert rel_err(jnp.concatenate([prefill, middle, last], 1),
-                   reference_logits) < model_tolerance(backend)
     for leaf in jax.tree.leaves(pool):
         assert not np.any(leaf[jnp.array([0, 2])])
 
-    # The sequence mode's final state continues the same way.
+    # The sequence mode's final state is the one the steps reached.
     _, full_state = model(tokens, return_state=True)
     for got, want in zip(jax.tree.leaves(full_state), jax.tree.leaves(pool)):
-        assert rel_err(got, want[jnp.array([3, 1])]) < 1e-5
+        assert rel_err(got, want[slots]) < 1e-5
 
 
 def test_rwkv7_layers_compose_to_the_lm(model, tokens, reference_logits):
-    """The block and layer modules used on their own give the LM's logits."""
+    """The block and layer modules used on their own give the LM's logits, and their step
+    modes (token by token from zero pools, no state_indices) their sequence modes."""
     x = model.emb(tokens)
     v_first = None
     for block in model.blocks:
@@ -100,14 +94,13 @@ def test_rwkv7_layers_compose_to_the_lm(model, tokens, reference_logits):
     assert rel_err(model.head(model.ln_out(x)), reference_logits) < 1e-4
 
     block = model.blocks[1]
-    x = jax.random.normal(jax.random.key(0), (2, 5, 32))
-    v_first = jax.random.normal(jax.random.key(1), (2, 5, 32))
+    x, v_first = (jax.random.normal(key, (2, 9, 32)) for key in jax.random.split(jax.random.key(0)))
     y_att, _, att_state = block.att(x, v_first)
     y_ffn, ffn_shift = block.ffn(x)
     att_pool = rnn.TimeMixState(jnp.zeros((2, 32)), jnp.zeros((2, 2, 16, 16)))
     ffn_pool = jnp.zeros((2, 32))
     steps_att, steps_ffn = [], []
-    for t in range(5):
+    for t in range(9):
         y, _, att_pool = block.att.step(x[:, t:t + 1], v_first[:, t:t + 1], att_pool)
         steps_att.append(y)
         y, ffn_pool = block.ffn.step(x[:, t:t + 1], ffn_pool)
@@ -134,25 +127,30 @@ def test_rwkv7_bfloat16_compute(checkpoint, tokens, reference_logits):
 
 
 def test_rwkv7_gradients_are_finite_and_reach_every_parameter(model, tokens):
-    def loss(model):
-        logits = model(tokens[:, :-1])
-        return jnp.mean(jax.nn.logsumexp(logits, -1)
-                        - jnp.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0])
-    grads = nnx.grad(loss)(model)
-    for path, g in jax.tree.leaves_with_path(nnx.state(grads, nnx.Param)):
+    @nnx.jit
+    def grads(model):
+        def loss(model):
+            logits = model(tokens[:, :-1])
+            return jnp.mean(jax.nn.logsumexp(logits, -1)
+                            - jnp.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0])
+        return nnx.grad(loss)(model)
+
+    for path, g in jax.tree.leaves_with_path(nnx.state(grads(model), nnx.Param)):
         g = np.asarray(g)
         assert np.all(np.isfinite(g)) and np.any(g != 0), jax.tree_util.keystr(path)
 
 
-def test_rwkv7_fresh_model_runs_both_modes():
-    cfg = rnn.RWKV7Config(vocab_size=20, n_embd=32, n_layer=2, head_size=16)
-    assert (cfg.dim_ffn, cfg.decay_lora, cfg.gate_lora) == (128, 32, 32)
+def test_rwkv7_fresh_model_runs_both_modes(tokens):
+    defaults = rnn.RWKV7Config(vocab_size=20, n_embd=32, n_layer=2, head_size=16)
+    assert (defaults.dim_ffn, defaults.decay_lora, defaults.v_lora, defaults.gate_lora) == (
+        128, 32, 32, 32)
+    # The test checkpoint's sizes, so that the compiled shapes are shared with other tests.
+    cfg = rnn.RWKV7Config(vocab_size=VOCAB, n_embd=32, n_layer=2, head_size=16, decay_lora=8,
+                          a_lora=8, v_lora=4, gate_lora=12)
     model = rnn.RWKV7LM(cfg, rngs=nnx.Rngs(0))
-    tokens = jnp.array([[1, 2, 3], [4, 5, 6]], jnp.int32)
     logits = model(tokens)
-    state = model.init_state(2)
-    stepped, _ = model.step(tokens, state)
-    assert logits.shape == (2, 3, 20)
+    stepped, _ = model.step(tokens, model.init_state(2))
+    assert logits.shape == TOKENS_SHAPE + (VOCAB,)
     assert rel_err(stepped, logits) < 1e-5
 
 
