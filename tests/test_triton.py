@@ -134,6 +134,12 @@ def test_chunk_and_span_boundaries(steps):
     check(Case(steps=steps, config=SHORT_SPANS), seed=steps)
 
 
+@pytest.mark.parametrize("chunks_per_state", [1, 3])
+def test_saved_state_spacing(chunks_per_state):
+    check(Case(steps=75, heads=2, config=dict(chunks_per_state=chunks_per_state)),
+          seed=chunks_per_state)
+
+
 @pytest.mark.parametrize("decay", ["strong", "zero"])
 def test_decay_extremes_across_chunks(decay):
     check(Case(steps=40, decay=decay, config=SHORT_SPANS), seed=len(decay))

@@ -264,7 +264,7 @@ def rwkv7_backward_kernel(
     """Grid as the forward's. dr, dw, dk, da, db: [rows, HEADS, K], or float32 partial sums
     [V blocks, ROWS, HEADS, K] when ROWS > 0 (several V blocks); dv [rows, HEADS, V];
     dh0 [N, HEADS, K, V] float32; scratch: float32 [programs * V blocks, CHUNKS_PER_STATE, BK,
-    BV], the chunk states of the span being differentiated."""
+    BV], the chunk states of the span being differentiated (unused if CHUNKS_PER_STATE == 1)."""
     program = tl.program_id(0)
     v_block = tl.program_id(1)
     sequence = program // HEADS
@@ -281,31 +281,35 @@ def rwkv7_backward_kernel(
     scratch_row = (program * tl.num_programs(1) + v_block).to(tl.int64) * CHUNKS_PER_STATE
     k_rows = tl.arange(0, BK)
     scratch_tile = k_rows[:, None] * BV + tl.arange(0, BV)[None, :]
-    s = (chunks + CHUNKS_PER_STATE - 1) // CHUNKS_PER_STATE - 1
-    while s >= 0:
-        saved = _state_offsets(first_slot + s, head, HEADS, K, V, BK, v_cols)
-        h = tl.load(states_ptr + saved, mask=state_mask, other=0.0)
-        first_chunk = s * CHUNKS_PER_STATE
-        in_span = tl.minimum(chunks - first_chunk, CHUNKS_PER_STATE)
-        # Recompute the state at the start of each chunk of the span into the scratch.
-        j = 0
-        while j < in_span:
-            tl.store(scratch_ptr + (scratch_row + j) * (BK * BV) + scratch_tile, h)
-            if j + 1 < in_span:
-                h = _chunk_forward(h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, r_ptr,
-                                   start + (first_chunk + j) * C, end, head, v_cols, v_mask,
-                                   False, scale, HEADS, K, V, BK, C, PRECISION, INVERSE_PRECISION)
-            j += 1
-        tl.debug_barrier()
-        j = in_span - 1
-        while j >= 0:
+    c = chunks - 1
+    while c >= 0:
+        if CHUNKS_PER_STATE == 1:
+            saved = _state_offsets(first_slot + c, head, HEADS, K, V, BK, v_cols)
+            h = tl.load(states_ptr + saved, mask=state_mask, other=0.0)
+        else:
+            j = c % CHUNKS_PER_STATE
+            if (j == CHUNKS_PER_STATE - 1) | (c == chunks - 1):
+                # Entering a span from its end: recompute the state at the start of each of
+                # its chunks (up to this one) into the scratch.
+                tl.debug_barrier()  # everyone is done reading the previous span's states
+                span_start = c - j
+                saved = _state_offsets(first_slot + span_start // CHUNKS_PER_STATE, head, HEADS,
+                                       K, V, BK, v_cols)
+                h = tl.load(states_ptr + saved, mask=state_mask, other=0.0)
+                i = 0
+                while i <= j:
+                    tl.store(scratch_ptr + (scratch_row + i) * (BK * BV) + scratch_tile, h)
+                    if i < j:
+                        h = _chunk_forward(h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, r_ptr,
+                                           start + (span_start + i) * C, end, head, v_cols,
+                                           v_mask, False, scale, HEADS, K, V, BK, C, PRECISION,
+                                           INVERSE_PRECISION)
+                    i += 1
+                tl.debug_barrier()
             h = tl.load(scratch_ptr + (scratch_row + j) * (BK * BV) + scratch_tile)
-            dh = _chunk_backward(h, dh, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr,
-                                 dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr,
-                                 start + (first_chunk + j) * C, end, head, v_block, v_cols,
-                                 v_mask, scale, HEADS, K, V, BK, C, ROWS, PRECISION,
-                                 INVERSE_PRECISION)
-            j -= 1
-        tl.debug_barrier()  # the next span overwrites the scratch
-        s -= 1
+        dh = _chunk_backward(h, dh, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr,
+                             dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr, start + c * C, end,
+                             head, v_block, v_cols, v_mask, scale, HEADS, K, V, BK, C, ROWS,
+                             PRECISION, INVERSE_PRECISION)
+        c -= 1
     tl.store(dh0_ptr + local, dh, mask=state_mask)

@@ -125,6 +125,9 @@ def _rwkv7_bwd(static, residuals, cotangents):
     grid = static.grid(sequences)
     v_blocks = grid[1]
     block_k = _pow2_at_least(static.k_size)
+    per_state = static.config.chunks_per_state  # with 1, every chunk's state is saved: no scratch
+    scratch_shape = ((grid[0] * v_blocks, per_state, block_k, static.config.block_v)
+                     if per_state > 1 else (1,))
     # K-side gradients sum over V: with several V blocks each writes a float32 partial sum.
     if v_blocks == 1:
         k_grad = lambda x: jax.ShapeDtypeStruct((rows, static.heads, static.k_size), x.dtype)
@@ -141,8 +144,7 @@ def _rwkv7_bwd(static, residuals, cotangents):
          k_grad(a), k_grad(b),
          jax.ShapeDtypeStruct((sequences, static.heads, static.k_size, static.v_size),
                               jnp.float32),
-         jax.ShapeDtypeStruct((grid[0] * v_blocks, static.config.chunks_per_state, block_k,
-                               static.config.block_v), jnp.float32)),
+         jax.ShapeDtypeStruct(scratch_shape, jnp.float32)),
         grid, num_warps=static.config.backward_warps, num_stages=static.config.stages,
         ROWS=rows if v_blocks > 1 else 0,  # (0: one V block; no recompile per length)
         **static.constexprs())
