@@ -181,12 +181,18 @@ def test_checkpoint_files_round_trip(tmp_path, suffix, checkpoint, model, tokens
     np.testing.assert_array_equal(loaded(tokens), model(tokens))
 
 
-def test_checkpoint_torch_bfloat16_and_flat_vectors(tmp_path, checkpoint, tokens):
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_checkpoint_bfloat16_and_flat_vectors(tmp_path, suffix, checkpoint, tokens):
     torch = pytest.importorskip("torch")
-    path = tmp_path / "bf16.pth"
     # bf16 tensors (as released models are) and [C] instead of [1, 1, C] per-channel vectors.
-    torch.save({n: torch.from_numpy(v.reshape(-1) if v.shape[:2] == (1, 1) else v)
-                .to(torch.bfloat16) for n, v in checkpoint.items()}, path)
+    tensors = {n: torch.from_numpy(v.reshape(-1) if v.shape[:2] == (1, 1) else v)
+               .to(torch.bfloat16) for n, v in checkpoint.items()}
+    path = tmp_path / f"bf16{suffix}"
+    if suffix == ".pth":
+        torch.save(tensors, path)
+    else:
+        from safetensors.torch import save_file
+        save_file(tensors, str(path))
     rounded = {n: torch.from_numpy(v).to(torch.bfloat16).float().numpy()
                for n, v in checkpoint.items()}
     logits = rnn.load_rwkv7(path)(tokens)

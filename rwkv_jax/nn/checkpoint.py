@@ -38,21 +38,26 @@ def read_checkpoint(path) -> dict[str, np.ndarray]:
             raise ImportError(f"reading {path} needs torch; convert it to .safetensors or .npz "
                               f"where torch is installed") from err
         tensors = torch.load(path, map_location="cpu", weights_only=True)
-        return {name: _tensor_to_numpy(t) for name, t in tensors.items()}
+        return {name: _to_numpy(t) for name, t in tensors.items()}
     if suffix == ".safetensors":
-        from safetensors.numpy import load_file
-        return dict(load_file(path))
+        from safetensors import safe_open
+        with safe_open(path, framework="flax") as data:   # as JAX arrays: bfloat16 works
+            return {name: _to_numpy(data.get_tensor(name)) for name in data.keys()}
     if suffix == ".npz":
         with np.load(path) as data:
-            return {name: data[name] for name in data.files}
+            return {name: _to_numpy(data[name]) for name in data.files}
     raise ValueError(f"checkpoint path must end in .pth, .pt, .safetensors or .npz, got {path!r}")
 
 
-def _tensor_to_numpy(x):
-    if hasattr(x, "detach"):  # a torch tensor; numpy has no bfloat16, so widen low precision
+def _to_numpy(x):
+    """A numpy array; 16-bit floats (bfloat16 in released models) widened to float32."""
+    if hasattr(x, "detach"):  # a torch tensor: numpy cannot take bfloat16 from torch
         x = x.detach().cpu()
         return (x.float() if x.is_floating_point() and x.element_size() < 4 else x).numpy()
-    return np.asarray(x)
+    x = np.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:
+        return x.astype(np.float32)
+    return x
 
 
 def _layout(cfg: RWKV7Config) -> dict[str, tuple[tuple, tuple, str]]:
@@ -143,7 +148,7 @@ def _arrays(source) -> dict[str, np.ndarray]:
     if isinstance(source, (str, os.PathLike)):
         return read_checkpoint(source)
     if isinstance(source, Mapping):
-        return {name: _tensor_to_numpy(value) for name, value in source.items()}
+        return {name: _to_numpy(value) for name, value in source.items()}
     raise TypeError(f"source must be a checkpoint path or a dict of arrays, got "
                     f"{type(source).__name__}")
 

@@ -4,6 +4,7 @@ state pool)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -13,6 +14,28 @@ import numpy as np
 from flax import nnx
 
 from .. import _checks as checks
+
+
+class SizesConfig:
+    """Shared part of the frozen config dataclasses: fill in the defaults of the fields left
+    None, check that every size is a positive int and that heads tile the width."""
+
+    def complete(self, defaults: dict):
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        kind = type(self).__name__
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{kind}.{field.name} must be a positive int, got {value!r}")
+        if self.n_embd % self.head_size:
+            raise ValueError(f"{kind}.n_embd={self.n_embd} must be a multiple of "
+                             f"head_size={self.head_size}")
+
+    @property
+    def n_head(self) -> int:
+        return self.n_embd // self.head_size
 
 
 class TimeMixState(NamedTuple):
@@ -30,9 +53,10 @@ class LayerState(NamedTuple):
 
 
 def zero_layer_state(slots, n_embd, n_head, head_size) -> LayerState:
-    shift = jnp.zeros((slots, n_embd), jnp.float32)
+    # Three separate buffers, so that the whole state can be donated.
+    shift = lambda: jnp.zeros((slots, n_embd), jnp.float32)
     wkv = jnp.zeros((slots, n_head, head_size, head_size), jnp.float32)
-    return LayerState(TimeMixState(shift, wkv), shift)
+    return LayerState(TimeMixState(shift(), wkv), shift())
 
 
 class Sequence:
@@ -109,9 +133,7 @@ class GroupNormPerHead(nnx.Module):
     """The official ``ln_x``: each head's channels normalised on their own (torch
     ``GroupNorm(H, C)``), then a per-channel scale and bias. Statistics in float32."""
 
-    def __init__(self, n_embd: int, n_head: int, *, eps: float = 64e-5,
-                 param_dtype=jnp.float32):
-        self.n_head = n_head
+    def __init__(self, n_embd: int, *, eps: float = 64e-5, param_dtype=jnp.float32):
         self.eps = eps
         self.scale = nnx.Param(jnp.ones((n_embd,), param_dtype))
         self.bias = nnx.Param(jnp.zeros((n_embd,), param_dtype))

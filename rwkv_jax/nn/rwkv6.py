@@ -18,15 +18,15 @@ import numpy as np
 from flax import nnx
 
 from ..ops import rwkv6, rwkv6_step
-from .common import (ChannelMixBase, GroupNormPerHead, Sequence, Step, TimeMixState,
-                     channel_ramp, lora, param)
+from .common import (ChannelMixBase, GroupNormPerHead, Sequence, SizesConfig, Step,
+                     TimeMixState, channel_ramp, lora, param)
 
 # The data-dependent token shift makes five mixes, in this order.
 _MIXES = ("w", "k", "v", "r", "g")
 
 
 @dataclasses.dataclass(frozen=True)
-class RWKV6Config:
+class RWKV6Config(SizesConfig):
     """Sizes of RWKV-6 layers; the defaults are the official ones (channel-mix 3.5 C rounded
     down to a multiple of 32, token-shift LoRA 32, decay LoRA 64)."""
     n_embd: int
@@ -37,19 +37,7 @@ class RWKV6Config:
     decay_lora: int = 64
 
     def __post_init__(self):
-        if self.dim_ffn is None:
-            object.__setattr__(self, "dim_ffn", int(self.n_embd * 3.5) // 32 * 32)
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"RWKV6Config.{field.name} must be a positive int, got {value!r}")
-        if self.n_embd % self.head_size:
-            raise ValueError(f"RWKV6Config.n_embd={self.n_embd} must be a multiple of "
-                             f"head_size={self.head_size}")
-
-    @property
-    def n_head(self) -> int:
-        return self.n_embd // self.head_size
+        self.complete(dict(dim_ffn=int(self.n_embd * 3.5) // 32 * 32))
 
 
 def _linear(fan_in, fan_out, dtype, param_dtype, rngs, init=nnx.initializers.lecun_normal()):
@@ -86,7 +74,7 @@ class RWKV6TimeMix(nnx.Module):
         self.value = _linear(c, c, dtype, param_dtype, rngs)
         self.gate = _linear(c, c, dtype, param_dtype, rngs)
         self.output = _linear(c, c, dtype, param_dtype, rngs, nnx.initializers.zeros_init())
-        self.ln_x = GroupNormPerHead(c, h, param_dtype=param_dtype)
+        self.ln_x = GroupNormPerHead(c, param_dtype=param_dtype)
 
     def __call__(self, x, state: Optional[TimeMixState] = None, *, backend=None, wkv_op=None):
         """Sequence mode: ``x [B, T, C]``, ``state`` None (zeros) or one row per batch row;

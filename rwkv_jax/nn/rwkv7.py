@@ -27,8 +27,8 @@ import numpy as np
 from flax import nnx
 
 from ..ops import rwkv7, rwkv7_step
-from .common import (ChannelMixBase, GroupNormPerHead, LayerState, Sequence, Step, TimeMixState,
-                     channel_ramp, check_layer_state, check_tokens, lora, param,
+from .common import (ChannelMixBase, GroupNormPerHead, LayerState, Sequence, SizesConfig, Step,
+                     TimeMixState, channel_ramp, check_layer_state, check_tokens, lora, param,
                      zero_layer_state)
 
 # w = -exp(-0.5) * sigmoid(.) keeps the per-step decay exp(w) in [exp(-0.6065), 1).
@@ -42,7 +42,7 @@ def _lora_size(n_embd: int, factor: float) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class RWKV7Config:
+class RWKV7Config(SizesConfig):
     """Sizes of an RWKV-7 model. The LoRA widths and the channel-mix width default to the
     official choices (decay and in-context rate 2.5 sqrt(C), value residual 1.7 sqrt(C), gate
     5 sqrt(C), rounded to multiples of 32; channel-mix 4 C)."""
@@ -57,23 +57,10 @@ class RWKV7Config:
     gate_lora: Optional[int] = None
 
     def __post_init__(self):
-        defaults = dict(dim_ffn=4 * self.n_embd, decay_lora=_lora_size(self.n_embd, 2.5),
-                        a_lora=_lora_size(self.n_embd, 2.5), v_lora=_lora_size(self.n_embd, 1.7),
-                        gate_lora=_lora_size(self.n_embd, 5.0))
-        for name, value in defaults.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"RWKV7Config.{field.name} must be a positive int, got {value!r}")
-        if self.n_embd % self.head_size:
-            raise ValueError(f"RWKV7Config.n_embd={self.n_embd} must be a multiple of "
-                             f"head_size={self.head_size}")
-
-    @property
-    def n_head(self) -> int:
-        return self.n_embd // self.head_size
+        self.complete(dict(dim_ffn=4 * self.n_embd, decay_lora=_lora_size(self.n_embd, 2.5),
+                           a_lora=_lora_size(self.n_embd, 2.5),
+                           v_lora=_lora_size(self.n_embd, 1.7),
+                           gate_lora=_lora_size(self.n_embd, 5.0)))
 
 
 class RWKV7TimeMix(nnx.Module):
@@ -92,9 +79,9 @@ class RWKV7TimeMix(nnx.Module):
         for name, power in dict(x_r=0.2, x_w=0.9, x_k=0.7, x_v=0.7, x_a=0.9, x_g=0.2).items():
             setattr(self, name, param(channel_ramp(c, power * depth), param_dtype))
 
-        def low_rank(width, out=c):
+        def low_rank(width):
             # Down-projections start at zero, up-projections small and orthogonal.
-            up = nnx.initializers.orthogonal(scale=0.1)(rngs.params(), (width, out), param_dtype)
+            up = nnx.initializers.orthogonal(scale=0.1)(rngs.params(), (width, c), param_dtype)
             return nnx.Param(jnp.zeros((c, width), param_dtype)), nnx.Param(up)
 
         # Decay biases spread over each head from slow (log decay ~ -0.004) to fast (~ -0.45).
@@ -118,7 +105,7 @@ class RWKV7TimeMix(nnx.Module):
         self.key = linear(c, c, nnx.initializers.normal(0.1 / math.sqrt(c)))
         self.value = linear(c, c)
         self.output = linear(c, c, nnx.initializers.zeros_init())
-        self.ln_x = GroupNormPerHead(c, h, param_dtype=param_dtype)
+        self.ln_x = GroupNormPerHead(c, param_dtype=param_dtype)
 
     def __call__(self, x, v_first=None, state: Optional[TimeMixState] = None, *, backend=None,
                  wkv_op=None):
@@ -173,7 +160,8 @@ class RWKV7TimeMix(nnx.Module):
 
 
 class RWKV7ChannelMix(ChannelMixBase):
-    """The RWKV-7 channel-mix (feed-forward) layer: ``value(relu(key(x + (x_prev - x) x_k))^2)``."""
+    """The RWKV-7 channel-mix (feed-forward) layer:
+    ``value(relu(key(x + (x_prev - x) * x_k)) ** 2)``."""
 
     def __init__(self, config: RWKV7Config, layer_id: int, *, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -238,7 +226,6 @@ class RWKV7LM(nnx.Module):
     def __init__(self, config: RWKV7Config, *, dtype=jnp.float32, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         self.config = config
-        self.dtype = dtype
         self.emb = nnx.Embed(config.vocab_size, config.n_embd, dtype=dtype,
                              param_dtype=param_dtype,
                              embedding_init=nnx.initializers.uniform(2e-4), rngs=rngs)
