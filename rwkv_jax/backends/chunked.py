@@ -146,6 +146,10 @@ def _decayed_scores(rows, cols, g_rows, g_cols, sub):
     return scores
 
 
+def _transpose(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
 def _diagonal(values):
     """[..., C] -> [..., C, C] with ``values`` on the diagonal."""
     return values[..., :, None] * jnp.eye(values.shape[-1], dtype=values.dtype)
@@ -166,6 +170,43 @@ def _decayed_mix(scores, values, g_values, sub):
         out = out + row * jnp.einsum("bij,bjv->biv", _sub_chunks(scores, sub),
                                      jnp.repeat(values, n, axis=0) * col)
     return out.reshape(values.shape)
+
+
+@jax.custom_vjp
+def _unit_lower_inverse(a):
+    """``(I - a)^{-1}`` for strictly lower-triangular ``a`` [L, C, C]: forward substitution
+    on the diagonal blocks of ``SUB_CHUNK`` rows, then blocks merged pairwise,
+    ``[[M1, 0], [-Q, M2]]^{-1} = [[T1, 0], [T2 Q T1, T2]]``."""
+    count, chunk, _ = a.shape
+    size = min(SUB_CHUNK, chunk)
+    blocks = _diagonal_blocks(a, size)                                              # [L*n, s, s]
+    inverse = jnp.broadcast_to(jnp.eye(size, dtype=a.dtype), blocks.shape)
+    for row in range(1, size):  # row i of the inverse: e_i + a[i, :i] @ inverse[:i]
+        inverse = inverse.at[:, row].add(jnp.einsum("bj,bjc->bc", blocks[:, row], inverse))
+    while size < chunk:
+        pairs = inverse.reshape(-1, 2, size, size)
+        lower_left = _diagonal_blocks(a, 2 * size)[:, size:, :size]
+        first, second = pairs[:, 0], pairs[:, 1]
+        zeros = jnp.zeros_like(first)
+        inverse = jnp.concatenate([jnp.concatenate([first, zeros], -1),
+                                   jnp.concatenate([second @ lower_left @ first, second], -1)],
+                                  axis=-2)
+        size *= 2
+    return inverse.reshape(count, chunk, chunk)
+
+
+def _unit_lower_inverse_forward(a):
+    inverse = _unit_lower_inverse(a)
+    return inverse, inverse
+
+
+def _unit_lower_inverse_backward(inverse, d_inverse):
+    # d(I - a)^{-1} = T da T, so da = T^T dT T^T, kept on a's strictly lower support.
+    d_a = _transpose(inverse) @ d_inverse @ _transpose(inverse)
+    return (jnp.tril(d_a, -1),)
+
+
+_unit_lower_inverse.defvjp(_unit_lower_inverse_forward, _unit_lower_inverse_backward)
 
 
 class _Chunks(NamedTuple):
@@ -192,10 +233,6 @@ def _advance_diagonal(transition, state):
     return state if value_decay is None else state * value_decay[..., None, :]
 
 
-def _transpose(x):
-    return jnp.swapaxes(x, -1, -2)
-
-
 def _rwkv7_chunks(r, w, k, v, a, b, sub):
     g, gx = _cumulative(w)
     g_last = g[:, -1:]
@@ -204,10 +241,7 @@ def _rwkv7_chunks(r, w, k, v, a, b, sub):
     a_qb = scores[0, 1] + _diagonal(jnp.sum(r * b, -1))
     a_ak, a_ab = scores[1, 0], scores[1, 1]
     # UT transform: (I - A_ab) [u | W] = [A_ak V | a e^{Gx}], unit lower triangular.
-    eye = jnp.eye(r.shape[1], dtype=r.dtype)
-    rhs = jnp.concatenate([a_ak @ v, a * jnp.exp(gx)], axis=-1)
-    solved = lax.linalg.triangular_solve(eye - a_ab, rhs, left_side=True, lower=True,
-                                         unit_diagonal=True)
+    solved = _unit_lower_inverse(a_ab) @ jnp.concatenate([a_ak @ v, a * jnp.exp(gx)], axis=-1)
     u, wy = solved[..., : v.shape[-1]], solved[..., v.shape[-1]:]
     to_end = jnp.exp(g_last - g)
     kg, bg = k * to_end, b * to_end
