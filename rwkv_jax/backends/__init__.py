@@ -129,6 +129,8 @@ def describe() -> list[dict]:
 
 register("native", "rwkv_jax.backends.native",
          "lax.scan over time, checkpointed blocks; the readable reference", lambda p: None)
+register("chunked", "rwkv_jax.backends.chunked",
+         "chunked WY/UT-transform algorithm in jax.numpy", lambda p: None)
 register("triton", "rwkv_jax.backends.triton",
          "chunked Triton kernels (jax-triton on GPU, Triton's interpreter on CPU)",
          lambda p: importlib.import_module("rwkv_jax.backends._launch").unavailable_reason(p))
