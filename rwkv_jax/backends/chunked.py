@@ -346,10 +346,10 @@ def _run(build, advance, tokens, h0, cu_seqlens, chunk_size):
     inert) from ``h0`` [N, H, K, V]. ``build`` maps their chunked form [L, C, *] to
     :class:`_Chunks`. Returns (o [B, T, H, V], final states [N, H, K, V])."""
     batch, steps, heads = tokens[0].shape[:3]
-    # Short inputs take a shorter chunk (a multiple of the sub-chunk) instead of padding.
-    chunk = min(chunk_size, -(-steps // SUB_CHUNK) * SUB_CHUNK)
-    if chunk % SUB_CHUNK:
-        raise ValueError(f"chunk_size must be a multiple of {SUB_CHUNK}, got {chunk_size}")
+    if chunk_size < SUB_CHUNK or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= {SUB_CHUNK}, got {chunk_size}")
+    # Short inputs take a shorter chunk (still a power of two) instead of padding.
+    chunk = min(chunk_size, max(SUB_CHUNK, 1 << (steps - 1).bit_length()))
     if cu_seqlens is None:
         packing = None
         length = -(-steps // chunk) * chunk
