@@ -31,6 +31,7 @@ work and one ``[T/n, K] x [K, V]`` product per head.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -190,19 +191,6 @@ def _check_divisible(op_name, name, x, partition, mesh):
                 f"not divide")
 
 
-def _placed(mesh, arrays, in_specs):
-    """The mesh for shard_map and the inputs placed for it. Under ``jax.set_mesh`` (which Explicit
-    mesh axes need inside jit) the inputs are resharded over the explicit axes; without a context
-    mesh the axes are used as Auto, so that shard_map moves plain inputs itself."""
-    if jax.sharding.get_abstract_mesh().empty:
-        auto = (AxisType.Auto,) * len(mesh.axis_names)
-        return Mesh(mesh.devices, mesh.axis_names, axis_types=auto), arrays
-    explicit = {a for a, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit}
-    return mesh, {n: jax.reshard(x, PartitionSpec(*(a if a in explicit else None
-                                                     for a in in_specs[n])))
-                  for n, x in arrays.items()}
-
-
 def _advance(transition, is_matrix, h):
     """The state after a block with this transition, from ``h``, without the block's inputs."""
     if is_matrix:
@@ -275,32 +263,59 @@ def shard(op, mesh, *, batch_axis=None, head_axis=None, seq_axis=None):
                              f"sequences over heads, or pad them into a batch for batch_axis")
         arrays = {n: jnp.asarray(arguments[n]) for n in spec.arrays if arguments[n] is not None}
         options = {n: x for n, x in arguments.items() if n not in spec.arrays}
-        head_first = options.get("head_first", False)
-        in_specs = {n: _partition(_labels(spec.arrays[n], head_first), axes) for n in arrays}
         for n, x in arrays.items():
-            _check_divisible(spec.name, n, x, in_specs[n], mesh)
-        with_state = options["output_final_state"]
-        out_specs = _partition(_labels(spec.outputs[0], head_first), axes)
-        if with_state:
-            out_specs = (out_specs, _partition(spec.outputs[1], axes))
-
-        def per_device(blocks):
-            if seq_axis is None:
-                o, h = base(**options, **blocks)
-            else:
-                if head_first:  # the block pass works time-major
-                    blocks = {n: jnp.swapaxes(x, 1, 2) if spec.arrays[n][:2] == ("B", "T") else x
-                              for n, x in blocks.items()}
-                o, h = _sequence_parallel(spec, base, options, blocks, seq_axis,
-                                          mesh.shape[seq_axis])
-                if head_first:
-                    o = jnp.swapaxes(o, 1, 2)
-            return (o, h) if with_state else o
-
-        run_mesh, arrays = _placed(mesh, arrays, in_specs)
-        result = jax.shard_map(per_device, mesh=run_mesh, in_specs=(in_specs,),
-                               out_specs=out_specs, check_vma=False)(arrays)
-        return result if with_state else (result, None)
+            dims = _labels(spec.arrays[n], options.get("head_first", False))
+            _check_divisible(spec.name, n, x, _partition(dims, axes), mesh)
+        result = _run(base, mesh, tuple(axes.items()), tuple(options.items()), arrays)
+        return result if options["output_final_state"] else (result, None)
 
     sharded.__signature__ = inspect.signature(op)
     return sharded
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _run(base, mesh, axes, options, arrays):
+    """shard_map of ``base`` over ``mesh`` (jitted, so that the mesh context below is legal).
+
+    Explicit mesh axes (``jax.make_mesh``'s default) follow the caller: under ``jax.set_mesh``,
+    or when the inputs already carry explicit shardings, inputs are resharded over the explicit
+    axes and the outputs carry explicit shardings; plain arrays without a mesh context run with
+    the axes as Auto and come back as plain (Auto) arrays, so that plain model code around the
+    op keeps working. shard_map moves inputs over Auto axes itself."""
+    spec, axes, options = _OPS[base], dict(axes), dict(options)
+    head_first, with_state = options.get("head_first", False), options["output_final_state"]
+    in_specs = {n: _partition(_labels(spec.arrays[n], head_first), axes) for n in arrays}
+    out_specs = _partition(_labels(spec.outputs[0], head_first), axes)
+    if with_state:
+        out_specs = (out_specs, _partition(spec.outputs[1], axes))
+    seq_axis = axes["seq_axis"]
+
+    def per_device(blocks):
+        if seq_axis is None:
+            o, h = base(**options, **blocks)
+        else:
+            if head_first:  # the block pass works time-major
+                blocks = {n: jnp.swapaxes(x, 1, 2) if spec.arrays[n][:2] == ("B", "T") else x
+                          for n, x in blocks.items()}
+            o, h = _sequence_parallel(spec, base, options, blocks, seq_axis, mesh.shape[seq_axis])
+            if head_first:
+                o = jnp.swapaxes(o, 1, 2)
+        return (o, h) if with_state else o
+
+    run_mesh, context = mesh, contextlib.nullcontext()
+    explicit = {a for a, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit}
+    if jax.sharding.get_abstract_mesh().empty:
+        if any(AxisType.Explicit in jax.typeof(x).sharding.mesh.axis_types
+               for x in arrays.values()):
+            context = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+        else:   # plain arrays, no mesh context: Auto axes, so the outputs are plain arrays too
+            run_mesh = Mesh(mesh.devices, mesh.axis_names,
+                            axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+            explicit = set()
+    with context:
+        if explicit:
+            arrays = {n: jax.reshard(x, PartitionSpec(*(a if a in explicit else None
+                                                        for a in in_specs[n])))
+                      for n, x in arrays.items()}
+        return jax.shard_map(per_device, mesh=run_mesh, in_specs=(in_specs,),
+                             out_specs=out_specs, check_vma=False)(arrays)

@@ -7,6 +7,7 @@ included), with outputs really split: each device holds only its block.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import itertools
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 import reference
 import rwkv_jax
@@ -189,11 +191,22 @@ def test_sequence_parallel_result_equals_float64_reference():
     assert _relative_error(o, want_o) <= 1e-5 and _relative_error(h, want_h) <= 1e-5
 
 
-def test_inside_a_mesh_context_with_explicit_axes():
+@pytest.mark.parametrize("in_context", [False, True], ids=["no_context", "set_mesh"])
+def test_explicit_mesh_and_presharded_inputs(in_context):
+    """jax.make_mesh's Explicit axes, inputs already placed (over another axis than shard uses),
+    with and without jax.set_mesh: still the one-device result."""
     mesh = _mesh()
     x = _inputs("rwkv7", seed=11)
-    with jax.set_mesh(mesh):
-        _assert_matches("rwkv7", x, tuple(MESH_AXES), mesh=mesh)
+    heads = NamedSharding(mesh, PartitionSpec("heads"))
+    placed = {n: jax.device_put(y, heads) for n, y in x.items()}
+    fn = functools.partial(rwkv_jax.rwkv7, backend="native")
+    sharded = rwkv_jax.shard(fn, mesh, **MESH_AXES)
+    with jax.set_mesh(mesh) if in_context else contextlib.nullcontext():
+        got = _forward_and_gradients(sharded, "rwkv7", placed, {})
+    want = _forward_and_gradients(fn, "rwkv7", x, {})
+    for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert _relative_error(got_leaf, want_leaf) <= 1e-4
+    _assert_split(got[0], mesh, ("data", "seq", "heads", None))
 
 
 def _sequence_args(op="rwkv7", **options):
