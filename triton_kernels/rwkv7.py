@@ -151,6 +151,23 @@ def _state_offsets(slot, head, HEADS: tl.constexpr, K: tl.constexpr, V: tl.const
 
 
 @triton.jit
+def _program(cu_ptr, state_index_ptr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
+    """What a program of the grid (sequences * HEADS, V blocks) works on: its head and V
+    columns, its tiles, its state's offsets and mask, its rows [start, end) and chunks, and its
+    sequence's first saved-state slot."""
+    sequence = tl.program_id(0) // HEADS
+    head = tl.program_id(0) % HEADS
+    v_cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    k_tile, k_cols_in, v_tile, v_cols_in = _chunk_tiles(v_cols, HEADS, K, V, BK, BV, C)
+    start = tl.load(cu_ptr + sequence).to(tl.int64)
+    end = tl.load(cu_ptr + sequence + 1).to(tl.int64)
+    return (head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, tl.trans(k_cols_in) & v_cols_in,
+            _state_offsets(sequence, head, HEADS, K, V, BK, v_cols), start, end,
+            (end - start + C - 1) // C, tl.load(state_index_ptr + sequence))
+
+
+@triton.jit
 def rwkv7_forward_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, h0_ptr, cu_ptr, state_index_ptr,  # inputs
     o_ptr, ht_ptr, states_ptr,                                                  # outputs
@@ -160,18 +177,9 @@ def rwkv7_forward_kernel(
 ):
     """Grid (sequences * HEADS, V blocks). o [rows, HEADS, V]; ht [N, HEADS, K, V] float32;
     states [slots, HEADS, K, V] float32: the state at the start of every span (if SAVE_STATES)."""
-    program = tl.program_id(0)
-    sequence = program // HEADS
-    head = program % HEADS
-    v_cols = tl.program_id(1) * BV + tl.arange(0, BV)
-    k_tile, k_cols_in, v_tile, v_cols_in = _chunk_tiles(v_cols, HEADS, K, V, BK, BV, C)
-    state_mask = tl.trans(k_cols_in) & v_cols_in
-    start = tl.load(cu_ptr + sequence).to(tl.int64)
-    end = tl.load(cu_ptr + sequence + 1).to(tl.int64)
-    local = _state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
+    (head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, local, start, end, chunks,
+     first_slot) = _program(cu_ptr, state_index_ptr, HEADS, K, V, BK, BV, C)
     h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
-    first_slot = tl.load(state_index_ptr + sequence)
-    chunks = (end - start + C - 1) // C
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
         if SAVE_STATES:
@@ -289,20 +297,11 @@ def rwkv7_backward_kernel(
     [V blocks, ROWS, HEADS, K] when ROWS > 0 (several V blocks); dv [rows, HEADS, V];
     dh0 [N, HEADS, K, V] float32; scratch: float32 [programs * V blocks, CHUNKS_PER_STATE, BK,
     BV], the chunk states of the span being differentiated (unused if CHUNKS_PER_STATE == 1)."""
-    program = tl.program_id(0)
-    v_block = tl.program_id(1)
-    sequence = program // HEADS
-    head = program % HEADS
-    v_cols = v_block * BV + tl.arange(0, BV)
-    k_tile, k_cols_in, v_tile, v_cols_in = _chunk_tiles(v_cols, HEADS, K, V, BK, BV, C)
-    state_mask = tl.trans(k_cols_in) & v_cols_in
-    start = tl.load(cu_ptr + sequence).to(tl.int64)
-    end = tl.load(cu_ptr + sequence + 1).to(tl.int64)
-    local = _state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
+    (head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, local, start, end, chunks,
+     first_slot) = _program(cu_ptr, state_index_ptr, HEADS, K, V, BK, BV, C)
     dh = tl.load(dht_ptr + local, mask=state_mask, other=0.0)
-    first_slot = tl.load(state_index_ptr + sequence)
-    chunks = (end - start + C - 1) // C
-    scratch_row = (program * tl.num_programs(1) + v_block).to(tl.int64) * CHUNKS_PER_STATE
+    v_block = tl.program_id(1)
+    scratch_row = (tl.program_id(0) * tl.num_programs(1) + v_block).to(tl.int64) * CHUNKS_PER_STATE
     k_rows = tl.arange(0, BK)
     scratch_tile = k_rows[:, None] * BV + tl.arange(0, BV)[None, :]
     c = chunks - 1
