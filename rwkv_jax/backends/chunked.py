@@ -85,25 +85,45 @@ def _sub_chunks(x, sub):
 
 def _pairwise_decay(g_rows, g_cols, sub, strict):
     """Within each sub-chunk: ``exp(g_rows[i] - g_cols[j])`` for ``j < i`` (``j <= i`` unless
-    ``strict``), else 0: [L * n, sub, sub, D], each exponent a difference ``<= 0``."""
-    pairs = jnp.tril(jnp.ones((sub, sub), bool), -1 if strict else 0)[..., None]
-    return _masked_exp(_sub_chunks(g_rows, sub)[:, :, None] - _sub_chunks(g_cols, sub)[:, None],
-                       pairs)
+    ``strict``), else 0: [L * n, sub, sub, D], each exponent a difference ``<= 0``.
+
+    The pair whose exponent is identically zero (``j = i - 1`` when ``strict``, for exclusive
+    rows against inclusive columns; ``j = i`` otherwise) is the constant 1: its exponent's
+    gradient cancels exactly, and computed it would leave rounding noise as large as the term
+    itself in the log-decay gradients, where strong decays make the true values tiny.
+    """
+    offset = jnp.arange(sub)[:, None] - jnp.arange(sub)[None, :]                     # i - j
+    same = (offset == (1 if strict else 0))[..., None]
+    decay = _masked_exp(_sub_chunks(g_rows, sub)[:, :, None] - _sub_chunks(g_cols, sub)[:, None],
+                        (offset > (1 if strict else 0))[..., None])
+    return jnp.where(same, 1.0, decay)
 
 
-def _across_sub_chunks(g_rows, g_cols, sub):
+def _across_sub_chunks(g_rows, g_cols, sub, strict):
     """For a row ``i`` in sub-chunk ``I`` and a column ``j`` in an earlier sub-chunk,
     ``exp(g_rows[i] - g_cols[j]) = row[I, i] * col[I, j]``, factored through ``p_I``, the
     inclusive cumulative decay just before sub-chunk ``I``; both factors are ``<= 1``.
     Returns ``row`` [L * n, sub, D] and ``col`` [L * n, C, D] (0 where ``j`` is not earlier).
-    Needs two sub-chunks or more."""
+    Factors with an identically zero exponent are the constant 1 (see :func:`_pairwise_decay`):
+    the column just before ``I``, and the first row of ``I`` when rows are exclusive
+    (``strict``). Needs two sub-chunks or more."""
     rows, chunk, dim = g_cols.shape
     n = chunk // sub
     before = jnp.concatenate([jnp.zeros_like(g_cols[:, :1]), g_cols[:, sub - 1:-1:sub]], axis=1)
     row = jnp.exp(_sub_chunks(g_rows, sub) - before.reshape(rows * n, 1, dim))
-    earlier = (jnp.arange(chunk)[None, :] < sub * jnp.arange(n)[:, None])[..., None]  # [n, C, 1]
-    col = _masked_exp(before[:, :, None] - g_cols[:, None], earlier)                  # [L, n, C, D]
+    if strict:
+        row = jnp.where((jnp.arange(sub) == 0)[:, None], 1.0, row)
+    column, start = jnp.arange(chunk)[None, :], sub * jnp.arange(n)[:, None]
+    col = _masked_exp(before[:, :, None] - g_cols[:, None], (column < start - 1)[..., None])
+    col = jnp.where((column == start - 1)[..., None], 1.0, col)                       # [L, n, C, D]
     return row, col.reshape(rows * n, chunk, dim)
+
+
+def _decay_to_end(log_decay):
+    """``exp(sum_{m > j} w_m)``: the decay from after token ``j`` to the chunk's end, as a
+    suffix sum (exactly 0 in the exponent for the last token, see :func:`_pairwise_decay`)."""
+    suffix = jnp.flip(jnp.cumsum(jnp.flip(log_decay, 1), axis=1), 1)
+    return jnp.exp(jnp.concatenate([suffix[:, 1:], jnp.zeros_like(suffix[:, :1])], axis=1))
 
 
 def _block_diagonal(blocks, n):
@@ -139,7 +159,7 @@ def _decayed_scores(rows, cols, g_rows, g_cols, sub):
     within = jnp.einsum("xbk,ybjk->xybj", flat(_sub_chunks(rows, sub)), flat(decayed_cols))
     scores = _block_diagonal(within.reshape(*within.shape[:2], count * n, sub, sub), n)
     if n > 1:
-        row, col = _across_sub_chunks(g_rows, g_cols, sub)
+        row, col = _across_sub_chunks(g_rows, g_cols, sub, strict=True)
         cols_by_block = jnp.repeat(cols, n, axis=1) * col                            # [Y, L * n, C, K]
         across = jnp.einsum("xbik,ybjk->xybij", _sub_chunks(rows, sub) * row, cols_by_block)
         scores = scores + across.reshape(scores.shape)
@@ -166,7 +186,7 @@ def _decayed_mix(scores, values, g_values, sub):
     out = jnp.sum(_diagonal_blocks(scores, sub)[..., None] * decay
                   * _sub_chunks(values, sub)[:, None], axis=2)                      # [L*n, sub, V]
     if n > 1:
-        row, col = _across_sub_chunks(g_values, g_values, sub)
+        row, col = _across_sub_chunks(g_values, g_values, sub, strict=False)
         out = out + row * jnp.einsum("bij,bjv->biv", _sub_chunks(scores, sub),
                                      jnp.repeat(values, n, axis=0) * col)
     return out.reshape(values.shape)
@@ -243,7 +263,7 @@ def _rwkv7_chunks(r, w, k, v, a, b, sub):
     # UT transform: (I - A_ab) [u | W] = [A_ak V | a e^{Gx}], unit lower triangular.
     solved = _unit_lower_inverse(a_ab) @ jnp.concatenate([a_ak @ v, a * jnp.exp(gx)], axis=-1)
     u, wy = solved[..., : v.shape[-1]], solved[..., v.shape[-1]:]
-    to_end = jnp.exp(g_last - g)
+    to_end = _decay_to_end(w)
     kg, bg = k * to_end, b * to_end
     return _Chunks(transition=(_diagonal(jnp.exp(g_last[:, 0])) + _transpose(bg) @ wy,),
                    update=_transpose(kg) @ v + _transpose(bg) @ u,
@@ -262,14 +282,14 @@ def _gated_chunks(q, k, v, key_log_decay, value_log_decay, bonus, sub):
         rows, read, on_diagonal = q, q * jnp.exp(gx), q * bonus
     scores = _decayed_scores(rows[None], k[None], gx, g, sub)[0, 0]
     scores = scores + _diagonal(jnp.sum(on_diagonal * k, -1))
-    keys_to_end = k * jnp.exp(g_last - g)
+    keys_to_end = k * _decay_to_end(key_log_decay)
     if value_log_decay is None:
         gate, intra, values_to_end, value_decay = None, scores @ v, v, None
     else:
         gv, _ = _cumulative(value_log_decay)
         gv_last = gv[:, -1:]
         gate, intra = jnp.exp(gv), _decayed_mix(scores, v, gv, sub)
-        values_to_end, value_decay = v * jnp.exp(gv_last - gv), jnp.exp(gv_last[:, 0])
+        values_to_end, value_decay = v * _decay_to_end(value_log_decay), jnp.exp(gv_last[:, 0])
     return _Chunks(transition=(jnp.exp(g_last[:, 0]), value_decay),
                    update=_transpose(keys_to_end) @ values_to_end,
                    read=read, gate=gate, intra=intra)
