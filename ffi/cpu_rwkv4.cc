@@ -9,9 +9,7 @@ namespace {
 
 constexpr int64_t kChannelBlock = 64;
 
-struct Shapes {
-  int64_t B, T, C, chunks;
-};
+using Shapes = Rwkv4Shape;
 
 template <typename T>
 ffi::Error forward(ffi::AnyBuffer w, ffi::AnyBuffer u, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -90,41 +88,14 @@ ffi::Error backward(ffi::AnyBuffer w, ffi::AnyBuffer u, ffi::AnyBuffer k, ffi::A
   return ffi::Error::Success();
 }
 
-// k, v [B, T, C] of one float dtype; w, u float32 [C]; state-like float32 [B, C, 3].
-Checks check_inputs(ffi::AnyBuffer w, ffi::AnyBuffer u, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                    Shapes& s) {
-  Checks c;
-  auto d = k.dimensions();
-  c.require(d.size() == 3, "k must be 3-D [B, T, C], got " + dims_str(d));
-  if (!c.ok()) return c;
-  s = Shapes{d[0], d[1], d[2], (d[1] + kChunk - 1) / kChunk};
-  c.shape("v", v.dimensions(), {s.B, s.T, s.C});
-  c.require(v.element_type() == k.element_type(), "v must have the dtype of k");
-  c.shape("w", w.dimensions(), {s.C});
-  c.shape("u", u.dimensions(), {s.C});
-  c.require(w.element_type() == ffi::DataType::F32 && u.element_type() == ffi::DataType::F32,
-            "w and u must be float32");
-  return c;
-}
-
-void check_state(Checks& c, const char* name, ffi::AnyBuffer x, const Shapes& s) {
-  c.shape(name, x.dimensions(), {s.B, s.C, 3});
-  c.require(x.element_type() == ffi::DataType::F32, std::string(name) + " must be float32");
-}
-
 }  // namespace
 
 ffi::Error Rwkv4ForwardCpu(ffi::AnyBuffer w, ffi::AnyBuffer u, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer s0, ffi::Result<ffi::AnyBuffer> y,
                            ffi::Result<ffi::AnyBuffer> s_final, ffi::Result<ffi::AnyBuffer> ckpt) {
-  Shapes s{};
-  Checks c = check_inputs(w, u, k, v, s);
-  if (c.ok()) {
-    check_state(c, "initial_state", s0, s);
-    c.shape("y", y->dimensions(), {s.B, s.T, s.C});
-    c.shape("final_state", s_final->dimensions(), {s.B, s.C, 3});
-    c.shape("checkpoints", ckpt->dimensions(), {s.B, s.chunks, s.C, 3});
-  }
+  Rwkv4Shape s;
+  Checks c = check_rwkv4(w, u, k, v, s);
+  if (c.ok()) check_rwkv4_forward(c, s0, *y, *s_final, *ckpt, k.element_type(), s);
   if (!c.ok()) return c.error("rwkv4 forward");
   return dispatch_float(k.element_type(), "rwkv4 forward", [&]<typename T>() {
     return forward<T>(w, u, k, v, s0, s, y, s_final, ckpt);
@@ -136,17 +107,10 @@ ffi::Error Rwkv4BackwardCpu(ffi::AnyBuffer w, ffi::AnyBuffer u, ffi::AnyBuffer k
                             ffi::AnyBuffer ckpt, ffi::Result<ffi::AnyBuffer> dw,
                             ffi::Result<ffi::AnyBuffer> du, ffi::Result<ffi::AnyBuffer> dk,
                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> ds0) {
-  Shapes s{};
-  Checks c = check_inputs(w, u, k, v, s);
-  if (c.ok()) {
-    c.shape("dy", dy.dimensions(), {s.B, s.T, s.C});
-    c.require(dy.element_type() == k.element_type(), "dy must have the dtype of k");
-    check_state(c, "d_final_state", ds_final, s);
-    c.shape("checkpoints", ckpt.dimensions(), {s.B, s.chunks, s.C, 3});
-    c.shape("dw", dw->dimensions(), {s.B, s.C});
-    c.shape("du", du->dimensions(), {s.B, s.C});
-    c.shape("d_initial_state", ds0->dimensions(), {s.B, s.C, 3});
-  }
+  Rwkv4Shape s;
+  Checks c = check_rwkv4(w, u, k, v, s);
+  if (c.ok())
+    check_rwkv4_backward(c, dy, ds_final, ckpt, *dw, *du, *dk, *dv, *ds0, k.element_type(), s);
   if (!c.ok()) return c.error("rwkv4 backward");
   return dispatch_float(k.element_type(), "rwkv4 backward", [&]<typename T>() {
     return backward<T>(w, u, k, v, dy, ds_final, ckpt, s, dw, du, dk, dv, ds0);

@@ -121,7 +121,7 @@ ffi::Error forward(const ffi::AnyBuffer* ins, ffi::AnyBuffer u, ffi::AnyBuffer h
   for (int i = 0; i < 4; ++i) in[i] = ptr<T>(ins[i]);
   const int32_t* seg = cu.typed_data();
   float* hf = h_final->typed_data<float>();
-  float* cp = ckpt->typed_data<float>();
+  float* cp = checkpoint_data(*ckpt);
   parallel_for(N * s.H, (s.B * s.T / N) * kv * 4, [&](int64_t task) {
     const int64_t n = task / s.H, hd = task % s.H;
     float* h = hf + (n * s.H + hd) * kv;
@@ -129,7 +129,7 @@ ffi::Error forward(const ffi::AnyBuffer* ins, ffi::AnyBuffer u, ffi::AnyBuffer h
     const int64_t start = seg[n], end = seg[n + 1];
     with_value_size(s.V, [&]<int VC>() {
       forward_sequence<T, VC>(in, u.typed_data<float>() + hd * s.K, ptr<T>(*o), h,
-                              cp + (first_slot(n, start) * s.H + hd) * kv, s.H * kv, start, end,
+                              cp ? cp + (first_slot(n, start) * s.H + hd) * kv : nullptr, s.H * kv, start, end,
                               hd, scale, d);
     });
   });
@@ -219,25 +219,6 @@ ffi::Error step_pool(const ffi::AnyBuffer* ins, ffi::AnyBuffer u, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
-// r, k, w [B, T, H, K], v [B, T, H, V] of one float dtype; u float32 [H, K].
-Checks check_inputs(const ffi::AnyBuffer* ins, ffi::AnyBuffer u) {
-  Checks c;
-  static const char* names[4] = {"r", "k", "v", "w"};
-  auto d0 = ins[0].dimensions();
-  c.require(d0.size() == 4, "r must be 4-D [B, T, H, K], got " + dims_str(d0));
-  if (!c.ok()) return c;
-  for (int i = 0; i < 4; ++i) {
-    c.shape(names[i], ins[i].dimensions(), {d0[0], d0[1], d0[2], i == 2 ? -1 : d0[3]});
-    c.require(ins[i].element_type() == ins[0].element_type(),
-              std::string(names[i]) + " must have the dtype of r");
-  }
-  c.require(ins[2].dimensions()[3] <= kMaxValueSize,
-            "the CPU kernels support V <= " + std::to_string(kMaxValueSize));
-  c.shape("u", u.dimensions(), {d0[2], d0[3]});
-  c.require(u.element_type() == ffi::DataType::F32, "u must be float32");
-  return c;
-}
-
 }  // namespace
 
 ffi::Error Rwkv6ForwardCpu(ffi::AnyBuffer r, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer w,
@@ -245,18 +226,10 @@ ffi::Error Rwkv6ForwardCpu(ffi::AnyBuffer r, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            float scale, ffi::Result<ffi::AnyBuffer> o,
                            ffi::Result<ffi::AnyBuffer> h_final, ffi::Result<ffi::AnyBuffer> ckpt) {
   const ffi::AnyBuffer ins[4] = {r, k, v, w};
-  Checks c = check_inputs(ins, u);
-  if (!c.ok()) return c.error("rwkv6 forward");
-  const Shapes s = shapes_of(ins);
-  const int64_t N = cu.dimensions()[0] - 1;
-  c.require(N >= 1, "cu_seqlens needs at least 2 entries");
-  c.shape("h0", h0.dimensions(), {N, s.H, s.K, s.V});
-  c.require(h0.element_type() == ffi::DataType::F32, "h0 must be float32");
-  c.shape("o", o->dimensions(), {s.B, s.T, s.H, s.V});
-  c.shape("h_final", h_final->dimensions(), {N, s.H, s.K, s.V});
-  c.shape("checkpoints", ckpt->dimensions(), {checkpoint_slots(N, s.B * s.T), s.H, s.K, s.V});
-  if (c.ok()) c.require(check_segments(cu.typed_data(), N, s.B * s.T).empty(),
-                        check_segments(cu.typed_data(), N, s.B * s.T));
+  SeqShape s;
+  Checks c = check_rwkv6(ins, u, s);
+  if (c.ok()) check_forward(c, h0, cu, *o, *h_final, *ckpt, r.element_type(), s);
+  check_cpu(c, s, cu);
   if (!c.ok()) return c.error("rwkv6 forward");
   return dispatch_float(r.element_type(), "rwkv6 forward", [&]<typename T>() {
     return forward<T>(ins, u, h0, cu, scale, o, h_final, ckpt);
@@ -271,22 +244,13 @@ ffi::Error Rwkv6BackwardCpu(ffi::AnyBuffer r, ffi::AnyBuffer k, ffi::AnyBuffer v
                             ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> du,
                             ffi::Result<ffi::AnyBuffer> dh0) {
   const ffi::AnyBuffer ins[4] = {r, k, v, w};
-  Checks c = check_inputs(ins, u);
-  if (!c.ok()) return c.error("rwkv6 backward");
-  const Shapes s = shapes_of(ins);
-  const int64_t N = cu.dimensions()[0] - 1;
-  c.require(N >= 1, "cu_seqlens needs at least 2 entries");
-  c.shape("d_o", d_o.dimensions(), {s.B, s.T, s.H, s.V});
-  c.require(d_o.element_type() == r.element_type(), "d_o must have the dtype of r");
-  c.shape("dh_final", dh_final.dimensions(), {N, s.H, s.K, s.V});
-  c.shape("checkpoints", ckpt.dimensions(), {checkpoint_slots(N, s.B * s.T), s.H, s.K, s.V});
-  c.shape("du", du->dimensions(), {N, s.H, s.K});
-  c.shape("dh0", dh0->dimensions(), {N, s.H, s.K, s.V});
   ffi::Result<ffi::AnyBuffer> grads[4] = {dr, dk, dv, dw};
-  for (int i = 0; i < 4; ++i)
-    c.shape("gradient", grads[i]->dimensions(), {s.B, s.T, s.H, i == 2 ? s.V : s.K});
-  if (c.ok()) c.require(check_segments(cu.typed_data(), N, s.B * s.T).empty(),
-                        check_segments(cu.typed_data(), N, s.B * s.T));
+  const ffi::AnyBuffer grad_bufs[4] = {*dr, *dk, *dv, *dw};
+  SeqShape s;
+  Checks c = check_rwkv6(ins, u, s);
+  if (c.ok()) check_backward(c, d_o, dh_final, ckpt, cu, grad_bufs, 4, 2, *dh0, r.element_type(), s);
+  if (c.ok()) check_f32(c, "du", *du, {s.N, s.H, s.K});
+  check_cpu(c, s, cu);
   if (!c.ok()) return c.error("rwkv6 backward");
   return dispatch_float(r.element_type(), "rwkv6 backward", [&]<typename T>() {
     return backward<T>(ins, u, d_o, dh_final, ckpt, cu, scale, grads, du, dh0);
@@ -298,18 +262,10 @@ ffi::Error Rwkv6StepCpu(ffi::AnyBuffer r, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
                         float scale, ffi::Result<ffi::AnyBuffer> o,
                         ffi::Result<ffi::AnyBuffer> pool) {
   const ffi::AnyBuffer ins[4] = {r, k, v, w};
-  Checks c = check_inputs(ins, u);
-  if (!c.ok()) return c.error("rwkv6_step");
-  const Shapes s = shapes_of(ins);
-  c.shape("state", pool_in.dimensions(), {-1, s.H, s.K, s.V});
-  c.shape("state_indices", rows.dimensions(), {s.B});
-  c.shape("o", o->dimensions(), {s.B, s.T, s.H, s.V});
-  c.require(pool->untyped_data() == pool_in.untyped_data(), "state output must alias the input");
-  const int64_t S = c.ok() ? pool_in.dimensions()[0] : 0;
-  for (int64_t i = 0; c.ok() && i < s.B; ++i)
-    c.require(rows.typed_data()[i] >= 0 && rows.typed_data()[i] < S,
-              "state_indices[" + std::to_string(i) + "] = " + std::to_string(rows.typed_data()[i]) +
-                  " is outside the pool of " + std::to_string(S) + " slots");
+  SeqShape s;
+  Checks c = check_rwkv6(ins, u, s);
+  if (c.ok()) check_step(c, pool_in, rows, *o, *pool, r.element_type(), s);
+  check_cpu_rows(c, s, rows);
   if (!c.ok()) return c.error("rwkv6_step");
   return dispatch_float(r.element_type(), "rwkv6_step", [&]<typename T>() {
     return step_pool<T>(ins, u, rows, scale, o, pool);

@@ -6,6 +6,7 @@
 // per-task buffer. The backward walks the chunks in reverse: it recomputes the states of a chunk
 // from its checkpoint, then runs the exact reverse recurrence
 //   dh_{t-1} = diag(exp(w_t)) dh_t + a_t (b_t^T dh_t).
+#include "checks.h"
 #include "cpu_util.h"
 #include "handlers.h"
 
@@ -144,7 +145,7 @@ ffi::Error forward(const ffi::AnyBuffer* ins, ffi::AnyBuffer h0, ffi::Buffer<ffi
   const int32_t* seg = cu.typed_data();
   const float* h0p = h0.typed_data<float>();
   float* hf = h_final->typed_data<float>();
-  float* cp = ckpt->typed_data<float>();
+  float* cp = checkpoint_data(*ckpt);
   T* op = ptr<T>(*o);
   const int64_t kv = K * V;
   parallel_for(N * H, (B * T_ / N) * kv * 5, [&](int64_t task) {
@@ -153,7 +154,7 @@ ffi::Error forward(const ffi::AnyBuffer* ins, ffi::AnyBuffer h0, ffi::Buffer<ffi
     std::memcpy(h, h0p + (n * H + hd) * kv, sizeof(float) * kv);
     const int64_t start = seg[n], end = seg[n + 1];
     with_value_size(V, [&]<int VC>() {
-      forward_sequence<T, VC>(in, op, h, cp + (first_slot(n, start) * H + hd) * kv, H * kv, start,
+      forward_sequence<T, VC>(in, op, h, cp ? cp + (first_slot(n, start) * H + hd) * kv : nullptr, H * kv, start,
                               end, hd, scale, d);
     });
   });
@@ -248,23 +249,6 @@ ffi::Error step_pool(const ffi::AnyBuffer* ins, ffi::Buffer<ffi::S32> rows, floa
   return ffi::Error::Success();
 }
 
-// Shapes shared by the three handlers: r, w, k, a, b [B, T, H, K], v [B, T, H, V], one dtype.
-Checks check_inputs(const ffi::AnyBuffer* ins) {
-  Checks c;
-  static const char* names[6] = {"r", "w", "k", "v", "a", "b"};
-  auto d0 = ins[0].dimensions();
-  c.require(d0.size() == 4, "r must be 4-D [B, T, H, K], got " + dims_str(d0));
-  if (!c.ok()) return c;
-  for (int i = 0; i < 6; ++i) {
-    c.shape(names[i], ins[i].dimensions(), {d0[0], d0[1], d0[2], i == 3 ? -1 : d0[3]});
-    c.require(ins[i].element_type() == ins[0].element_type(),
-              std::string(names[i]) + " must have the dtype of r");
-  }
-  c.require(ins[3].dimensions()[3] <= kMaxValueSize,
-            "the CPU kernels support V <= " + std::to_string(kMaxValueSize));
-  return c;
-}
-
 }  // namespace
 
 ffi::Error Rwkv7ForwardCpu(ffi::AnyBuffer r, ffi::AnyBuffer w, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -272,18 +256,10 @@ ffi::Error Rwkv7ForwardCpu(ffi::AnyBuffer r, ffi::AnyBuffer w, ffi::AnyBuffer k,
                            ffi::Buffer<ffi::S32> cu, float scale, ffi::Result<ffi::AnyBuffer> o,
                            ffi::Result<ffi::AnyBuffer> h_final, ffi::Result<ffi::AnyBuffer> ckpt) {
   const ffi::AnyBuffer ins[6] = {r, w, k, v, a, b};
-  Checks c = check_inputs(ins);
-  if (!c.ok()) return c.error("rwkv7 forward");
-  const int64_t B = r.dimensions()[0], T = r.dimensions()[1], H = r.dimensions()[2];
-  const int64_t K = r.dimensions()[3], V = v.dimensions()[3], N = cu.dimensions()[0] - 1;
-  c.require(N >= 1, "cu_seqlens needs at least 2 entries");
-  c.shape("h0", h0.dimensions(), {N, H, K, V});
-  c.require(h0.element_type() == ffi::DataType::F32, "h0 must be float32");
-  c.shape("o", o->dimensions(), {B, T, H, V});
-  c.shape("h_final", h_final->dimensions(), {N, H, K, V});
-  c.shape("checkpoints", ckpt->dimensions(), {checkpoint_slots(N, B * T), H, K, V});
-  if (c.ok()) c.require(check_segments(cu.typed_data(), N, B * T).empty(),
-                        check_segments(cu.typed_data(), N, B * T));
+  SeqShape s;
+  Checks c = check_rwkv7(ins, s);
+  if (c.ok()) check_forward(c, h0, cu, *o, *h_final, *ckpt, r.element_type(), s);
+  check_cpu(c, s, cu);
   if (!c.ok()) return c.error("rwkv7 forward");
   return dispatch_float(r.element_type(), "rwkv7 forward", [&]<typename T>() {
     return forward<T>(ins, h0, cu, scale, o, h_final, ckpt);
@@ -298,20 +274,12 @@ ffi::Error Rwkv7BackwardCpu(ffi::AnyBuffer r, ffi::AnyBuffer w, ffi::AnyBuffer k
                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> da,
                             ffi::Result<ffi::AnyBuffer> db, ffi::Result<ffi::AnyBuffer> dh0) {
   const ffi::AnyBuffer ins[6] = {r, w, k, v, a, b};
-  Checks c = check_inputs(ins);
-  if (!c.ok()) return c.error("rwkv7 backward");
-  const int64_t B = r.dimensions()[0], T = r.dimensions()[1], H = r.dimensions()[2];
-  const int64_t K = r.dimensions()[3], V = v.dimensions()[3], N = cu.dimensions()[0] - 1;
-  c.require(N >= 1, "cu_seqlens needs at least 2 entries");
-  c.shape("d_o", d_o.dimensions(), {B, T, H, V});
-  c.require(d_o.element_type() == r.element_type(), "d_o must have the dtype of r");
-  c.shape("dh_final", dh_final.dimensions(), {N, H, K, V});
-  c.shape("checkpoints", ckpt.dimensions(), {checkpoint_slots(N, B * T), H, K, V});
-  c.shape("dh0", dh0->dimensions(), {N, H, K, V});
   ffi::Result<ffi::AnyBuffer> grads[6] = {dr, dw, dk, dv, da, db};
-  for (int i = 0; i < 6; ++i) c.shape("gradient", grads[i]->dimensions(), {B, T, H, i == 3 ? V : K});
-  if (c.ok()) c.require(check_segments(cu.typed_data(), N, B * T).empty(),
-                        check_segments(cu.typed_data(), N, B * T));
+  const ffi::AnyBuffer grad_bufs[6] = {*dr, *dw, *dk, *dv, *da, *db};
+  SeqShape s;
+  Checks c = check_rwkv7(ins, s);
+  if (c.ok()) check_backward(c, d_o, dh_final, ckpt, cu, grad_bufs, 6, 3, *dh0, r.element_type(), s);
+  check_cpu(c, s, cu);
   if (!c.ok()) return c.error("rwkv7 backward");
   return dispatch_float(r.element_type(), "rwkv7 backward", [&]<typename T>() {
     return backward<T>(ins, d_o, dh_final, ckpt, cu, scale, grads, dh0);
@@ -323,19 +291,10 @@ ffi::Error Rwkv7StepCpu(ffi::AnyBuffer r, ffi::AnyBuffer w, ffi::AnyBuffer k, ff
                         ffi::Buffer<ffi::S32> rows, float scale, ffi::Result<ffi::AnyBuffer> o,
                         ffi::Result<ffi::AnyBuffer> pool) {
   const ffi::AnyBuffer ins[6] = {r, w, k, v, a, b};
-  Checks c = check_inputs(ins);
-  if (!c.ok()) return c.error("rwkv7_step");
-  const int64_t B = r.dimensions()[0], T = r.dimensions()[1], H = r.dimensions()[2];
-  const int64_t K = r.dimensions()[3], V = v.dimensions()[3];
-  const int64_t S = pool_in.dimensions().size() == 4 ? pool_in.dimensions()[0] : -1;
-  c.shape("state", pool_in.dimensions(), {-1, H, K, V});
-  c.shape("state_indices", rows.dimensions(), {B});
-  c.shape("o", o->dimensions(), {B, T, H, V});
-  c.require(pool->untyped_data() == pool_in.untyped_data(), "state output must alias the input");
-  for (int64_t i = 0; c.ok() && i < B; ++i)
-    c.require(rows.typed_data()[i] >= 0 && rows.typed_data()[i] < S,
-              "state_indices[" + std::to_string(i) + "] = " + std::to_string(rows.typed_data()[i]) +
-                  " is outside the pool of " + std::to_string(S) + " slots");
+  SeqShape s;
+  Checks c = check_rwkv7(ins, s);
+  if (c.ok()) check_step(c, pool_in, rows, *o, *pool, r.element_type(), s);
+  check_cpu_rows(c, s, rows);
   if (!c.ok()) return c.error("rwkv7_step");
   return dispatch_float(r.element_type(), "rwkv7_step", [&]<typename T>() {
     return step_pool<T>(ins, rows, scale, o, pool);

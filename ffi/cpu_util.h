@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "checks.h"
 #include "common.h"
 
 namespace rwkv_ffi {
@@ -139,15 +140,28 @@ template <typename Body> ffi::Error dispatch_float(ffi::DataType dtype, const ch
   }
 }
 
-// Sequence bounds from cu_seqlens (validated here, on the host: bad offsets are an error, never an
-// out-of-bounds access).
-inline std::string check_segments(const int32_t* cu, int64_t n, int64_t total_tokens) {
-  for (int64_t i = 0; i < n; ++i)
-    if (cu[i] < 0 || cu[i + 1] < cu[i] || cu[i + 1] > total_tokens)
-      return "cu_seqlens must be non-decreasing offsets in [0, " + std::to_string(total_tokens) +
-             "], got cu_seqlens[" + std::to_string(i) + ":" + std::to_string(i + 2) + "] = " +
-             std::to_string(cu[i]) + ", " + std::to_string(cu[i + 1]);
-  return "";
+// Checks the CPU kernels add to checks.h: V fits their stack vectors, and the values of
+// cu_seqlens (read here on the host; bad offsets are an error, never an out-of-bounds access).
+inline void check_cpu(Checks& c, const SeqShape& s, ffi::Buffer<ffi::S32> cu) {
+  if (!c.ok()) return;
+  c.require(s.V <= kMaxValueSize, "the CPU kernels support V <= " + std::to_string(kMaxValueSize));
+  const int32_t* seg = cu.typed_data();
+  const int64_t total = s.B * s.T;
+  for (int64_t i = 0; c.ok() && i < s.N; ++i)
+    c.require(seg[i] >= 0 && seg[i] <= seg[i + 1] && seg[i + 1] <= total,
+              "cu_seqlens must be non-decreasing offsets in [0, " + std::to_string(total) +
+                  "], got cu_seqlens[" + std::to_string(i) + ":" + std::to_string(i + 2) + "] = " +
+                  std::to_string(seg[i]) + ", " + std::to_string(seg[i + 1]));
+}
+
+// The step kernels' check of state_indices against the pool's s.N slots.
+inline void check_cpu_rows(Checks& c, const SeqShape& s, ffi::Buffer<ffi::S32> rows) {
+  if (!c.ok()) return;
+  c.require(s.V <= kMaxValueSize, "the CPU kernels support V <= " + std::to_string(kMaxValueSize));
+  for (int64_t i = 0; c.ok() && i < s.B; ++i)
+    c.require(rows.typed_data()[i] >= 0 && rows.typed_data()[i] < s.N,
+              "state_indices[" + std::to_string(i) + "] = " + std::to_string(rows.typed_data()[i]) +
+                  " is outside the pool of " + std::to_string(s.N) + " slots");
 }
 
 }  // namespace rwkv_ffi

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Head sizes K the CUDA kernels are compiled for (each needs V a multiple of 32, at most 1024).
-CUDA_HEAD_SIZES = (32, 64, 128)
+CUDA_HEAD_SIZES = (64, 128)
 
 
 def _module_name(platform: str) -> str:
@@ -96,25 +96,30 @@ def _states(r, v, n, initial_state):
     return jnp.zeros((n, r.shape[2], r.shape[3], v.shape[3]), jnp.float32)
 
 
-def _checkpoint_shape(r, v, n):
+def _checkpoint_shape(r, v, n, save):
+    """Checkpoints of a forward: none (zero rows) unless a backward will use them."""
     batch, length, heads, k_size = r.shape
-    return (n + batch * length // _chunk(), heads, k_size, v.shape[3])
+    return ((n + batch * length // _chunk()) if save else 0, heads, k_size, v.shape[3])
 
 
 # ---------------------------------------------------------------------------------------------
 # RWKV-7
 
 
+def _rwkv7_forward(scale, r, w, k, v, a, b, h0, cu, save):
+    return _call("rwkv7_fwd",
+                 (_like(v, v.shape, v.dtype), _like(h0, h0.shape, jnp.float32),
+                  _like(h0, _checkpoint_shape(r, v, h0.shape[0], save), jnp.float32)),
+                 r, w, k, v, a, b, h0, cu, scale=scale)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rwkv7(scale, r, w, k, v, a, b, h0, cu):
-    return _rwkv7_fwd(scale, r, w, k, v, a, b, h0, cu)[0]
+    return _rwkv7_forward(scale, r, w, k, v, a, b, h0, cu, save=False)[:2]
 
 
 def _rwkv7_fwd(scale, r, w, k, v, a, b, h0, cu):
-    o, h, ckpt = _call("rwkv7_fwd",
-                       (_like(v, v.shape, v.dtype), _like(h0, h0.shape, jnp.float32),
-                        _like(h0, _checkpoint_shape(r, v, h0.shape[0]), jnp.float32)),
-                       r, w, k, v, a, b, h0, cu, scale=scale)
+    o, h, ckpt = _rwkv7_forward(scale, r, w, k, v, a, b, h0, cu, save=True)
     return (o, h), (r, w, k, v, a, b, ckpt, cu)
 
 
@@ -178,16 +183,20 @@ def rwkv7_step(r, w, k, v, a, b, state, *, scale, state_indices):
 # RWKV-6
 
 
+def _rwkv6_forward(scale, r, k, v, w, u, h0, cu, save):
+    return _call("rwkv6_fwd",
+                 (_like(v, v.shape, v.dtype), _like(h0, h0.shape, jnp.float32),
+                  _like(h0, _checkpoint_shape(r, v, h0.shape[0], save), jnp.float32)),
+                 r, k, v, w, u, h0, cu, scale=scale)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rwkv6(scale, r, k, v, w, u, h0, cu):
-    return _rwkv6_fwd(scale, r, k, v, w, u, h0, cu)[0]
+    return _rwkv6_forward(scale, r, k, v, w, u, h0, cu, save=False)[:2]
 
 
 def _rwkv6_fwd(scale, r, k, v, w, u, h0, cu):
-    o, h, ckpt = _call("rwkv6_fwd",
-                       (_like(v, v.shape, v.dtype), _like(h0, h0.shape, jnp.float32),
-                        _like(h0, _checkpoint_shape(r, v, h0.shape[0]), jnp.float32)),
-                       r, k, v, w, u, h0, cu, scale=scale)
+    o, h, ckpt = _rwkv6_forward(scale, r, k, v, w, u, h0, cu, save=True)
     return (o, h), (r, k, v, w, u, ckpt, cu)
 
 
