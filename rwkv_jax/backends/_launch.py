@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import threading
 import warnings
 from typing import Optional, Sequence
 
@@ -155,8 +156,14 @@ def _to_numpy(tensor, dtype) -> np.ndarray:
     return tensor.numpy()
 
 
+# Triton's interpreter keeps global state while it runs a grid, so callbacks that XLA runs at
+# the same time (one per device inside shard_map, say) must take turns.
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def _interpret(kernel, grid, inputs, out_shapes, constexprs):
     tensors = [_to_torch(np.asarray(x)) for x in inputs]
     outputs = [_empty_torch(s.shape, s.dtype) for s in out_shapes]
-    kernel[grid](*tensors, *outputs, **constexprs)
+    with _INTERPRETER_LOCK:
+        kernel[grid](*tensors, *outputs, **constexprs)
     return tuple(_to_numpy(t, s.dtype) for t, s in zip(outputs, out_shapes))
