@@ -1,9 +1,9 @@
 """The ``chunked`` backend: the chunked (WY / UT-transform) algorithm in plain ``jax.numpy``.
 
-The sequence is cut into chunks of ``CHUNK_SIZE`` tokens. Inside a chunk every interaction is a
-small dense matrix computed for all chunks at once (matmul-heavy, so fast on CPU and TPU);
-across chunks a ``lax.scan`` carries one state per chunk boundary. It is the algorithmic twin
-of the Triton kernels.
+The sequence is cut into chunks of ``CHUNK_SIZE`` tokens, and a ``lax.scan`` over chunks
+carries the state from one chunk boundary to the next. Inside a chunk every interaction is a
+small dense matrix (matmul-heavy, so fast on CPU and TPU), batched over batch rows and heads.
+It is the algorithmic twin of the Triton kernels.
 
 RWKV-7 within one chunk, state ``S`` entering it, positions ``i, j`` in the chunk, ``G_i`` the
 inclusive and ``Gx_i = G_{i-1}`` the exclusive cumulative log decay (per key channel), ``r``
@@ -35,13 +35,14 @@ pattern, so nothing recompiles); padding tokens are inert (zero key, value, a, b
 decay), chunks that start a segment load that segment's initial state, and final states are
 gathered at segment ends.
 
-Gradients are JAX autodiff of this code; the pairwise decays are recomputed in the backward
-(``jax.checkpoint``), and only one state per chunk is stored, never one per step.
+Gradients are JAX autodiff of this code (the triangular inverse has its own VJP). The scan step
+is checkpointed: the backward stores one state per chunk and recomputes that chunk's pieces,
+never one state per step. Exponents that are identically zero are the constant 1, so that the
+log-decay gradients stay exact to rounding under strong decays (see ``_pairwise_decay``).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -143,14 +144,12 @@ def _diagonal_blocks(matrix, sub):
     return jnp.moveaxis(blocks, -1, 1).reshape(rows * n, sub, sub)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(4,))
 def _decayed_scores(rows, cols, g_rows, g_cols, sub):
     """``A[x, y, l, i, j] = sum_k rows[x,l,i,k] cols[y,l,j,k] exp(g_rows[l,i,k] - g_cols[l,j,k])``
     for ``j < i``, else 0.
 
     ``rows``: [X, L, C, K]; ``cols``: [Y, L, C, K]; ``g_rows`` the exclusive and ``g_cols`` the
-    inclusive cumulative log decays [L, C, K]. Returns [X, Y, L, C, C]. Checkpointed: the
-    pairwise decays are recomputed for the gradient, not stored.
+    inclusive cumulative log decays [L, C, K]. Returns [X, Y, L, C, C].
     """
     count, chunk, keys = g_cols.shape
     n = chunk // sub
@@ -175,7 +174,6 @@ def _diagonal(values):
     return values[..., :, None] * jnp.eye(values.shape[-1], dtype=values.dtype)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(3,))
 def _decayed_mix(scores, values, g_values, sub):
     """``out[l, i, v] = sum_{j<=i} scores[l,i,j] exp(g_values[l,i,v] - g_values[l,j,v]) values[l,j,v]``
     for a value-side decay (inclusive cumulative ``g_values`` [L, C, V]), split into sub-chunks
@@ -301,17 +299,17 @@ def _gated_chunks(q, k, v, key_log_decay, value_log_decay, bonus, sub):
 
 
 def _to_chunks(x, chunk):
-    """[B, T, H, D] (T a multiple of ``chunk``) -> [n * B * H, C, D], chunk index major."""
+    """[B, T, H, D] (T a multiple of ``chunk``) -> [n, B * H, C, D]."""
     batch, steps, heads, dim = x.shape
     x = x.reshape(batch, steps // chunk, chunk, heads, dim).transpose(1, 0, 3, 2, 4)
-    return x.reshape(-1, chunk, dim)
+    return x.reshape(steps // chunk, batch * heads, chunk, dim)
 
 
 def _from_chunks(x, batch, heads):
-    """[n * B * H, C, D] -> [B, n * C, H, D]."""
-    _, chunk, dim = x.shape
-    x = x.reshape(-1, batch, heads, chunk, dim).transpose(1, 0, 3, 2, 4)
-    return x.reshape(batch, -1, heads, dim)
+    """[n, B * H, C, D] -> [B, n * C, H, D]."""
+    n, _, chunk, dim = x.shape
+    x = x.reshape(n, batch, heads, chunk, dim).transpose(1, 0, 3, 2, 4)
+    return x.reshape(batch, n * chunk, heads, dim)
 
 
 class _Packing(NamedTuple):
@@ -341,29 +339,37 @@ def _packing(cu_seqlens, steps, chunk):
                     first_chunk + seg_chunks - 1, lengths > 0)
 
 
-def _chunk_states(advance, chunks, h0, packing):
-    """Scan over chunks. ``h0``: [B * H, K, V], or [N, H, K, V] with packing.
-    Returns the state entering each chunk [n * B * H, K, V] and the last state."""
-    rows = h0.shape[0] if packing is None else h0.shape[1]  # B * H, or H (B == 1)
-    by_chunk = lambda x: None if x is None else x.reshape(-1, rows, *x.shape[1:])
+def _scan_chunks(build, advance, tokens, h0, packing):
+    """``lax.scan`` over chunks: each step builds its chunk's pieces, emits the chunk's outputs
+    and passes the state on. The step is checkpointed, so the backward stores one state per
+    chunk and recomputes that chunk's pieces; nothing per step or per pair is kept.
+
+    ``tokens``: [n, L, C, *] arrays; ``h0``: [L, K, V], or [N, H, K, V] with packing.
+    Returns (o [n, L, C, V], the state after each chunk [n, L, K, V] with packing else None,
+    the last state).
+    """
     resets = None if packing is None else (packing.starts, packing.segment)
 
+    @jax.checkpoint
     def step(state, x):
-        transition, update, reset = x
+        tokens, reset = x
         if reset is not None:  # a chunk that starts a segment loads that segment's state
             starts, segment = reset
             state = jnp.where(starts, h0[segment], state)
-        return advance(transition, state) + update, state
+        chunk = build(*tokens, sub=SUB_CHUNK)
+        o = chunk.read @ state
+        o = (o if chunk.gate is None else o * chunk.gate) + chunk.intra
+        state = advance(chunk.transition, state) + chunk.update
+        return state, (o, None if packing is None else state)
 
     init = h0 if packing is None else jnp.zeros_like(h0[0])
-    xs = (jax.tree.map(by_chunk, chunks.transition), by_chunk(chunks.update), resets)
-    last, states = lax.scan(step, init, xs)
-    return states.reshape(-1, *states.shape[2:]), last
+    last, (o, states) = lax.scan(step, init, (tokens, resets))
+    return o, states, last
 
 
 def _run(build, advance, tokens, h0, cu_seqlens, chunk_size):
     """Run a chunked recurrence over ``tokens`` ([B, T, H, *] arrays whose zero padding is
-    inert) from ``h0`` [N, H, K, V]. ``build`` maps their chunked form [L, C, *] to
+    inert) from ``h0`` [N, H, K, V]. ``build`` maps one chunk of them, [B * H, C, *], to
     :class:`_Chunks`. Returns (o [B, T, H, V], final states [N, H, K, V])."""
     batch, steps, heads = tokens[0].shape[:3]
     if chunk_size < SUB_CHUNK or chunk_size & (chunk_size - 1):
@@ -379,21 +385,13 @@ def _run(build, advance, tokens, h0, cu_seqlens, chunk_size):
         length = packing.chunks * chunk
         pad = lambda x: jnp.zeros((1, length) + x.shape[2:], x.dtype).at[:, packing.slots].set(
             x, unique_indices=True)
-    chunks = build(*(_to_chunks(pad(x), chunk) for x in tokens), sub=SUB_CHUNK)
     flat_h0 = h0.reshape(-1, *h0.shape[2:]) if packing is None else h0
-    states, last = _chunk_states(advance, chunks, flat_h0, packing)
-    o = jnp.einsum("lck,lkv->lcv", chunks.read, states)
-    o = (o if chunks.gate is None else o * chunks.gate) + chunks.intra
+    o, states, last = _scan_chunks(build, advance, tuple(_to_chunks(pad(x), chunk) for x in tokens),
+                                   flat_h0, packing)
     o = _from_chunks(o, batch, heads)
     if packing is None:
         return o[:, :steps], last.reshape(h0.shape)
-    # A segment's final state: its last chunk applied to the state entering that chunk.
-    at_last = lambda x: None if x is None else (
-        x.reshape(packing.chunks, heads, *x.shape[1:])[packing.last_chunk]
-        .reshape(-1, *x.shape[1:]))                                                # [N * H, ...]
-    final = (advance(jax.tree.map(at_last, chunks.transition), at_last(states))
-             + at_last(chunks.update))
-    final = jnp.where(packing.nonempty[:, None, None, None], final.reshape(h0.shape), h0)
+    final = jnp.where(packing.nonempty[:, None, None, None], states[packing.last_chunk], h0)
     return o[:, packing.slots], final
 
 
