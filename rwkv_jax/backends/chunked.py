@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-CHUNK_SIZE = 64  # tokens per chunk
+CHUNK_SIZE = 32  # tokens per chunk (on CPU, 16 and 32 train alike; 64 is ~30% slower)
 SUB_CHUNK = 16  # tokens per sub-chunk, whose pairwise decays are exact masked exponentials
 
 
