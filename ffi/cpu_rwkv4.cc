@@ -122,27 +122,7 @@ ffi::Error Rwkv4BackwardCpu(ffi::AnyBuffer w, ffi::AnyBuffer u, ffi::AnyBuffer k
 using namespace rwkv_ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv4ForwardCpu, Rwkv4ForwardCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              ffi::Ffi::Bind() RWKV_JAX_RWKV4_FWD_OPS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv4BackwardCpu, Rwkv4BackwardCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              ffi::Ffi::Bind() RWKV_JAX_RWKV4_BWD_OPS);

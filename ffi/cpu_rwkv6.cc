@@ -277,47 +277,10 @@ ffi::Error Rwkv6StepCpu(ffi::AnyBuffer r, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
 using namespace rwkv_ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv6ForwardCpu, Rwkv6ForwardCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              ffi::Ffi::Bind() RWKV_JAX_RWKV6_FWD_OPS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv6BackwardCpu, Rwkv6BackwardCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              ffi::Ffi::Bind() RWKV_JAX_RWKV6_BWD_OPS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv6StepCpu, Rwkv6StepCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              ffi::Ffi::Bind() RWKV_JAX_RWKV6_STEP_OPS);

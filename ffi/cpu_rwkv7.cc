@@ -116,19 +116,52 @@ void step_back(const Token& x, const float* hp, const float* sa, const float* d_
   std::copy(dv, dv + V, g_v);
 }
 
+// The forward's step, one pass over the state: h = diag(ew) h + b sa^T + k v^T in place,
+// out = h^T rs, and already sa_next = a_next^T h for the next step (when a_next is given).
+template <int VC>
+void step_in_place(const Token& x, const float* a_next, float* h, const float* sa,
+                   float* sa_next, float* out, const Dims& d) {
+  const int64_t K = d.K, V = VC ? VC : d.V;
+  alignas(64) float s[VC ? VC : kMaxValueSize], o[VC ? VC : kMaxValueSize];
+  std::fill(s, s + V, 0.f);
+  std::fill(o, o + V, 0.f);
+  const float* v = x.v.data();
+  for (int64_t i = 0; i < K; ++i) {
+    const float e = x.ew[i], bi = x.b[i], ki = x.k[i], ri = x.rs[i];
+    const float an = a_next ? a_next[i] : 0.f;
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) {
+      const float n = h[i * V + j] * e + bi * sa[j] + ki * v[j];
+      h[i * V + j] = n;
+      o[j] += ri * n;
+      s[j] += an * n;
+    }
+  }
+  std::copy(s, s + V, sa_next);
+  std::copy(o, o + V, out);
+}
+
 // Runs tokens [start, end) of one head from the state in `h` (updated in place), writing o and,
 // if ckpt, the state before every kChunk-th step into consecutive slots (stride slot_stride).
 template <typename T, int VC>
 void forward_sequence(const T* const in[6], T* o, float* h, float* ckpt, int64_t slot_stride,
                       int64_t start, int64_t end, int64_t hd, float scale, const Dims& d) {
-  Token x(d);
-  std::vector<float> sa(d.V), out(d.V);
+  if (start >= end) return;
+  Token x(d), next(d);
+  std::vector<float> sa(d.V), sa_next(d.V), out(d.V);
+  x.load_at(in, start, hd, d, scale);
+  std::fill(sa.begin(), sa.end(), 0.f);
+  for (int64_t i = 0; i < d.K; ++i) axpy(sa.data(), x.a[i], h + i * d.V, d.V);
   for (int64_t g = start; g < end; ++g) {
     if (ckpt && (g - start) % kChunk == 0)
       std::memcpy(ckpt + ((g - start) / kChunk) * slot_stride, h, sizeof(float) * d.K * d.V);
-    x.load_at(in, g, hd, d, scale);
-    step<VC>(x, h, h, sa.data(), out.data(), d);
+    const bool more = g + 1 < end;
+    if (more) next.load_at(in, g + 1, hd, d, scale);
+    step_in_place<VC>(x, more ? next.a.data() : nullptr, h, sa.data(), sa_next.data(),
+                      out.data(), d);
     store(out.data(), o + (g * d.H + hd) * d.V, d.V);
+    std::swap(x, next);
+    std::swap(sa, sa_next);
   }
 }
 
@@ -306,51 +339,10 @@ ffi::Error Rwkv7StepCpu(ffi::AnyBuffer r, ffi::AnyBuffer w, ffi::AnyBuffer k, ff
 using namespace rwkv_ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv7ForwardCpu, Rwkv7ForwardCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              ffi::Ffi::Bind() RWKV_JAX_RWKV7_FWD_OPS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv7BackwardCpu, Rwkv7BackwardCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              ffi::Ffi::Bind() RWKV_JAX_RWKV7_BWD_OPS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv7StepCpu, Rwkv7StepCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              ffi::Ffi::Bind() RWKV_JAX_RWKV7_STEP_OPS);

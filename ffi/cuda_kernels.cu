@@ -762,93 +762,28 @@ ffi::Error Rwkv4BackwardCuda(cudaStream_t stream, ffi::AnyBuffer w, ffi::AnyBuff
 
 using namespace rwkv_ffi;
 
-// Operands as the CPU handlers, after the stream.
-#define RWKV_JAX_ARGS_6 .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>() \
-                        .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-#define RWKV_JAX_ARGS_4 .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>() \
-                        .Arg<ffi::AnyBuffer>()
 #define RWKV_JAX_STREAM ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv7ForwardCuda, Rwkv7ForwardCuda,
-                              RWKV_JAX_STREAM RWKV_JAX_ARGS_6
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              RWKV_JAX_STREAM RWKV_JAX_RWKV7_FWD_OPS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv7BackwardCuda, Rwkv7BackwardCuda,
-                              RWKV_JAX_STREAM RWKV_JAX_ARGS_6
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              RWKV_JAX_STREAM RWKV_JAX_RWKV7_BWD_OPS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv7StepCuda, Rwkv7StepCuda,
-                              RWKV_JAX_STREAM RWKV_JAX_ARGS_6
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              RWKV_JAX_STREAM RWKV_JAX_RWKV7_STEP_OPS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv6ForwardCuda, Rwkv6ForwardCuda,
-                              RWKV_JAX_STREAM RWKV_JAX_ARGS_4
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              RWKV_JAX_STREAM RWKV_JAX_RWKV6_FWD_OPS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv6BackwardCuda, Rwkv6BackwardCuda,
-                              RWKV_JAX_STREAM RWKV_JAX_ARGS_4
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              RWKV_JAX_STREAM RWKV_JAX_RWKV6_BWD_OPS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv6StepCuda, Rwkv6StepCuda,
-                              RWKV_JAX_STREAM RWKV_JAX_ARGS_4
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              RWKV_JAX_STREAM RWKV_JAX_RWKV6_STEP_OPS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv4ForwardCuda, Rwkv4ForwardCuda,
-                              RWKV_JAX_STREAM RWKV_JAX_ARGS_4
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              RWKV_JAX_STREAM RWKV_JAX_RWKV4_FWD_OPS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv4BackwardCuda, Rwkv4BackwardCuda,
-                              RWKV_JAX_STREAM RWKV_JAX_ARGS_4
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              RWKV_JAX_STREAM RWKV_JAX_RWKV4_BWD_OPS);
