@@ -32,16 +32,6 @@ from .backends import native
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "numpy", "triton", "torch", "jax-triton", "flax")
 
-# DESIGN.md's numerical contract: (forward, gradients) relative error against float64.
-# A backend not named here gets the loosest float32 bound until it states its own.
-TOLERANCES = {
-    "float32": {"native": (1e-5, 1e-4), "ffi": (1e-5, 1e-4),
-                "chunked": (2e-3, 2e-3), "triton": (2e-3, 2e-3)},
-    "bfloat16": {},
-    "float16": {},
-}
-DEFAULT_TOLERANCE = {"float32": (2e-3, 2e-3), "bfloat16": (1e-2, 1e-2), "float16": (1e-2, 1e-2)}
-
 # check: (B, T, H, K); T is deliberately not a multiple of a chunk size. Steps run STEP_LENGTH tokens.
 CHECK_SIZE = (2, 72, 2, 64)
 QUICK_CHECK_SIZE = (1, 20, 2, 64)
@@ -199,7 +189,7 @@ def check_case(case: Case, dtype_name: str, backend_names: list[str]) -> list[di
     public = getattr(public_ops, case.op)
     rows = []
     for name in backend_names:
-        fwd_tol, grad_tol = TOLERANCES[dtype_name].get(name, DEFAULT_TOLERANCE[dtype_name])
+        fwd_tol, grad_tol = backends.tolerance(name, dtype_name)
         row = dict(op=case.op, backend=name, dtype=dtype_name, tolerance=[fwd_tol, grad_tol])
         try:
             forward = bind(functools.partial(public, backend=name), names, case.options)

@@ -18,21 +18,10 @@ import pytest  # noqa: E402
 from rwkv_jax import backends  # noqa: E402
 
 # DESIGN.md, "Numerical contract": relative error against float64, per backend and input dtype.
-FLOAT32_TOLERANCE = {  # backend -> (forward, gradients)
-    "native": (1e-5, 1e-4),
-    "ffi": (1e-5, 1e-4),
-    "chunked": (2e-3, 2e-3),
-    "triton": (2e-3, 2e-3),
-}
-LOW_PRECISION_TOLERANCE = 1e-2  # bfloat16 / float16 inputs, reference from the rounded values
-
-
 def tolerance(backend, dtype, kind):
-    """Allowed relative error of ``kind`` ("forward" or "gradient") for inputs of ``dtype``."""
-    if np.dtype(dtype) != np.float32:
-        return LOW_PRECISION_TOLERANCE
-    # A backend not listed is held to the strict contract of the sequential backends.
-    forward, gradient = FLOAT32_TOLERANCE.get(backend, FLOAT32_TOLERANCE["native"])
+    """Allowed relative error of ``kind`` ("forward" or "gradient") for inputs of ``dtype``:
+    the numerical contract each backend declares when it registers."""
+    forward, gradient = backends.tolerance(backend, dtype)
     return forward if kind == "forward" else gradient
 
 

@@ -36,9 +36,15 @@ class Backend:
     summary: str
     # Returns None when the backend can run on ``platform`` ("cpu", "gpu", "tpu"), else the reason.
     probe: Callable[[str], Optional[str]]
+    # DESIGN.md's numerical contract for float32 inputs: (forward, gradients) relative error
+    # against float64. Sequential backends are exact to rounding; chunked ones use tf32 matmuls.
+    float32_tolerance: tuple[float, float] = (1e-5, 1e-4)
 
 
 _BACKENDS: dict[str, Backend] = {}
+
+# bfloat16 / float16 inputs, against a reference computed from the same rounded values.
+LOW_PRECISION_TOLERANCE = 1e-2
 
 # Fastest first, per platform; backends that cannot run or lack the op are skipped.
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
@@ -48,8 +54,16 @@ DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
 }
 
 
-def register(name: str, module: str, summary: str, probe: Callable[[str], Optional[str]]) -> None:
-    _BACKENDS[name] = Backend(name, module, summary, probe)
+def register(name: str, module: str, summary: str, probe: Callable[[str], Optional[str]],
+             float32_tolerance: tuple[float, float] = (1e-5, 1e-4)) -> None:
+    _BACKENDS[name] = Backend(name, module, summary, probe, float32_tolerance)
+
+
+def tolerance(name: str, dtype) -> tuple[float, float]:
+    """(forward, gradients) relative error that backend ``name`` may have for ``dtype`` inputs."""
+    if jax.numpy.dtype(dtype) != jax.numpy.float32:
+        return LOW_PRECISION_TOLERANCE, LOW_PRECISION_TOLERANCE
+    return _BACKENDS[name].float32_tolerance
 
 
 def names() -> tuple[str, ...]:
@@ -130,9 +144,11 @@ def describe() -> list[dict]:
 register("native", "rwkv_jax.backends.native",
          "lax.scan over time, checkpointed blocks; the readable reference", lambda p: None)
 register("chunked", "rwkv_jax.backends.chunked",
-         "chunked WY/UT-transform algorithm in jax.numpy", lambda p: None)
+         "chunked WY/UT-transform algorithm in jax.numpy", lambda p: None,
+         float32_tolerance=(2e-3, 2e-3))
 register("triton", "rwkv_jax.backends.triton",
          "chunked Triton kernels (jax-triton on GPU, Triton's interpreter on CPU)",
-         lambda p: importlib.import_module("rwkv_jax.backends._launch").unavailable_reason(p))
+         lambda p: importlib.import_module("rwkv_jax.backends._launch").unavailable_reason(p),
+         float32_tolerance=(2e-3, 2e-3))
 register("ffi", "rwkv_jax.backends.ffi", "compiled C++ (CPU) and CUDA kernels through the XLA FFI",
          lambda p: importlib.import_module("rwkv_jax.backends.ffi").unavailable(p))
