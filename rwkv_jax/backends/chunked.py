@@ -43,7 +43,7 @@ log-decay gradients stay exact to rounding under strong decays (see ``_pairwise_
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +59,7 @@ def _acc(*xs):
 
 
 # ------------------------------------------------------------------------------------------
-# Intra-chunk pieces. Arrays are [L, C, D]: L chunks (of all batch rows and heads), C tokens.
+# Intra-chunk pieces. Arrays are [L, C, D]: one chunk of C tokens for each of L = B * H rows.
 # Every contraction has exactly one batch dimension: XLA:CPU 0.10.2 crashes (segfault) running
 # the gradient of a dot_general whose several batch dimensions include one of size 1.
 # ------------------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ def _diagonal_blocks(matrix, sub):
     """[L, C, C] -> its [L * n, sub, sub] blocks on the diagonal."""
     rows, chunk, _ = matrix.shape
     n = chunk // sub
-    blocks = jnp.diagonal(matrix.reshape(rows, n, sub, n, sub), axis1=1, axis2=3)  # [L, sub, sub, n]
+    blocks = jnp.diagonal(matrix.reshape(rows, n, sub, n, sub), axis1=1, axis2=3)  # [L,sub,sub,n]
     return jnp.moveaxis(blocks, -1, 1).reshape(rows * n, sub, sub)
 
 
@@ -151,15 +151,16 @@ def _decayed_scores(rows, cols, g_rows, g_cols, sub):
     ``rows``: [X, L, C, K]; ``cols``: [Y, L, C, K]; ``g_rows`` the exclusive and ``g_cols`` the
     inclusive cumulative log decays [L, C, K]. Returns [X, Y, L, C, C].
     """
-    count, chunk, keys = g_cols.shape
+    count, chunk, _ = g_cols.shape
     n = chunk // sub
     flat = lambda x: x.reshape(x.shape[0], -1, *x.shape[3:])
-    decayed_cols = _pairwise_decay(g_rows, g_cols, sub, strict=True) * _sub_chunks(cols, sub)[:, :, None]
+    decay = _pairwise_decay(g_rows, g_cols, sub, strict=True)  # [L*n, sub, sub, K]
+    decayed_cols = decay * _sub_chunks(cols, sub)[:, :, None]
     within = jnp.einsum("xbk,ybjk->xybj", flat(_sub_chunks(rows, sub)), flat(decayed_cols))
     scores = _block_diagonal(within.reshape(*within.shape[:2], count * n, sub, sub), n)
     if n > 1:
         row, col = _across_sub_chunks(g_rows, g_cols, sub, strict=True)
-        cols_by_block = jnp.repeat(cols, n, axis=1) * col                            # [Y, L * n, C, K]
+        cols_by_block = jnp.repeat(cols, n, axis=1) * col  # [Y, L * n, C, K]
         across = jnp.einsum("xbik,ybjk->xybij", _sub_chunks(rows, sub) * row, cols_by_block)
         scores = scores + across.reshape(scores.shape)
     return scores
@@ -175,12 +176,11 @@ def _diagonal(values):
 
 
 def _decayed_mix(scores, values, g_values, sub):
-    """``out[l, i, v] = sum_{j<=i} scores[l,i,j] exp(g_values[l,i,v] - g_values[l,j,v]) values[l,j,v]``
+    """``out[l,i,v] = sum_{j <= i} scores[l,i,j] e^(g_values[l,i,v] - g_values[l,j,v]) values[l,j,v]``
     for a value-side decay (inclusive cumulative ``g_values`` [L, C, V]), split into sub-chunks
     like :func:`_decayed_scores`."""
-    count, chunk, dim = values.shape
-    n = chunk // sub
-    decay = _pairwise_decay(g_values, g_values, sub, strict=False)                  # [L*n, sub, sub, V]
+    n = values.shape[1] // sub
+    decay = _pairwise_decay(g_values, g_values, sub, strict=False)  # [L*n, sub, sub, V]
     out = jnp.sum(_diagonal_blocks(scores, sub)[..., None] * decay
                   * _sub_chunks(values, sub)[:, None], axis=2)                      # [L*n, sub, V]
     if n > 1:
