@@ -176,7 +176,7 @@ def _diagonal(values):
 
 
 def _decayed_mix(scores, values, g_values, sub):
-    """``out[l,i,v] = sum_{j <= i} scores[l,i,j] e^(g_values[l,i,v] - g_values[l,j,v]) values[l,j,v]``
+    """``out[l,i,v] = sum_{j<=i} scores[l,i,j] e^(g_values[l,i,v] - g_values[l,j,v]) values[l,j,v]``
     for a value-side decay (inclusive cumulative ``g_values`` [L, C, V]), split into sub-chunks
     like :func:`_decayed_scores`."""
     n = values.shape[1] // sub
