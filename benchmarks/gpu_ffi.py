@@ -33,7 +33,6 @@ import reference  # noqa: E402
 
 import rwkv_jax  # noqa: E402
 
-TOLERANCE = {"float32": (1e-5, 1e-4), "bfloat16": (1e-2, 1e-2)}  # (forward, gradients)
 ARGS = {"rwkv7": "rwkvab", "rwkv6": "rkvwu", "rwkv4": "wukv", "rwkv7_step": "rwkvab",
         "rwkv6_step": "rkvwu"}
 _log = None
@@ -98,7 +97,7 @@ def check(label, op, dtype, seed, **spec):
     g = vjp((jnp.asarray(d_out, o.dtype), jnp.asarray(d_state, h.dtype)))
     errors = {"out": rel(o, out), "state": rel(h, state)}
     errors.update({f"d{n}": rel(gi, grads[n]) for n, gi in zip(names, g)})
-    fwd_tol, grad_tol = TOLERANCE[jnp.dtype(dtype).name]
+    fwd_tol, grad_tol = rwkv_jax.backends.tolerance("ffi", dtype)
     ok = all(e <= (fwd_tol if n in ("out", "state") else grad_tol) for n, e in errors.items())
     worst = max(errors.values())
     log(f"check {label:34s} {'PASS' if ok else 'FAIL'} worst {worst:.1e}  "
