@@ -36,6 +36,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import reference  # noqa: E402
+from reference import relative_error  # noqa: E402
 
 import rwkv_jax  # noqa: E402
 from rwkv_jax.backends import triton as triton_backend  # noqa: E402
@@ -53,11 +54,6 @@ def log(*parts):
     if _log_file:
         _log_file.write(line + "\n")
         _log_file.flush()
-
-
-def relative_error(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 # ----------------------------------------------------------------------------------------------

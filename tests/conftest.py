@@ -12,7 +12,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import os  # noqa: E402
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from rwkv_jax import backends  # noqa: E402

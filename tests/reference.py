@@ -371,6 +371,15 @@ def gradients(op, inputs, d_out, d_state, **options):
     return _sequence(op, inputs, d_out, d_state, opts)
 
 
+def relative_error(x, ref):
+    """DESIGN.md's error measure: ``||x - ref|| / ||ref||`` over the whole tensor, in float64;
+    inf when ``x`` holds a non-finite value, so that no tolerance passes it."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(x)):
+        return float("inf")
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
 # ---------------------------------------------------------------------------------------------
 # Realistic random inputs (float64 numpy, [B, T, H, *] layout) for tests of every backend.
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import reference
+from reference import relative_error
 from rwkv_jax.backends import chunked, native
 
 FORWARD_TOLERANCE = 1e-4   # chunked vs native, both float32
@@ -24,11 +25,6 @@ GRADIENT_TOLERANCE = 1e-4
 HEADS, KEY, VALUE = 2, 16, 8  # K != V on purpose
 OPS = ("rwkv7", "rwkv6", "gated_linear_attention")
 ALL_GATES = ("g", "g_gamma", "gk", "gv")
-
-
-def relative_error(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(x - ref) / np.linalg.norm(ref)
 
 
 def draw(op, seed, *, steps, batch=1, decay="model", state_rows=None, constant_decay=None):

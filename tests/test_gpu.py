@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 
-import jax.numpy as jnp
 import pytest
 
 from rwkv_jax import backends

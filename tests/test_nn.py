@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import official_rwkv6
+from reference import relative_error
 import official_rwkv7
 import rwkv_jax
 from conftest import tolerance
@@ -20,12 +21,6 @@ from rwkv_jax.nn import linen
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VOCAB, TOKENS_SHAPE = 50, (2, 9)
-
-
-def rel_err(out, ref):
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.all(np.isfinite(out))
-    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
 def model_tolerance(backend):
@@ -59,7 +54,7 @@ def model(checkpoint):
 def test_rwkv7_lm_matches_official_reference(backend, op, model, tokens, reference_logits):
     logits = model(tokens, backend=backend)
     assert logits.shape == TOKENS_SHAPE + (VOCAB,) and logits.dtype == jnp.float32
-    assert rel_err(logits, reference_logits) < model_tolerance(backend)
+    assert relative_error(logits, reference_logits) < model_tolerance(backend)
 
 
 @pytest.mark.parametrize("op", ["rwkv7_step"])
@@ -74,14 +69,14 @@ def test_rwkv7_step_mode_equals_sequence_mode(backend, op, model, tokens, refere
         logits, pool = model.step(tokens[:, start:stop], pool, state_indices=slots,
                                   backend=backend)
         pieces.append(logits)
-    assert rel_err(jnp.concatenate(pieces, 1), reference_logits) < model_tolerance(backend)
+    assert relative_error(jnp.concatenate(pieces, 1), reference_logits) < model_tolerance(backend)
     for leaf in jax.tree.leaves(pool):
         assert not np.any(leaf[jnp.array([0, 2])])
 
     # The sequence mode's final state is the one the steps reached.
     _, full_state = model(tokens, return_state=True)
     for got, want in zip(jax.tree.leaves(full_state), jax.tree.leaves(pool)):
-        assert rel_err(got, want[slots]) < 1e-5
+        assert relative_error(got, want[slots]) < 1e-5
 
 
 def test_rwkv7_layers_compose_to_the_lm(model, tokens, reference_logits):
@@ -91,7 +86,7 @@ def test_rwkv7_layers_compose_to_the_lm(model, tokens, reference_logits):
     v_first = None
     for block in model.blocks:
         x, v_first, _ = block(x, v_first)
-    assert rel_err(model.head(model.ln_out(x)), reference_logits) < 1e-4
+    assert relative_error(model.head(model.ln_out(x)), reference_logits) < 1e-4
 
     block = model.blocks[1]
     x, v_first = (jax.random.normal(key, (2, 9, 32)) for key in jax.random.split(jax.random.key(0)))
@@ -105,9 +100,9 @@ def test_rwkv7_layers_compose_to_the_lm(model, tokens, reference_logits):
         steps_att.append(y)
         y, ffn_pool = block.ffn.step(x[:, t:t + 1], ffn_pool)
         steps_ffn.append(y)
-    assert rel_err(jnp.concatenate(steps_att, 1), y_att) < 1e-5
-    assert rel_err(jnp.concatenate(steps_ffn, 1), y_ffn) < 1e-5
-    assert rel_err(att_pool.wkv, att_state.wkv) < 1e-5
+    assert relative_error(jnp.concatenate(steps_att, 1), y_att) < 1e-5
+    assert relative_error(jnp.concatenate(steps_ffn, 1), y_ffn) < 1e-5
+    assert relative_error(att_pool.wkv, att_state.wkv) < 1e-5
     np.testing.assert_array_equal(ffn_pool, ffn_shift)
 
 
@@ -115,7 +110,7 @@ def test_rwkv7_through_shard_and_jit(model, tokens, reference_logits):
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     wkv_op = rwkv_jax.shard(rwkv_jax.rwkv7, mesh, batch_axis="data")
     logits = nnx.jit(lambda m, t: m(t, wkv_op=wkv_op))(model, tokens)
-    assert rel_err(logits, reference_logits) < 1e-4
+    assert relative_error(logits, reference_logits) < 1e-4
 
 
 def test_rwkv7_bfloat16_compute(checkpoint, tokens, reference_logits):
@@ -123,7 +118,7 @@ def test_rwkv7_bfloat16_compute(checkpoint, tokens, reference_logits):
     assert model.blocks[0].att.w1.get_value().dtype == jnp.float32
     logits = model(tokens)
     assert logits.dtype == jnp.bfloat16
-    assert rel_err(logits, reference_logits) < 5e-2
+    assert relative_error(logits, reference_logits) < 5e-2
 
 
 def test_rwkv7_gradients_are_finite_and_reach_every_parameter(model, tokens):
@@ -151,7 +146,7 @@ def test_rwkv7_fresh_model_runs_both_modes(tokens):
     logits = model(tokens)
     stepped, _ = model.step(tokens, model.init_state(2))
     assert logits.shape == TOKENS_SHAPE + (VOCAB,)
-    assert rel_err(stepped, logits) < 1e-5
+    assert relative_error(stepped, logits) < 1e-5
 
 
 # --- checkpoints -----------------------------------------------------------------------------
@@ -196,7 +191,7 @@ def test_checkpoint_bfloat16_and_flat_vectors(tmp_path, suffix, checkpoint, toke
     rounded = {n: torch.from_numpy(v).to(torch.bfloat16).float().numpy()
                for n, v in checkpoint.items()}
     logits = rnn.load_rwkv7(path)(tokens)
-    assert rel_err(logits, official_rwkv7.forward(rounded, tokens)) < 1e-4
+    assert relative_error(logits, official_rwkv7.forward(rounded, tokens)) < 1e-4
 
 
 def test_checkpoint_without_layer0_value_lora(tokens):
@@ -204,7 +199,7 @@ def test_checkpoint_without_layer0_value_lora(tokens):
                                               layer0_value_lora=False)
     model = rnn.load_rwkv7(params)
     assert model.config.n_layer == 1
-    assert rel_err(model(tokens), official_rwkv7.forward(params, tokens)) < 1e-4
+    assert relative_error(model(tokens), official_rwkv7.forward(params, tokens)) < 1e-4
 
 
 def test_config_is_inferred_from_shapes(checkpoint):
@@ -275,9 +270,9 @@ def test_rwkv6_layers_match_official_reference(backend, op, rwkv6_layer):
     params, x = rwkv6_layer
     att, ffn = rnn.load_rwkv6_layer(params, 1)
     y, _ = att(jnp.asarray(x, jnp.float32), backend=backend)
-    assert rel_err(y, official_rwkv6.time_mix(params, 1, x)) < model_tolerance(backend)
+    assert relative_error(y, official_rwkv6.time_mix(params, 1, x)) < model_tolerance(backend)
     y, _ = ffn(jnp.asarray(x, jnp.float32))
-    assert rel_err(y, official_rwkv6.channel_mix(params, 1, x)) < 1e-5
+    assert relative_error(y, official_rwkv6.channel_mix(params, 1, x)) < 1e-5
 
 
 @pytest.mark.parametrize("op", ["rwkv6_step"])
@@ -294,8 +289,8 @@ def test_rwkv6_step_mode_equals_sequence_mode(backend, op, rwkv6_layer):
     for t in range(4, 9):
         y, pool = att.step(x[:, t:t + 1], pool, state_indices=jnp.array([2, 0]), backend=backend)
         pieces.append(y)
-    assert rel_err(jnp.concatenate(pieces, 1), want) < model_tolerance(backend)
-    assert rel_err(pool.wkv[jnp.array([2, 0])], want_state.wkv) < model_tolerance(backend)
+    assert relative_error(jnp.concatenate(pieces, 1), want) < model_tolerance(backend)
+    assert relative_error(pool.wkv[jnp.array([2, 0])], want_state.wkv) < model_tolerance(backend)
     assert not np.any(pool.wkv[1])
 
     y_seq, _ = ffn(x)
@@ -304,7 +299,7 @@ def test_rwkv6_step_mode_equals_sequence_mode(backend, op, rwkv6_layer):
     for t in range(9):
         y, shift = ffn.step(x[:, t:t + 1], shift)
         steps.append(y)
-    assert rel_err(jnp.concatenate(steps, 1), y_seq) < 1e-5
+    assert relative_error(jnp.concatenate(steps, 1), y_seq) < 1e-5
 
 
 def test_rwkv6_fresh_layers_and_errors():
@@ -334,12 +329,12 @@ def test_linen_wrappers_call_the_ops():
     np.testing.assert_array_equal(o, want_o)
     np.testing.assert_array_equal(h, want_h)
     o, pool = module.apply({}, r, w, k, v, -kk, kk * 0.5, jnp.zeros((1, 2, 4, 4)), method="step")
-    assert rel_err(o, want_o) < 1e-5 and rel_err(pool, want_h) < 1e-5
+    assert relative_error(o, want_o) < 1e-5 and relative_error(pool, want_h) < 1e-5
 
     o, h = linen.RWKV6().apply({}, r, k, v, w, u)
     np.testing.assert_array_equal(o, rwkv_jax.rwkv6(r, k, v, w, u)[0])
     o, _ = linen.RWKV6().apply({}, r, k, v, w, u, jnp.zeros((1, 2, 4, 4)), method="step")
-    assert rel_err(o, rwkv_jax.rwkv6(r, k, v, w, u)[0]) < 1e-5
+    assert relative_error(o, rwkv_jax.rwkv6(r, k, v, w, u)[0]) < 1e-5
     o, _ = linen.GatedLinearAttention(reverse=True).apply({}, r, k, v, gk=w)
     want_o, _ = rwkv_jax.gated_linear_attention(r, k, v, gk=w, reverse=True)
     np.testing.assert_array_equal(o, want_o)

@@ -20,6 +20,7 @@ import pytest
 
 import rwkv_jax
 import reference
+from reference import relative_error
 from conftest import tolerance
 
 BATCH, STEPS, HEADS, KEY = 2, 37, 2, 16
@@ -130,11 +131,6 @@ CASES = {
 # ------------------------------------------------------------------------------------------
 # Running a case.
 # ------------------------------------------------------------------------------------------
-
-def relative_error(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(x - ref) / np.linalg.norm(ref)
-
 
 def _has_time_axis(name):
     return name not in STATE_NAMES + SHARED_NAMES

@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import reference
+from reference import relative_error
 import rwkv_jax
 from conftest import tolerance
 
@@ -67,12 +68,6 @@ def _forward_and_gradients(fn, op, x, options, seed=1):
     return run(x)
 
 
-def _relative_error(got, want):
-    got, want = (np.asarray(y, np.float64) for y in (got, want))
-    assert np.all(np.isfinite(got))
-    return np.linalg.norm(got - want) / np.linalg.norm(want)
-
-
 _ONE_DEVICE = {}
 
 
@@ -91,14 +86,14 @@ def _assert_matches(op, x, roles, *, options=None, mesh=None, backend="native", 
     o1, h1, grads1 = _ONE_DEVICE[key]
     forward, gradient = tolerance(backend, dtype, "forward"), tolerance(backend, dtype, "gradient")
     assert o.dtype == o1.dtype and o.shape == o1.shape
-    assert _relative_error(o, o1) <= forward, "output"
+    assert relative_error(o, o1) <= forward, "output"
     if h1 is None:
         assert h is None
     else:
-        assert h.dtype == h1.dtype and _relative_error(h, h1) <= forward, "final state"
+        assert h.dtype == h1.dtype and relative_error(h, h1) <= forward, "final state"
     for name in x:
         assert grads[name].dtype == grads1[name].dtype, name
-        assert _relative_error(grads[name], grads1[name]) <= gradient, f"gradient of {name}"
+        assert relative_error(grads[name], grads1[name]) <= gradient, f"gradient of {name}"
     return o, h
 
 
@@ -188,7 +183,7 @@ def test_sequence_parallel_result_equals_float64_reference():
     sharded = rwkv_jax.shard(rwkv_jax.rwkv7, _mesh(), **MESH_AXES)
     o, h = jax.jit(lambda x: _call(sharded, "rwkv7", x, {}))(x)
     want_o, want_h = reference.forward("rwkv7", raw)
-    assert _relative_error(o, want_o) <= 1e-5 and _relative_error(h, want_h) <= 1e-5
+    assert relative_error(o, want_o) <= 1e-5 and relative_error(h, want_h) <= 1e-5
 
 
 @pytest.mark.parametrize("in_context", [False, True], ids=["no_context", "set_mesh"])
@@ -205,7 +200,7 @@ def test_explicit_mesh_and_presharded_inputs(in_context):
         got = _forward_and_gradients(sharded, "rwkv7", placed, {})
     want = _forward_and_gradients(fn, "rwkv7", x, {})
     for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert _relative_error(got_leaf, want_leaf) <= 1e-4
+        assert relative_error(got_leaf, want_leaf) <= 1e-4
     _assert_split(got[0], mesh, ("data", "seq", "heads", None))
 
 
@@ -283,7 +278,7 @@ def test_sharded_model_gradients_equal_one_device():
     (loss, grads), (loss1, grads1) = grad(params, tokens, sharded), grad(params, tokens, one_device)
     assert abs(float(loss) - float(loss1)) <= 1e-5 * abs(float(loss1))
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
-        assert _relative_error(got, want) <= 1e-4
+        assert relative_error(got, want) <= 1e-4
 
 
 def test_multi_gpu_benchmark_rows():

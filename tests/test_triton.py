@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import reference
+from reference import relative_error
 import rwkv_jax
 from conftest import tolerance
 # Imported before triton: on CPU it switches Triton to the interpreter before anything defines
@@ -28,11 +29,6 @@ def _scale_and_shift_kernel(x_ptr, y_ptr, doubled_ptr, shifted_ptr, SIZE: tl.con
     doubled = tl.load(x_ptr + block).to(tl.float32) * 2
     tl.store(doubled_ptr + block, doubled.to(doubled_ptr.dtype.element_ty))
     tl.store(shifted_ptr + block, tl.load(y_ptr + block) + SHIFT)
-
-
-def relative_error(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(x - ref) / np.linalg.norm(ref)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])

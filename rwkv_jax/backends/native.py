@@ -8,7 +8,8 @@ inside a block: memory O((T/C + C) * state) instead of O(T * state). Without a g
 nothing per-step is kept.
 
 Canonical backend signatures (every backend module follows them; inputs are validated and in
-``[B, T, H, *]`` layout; ``initial_state`` is float32 ``[N, H, K, V]`` or None for zeros):
+``[B, T, H, *]`` layout; ``initial_state`` is ``[N, H, K, V]`` in the caller's float dtype, cast
+by each backend to its accumulation dtype, or None for zeros):
 
     rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seqlens)
     rwkv6(r, k, v, w, u, *, scale, initial_state, output_final_state, cu_seqlens)
