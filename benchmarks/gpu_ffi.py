@@ -242,6 +242,10 @@ def bench_decode(batches=(1, 64, 256), heads=32, key=64, steps_per_call=100):
         ms = time_jax(run, state, *args) / steps_per_call
         floor_us = 2 * batch * heads * key * key * 4 / bandwidth * 1e6
         record(f"rwkv7_step ffi B{batch} H{heads} K{key} T1", ms, f"(floor {floor_us:.1f} us)")
+        # One call per step from Python, as fla is called below (dispatch included).
+        one = jax.jit(lambda s, *a: rwkv_jax.rwkv7_step(*a, s, state_indices=rows,
+                                                        backend="ffi")[1])
+        record(f"rwkv7_step ffi B{batch} one call per step", time_jax(one, state, *args))
         t = [torch.from_dlpack(a).clone() for a in args]
         t_state = torch.from_dlpack(state).clone()
         record(f"rwkv7_step fla fused_recurrent B{batch}",
