@@ -3,10 +3,10 @@
 The kernels see the batch flattened to rows ``[B * T, H, *]`` and one list of sequences,
 ``cu`` (``cu_seqlens``, or ``arange(B + 1) * T`` for a plain batch), so packed and plain inputs
 share one code path. The forward saves the state every ``CHUNK * chunks_per_state`` tokens of
-each sequence for the backward; where sequence ``n``'s saved states start in that buffer is
-computed on the device from ``cu``, and the buffer has the static size
-``rows // span + N`` (an upper bound over all length patterns): no host sync, no recompile per
-length pattern. Launches go through :mod:`rwkv_jax.backends._launch` (jax-triton on GPU,
+each sequence (and U, see the kernels) for the backward, whose state-gradient pass saves dH
+at every chunk's end; where each sequence's entries start in these buffers is computed on the
+device from ``cu``, and the buffers have the static size ``rows // span + N`` (an upper bound
+over all length patterns): no host sync, no recompile per length pattern. Launches go through :mod:`rwkv_jax.backends._launch` (jax-triton on GPU,
 Triton's interpreter on CPU); :func:`rwkv7` is a ``jax.custom_vjp``.
 """
 
@@ -31,8 +31,8 @@ MAX_VALUE_SIZE = 256  # V is split over programs (block_v columns each)
 class KernelConfig:
     block_v: int            # V columns per program (fewer: more programs, recomputed chunk work)
     chunks_per_state: int   # the forward saves the state every this many chunks
-    forward_warps: int
-    backward_warps: int
+    forward_warps: int      # of the sequential kernels (forward, state gradient)
+    backward_warps: int     # of the parallel gradient kernel
     stages: int | None = None
     inverse_precision: str = "ieee"  # of the (I - A_ab)^-1 products ("tf32": faster, coarser)
 
@@ -60,6 +60,9 @@ def _check_head_sizes(k_size, v_size):
                              f"(32, 64 and 128 are the tuned sizes); got {name} = {size}")
 
 
+_SHAPES = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "PRECISION")  # every kernel's
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """Everything the kernels are specialised on (hashable: a custom_vjp nondiff argument)."""
@@ -74,61 +77,86 @@ class _Static:
     def span(self):
         return CHUNK * self.config.chunks_per_state
 
-    def constexprs(self):
-        return dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
-                    BK=_pow2_at_least(self.k_size), BV=self.config.block_v, C=CHUNK,
-                    CHUNKS_PER_STATE=self.config.chunks_per_state, PRECISION=self.precision,
-                    INVERSE_PRECISION=self.config.inverse_precision)
+    def constexprs(self, *names):
+        """The kernels' compile-time arguments, those named."""
+        every = dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
+                     BK=_pow2_at_least(self.k_size), BV=self.config.block_v, C=CHUNK,
+                     CHUNKS_PER_STATE=self.config.chunks_per_state, PRECISION=self.precision,
+                     INVERSE_PRECISION=self.config.inverse_precision)
+        return {name: every[name] for name in names}
 
     def grid(self, sequences):
         return (sequences * self.heads, -(-self.v_size // self.config.block_v))
 
 
-def _state_index(cu, span):
-    """First saved-state slot of each sequence: one slot per started span of tokens."""
+def _first_slots(cu, span):
+    """Spans of ``span`` tokens of each sequence (the last may be partial), and the first slot
+    of each sequence in a buffer of one entry per span."""
     spans = (cu[1:] - cu[:-1] + span - 1) // span
-    return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(spans)[:-1]]).astype(jnp.int32)
+    return spans, jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(spans)[:-1]]).astype(
+        jnp.int32)
 
 
-def _forward(static, r, w, k, v, a, b, h0, cu, save_states):
+def _slot_count(rows, sequences, span):
+    """A static bound on the spans of any length pattern: one buffer size, no recompile."""
+    return rows // span + sequences
+
+
+def _forward(static, r, w, k, v, a, b, h0, cu, save):
     rows = r.shape[0]
     sequences = cu.shape[0] - 1
     state_shape = (sequences, static.heads, static.k_size, static.v_size)
-    slots = (rows // static.span + sequences) if save_states else 1
-    saved_shape = (slots, static.heads, static.k_size, static.v_size) if save_states else (1,)
-    o, ht, states = _launch.launch(
+    saved = lambda shape: jax.ShapeDtypeStruct(shape if save else (1,), jnp.float32)
+    o, ht, states, u = _launch.launch(
         _kernels.rwkv7_forward_kernel,
-        (r, w, k, v, a, b, h0, cu, _state_index(cu, static.span)),
+        (r, w, k, v, a, b, h0, cu, _first_slots(cu, static.span)[1]),
         (jax.ShapeDtypeStruct((rows, static.heads, static.v_size), v.dtype),
          jax.ShapeDtypeStruct(state_shape, jnp.float32),
-         jax.ShapeDtypeStruct(saved_shape, jnp.float32)),
+         saved((_slot_count(rows, sequences, static.span),) + state_shape[1:]),
+         saved((rows, static.heads, static.v_size))),
         static.grid(sequences), num_warps=static.config.forward_warps,
-        num_stages=static.config.stages, SAVE_STATES=save_states, **static.constexprs())
-    return o, ht, states
+        num_stages=static.config.stages, SAVE=save, **static.constexprs(*_SHAPES,
+                                                                        "CHUNKS_PER_STATE",
+                                                                        "INVERSE_PRECISION"))
+    return o, ht, states, u
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rwkv7(static, r, w, k, v, a, b, h0, cu):
-    o, ht, _ = _forward(static, r, w, k, v, a, b, h0, cu, save_states=False)
+    o, ht, _, _ = _forward(static, r, w, k, v, a, b, h0, cu, save=False)
     return o, ht
 
 
 def _rwkv7_fwd(static, r, w, k, v, a, b, h0, cu):
-    o, ht, states = _forward(static, r, w, k, v, a, b, h0, cu, save_states=True)
-    return (o, ht), (r, w, k, v, a, b, states, cu)
+    o, ht, states, u = _forward(static, r, w, k, v, a, b, h0, cu, save=True)
+    return (o, ht), (r, w, k, v, a, b, states, u, cu)
 
 
 def _rwkv7_bwd(static, residuals, cotangents):
-    r, w, k, v, a, b, states, cu = residuals
+    r, w, k, v, a, b, states, u, cu = residuals
     do, dht = cotangents
+    do = do.astype(v.dtype)
     rows = r.shape[0]
     sequences = cu.shape[0] - 1
-    grid = static.grid(sequences)
-    v_blocks = grid[1]
-    block_k = _pow2_at_least(static.k_size)
-    per_state = static.config.chunks_per_state  # with 1, every chunk's state is saved: no scratch
-    scratch_shape = ((grid[0] * v_blocks, per_state, block_k, static.config.block_v)
-                     if per_state > 1 else (1,))
+    state_shape = (static.heads, static.k_size, static.v_size)
+    # 1. The reverse recurrence of the state gradient: dH at the end of every chunk, and dX.
+    chunks, chunk_index = _first_slots(cu, CHUNK)
+    dh0, dstates, dx = _launch.launch(
+        _kernels.rwkv7_state_gradient_kernel,
+        (r, w, a, b, do, dht.astype(jnp.float32), cu, chunk_index),
+        (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
+         jax.ShapeDtypeStruct((_slot_count(rows, sequences, CHUNK),) + state_shape, jnp.float32),
+         jax.ShapeDtypeStruct((rows, static.heads, static.v_size), jnp.float32)),
+        static.grid(sequences), num_warps=static.config.forward_warps,
+        num_stages=static.config.stages, **static.constexprs(*_SHAPES, "INVERSE_PRECISION"))
+    # 2. Every input gradient, one program per (span, head, V block), all at once.
+    spans, state_index = _first_slots(cu, static.span)
+    slots = _slot_count(rows, sequences, static.span)
+    slot = jnp.arange(slots, dtype=jnp.int32)
+    # A sequence of no span shares its first slot with the next: 'right' skips it.
+    slot_sequence = jnp.searchsorted(state_index, slot, side="right").astype(jnp.int32) - 1
+    slot_sequence = jnp.where(slot < spans.sum(), slot_sequence, -1)
+    v_blocks = static.grid(sequences)[1]
     # K-side gradients sum over V: with several V blocks each writes a float32 partial sum.
     if v_blocks == 1:
         k_grad = lambda x: jax.ShapeDtypeStruct((rows, static.heads, static.k_size), x.dtype)
@@ -137,18 +165,16 @@ def _rwkv7_bwd(static, residuals, cotangents):
         k_grad = lambda x: jax.ShapeDtypeStruct((v_blocks, rows, static.heads, static.k_size),
                                                 jnp.float32)
         reduce = lambda g, x: g.sum(0).astype(x.dtype)
-    dr, dw, dk, dv, da, db, dh0, _ = _launch.launch(
+    dr, dw, dk, dv, da, db = _launch.launch(
         _kernels.rwkv7_backward_kernel,
-        (r, w, k, v, a, b, do.astype(v.dtype), dht.astype(jnp.float32), states, cu,
-         _state_index(cu, static.span)),
+        (r, w, k, v, a, b, do, states, u, dstates, dx, cu, state_index, chunk_index,
+         slot_sequence),
         (k_grad(r), k_grad(w), k_grad(k), jax.ShapeDtypeStruct(v.shape, v.dtype),
-         k_grad(a), k_grad(b),
-         jax.ShapeDtypeStruct((sequences, static.heads, static.k_size, static.v_size),
-                              jnp.float32),
-         jax.ShapeDtypeStruct(scratch_shape, jnp.float32)),
-        grid, num_warps=static.config.backward_warps, num_stages=static.config.stages,
+         k_grad(a), k_grad(b)),
+        (slots, static.heads, v_blocks), num_warps=static.config.backward_warps,
+        num_stages=static.config.stages,
         ROWS=rows if v_blocks > 1 else 0,  # (0: one V block; no recompile per length)
-        **static.constexprs())
+        **static.constexprs(*_SHAPES, "CHUNKS_PER_STATE"))
     return (reduce(dr, r), reduce(dw, w), reduce(dk, k), dv, reduce(da, a), reduce(db, b), dh0,
             None)
 
