@@ -306,11 +306,11 @@ def benchmark(sweep, others, deadline, out_dir):
 
     attempt(bench_jax, "rwkv_jax triton (default config)", x_jax, d_out_jax, d_state_jax, ref)
     attempt(bench_fla, "fla chunk_rwkv7 fastest (C=64, safe)", x, d_out, d_state, ref,
-            chunk_size=64, safe_gate=True, lower_bound=LOWER_BOUND)
+            chunk_size=64, safe_gate=True, lower_bound=LOWER_BOUND, cap=330)
     if sweep:
         default = triton_backend.default_config(size, size)
-        variants = [dict(chunks_per_state=1), dict(chunks_per_state=2), dict(block_v=32),
-                    dict(backward_warps=8), dict(forward_warps=8)]
+        variants = [dict(inverse_precision="tf32"), dict(backward_warps=16),
+                    dict(chunks_per_state=1), dict(chunks_per_state=8), dict(stages=3)]
         for change in variants:
             config = dataclasses.replace(default, **change)
             attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,

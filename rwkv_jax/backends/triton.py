@@ -43,9 +43,11 @@ def _pow2_at_least(n, floor=16):
 
 def default_config(k_size: int, v_size: int) -> KernelConfig:
     block_k, block_v = _pow2_at_least(k_size), _pow2_at_least(v_size)
+    # Measured on an H100 at K=V=64 (BENCHMARKS.md): the sequential kernels are fastest with 4
+    # warps, the parallel gradient kernel with 8.
     warps = 8 if block_k * block_v > 64 * 64 else 4
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=4, forward_warps=warps,
-                        backward_warps=warps)
+                        backward_warps=8)
 
 
 # (K, V) -> KernelConfig, to try other settings (benchmarks/gpu_rwkv7.py) without editing code.
