@@ -34,7 +34,9 @@ class KernelConfig:
     forward_warps: int      # of the sequential kernels (forward, state gradient)
     backward_warps: int     # of the parallel gradient kernel
     stages: int | None = None
-    inverse_precision: str = "ieee"  # of the (I - A_ab)^-1 products ("tf32": faster, coarser)
+    # Of the (I - A_ab)^-1 products; None: "ieee" for float32 inputs (their contract), else
+    # "tf32" (H100, bf16: 7% faster forward, error unchanged at two digits).
+    inverse_precision: str | None = None
 
 
 def _pow2_at_least(n, floor=16):
@@ -44,9 +46,10 @@ def _pow2_at_least(n, floor=16):
 def default_config(k_size: int, v_size: int) -> KernelConfig:
     block_k, block_v = _pow2_at_least(k_size), _pow2_at_least(v_size)
     # Measured on an H100 at K=V=64 (BENCHMARKS.md): the sequential kernels are fastest with 4
-    # warps, the parallel gradient kernel with 8.
+    # warps, the parallel gradient kernel with 8 (16: 2.7x slower); a state every 8 chunks
+    # beats every 1, 2 or 4 (fewer saved states, and the span's walk costs little).
     warps = 8 if block_k * block_v > 64 * 64 else 4
-    return KernelConfig(block_v=min(block_v, 64), chunks_per_state=4, forward_warps=warps,
+    return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=warps,
                         backward_warps=8)
 
 
@@ -84,7 +87,8 @@ class _Static:
         every = dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
                      BK=_pow2_at_least(self.k_size), BV=self.config.block_v, C=CHUNK,
                      CHUNKS_PER_STATE=self.config.chunks_per_state, PRECISION=self.precision,
-                     INVERSE_PRECISION=self.config.inverse_precision)
+                     INVERSE_PRECISION=self.config.inverse_precision or (
+                         "ieee" if self.precision == "tf32x3" else "tf32"))
         return {name: every[name] for name in names}
 
     def grid(self, sequences):
