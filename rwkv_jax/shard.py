@@ -14,9 +14,9 @@ each device
 
 1. runs the op on its block from zero (the first block from ``initial_state``), which gives
    ``o_local`` and ``h_local``, and gets its transition together with ``p_t = Φ_t^T (scale r_t)``:
-   for RWKV-6 and GLA from cumulative sums of the log decays; for RWKV-7 from the same op run
-   on K more value columns, zero, from the identity state: that part of its final state is
-   ``M``, the product of ``diag(exp w_t) + b_t a_t^T`` over the block, and of its outputs ``p_t``;
+   for RWKV-6 and GLA from cumulative sums of the log decays; for RWKV-7 by running the same op
+   a second time, on zero values (V = K) from the identity state: its final state is ``M``, the
+   product of ``diag(exp w_t) + b_t a_t^T`` over the block, and its outputs are ``p_t``;
 2. all-gathers ``(Φ, h_local)`` over ``seq_axis`` and composes them in order: the state entering
    its block (an exclusive scan) and the final state of the whole sequence;
 3. adds ``h_in^T p_t`` to its outputs, which is exactly what rerunning the block from ``h_in``
@@ -24,10 +24,8 @@ each device
 
 Everything is ordinary differentiable JAX around the public op, so gradients are exact and any
 backend works; per-device memory is that of one block (plus ``n`` states for the scan). Cost:
-RWKV-7 runs its recurrence on V + K value columns per block (the transition is a K×K matrix),
-so over ``n`` devices each does about ``2/n`` of the one-device work, in one call with twice
-the parallelism of the block alone (the case sequence parallelism is for: few sequences, long
-ones); RWKV-6 and GLA do ``1/n`` plus elementwise
+RWKV-7 runs its recurrence twice per block (the transition is a K×K matrix), so over ``n``
+devices each does ``2/n`` of the one-device work; RWKV-6 and GLA do ``1/n`` plus elementwise
 work and one ``[T/n, K] x [K, V]`` product per head.
 """
 
@@ -69,20 +67,15 @@ def _exclusive_cumsum(x):
 
 def _rwkv7_block(run, x, start, options):
     """RWKV-7: h_t = A_t h_{t-1} + k_t v_t^T with A_t = diag(exp w_t) + b_t a_t^T, a full K×K map.
-    From the identity state on zero values the op's final state is M = A_T ... A_1 and its
-    outputs are p_t = (A_t ... A_1)^T (scale r_t). Both runs share r, w, k, a, b, so they are one
-    call on values widened by K zero columns from the state [start | I]: outputs [o | p], final
-    state [h | M]. Only v is widened (no other input is copied), and the kernel runs both
-    halves side by side (on a GPU, twice the programs of the block alone)."""
+    The op run on zero values from the identity state has final state M = A_T ... A_1 and
+    outputs p_t = (A_t ... A_1)^T (scale r_t). A second call of the op on the same arrays (not
+    one call on inputs stacked along the batch) so that no input is copied: the memory of a
+    block stays that of the op plus one zero value block."""
+    o, h = run(**x, initial_state=start)
     batch, _, heads, keys = x["k"].shape
-    values = x["v"].shape[-1]
     eye = jnp.broadcast_to(jnp.eye(keys, dtype=jnp.float32), (batch, heads, keys, keys))
-    if start is None:
-        start = jnp.zeros((batch, heads, keys, values), jnp.float32)
-    wide_v = jnp.concatenate([x["v"], jnp.zeros(x["k"].shape, x["v"].dtype)], axis=-1)
-    wide_start = jnp.concatenate([start.astype(jnp.float32), eye], axis=-1)
-    o, h = run(**{**x, "v": wide_v}, initial_state=wide_start)
-    return o[..., :values], h[..., :values], h[..., values:], True, o[..., values:], None
+    p, transition = run(**{**x, "v": jnp.zeros(x["k"].shape, x["v"].dtype)}, initial_state=eye)
+    return o, h, transition, True, p, None
 
 
 def _rwkv6_block(run, x, start, options):
