@@ -61,7 +61,6 @@ def measure(mode, shape, args):
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
     import rwkv_jax
