@@ -145,7 +145,7 @@ def _rwkv7_bwd(static, residuals, cotangents):
     sequences = cu.shape[0] - 1
     state_shape = (static.heads, static.k_size, static.v_size)
     # 1. The reverse recurrence of the state gradient: dH at the end of every chunk, and dX.
-    chunks, chunk_index = _first_slots(cu, CHUNK)
+    _, chunk_index = _first_slots(cu, CHUNK)
     dh0, dstates, dx = _launch.launch(
         _kernels.rwkv7_state_gradient_kernel,
         (r, w, a, b, do, dht.astype(jnp.float32), cu, chunk_index),
