@@ -30,21 +30,13 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import reference  # noqa: E402
+from _log import log, open_log  # noqa: E402  (benchmarks/_log.py)
 
 import rwkv_jax  # noqa: E402
 
 ARGS = {"rwkv7": "rwkvab", "rwkv6": "rkvwu", "rwkv4": "wukv", "rwkv7_step": "rwkvab",
         "rwkv6_step": "rkvwu"}
-_log = None
 results: dict = {"correctness": [], "timings": []}
-
-
-def log(*parts):
-    line = " ".join(str(p) for p in parts)
-    print(line, flush=True)
-    if _log:
-        _log.write(line + "\n")
-        _log.flush()
 
 
 def rel(x, ref):
@@ -254,7 +246,6 @@ def bench_decode(batches=(1, 64, 256), heads=32, key=64, steps_per_call=100):
 
 
 def main():
-    global _log
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="/tmp/gpu_ffi")
     parser.add_argument("--checks", default="",
@@ -263,7 +254,7 @@ def main():
                         help="timings to run, in this order (empty: none)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    _log = open(os.path.join(args.out, "gpu_ffi.log"), "w")
+    open_log(os.path.join(args.out, "gpu_ffi.log"))
     log("devices:", jax.devices())
     ok = correctness([p for p in args.checks.split(",") if p])
 

@@ -36,6 +36,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import reference  # noqa: E402
+from _log import log, open_log  # noqa: E402  (benchmarks/_log.py)
 from reference import relative_error  # noqa: E402
 
 import rwkv_jax  # noqa: E402
@@ -44,16 +45,7 @@ from rwkv_jax.backends import triton as triton_backend  # noqa: E402
 NAMES = tuple("rwkvab")
 LOWER_BOUND = -0.6065  # fla's fastest configuration asserts w >= this
 
-_log_file = None
 results: dict = {"correctness": [], "benchmark": []}
-
-
-def log(*parts):
-    line = " ".join(str(p) for p in parts)
-    print(line, flush=True)
-    if _log_file:
-        _log_file.write(line + "\n")
-        _log_file.flush()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,7 +317,6 @@ def benchmark(sweep, others, deadline, out_dir):
 
 
 def main():
-    global _log_file
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=".")
     parser.add_argument("--sweep", action="store_true", help="also time other kernel configs")
@@ -337,7 +328,7 @@ def main():
                         help="other rwkv_jax backends to time at the benchmark shape")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    _log_file = open(os.path.join(args.out, "gpu_rwkv7.log"), "w")
+    open_log(os.path.join(args.out, "gpu_rwkv7.log"))
     deadline = time.time() + args.budget
     gpu = torch.cuda.get_device_name()
     log(f"GPU {gpu}; jax {jax.__version__} ({jax.devices()[0]}), torch {torch.__version__}")
