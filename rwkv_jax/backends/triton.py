@@ -44,12 +44,13 @@ def _pow2_at_least(n, floor=16):
 
 def default_config(k_size: int, v_size: int) -> KernelConfig:
     block_k, block_v = _pow2_at_least(k_size), _pow2_at_least(v_size)
-    # Measured on an H100 at K=V=64 (BENCHMARKS.md): the sequential kernels are fastest with 4
-    # warps, the parallel gradient kernel with 8 (16: 2.7x slower); a state every 8 chunks
-    # beats every 1, 2 or 4 (fewer saved states, and the span's walk costs little).
+    # Measured on an H100 at K=V=64 (BENCHMARKS.md): every kernel is fastest with 4 warps, and
+    # the gradient kernel must keep 4: with 8, Triton 3.6 miscompiled its transposed products
+    # there (dv wrong; it was also slower, 16.0 ms against 10.7). A state every 8 chunks beats
+    # every 1, 2 or 4 (fewer saved states, and the span's walk costs little).
     warps = 8 if block_k * block_v > 64 * 64 else 4
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=warps,
-                        backward_warps=8)
+                        backward_warps=4)
 
 
 # (K, V) -> KernelConfig, to try other settings (benchmarks/gpu_rwkv7.py) without editing code.
