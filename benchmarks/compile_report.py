@@ -1,0 +1,94 @@
+"""Registers, spills and shared memory of the triton RWKV-7 kernels, compiled for an H100/H200
+(sm_90) on any machine: no GPU needed, Triton's wheel carries ptxas and cuobjdump.
+
+    python benchmarks/compile_report.py [--key 64] [--value 64] [--warps 4,8]
+
+A kernel at 255 registers with spills is latency-bound: METHOD.md's resource report, read before
+spending device time. Counts of the SASS instructions that matter follow (HGMMA: Hopper's
+warpgroup MMA; HMMA: the older 16-row MMA; LDL/STL: spill traffic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from triton_kernels import rwkv7  # noqa: E402
+
+TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+SASS = ("HGMMA", "HMMA", "LDL", "STL", "BAR.SYNC", "LDS", "STS", "LDG", "STG")
+
+
+def compile_for_hopper(kernel, pointer_types, constexprs, warps):
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointer_types[n] for n in names}
+    # Launches pass 16-byte aligned pointers; say so, or loads would not be vectorised.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constexprs}
+    source = ASTSource(kernel, signature, {(names.index(n),): v for n, v in constexprs.items()},
+                       aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps})
+
+
+def resources(compiled):
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        report = subprocess.run([os.path.join(TOOLS, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
+                                 cubin], capture_output=True, text=True, check=True).stderr
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-sass", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    registers = re.search(r"Used (\d+) registers", report).group(1)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report).groups()
+    counts = " ".join(f"{op}={len(re.findall(op, sass))}" for op in SASS)
+    return (f"registers {registers:>3}  spill stores/loads {spills[0]:>4}/{spills[1]:<4} "
+            f"shared {compiled.metadata.shared:>6} B  {counts}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--key", type=int, default=64)
+    parser.add_argument("--value", type=int, default=64)
+    parser.add_argument("--warps", default="4,8")
+    args = parser.parse_args()
+    bk = max(16, 1 << (args.key - 1).bit_length())
+    bv = min(64, max(16, 1 << (args.value - 1).bit_length()))
+    v_blocks = -(-args.value // bv)
+    shapes = dict(scale=1.0, HEADS=64, K=args.key, V=args.value, BK=bk, BV=bv, C=16,
+                  PRECISION="tf32")
+    bf16, f32, i32 = "*bf16", "*fp32", "*i32"
+    inputs = dict(r_ptr=bf16, w_ptr=bf16, k_ptr=bf16, v_ptr=bf16, a_ptr=bf16, b_ptr=bf16,
+                  do_ptr=bf16, h0_ptr=f32, dht_ptr=f32, states_ptr=f32, dstates_ptr=f32,
+                  u_ptr=f32, dx_ptr=f32, ht_ptr=f32, dh0_ptr=f32, o_ptr=bf16, dv_ptr=bf16,
+                  cu_ptr=i32, state_index_ptr=i32, chunk_index_ptr=i32, slot_sequence_ptr=i32)
+    k_grads = f32 if v_blocks > 1 else bf16  # float32 partial sums with several V blocks
+    inputs.update({f"d{n}_ptr": k_grads for n in "rwkab"})
+    kernels = [
+        ("forward", rwkv7.rwkv7_forward_kernel,
+         dict(shapes, CHUNKS_PER_STATE=8, SAVE=True, INVERSE_PRECISION="tf32")),
+        ("state gradient", rwkv7.rwkv7_state_gradient_kernel,
+         dict(shapes, INVERSE_PRECISION="tf32")),
+        ("gradient", rwkv7.rwkv7_backward_kernel,
+         dict(shapes, CHUNKS_PER_STATE=8, ROWS=1 if v_blocks > 1 else 0)),
+    ]
+    print(f"K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
+    for name, kernel, constexprs in kernels:
+        for warps in (int(w) for w in args.warps.split(",")):
+            compiled = compile_for_hopper(kernel, inputs, constexprs, warps)
+            print(f"{name:15s} {warps} warps: {resources(compiled)}")
+
+
+if __name__ == "__main__":
+    main()
