@@ -47,6 +47,8 @@ which keeps registers free and loads and stores vectorised.
 import triton
 import triton.language as tl
 
+from .common import chunk_tiles, in_range, program, row_bases, rows, state_offsets
+
 
 @triton.jit
 def _inverse_unit_lower(lower, C: tl.constexpr, PRECISION: tl.constexpr):
@@ -60,34 +62,6 @@ def _inverse_unit_lower(lower, C: tl.constexpr, PRECISION: tl.constexpr):
         power = tl.dot(power, power, input_precision=PRECISION)
         inverse = tl.dot(inverse, identity + power, input_precision=PRECISION)
     return inverse
-
-
-@triton.jit
-def _in_range(cols, SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """cols < SIZE, as a constant when blocks of BLOCK tile SIZE exactly (so that loads and
-    stores of whole rows can be vectorised)."""
-    if SIZE % BLOCK == 0:
-        inside = tl.full([BLOCK], 1, tl.int1)
-    else:
-        inside = cols < SIZE
-    return inside
-
-
-@triton.jit
-def _chunk_tiles(v_cols, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Offsets of a chunk's K-wide and V-wide tiles from its first row, and their column
-    masks: the same for every chunk of a program. Tiles are [C, K] and [C, V], or [K, C] and
-    [V, C] when TRANSPOSED."""
-    k_cols = tl.arange(0, BK)
-    if TRANSPOSED:
-        steps = tl.arange(0, C)[None, :]
-        return (k_cols[:, None] + steps * (HEADS * K), _in_range(k_cols, K, BK)[:, None],
-                v_cols[:, None] + steps * (HEADS * V), _in_range(v_cols, V, BV)[:, None])
-    else:
-        steps = tl.arange(0, C)[:, None]
-        return (steps * (HEADS * K) + k_cols[None, :], _in_range(k_cols, K, BK)[None, :],
-                steps * (HEADS * V) + v_cols[None, :], _in_range(v_cols, V, BV)[None, :])
 
 
 @triton.jit
@@ -116,56 +90,11 @@ def _lower(x, y, STRICT: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr)
 
 
 @triton.jit
-def _rows(ptr, base, tile, mask):
-    return tl.load(ptr + base + tile, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _row_bases(first_row, end, head, k_cols_in, v_cols_in, HEADS: tl.constexpr,
-               K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Where a chunk's rows start in the K-wide and V-wide arrays, and their masks (rows past
-    ``end`` read as zeros and are not written)."""
-    rows_in = first_row + tl.arange(0, C) < end
-    if TRANSPOSED:
-        rows_in = rows_in[None, :]
-    else:
-        rows_in = rows_in[:, None]
-    return ((first_row * HEADS + head) * K, rows_in & k_cols_in,
-            (first_row * HEADS + head) * V, rows_in & v_cols_in)
-
-
-@triton.jit
 def _advance(h, k, b, v, u, gi, g_end, PRECISION: tl.constexpr):
     """H' = e^g H + k^T V + b^T U."""
     to_end = tl.exp(g_end[None, :] - gi)
     h = tl.dot(tl.trans(k * to_end), v, tl.exp(g_end)[:, None] * h, input_precision=PRECISION)
     return tl.dot(tl.trans(b * to_end), u, h, input_precision=PRECISION)
-
-
-@triton.jit
-def _state_offsets(slot, head, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BK: tl.constexpr, v_cols):
-    k_rows = tl.arange(0, BK)
-    return (slot.to(tl.int64) * HEADS + head) * (K * V) + k_rows[:, None] * V + v_cols[None, :]
-
-
-@triton.jit
-def _program(sequence, head, v_block, cu_ptr, HEADS: tl.constexpr, K: tl.constexpr,
-             V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-             TRANSPOSED: tl.constexpr):
-    """A program's V columns, its chunk tiles and masks, its state tile's mask, and its
-    sequence's rows [start, end) and chunk count."""
-    v_cols = v_block * BV + tl.arange(0, BV)
-    k_tile, k_cols_in, v_tile, v_cols_in = _chunk_tiles(v_cols, HEADS, K, V, BK, BV, C,
-                                                        TRANSPOSED)
-    if TRANSPOSED:
-        state_mask = k_cols_in & tl.trans(v_cols_in)
-    else:
-        state_mask = tl.trans(k_cols_in) & v_cols_in
-    start = tl.load(cu_ptr + sequence).to(tl.int64)
-    end = tl.load(cu_ptr + sequence + 1).to(tl.int64)
-    return (v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end,
-            (end - start + C - 1) // C)
 
 
 @triton.jit
@@ -181,26 +110,26 @@ def rwkv7_forward_kernel(
     u [rows, HEADS, V] float32."""
     sequence = tl.program_id(0) // HEADS
     head = tl.program_id(0) % HEADS
-    v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = _program(
+    v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
         sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, False)
-    local = _state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
+    local = state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
     first_slot = tl.load(state_index_ptr + sequence)
     h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
         if SAVE:
             if c % CHUNKS_PER_STATE == 0:
-                saved = _state_offsets(first_slot + c // CHUNKS_PER_STATE, head, HEADS, K, V,
+                saved = state_offsets(first_slot + c // CHUNKS_PER_STATE, head, HEADS, K, V,
                                        BK, v_cols)
                 tl.store(states_ptr + saved, h, mask=state_mask)
-        k_base, k_in, v_base, v_in = _row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
+        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, False)
-        q = _rows(r_ptr, k_base, k_tile, k_in) * scale
-        w = _rows(w_ptr, k_base, k_tile, k_in)
-        k = _rows(k_ptr, k_base, k_tile, k_in)
-        a = _rows(a_ptr, k_base, k_tile, k_in)
-        b = _rows(b_ptr, k_base, k_tile, k_in)
-        v = _rows(v_ptr, v_base, v_tile, v_in)
+        q = rows(r_ptr, k_base, k_tile, k_in) * scale
+        w = rows(w_ptr, k_base, k_tile, k_in)
+        k = rows(k_ptr, k_base, k_tile, k_in)
+        a = rows(a_ptr, k_base, k_tile, k_in)
+        b = rows(b_ptr, k_base, k_tile, k_in)
+        v = rows(v_ptr, v_base, v_tile, v_in)
         gi, ge, g_end, middle = _decays(w, 0, C)
         a_f = a * tl.exp(ge - middle)
         q_f = q * tl.exp(gi - middle)
@@ -235,22 +164,22 @@ def rwkv7_state_gradient_kernel(
     float32: the gradient of the state at the end of every chunk; dx [rows, HEADS, V] float32."""
     sequence = tl.program_id(0) // HEADS
     head = tl.program_id(0) % HEADS
-    v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = _program(
+    v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
         sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, False)
-    local = _state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
+    local = state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
     first_slot = tl.load(chunk_index_ptr + sequence)
     dh = tl.load(dht_ptr + local, mask=state_mask, other=0.0)
     c = chunks - 1
     while c >= 0:
-        saved = _state_offsets(first_slot + c, head, HEADS, K, V, BK, v_cols)
+        saved = state_offsets(first_slot + c, head, HEADS, K, V, BK, v_cols)
         tl.store(dstates_ptr + saved, dh, mask=state_mask)
-        k_base, k_in, v_base, v_in = _row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
+        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, False)
-        q = _rows(r_ptr, k_base, k_tile, k_in) * scale
-        w = _rows(w_ptr, k_base, k_tile, k_in)
-        a = _rows(a_ptr, k_base, k_tile, k_in)
-        b = _rows(b_ptr, k_base, k_tile, k_in)
-        do = _rows(do_ptr, v_base, v_tile, v_in)
+        q = rows(r_ptr, k_base, k_tile, k_in) * scale
+        w = rows(w_ptr, k_base, k_tile, k_in)
+        a = rows(a_ptr, k_base, k_tile, k_in)
+        b = rows(b_ptr, k_base, k_tile, k_in)
+        do = rows(do_ptr, v_base, v_tile, v_in)
         gi, ge, g_end, middle = _decays(w, 0, C)
         to_middle = tl.exp(middle - gi)
         a_f = a * tl.exp(ge - middle)
@@ -305,30 +234,30 @@ def rwkv7_backward_kernel(
     sequence = tl.load(slot_sequence_ptr + slot)
     used = sequence >= 0
     sequence = tl.maximum(sequence, 0)
-    v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = _program(
+    v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
         sequence, head, v_block, cu_ptr, HEADS, K, V, BK, BV, C, True)
     c = (slot - tl.load(state_index_ptr + sequence)) * CHUNKS_PER_STATE
     last = tl.where(used, tl.minimum(c + CHUNKS_PER_STATE, chunks), c)
     first_chunk_slot = tl.load(chunk_index_ptr + sequence)
-    h = tl.load(states_ptr + _state_offsets(slot, head, HEADS, K, V, BK, v_cols),
+    h = tl.load(states_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols),
                 mask=state_mask & used, other=0.0)
     while c < last:
-        k_base, k_in, v_base, v_in = _row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
+        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, True)
-        v = _rows(v_ptr, v_base, v_tile, v_in)
-        do = _rows(do_ptr, v_base, v_tile, v_in)
-        u = _rows(u_ptr, v_base, v_tile, v_in)
-        dx = _rows(dx_ptr, v_base, v_tile, v_in)
+        v = rows(v_ptr, v_base, v_tile, v_in)
+        do = rows(do_ptr, v_base, v_tile, v_in)
+        u = rows(u_ptr, v_base, v_tile, v_in)
+        dx = rows(dx_ptr, v_base, v_tile, v_in)
         # The A matrices' gradients: O = q~ H + A_qk V + A_qb U and X = A_ak V + a~ H.
         dA_qk = _transposed_lower(do, v, False, C, PRECISION)
         dA_qb = _transposed_lower(do, u, False, C, PRECISION)
         dA_ak = _transposed_lower(dx, v, True, C, PRECISION)
         dA_ab = _transposed_lower(dx, u, True, C, PRECISION)
-        q = _rows(r_ptr, k_base, k_tile, k_in) * scale
-        w = _rows(w_ptr, k_base, k_tile, k_in)
-        k = _rows(k_ptr, k_base, k_tile, k_in)
-        a = _rows(a_ptr, k_base, k_tile, k_in)
-        b = _rows(b_ptr, k_base, k_tile, k_in)
+        q = rows(r_ptr, k_base, k_tile, k_in) * scale
+        w = rows(w_ptr, k_base, k_tile, k_in)
+        k = rows(k_ptr, k_base, k_tile, k_in)
+        a = rows(a_ptr, k_base, k_tile, k_in)
+        b = rows(b_ptr, k_base, k_tile, k_in)
         gi, ge, g_end, middle = _decays(w, 1, C)
         to_middle = tl.exp(middle - gi)
         to_end = tl.exp(g_end[:, None] - gi)
@@ -336,7 +265,7 @@ def rwkv7_backward_kernel(
         q_f = q * tl.exp(gi - middle)
         a_f = a * tl.exp(ge - middle)
         # dV = k^ dH + A_qk^T dO + A_ak^T dX
-        dh = tl.load(dstates_ptr + _state_offsets(first_chunk_slot + c, head, HEADS, K, V, BK,
+        dh = tl.load(dstates_ptr + state_offsets(first_chunk_slot + c, head, HEADS, K, V, BK,
                                                   v_cols), mask=state_mask, other=0.0)
         dv = tl.dot(tl.trans(dh), k * to_end, input_precision=PRECISION)
         dv = tl.dot(do, _transposed_lower(q_f, k_f, False, C, PRECISION), dv,

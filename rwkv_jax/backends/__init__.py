@@ -46,6 +46,11 @@ _BACKENDS: dict[str, Backend] = {}
 # bfloat16 / float16 inputs, against a reference computed from the same rounded values.
 LOW_PRECISION_TOLERANCE = 1e-2
 
+# Chunked paths raise every log decay below this to it before any cumulative sum: exp of either
+# is exactly 0 in float32 (< 1e-55 in float64), so no result changes, while in-chunk sums stay
+# finite and their differences precise (DESIGN.md, numerical contract).
+LOG_DECAY_FLOOR = -128.0
+
 # Fastest first, per platform; backends that cannot run here or lack the op are skipped. The order
 # follows BENCHMARKS.md: on the GPU (H100) triton trains rwkv7 ~20x faster than native and ~5x
 # faster than ffi, and ffi beats native; on the CPU ffi beats native and chunked for both the

@@ -1,0 +1,84 @@
+"""Tile addressing shared by the chunked kernels (every op family).
+
+The kernels see inputs flattened to rows ``[rows, HEADS, *]`` and a list of sequences ``cu``
+(``cu_seqlens``, or ``arange(B + 1) * T`` for a plain batch). A chunk's tiles are addressed as a
+scalar row base plus offsets within a chunk that are the same for every chunk (computed once per
+program), and masks are row masks unless K or V needs padding, which keeps registers free and
+loads and stores vectorised.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def in_range(cols, SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """cols < SIZE, as a constant when blocks of BLOCK tile SIZE exactly (so that loads and
+    stores of whole rows can be vectorised)."""
+    if SIZE % BLOCK == 0:
+        inside = tl.full([BLOCK], 1, tl.int1)
+    else:
+        inside = cols < SIZE
+    return inside
+
+
+@triton.jit
+def chunk_tiles(v_cols, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Offsets of a chunk's K-wide and V-wide tiles from its first row, and their column
+    masks: the same for every chunk of a program. Tiles are [C, K] and [C, V], or [K, C] and
+    [V, C] when TRANSPOSED."""
+    k_cols = tl.arange(0, BK)
+    if TRANSPOSED:
+        steps = tl.arange(0, C)[None, :]
+        return (k_cols[:, None] + steps * (HEADS * K), in_range(k_cols, K, BK)[:, None],
+                v_cols[:, None] + steps * (HEADS * V), in_range(v_cols, V, BV)[:, None])
+    else:
+        steps = tl.arange(0, C)[:, None]
+        return (steps * (HEADS * K) + k_cols[None, :], in_range(k_cols, K, BK)[None, :],
+                steps * (HEADS * V) + v_cols[None, :], in_range(v_cols, V, BV)[None, :])
+
+
+@triton.jit
+def rows(ptr, base, tile, mask):
+    return tl.load(ptr + base + tile, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def row_bases(first_row, end, head, k_cols_in, v_cols_in, HEADS: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Where a chunk's rows start in the K-wide and V-wide arrays, and their masks (rows past
+    ``end`` read as zeros and are not written)."""
+    rows_in = first_row + tl.arange(0, C) < end
+    if TRANSPOSED:
+        rows_in = rows_in[None, :]
+    else:
+        rows_in = rows_in[:, None]
+    return ((first_row * HEADS + head) * K, rows_in & k_cols_in,
+            (first_row * HEADS + head) * V, rows_in & v_cols_in)
+
+
+@triton.jit
+def state_offsets(slot, head, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BK: tl.constexpr, v_cols):
+    k_rows = tl.arange(0, BK)
+    return (slot.to(tl.int64) * HEADS + head) * (K * V) + k_rows[:, None] * V + v_cols[None, :]
+
+
+@triton.jit
+def program(sequence, head, v_block, cu_ptr, HEADS: tl.constexpr, K: tl.constexpr,
+             V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+             TRANSPOSED: tl.constexpr):
+    """A program's V columns, its chunk tiles and masks, its state tile's mask, and its
+    sequence's rows [start, end) and chunk count."""
+    v_cols = v_block * BV + tl.arange(0, BV)
+    k_tile, k_cols_in, v_tile, v_cols_in = chunk_tiles(v_cols, HEADS, K, V, BK, BV, C,
+                                                        TRANSPOSED)
+    if TRANSPOSED:
+        state_mask = k_cols_in & tl.trans(v_cols_in)
+    else:
+        state_mask = tl.trans(k_cols_in) & v_cols_in
+    start = tl.load(cu_ptr + sequence).to(tl.int64)
+    end = tl.load(cu_ptr + sequence + 1).to(tl.int64)
+    return (v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end,
+            (end - start + C - 1) // C)
