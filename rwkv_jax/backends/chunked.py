@@ -49,6 +49,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from rwkv_jax.backends import LOG_DECAY_FLOOR
+
 CHUNK_SIZE = 32  # tokens per chunk (on CPU, 16 and 32 train alike; 64 is ~30% slower)
 SUB_CHUNK = 16  # tokens per sub-chunk, whose pairwise decays are exact masked exponentials
 
@@ -63,6 +65,14 @@ def _acc(*xs):
 # Every contraction has exactly one batch dimension: XLA:CPU 0.10.2 crashes (segfault) running
 # the gradient of a dot_general whose several batch dimensions include one of size 1.
 # ------------------------------------------------------------------------------------------
+
+
+def _floored(log_decay):
+    """Log decays below ``LOG_DECAY_FLOOR`` raised to it (DESIGN.md, numerical contract). exp of
+    either is 0 in float32, so no result changes, but in-chunk cumulative sums stay finite (no
+    ``-inf - -inf``) and their differences precise (``-1e9 + w`` would lose ``w``). A floored
+    element's gradient is 0, as ``exp(w) * (...)`` gives it; ``where`` keeps -inf out of it."""
+    return jnp.where(log_decay > LOG_DECAY_FLOOR, log_decay, LOG_DECAY_FLOOR)
 
 
 def _masked_exp(exponent, mask):
@@ -410,7 +420,8 @@ def _initial_state(initial_state, batch, cu_seqlens, heads, keys, values, dtype)
 def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seqlens,
           chunk_size=None):
     acc = _acc(r, w, k, v, a, b)
-    r, w, k, a, b, v32 = (x.astype(acc) for x in (r, w, k, a, b, v))
+    r, k, a, b, v32 = (x.astype(acc) for x in (r, k, a, b, v))
+    w = _floored(w.astype(acc))
     h0 = _initial_state(initial_state, r.shape[0], cu_seqlens, r.shape[2], r.shape[3],
                         v.shape[3], acc)
     o, h = _run(_rwkv7_chunks, _advance_matrix, (r * scale, w, k, v32, a, b), h0, cu_seqlens,
@@ -421,7 +432,8 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
 def rwkv6(r, k, v, w, u, *, scale, initial_state, output_final_state, cu_seqlens,
           chunk_size=None):
     acc = _acc(r, k, v, w, u)
-    r, k, w, v32 = (x.astype(acc) for x in (r, k, w, v))
+    r, k, v32 = (x.astype(acc) for x in (r, k, v))
+    w = _floored(w.astype(acc))
     h0 = _initial_state(initial_state, r.shape[0], cu_seqlens, r.shape[2], r.shape[3],
                         v.shape[3], acc)
     bonus = jnp.broadcast_to(u.astype(acc), r.shape)  # chunked like the tokens
@@ -446,7 +458,8 @@ def gated_linear_attention(q, k, v, *, g, g_gamma, gk, gv, scale, initial_state,
         key_log_decay = key_log_decay + g.astype(acc)[..., None]
     if g_gamma is not None:
         key_log_decay = key_log_decay + g_gamma.astype(acc)[:, None]
-    tokens = (q * scale, k, v32, key_log_decay) + (() if gv is None else (gv.astype(acc),))
+    tokens = ((q * scale, k, v32, _floored(key_log_decay))
+              + (() if gv is None else (_floored(gv.astype(acc)),)))
     if reverse:
         # Backwards in time is forwards on the flipped sequence (segment order flips too).
         tokens = tuple(jnp.flip(x, axis=1) for x in tokens)
