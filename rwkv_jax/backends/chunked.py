@@ -23,8 +23,9 @@ triangular solve (the UT transform; ``W`` is the WY factor). The chunk then maps
 (``kg = k e^{G_C - G}``, ``bg`` likewise), and its outputs are ``o = (rg + A_qb W) S + A_qk V
 + A_qb u``. Gated linear attention and RWKV-6 are the same without the ``a, b`` terms.
 
-Numerical safety for any log decay ``w <= 0`` (down to -8, or exactly 0): every exponent
-evaluated is a difference of in-chunk cumulative log decays that is ``<= 0``. The pairwise
+Exact for every log decay in ``[-inf, 0]`` (DESIGN.md, numerical contract): log decays are
+first floored at ``LOG_DECAY_FLOOR`` (see :func:`_floored`), and every exponent evaluated is a
+difference of in-chunk cumulative log decays that is ``<= 0``. The pairwise
 decays ``e^{Gx_i - G_j}`` are exact masked exponentials within sub-chunks of ``SUB_CHUNK``
 tokens; between sub-chunks they factor through the cumulative decay ``P`` at the start of the
 row's sub-chunk, ``e^{Gx_i - P} e^{P - G_j}``, both factors ``<= 1``.
