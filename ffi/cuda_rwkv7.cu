@@ -31,11 +31,8 @@ __global__ void rwkv7_forward_kernel(Rwkv7Args p) {
   const int64_t hd = blockIdx.x, n = blockIdx.y;
   const int j = threadIdx.x, V = p.V;
   const Range seq = sequence(p.cu, n, p.length, p.total);
-  int64_t row = n;
-  if (p.rows) {
-    row = p.rows[n];
-    if (row < 0 || row >= p.pool_rows) return;
-  }
+  if (p.rows && outside_pool(p.rows, n, p.pool_rows, seq, (T*)p.o, p.H, hd, V, j)) return;
+  const int64_t row = p.rows ? p.rows[n] : n;
   extern __shared__ float sm[];
   const int stride = 5 * K + V;
   float s[K];

@@ -24,15 +24,29 @@ template <> __device__ __forceinline__ __half from_f<__half>(float x) { return _
 __host__ __device__ __forceinline__ int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ int64_t lmax(int64_t a, int64_t b) { return a > b ? a : b; }
 
-// Token range of sequence n, clamped to [0, total] (cu_seqlens are not checked on the host here:
-// that would need a device-to-host copy; clamping keeps every access in bounds).
+// Token range of sequence n of the grid's gridDim.y sequences. cu_seqlens are not checked on the
+// host here (that would need a device-to-host copy); the ops layer never passes invalid ones, and
+// for any others the ranges are clamped into [0, total], the first starts at 0, the last ends at
+// total and no range ends before it starts. Valid offsets are unchanged; invalid ones give
+// overlapping ranges (garbage) but never an access outside the buffers or an unwritten output.
 struct Range {
   int64_t start, end;
 };
 __device__ __forceinline__ Range sequence(const int* cu, int64_t n, int64_t length, int64_t total) {
   if (!cu) return {n * length, (n + 1) * length};
-  const int64_t s = lmin(lmax(cu[n], 0), total);
-  return {s, lmin(lmax(cu[n + 1], s), total)};
+  const int64_t s = n == 0 ? 0 : lmin(lmax(cu[n], 0), total);
+  return {s, n == gridDim.y - 1 ? total : lmin(lmax(cu[n + 1], s), total)};
+}
+
+// Step rows: a state index outside the pool (the ops layer's sentinel for an invalid row) gets
+// NaN outputs (column j of tokens [seq.start, seq.end)) and leaves the pool untouched.
+template <typename T>
+__device__ __forceinline__ bool outside_pool(const int* rows, int64_t n, int64_t pool_rows,
+                                             Range seq, T* o, int64_t H, int64_t hd, int V, int j) {
+  const int64_t row = rows[n];
+  if (row >= 0 && row < pool_rows) return false;
+  for (int64_t t = seq.start; t < seq.end; ++t) o[(t * H + hd) * V + j] = from_f<T>(__int_as_float(0x7fc00000));
+  return true;
 }
 
 // Sums x[0..K) over the 32 lanes of a warp; afterwards lane l holds the sums of elements
