@@ -130,7 +130,7 @@ def cu_seqlens(x, batch: int, total: int):
 def indices(name, x, slots: int, *, distinct: bool):
     """Validate the values of ``x`` (an int array of pool rows) when Python can know them: each
     in ``[0, slots)``, and no two alike when ``distinct``. Traced values are left to the ops
-    layer (ops.py, ``_guard_indices``). Returns ``x`` unchanged."""
+    layer (ops.py, ``_guard_rows``). Returns ``x`` unchanged."""
     values = host_values(x)
     if values is None:
         return x
