@@ -208,12 +208,15 @@ ffi::Error step_pool(const ffi::AnyBuffer* ins, ffi::AnyBuffer u, ffi::Buffer<ff
   const T* in[4];
   for (int i = 0; i < 4; ++i) in[i] = ptr<T>(ins[i]);
   const int64_t kv = s.K * s.V;
+  const int64_t slots = pool->dimensions()[0];
   parallel_for(s.B * s.H, s.T * kv * 4, [&](int64_t task) {
     const int64_t n = task / s.H, hd = task % s.H;
+    float* h = pool_row(pool->typed_data<float>(), rows.typed_data(), slots, n, hd, s.H, kv,
+                        ptr<T>(*o), s.T, s.V);
+    if (!h) return;
     with_value_size(s.V, [&]<int VC>() {
-      forward_sequence<T, VC>(in, u.typed_data<float>() + hd * s.K, ptr<T>(*o),
-                              pool->typed_data<float>() + (rows.typed_data()[n] * s.H + hd) * kv,
-                              nullptr, 0, n * s.T, (n + 1) * s.T, hd, scale, d);
+      forward_sequence<T, VC>(in, u.typed_data<float>() + hd * s.K, ptr<T>(*o), h, nullptr, 0,
+                              n * s.T, (n + 1) * s.T, hd, scale, d);
     });
   });
   return ffi::Error::Success();
@@ -265,7 +268,7 @@ ffi::Error Rwkv6StepCpu(ffi::AnyBuffer r, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   SeqShape s;
   Checks c = check_rwkv6(ins, u, s);
   if (c.ok()) check_step(c, pool_in, rows, *o, *pool, r.element_type(), s);
-  check_cpu_rows(c, s, rows);
+  check_cpu_rows(c, s);
   if (!c.ok()) return c.error("rwkv6_step");
   return dispatch_float(r.element_type(), "rwkv6_step", [&]<typename T>() {
     return step_pool<T>(ins, u, rows, scale, o, pool);

@@ -272,11 +272,13 @@ ffi::Error step_pool(const ffi::AnyBuffer* ins, ffi::Buffer<ffi::S32> rows, floa
   float* state = pool->typed_data<float>();
   T* op = ptr<T>(*o);
   const int64_t kv = K * V;
+  const int64_t slots = pool->dimensions()[0];
   parallel_for(B * H, T_ * kv * 5, [&](int64_t task) {
     const int64_t n = task / H, hd = task % H;
+    float* h = pool_row(state, idx, slots, n, hd, H, kv, op, T_, V);
+    if (!h) return;
     with_value_size(V, [&]<int VC>() {
-      forward_sequence<T, VC>(in, op, state + (idx[n] * H + hd) * kv, nullptr, 0, n * T_,
-                              (n + 1) * T_, hd, scale, d);
+      forward_sequence<T, VC>(in, op, h, nullptr, 0, n * T_, (n + 1) * T_, hd, scale, d);
     });
   });
   return ffi::Error::Success();
@@ -327,7 +329,7 @@ ffi::Error Rwkv7StepCpu(ffi::AnyBuffer r, ffi::AnyBuffer w, ffi::AnyBuffer k, ff
   SeqShape s;
   Checks c = check_rwkv7(ins, s);
   if (c.ok()) check_step(c, pool_in, rows, *o, *pool, r.element_type(), s);
-  check_cpu_rows(c, s, rows);
+  check_cpu_rows(c, s);
   if (!c.ok()) return c.error("rwkv7_step");
   return dispatch_float(r.element_type(), "rwkv7_step", [&]<typename T>() {
     return step_pool<T>(ins, rows, scale, o, pool);

@@ -141,27 +141,42 @@ template <typename Body> ffi::Error dispatch_float(ffi::DataType dtype, const ch
 }
 
 // Checks the CPU kernels add to checks.h: V fits their stack vectors, and the values of
-// cu_seqlens (read here on the host; bad offsets are an error, never an out-of-bounds access).
+// cu_seqlens (read here on the host): offsets from 0 to B * T that never decrease, so every
+// output token belongs to one sequence. Bad offsets are an error, never an out-of-bounds access
+// or an unwritten output.
 inline void check_cpu(Checks& c, const SeqShape& s, ffi::Buffer<ffi::S32> cu) {
   if (!c.ok()) return;
   c.require(s.V <= kMaxValueSize, "the CPU kernels support V <= " + std::to_string(kMaxValueSize));
   const int32_t* seg = cu.typed_data();
   const int64_t total = s.B * s.T;
+  c.require(seg[0] == 0 && seg[s.N] == total,
+            "cu_seqlens must start at 0 and end at " + std::to_string(total) + ", got " +
+                std::to_string(seg[0]) + " ... " + std::to_string(seg[s.N]));
   for (int64_t i = 0; c.ok() && i < s.N; ++i)
-    c.require(seg[i] >= 0 && seg[i] <= seg[i + 1] && seg[i + 1] <= total,
-              "cu_seqlens must be non-decreasing offsets in [0, " + std::to_string(total) +
-                  "], got cu_seqlens[" + std::to_string(i) + ":" + std::to_string(i + 2) + "] = " +
-                  std::to_string(seg[i]) + ", " + std::to_string(seg[i + 1]));
+    c.require(seg[i] <= seg[i + 1],
+              "cu_seqlens must never decrease, got cu_seqlens[" + std::to_string(i) + ":" +
+                  std::to_string(i + 2) + "] = " + std::to_string(seg[i]) + ", " +
+                  std::to_string(seg[i + 1]));
 }
 
-// The step kernels' check of state_indices against the pool's s.N slots.
-inline void check_cpu_rows(Checks& c, const SeqShape& s, ffi::Buffer<ffi::S32> rows) {
+// The step kernels' check. A state index outside the pool's s.N slots is no error: that row is
+// skipped (the ops layer sends invalid rows there, see pool_row).
+inline void check_cpu_rows(Checks& c, const SeqShape& s) {
   if (!c.ok()) return;
   c.require(s.V <= kMaxValueSize, "the CPU kernels support V <= " + std::to_string(kMaxValueSize));
-  for (int64_t i = 0; c.ok() && i < s.B; ++i)
-    c.require(rows.typed_data()[i] >= 0 && rows.typed_data()[i] < s.N,
-              "state_indices[" + std::to_string(i) + "] = " + std::to_string(rows.typed_data()[i]) +
-                  " is outside the pool of " + std::to_string(s.N) + " slots");
+}
+
+// The pool slot of step row n, or null when its index is outside the pool's `slots` slots: then
+// the row's outputs o[(t * H + hd) * V + j], t in [n T, (n + 1) T), are set to NaN and no slot is
+// read or written.
+template <typename T>
+inline float* pool_row(float* pool, const int32_t* rows, int64_t slots, int64_t n, int64_t hd,
+                       int64_t H, int64_t kv, T* o, int64_t length, int64_t V) {
+  const int64_t row = rows[n];
+  if (row >= 0 && row < slots) return pool + (row * H + hd) * kv;
+  for (int64_t t = n * length; t < (n + 1) * length; ++t)
+    std::fill_n(o + (t * H + hd) * V, V, from_float<T>(NAN));
+  return nullptr;
 }
 
 }  // namespace rwkv_ffi

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -92,16 +93,65 @@ def positive_length(name, t):
         raise ValueError(f"{name} must have at least one time step, got T={t}")
 
 
+def host_values(x):
+    """The values of ``x`` as a numpy array when Python can know them (numpy arrays and scalars,
+    lists, tuples, Python ints, jax arrays that are not tracers), else None (a tracer). Read in
+    the array's own integer dtype, so an int64 value that int32 cannot hold is seen as it is."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def _listed(values, limit=8) -> str:
+    values = np.asarray(values).tolist()
+    return str(values) if len(values) <= limit else str(values[:limit])[:-1] + ", ...]"
+
+
 def cu_seqlens(x, batch: int, total: int):
-    """Validate ``cu_seqlens``; returns it as int32. Values are checked only when they are
-    already on the host (a numpy array or list): a device array is never read back."""
+    """Validate ``cu_seqlens``: int ``[N + 1]``, B == 1, and when its values are known in Python
+    (not a tracer), rising from 0 to T without decreasing. Returns it in its own integer dtype:
+    the ops layer checks traced values before the cast to int32 (ops.py, ``_guard_offsets``)."""
     x = integer("cu_seqlens", x)
     if x.ndim != 1 or x.shape[0] < 2:
         raise ValueError(f"cu_seqlens must be 1-D [N+1] with N >= 1 segments, got {_desc(x)}")
     if batch != 1:
         raise ValueError(f"with cu_seqlens the batch size must be 1 (segments are packed along T), "
                          f"got B={batch}")
-    if isinstance(x, np.ndarray):
-        if x[0] != 0 or x[-1] != total or np.any(np.diff(x) < 0):
-            raise ValueError(f"cu_seqlens must rise from 0 to T={total} without decreasing, got {x.tolist()}")
-    return jnp.asarray(x).astype(jnp.int32)
+    values = host_values(x)
+    if values is not None:
+        decreasing = np.flatnonzero(values[1:] < values[:-1])
+        if values[0] != 0 or values[-1] != total or decreasing.size:
+            where = (f"; it decreases after index {decreasing[0]}" if decreasing.size else "")
+            raise ValueError(f"cu_seqlens must rise from 0 to T={total} without decreasing, "
+                             f"got {_listed(values)}{where}")
+    return x
+
+
+def indices(name, x, slots: int, *, distinct: bool):
+    """Validate the values of ``x`` (an int array of pool rows) when Python can know them: each
+    in ``[0, slots)``, and no two alike when ``distinct``. Traced values are left to the ops
+    layer (ops.py, ``_guard_rows``). Returns ``x`` unchanged."""
+    values = host_values(x)
+    if values is None:
+        return x
+    bad = np.flatnonzero((values < 0) | (values >= slots))
+    if bad.size:
+        raise ValueError(f"{name} must be in [0, {slots}) (there are {slots} state rows), got "
+                         f"{_listed(values)}: out of range at positions {_listed(bad)}")
+    if distinct:
+        unique, counts = np.unique(values, return_counts=True)
+        if np.any(counts > 1):
+            raise ValueError(f"{name} must be distinct (two rows cannot update one slot), got "
+                             f"{_listed(values)}: repeated {_listed(unique[counts > 1])}")
+    return x
+
+
+def take_rows(name, pool, rows):
+    """Rows ``rows`` of ``pool`` (``[S, ...]``), many rows may share one. Values known in Python
+    must be in ``[0, S)`` (ValueError naming ``name``); a traced index outside it gives a NaN row
+    instead of a clamped or wrapped one (DESIGN.md, "Public API")."""
+    slots = pool.shape[0]
+    indices(name, rows, slots, distinct=False)
+    rows = jnp.asarray(rows)
+    rows = jnp.where((rows >= 0) & (rows < slots), rows, slots).astype(jnp.int32)
+    return jnp.asarray(pool).at[rows].get(mode="fill", fill_value=jnp.nan)

@@ -87,7 +87,7 @@ class RWKV6_OP:
             state_map = checks.integer("state_map", state_map)
             if state_map.shape != (batch,):
                 raise ValueError(f"state_map must be [B] = [{batch}], got shape {tuple(state_map.shape)}")
-            h0 = jnp.asarray(init_state, jnp.float32)[jnp.asarray(state_map, jnp.int32)]
+            h0 = checks.take_rows("state_map", jnp.asarray(init_state, jnp.float32), state_map)
         elif state_map is not None:
             raise ValueError("state_map was given without init_state")
         y, state = rwkv6(split(r), split(k), split(v), split(log_decay), jnp.reshape(u, (heads, n)),

@@ -5,6 +5,7 @@ The math of each op is in DESIGN.md and in ``rwkv_jax.backends.native``.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from . import _checks as checks
@@ -24,17 +25,59 @@ def _to_bthk(x, head_first):
     return x if x is None or not head_first else jnp.swapaxes(x, 1, 2)
 
 
+# ---------------------------------------------------------------------------------------------
+# Offsets and pool rows that are invalid only at run time (DESIGN.md, "Public API"). Values known
+# in Python were checked by _checks; traced ones are checked here, on the device, once for every
+# backend. Invalid offsets are replaced by a valid set before any backend runs, and every value of
+# the results becomes NaN. An invalid pool row (outside [0, S), or a slot two rows share) is sent
+# to the sentinel slot S, which every backend's step reads as nothing and never writes, and its
+# output row becomes NaN. So no kernel ever sees an invalid offset or index.
+
+
+def _guard_offsets(cu_seqlens, total):
+    """Returns (int32 offsets every backend can run on, traced validity flag or None)."""
+    if not isinstance(cu_seqlens, jax.core.Tracer):
+        return jnp.asarray(cu_seqlens, jnp.int32), None
+    cu = cu_seqlens  # compared in its own dtype: int64 values are not wrapped by the cast
+    ok = (cu[0] == 0) & (cu[-1] == total) & jnp.all(cu[1:] >= cu[:-1])
+    harmless = jnp.full(cu.shape, total, jnp.int32).at[0].set(0)  # one segment, then empty ones
+    return jnp.where(ok, cu.astype(jnp.int32), harmless), ok
+
+
+def _guard_rows(state_indices, slots):
+    """Returns (int32 pool rows with the sentinel S for invalid ones, traced validity [B] or
+    None). A slot named by two rows is invalid for both, so it stays untouched."""
+    if not isinstance(state_indices, jax.core.Tracer):
+        return jnp.asarray(state_indices, jnp.int32), None
+    inside = (state_indices >= 0) & (state_indices < slots)
+    rows = jnp.where(inside, state_indices, 0).astype(jnp.int32)
+    uses = jnp.zeros((slots,), jnp.int32).at[rows].add(inside.astype(jnp.int32))
+    ok = inside & (uses[rows] == 1)
+    return jnp.where(ok, rows, slots), ok
+
+
+def _nan_unless(ok, x):
+    """``x`` where ``ok`` (a flag, or one per leading row of ``x``), NaN elsewhere."""
+    if ok is None or x is None:
+        return x
+    ok = jnp.reshape(ok, ok.shape + (1,) * (x.ndim - ok.ndim))
+    return jnp.where(ok, x, jnp.asarray(jnp.nan, x.dtype))
+
+
 def _state_and_segments(initial_state, cu_seqlens, sizes, batch, total):
-    """Validate ``cu_seqlens`` and ``initial_state`` (rows: batch, or segments when packed)."""
+    """Validate ``cu_seqlens`` and ``initial_state`` (rows: batch, or segments when packed).
+    Returns (initial_state, int32 cu_seqlens or None, traced validity of cu_seqlens or None)."""
+    offsets_ok = None
     if cu_seqlens is not None:
         cu_seqlens = checks.cu_seqlens(cu_seqlens, batch, total)
         sizes["N"] = (cu_seqlens.shape[0] - 1, "cu_seqlens (number of segments)")
+        cu_seqlens, offsets_ok = _guard_offsets(cu_seqlens, total)
     else:
         sizes["N"] = (batch, "the batch size B")
     if initial_state is not None:
         initial_state = checks.shaped("initial_state", initial_state, ("N", "H", "K", "V"), sizes)
         initial_state = jnp.asarray(initial_state)
-    return initial_state, cu_seqlens
+    return initial_state, cu_seqlens, offsets_ok
 
 
 def _sequence(op, named, scale, initial_state, output_final_state, cu_seqlens, head_first,
@@ -58,11 +101,13 @@ def _sequence(op, named, scale, initial_state, output_final_state, cu_seqlens, h
         arrays[name] = None if x is None else checks.shaped(name, x, spec, sizes)
     batch, total = sizes["B"][0], sizes["T"][0]
     checks.positive_length("the inputs", total)
-    initial_state, cu_seqlens = _state_and_segments(initial_state, cu_seqlens, sizes, batch, total)
+    initial_state, cu_seqlens, offsets_ok = _state_and_segments(initial_state, cu_seqlens, sizes,
+                                                                batch, total)
     name, fn = resolve(op, backend)
     arrays = {n: (_to_bthk(x, head_first) if n in named else x) for n, x in arrays.items()}
     o, h = fn(**arrays, scale=scale, initial_state=initial_state,
               output_final_state=output_final_state, cu_seqlens=cu_seqlens, **options)
+    o, h = _nan_unless(offsets_ok, o), _nan_unless(offsets_ok, h)
     if head_first:
         o = jnp.swapaxes(o, 1, 2)
     return o, (h if output_final_state else None)
@@ -175,9 +220,12 @@ def _step(op, named, extra, state, scale, state_indices, backend):
         state_indices = jnp.arange(batch, dtype=jnp.int32)
     else:
         state_indices = checks.shaped("state_indices", state_indices, ("B",), sizes,
-                                      kind=checks.integer).astype(jnp.int32)
+                                      kind=checks.integer)
+        state_indices = checks.indices("state_indices", state_indices, slots, distinct=True)
+    state_indices, rows_ok = _guard_rows(state_indices, slots)
     _, fn = resolve(op, backend)
-    return fn(**arrays, state=state, scale=scale, state_indices=state_indices)
+    o, state = fn(**arrays, state=state, scale=scale, state_indices=state_indices)
+    return _nan_unless(rows_ok, o), state
 
 
 def rwkv7_step(r, w, k, v, a, b, state, *, scale=1.0, state_indices=None, backend=None):

@@ -16,6 +16,8 @@ Importing this module has no side effects: :func:`kernels` imports ``rwkv_jax.tr
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib
 import importlib.util
 import os
@@ -97,6 +99,8 @@ def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDt
                 *arrays, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps,
                 num_stages=num_stages, **constexprs))
     else:
+        _prepare_host_bridge()
+
         def run(*arrays):
             host = lambda *xs: _interpret(kernel, grid, xs, out_shapes, constexprs)
             return tuple(jax.pure_callback(host, out_shapes, *arrays))
@@ -128,6 +132,21 @@ def _one_at_a_time_under_vmap(run):
 # ----------------------------------------------------------------------------------------------
 
 _BFLOAT16 = np.dtype(jax.numpy.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _prepare_host_bridge():
+    """Once, when a launch is traced (never inside a callback): import torch, and make the
+    interpreter exit only after the callbacks it dispatched have run.
+
+    XLA runs the callbacks asynchronously, so a script that ends right after a call exits while
+    they still run. A callback that first imported torch then would fail ("can't register atexit
+    after shutdown"), and jax's own exit handlers clear the backends before they wait for running
+    computations, so the process crashed. Exit handlers run last-registered first: this one,
+    registered after jax's, waits for every dispatched computation while Python is still whole.
+    """
+    import torch  # noqa: F401  (imported here so that no callback imports anything)
+    atexit.register(jax.effects_barrier)
 
 
 def _to_torch(x: np.ndarray):

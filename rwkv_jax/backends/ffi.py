@@ -10,7 +10,9 @@ reverse recurrence. Kernels take one float dtype (float32, bfloat16 or float16; 
 run in float32), accumulate in float32 and return the state in float32. Under ``vmap`` the calls
 run sequentially over the mapped axis; inside ``shard_map`` results keep their inputs' varying
 axes (result types come from ``jax.typeof``). The ``*_step`` ops update the float32 state pool
-in place (the pool is aliased to the output; donate it under ``jit``).
+in place (the pool is aliased to the output; donate it under ``jit``); a row whose index is
+outside the pool (the ops layer's sentinel S for an invalid row) is skipped: its slot is neither
+read nor written and its output row is NaN.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .native import read_rows, write_rows
 
 # Head sizes K the CUDA kernels are compiled for (each needs V a multiple of 32, at most 1024).
 CUDA_HEAD_SIZES = (64, 128)
@@ -155,7 +159,7 @@ def _rwkv7_step(scale, r, w, k, v, a, b, state, rows):
 
 
 def _rwkv7_step_fwd(scale, r, w, k, v, a, b, state, rows):
-    h0 = state[rows]  # read before the kernel overwrites these rows in place
+    h0 = read_rows(state, rows)  # read before the kernel overwrites these rows in place
     return _rwkv7_step(scale, r, w, k, v, a, b, state, rows), (r, w, k, v, a, b, h0, rows)
 
 
@@ -165,7 +169,7 @@ def _rwkv7_step_bwd(scale, residuals, cotangents):
     cu = _segments(r.shape[0], r.shape[1], None)
     _, saved = _rwkv7_fwd(scale, r, w, k, v, a, b, h0, cu)
     *grads, dh0, _ = _rwkv7_bwd(scale, saved, (d_o, d_state[rows]))
-    return (*grads, d_state.at[rows].set(dh0), None)
+    return (*grads, write_rows(d_state, rows, dh0), None)
 
 
 _rwkv7_step.defvjp(_rwkv7_step_fwd, _rwkv7_step_bwd)
@@ -233,7 +237,7 @@ def _rwkv6_step(scale, r, k, v, w, u, state, rows):
 
 
 def _rwkv6_step_fwd(scale, r, k, v, w, u, state, rows):
-    h0 = state[rows]  # read before the kernel overwrites these rows in place
+    h0 = read_rows(state, rows)  # read before the kernel overwrites these rows in place
     return _rwkv6_step(scale, r, k, v, w, u, state, rows), (r, k, v, w, u, h0, rows)
 
 
@@ -243,7 +247,7 @@ def _rwkv6_step_bwd(scale, residuals, cotangents):
     cu = _segments(r.shape[0], r.shape[1], None)
     _, saved = _rwkv6_fwd(scale, r, k, v, w, u, h0, cu)
     *grads, dh0, _ = _rwkv6_bwd(scale, saved, (d_o, d_state[rows]))
-    return (*grads, d_state.at[rows].set(dh0), None)
+    return (*grads, write_rows(d_state, rows, dh0), None)
 
 
 _rwkv6_step.defvjp(_rwkv6_step_fwd, _rwkv6_step_bwd)

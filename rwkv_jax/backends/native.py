@@ -19,6 +19,10 @@ by each backend to its accumulation dtype, or None for zeros):
     rwkv4(w, u, k, v, *, initial_state, output_final_state) -> (y [B, T, C], state [B, C, 3])
     rwkv7_step(r, w, k, v, a, b, state, *, scale, state_indices)
     rwkv6_step(r, k, v, w, u, state, *, scale, state_indices) -> (o, updated state pool)
+
+``state_indices`` reaching a backend are in ``[0, S]`` and distinct below S: the ops layer sends
+every invalid row to the sentinel S, whose state reads as zeros and is never written (its output
+row is replaced by NaN in the ops layer).
 """
 
 from __future__ import annotations
@@ -180,13 +184,24 @@ def rwkv4(w, u, k, v, *, initial_state, output_final_state):
     return y.astype(v.dtype), state
 
 
+def read_rows(state, state_indices):
+    """Rows ``state_indices`` of the pool; the sentinel S (an invalid row, see ops.py) reads
+    zeros. Shared by the backends' step ops."""
+    return state.at[state_indices].get(mode="fill", fill_value=0)
+
+
+def write_rows(state, state_indices, h):
+    """The pool with rows ``state_indices`` replaced by ``h``; the sentinel S writes nothing."""
+    return state.at[state_indices].set(h.astype(state.dtype), mode="drop")
+
+
 def rwkv7_step(r, w, k, v, a, b, state, *, scale, state_indices):
-    o, h = rwkv7(r, w, k, v, a, b, scale=scale, initial_state=state[state_indices],
+    o, h = rwkv7(r, w, k, v, a, b, scale=scale, initial_state=read_rows(state, state_indices),
                  output_final_state=True, cu_seqlens=None)
-    return o, state.at[state_indices].set(h)
+    return o, write_rows(state, state_indices, h)
 
 
 def rwkv6_step(r, k, v, w, u, state, *, scale, state_indices):
-    o, h = rwkv6(r, k, v, w, u, scale=scale, initial_state=state[state_indices],
+    o, h = rwkv6(r, k, v, w, u, scale=scale, initial_state=read_rows(state, state_indices),
                  output_final_state=True, cu_seqlens=None)
-    return o, state.at[state_indices].set(h)
+    return o, write_rows(state, state_indices, h)
