@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -70,6 +71,14 @@ def integer(name, x):
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must have an integer dtype (int32), got {_desc(x)}")
     return x
+
+
+def concrete(x):
+    """The values of ``x`` as a numpy array when they are known in Python (numpy arrays, lists,
+    jax arrays that are not tracers), else None: traced values are never read back."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
 
 
 def flag(name, value):
