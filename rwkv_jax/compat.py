@@ -138,7 +138,6 @@ class RWKV6_OP:
             raise ValueError(f"u must be [H, N] = [{heads}, {n}] or [C] = [{channels}], "
                              f"got shape {tuple(u.shape)}")
         split = lambda x: jnp.reshape(x, (batch, length, heads, n))
-        log_decay = -jnp.exp(w.astype(jnp.float32))
         h0 = None
         if init_state is not None:
             init_state = checks.floating("init_state", init_state)
@@ -159,7 +158,8 @@ class RWKV6_OP:
             h0 = jnp.asarray(init_state, jnp.float32)[jnp.asarray(state_map, jnp.int32)]
         elif state_map is not None:
             raise ValueError("state_map was given without init_state")
-        y, state = rwkv6(split(r), split(k), split(v), split(log_decay), jnp.reshape(u, (heads, n)),
+        y, state = rwkv6(split(r), split(k), split(v), split(_log_decay(w)),
+                         jnp.reshape(u, (heads, n)),
                          initial_state=h0, output_final_state=bool(with_state),
                          backend=self.backend)
         return jnp.reshape(y, (batch, length, channels)), state

@@ -224,19 +224,90 @@ def test_generalized_delta_rule_rejects_bad_input(changes, error, words):
         assert word in str(info.value), (word, str(info.value))
 
 
-@pytest.mark.parametrize("variable, value, expected", [
+# ------------------------------------------------------------------------------------------
+# Choosing backends: explicit (strict), the environment's preference, per-op defaults.
+# ------------------------------------------------------------------------------------------
+
+def runs_here(name, op):
+    return (backends.unavailable_reason(name, backends.platform()) is None
+            and backends.implements(name, op))
+
+
+def expected_default(op):
+    return next(n for n in backends.default_order(op, backends.platform()) if runs_here(n, op))
+
+
+def test_defaults_are_per_op_and_cite_measurements():
+    for (op, where), (order, measurement) in backends.DEFAULTS.items():
+        assert op in backends.OPS and where in ("cpu", "gpu", "tpu")
+        assert order and set(order) <= set(backends.names()), (op, where, order)
+        assert measurement, (op, where)  # the measurement behind the order, or "not timed"
+    for op in backends.OPS:
+        for where in ("cpu", "gpu"):
+            assert (op, where) in backends.DEFAULTS
+    for where in ("cpu", "gpu"):  # measured: chunked trains GLA faster than native on both
+        order = backends.default_order("gated_linear_attention", where)
+        assert order.index("chunked") < order.index("native")
+
+
+def test_each_op_gets_its_own_default(chosen_backends):
+    for op in backends.OPS:
+        assert backends.resolve(op, None)[0] == expected_default(op)
+
+
+@pytest.mark.parametrize("variable, value, preferred", [
+    ("RWKV_JAX_BACKEND", "triton", "triton"),
+    ("RWKV_JAX_BACKEND", "chunked", "chunked"),
     ("RWKV_JAX_BACKEND", "native", "native"),
-    ("KERNEL_TYPE", "native", "native"),
     ("KERNEL_TYPE", "cuda", "ffi"),
+    ("KERNEL_TYPE", "triton", "triton"),
+    ("KERNEL_TYPE", "native", "native"),
 ])
-def test_environment_picks_the_backend(monkeypatch, chosen_backends, variable, value, expected):
+def test_environment_is_a_preference(monkeypatch, chosen_backends, variable, value, preferred):
+    """The preferred backend for every op it implements and can run here, the default for the
+    others; rwkv-jax info shows the same choice per op."""
+    from rwkv_jax.cli import collect_info
+
     monkeypatch.setenv(variable, value)
-    if backends.unavailable_reason(expected, backends.platform()) is not None:
-        with pytest.raises(backends.BackendUnavailableError, match=f"{variable}={value}"):
-            rwkv_jax.rwkv7(**rwkv7_inputs())
-        return
-    rwkv_jax.rwkv7(**rwkv7_inputs())
-    assert chosen_backends == [expected]
+    expected = {op: preferred if runs_here(preferred, op) else expected_default(op)
+                for op in backends.OPS}
+    assert {op: backends.resolve(op, None)[0] for op in backends.OPS} == expected
+    assert collect_info()["defaults"] == expected
+
+
+@pytest.mark.parametrize("variable, value, preferred, op", [
+    ("RWKV_JAX_BACKEND", "triton", "triton", "rwkv6"),
+    ("RWKV_JAX_BACKEND", "triton", "triton", "rwkv7_step"),
+    ("RWKV_JAX_BACKEND", "triton", "triton", "rwkv4"),
+    ("KERNEL_TYPE", "cuda", "ffi", "gated_linear_attention"),
+])
+def test_preference_does_not_break_other_ops(monkeypatch, chosen_backends, variable, value,
+                                             preferred, op):
+    """Ops the preferred backend lacks run (on their default) and match the reference."""
+    from test_ops import Case, call_op, make_inputs
+
+    monkeypatch.setenv(variable, value)
+    x, x64, _ = make_inputs(Case(op, dict(batch=2, steps=3, heads=2, key=8)), 30)
+    out, state = call_op(op, x, {}, None)
+    name = chosen_backends[-1]
+    assert name == (preferred if runs_here(preferred, op) else expected_default(op))
+    ref_out, ref_state = reference.forward(op, x64)
+    assert_close(out, ref_out, name)
+    assert_close(state, ref_state, name)
+
+
+def test_explicit_backend_stays_strict(monkeypatch):
+    """backend= never falls back, whatever the environment prefers."""
+    monkeypatch.setenv("RWKV_JAX_BACKEND", "native")
+    missing = [(name, op) for name in backends.names() for op in backends.OPS
+               if backends.unavailable_reason(name, backends.platform()) is None
+               and not backends.implements(name, op)]
+    assert missing
+    for name, op in missing:
+        with pytest.raises(backends.BackendUnavailableError, match=f"{name!r} does not implement {op}"):
+            backends.resolve(op, name)
+    with pytest.raises(ValueError, match="unknown backend 'vulkan'"):
+        backends.resolve("rwkv7", "vulkan")
 
 
 def test_explicit_backend_beats_the_environment(monkeypatch, chosen_backends):
