@@ -183,10 +183,10 @@ def rwkv4(w, u, k, v, *, initial_state, output_final_state):
 def rwkv7_step(r, w, k, v, a, b, state, *, scale, state_indices):
     o, h = rwkv7(r, w, k, v, a, b, scale=scale, initial_state=state[state_indices],
                  output_final_state=True, cu_seqlens=None)
-    return o, state.at[state_indices].set(h)
+    return o, state.at[state_indices].set(h.astype(state.dtype))  # float64 inputs: no warning
 
 
 def rwkv6_step(r, k, v, w, u, state, *, scale, state_indices):
     o, h = rwkv6(r, k, v, w, u, scale=scale, initial_state=state[state_indices],
                  output_final_state=True, cu_seqlens=None)
-    return o, state.at[state_indices].set(h)
+    return o, state.at[state_indices].set(h.astype(state.dtype))  # float64 inputs: no warning
