@@ -157,8 +157,8 @@ def _runs(name: str, op: str, where: str) -> bool:
     return unavailable_reason(name, where) is None and implements(name, op)
 
 
-def preference() -> tuple[Optional[str], str]:
-    """(backend, "VARIABLE=value") preferred through the environment, or (None, "")."""
+def preference() -> Optional[str]:
+    """The backend preferred through the environment, or None."""
     for var in ("RWKV_JAX_BACKEND", "KERNEL_TYPE"):
         value = os.environ.get(var, "").strip().lower()
         if value:
@@ -166,8 +166,8 @@ def preference() -> tuple[Optional[str], str]:
             if name not in _BACKENDS:
                 raise ValueError(f"unknown backend {value!r} (from {var}={value}); known: "
                                  f"{', '.join(_BACKENDS)}, and for KERNEL_TYPE cuda (= ffi)")
-            return name, f"{var}={value}"
-    return None, ""
+            return name
+    return None
 
 
 def resolve(op: str, backend: Optional[str]) -> tuple[str, Callable]:
@@ -175,7 +175,7 @@ def resolve(op: str, backend: Optional[str]) -> tuple[str, Callable]:
     environment's preference where it runs ``op`` here, else the per-op default."""
     where = platform()
     if backend is None:
-        preferred, _ = preference()
+        preferred = preference()
         if preferred is not None and _runs(preferred, op, where):
             return preferred, _function(preferred, op)
         for name in default_order(op, where):
