@@ -73,6 +73,14 @@ def integer(name, x):
     return x
 
 
+def concrete(x):
+    """The values of ``x`` as a numpy array when they are known in Python (numpy arrays, lists,
+    jax arrays that are not tracers), else None: traced values are never read back."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
 def flag(name, value):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")

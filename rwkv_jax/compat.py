@@ -1,25 +1,91 @@
-"""Names for users coming from the ``rwkv_ops`` package (see DESIGN.md, "Public API")."""
+"""Names for users coming from the ``rwkv_ops`` package (0.11.3), in **its** conventions
+(DESIGN.md, "Public API"; README, "Coming from rwkv_ops", maps each name to the core op)."""
 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax.numpy as jnp
+import numpy as np
 
 from . import _checks as checks
+from .backends import resolve
 from .ops import rwkv6, rwkv7
-
-generalized_delta_rule = rwkv7
-rwkv7_op = rwkv7
 
 # rwkv_ops' KERNEL_TYPE names -> our backends.
 _KERNEL_TYPES = {"native": "native", "triton": "triton", "cuda": "ffi"}
+# Backends that run the chunked algorithm (rwkv_ops' ``uses_chunked_kernel``).
+_CHUNKED = ("chunked", "triton")
+
+
+def _log_decay(w):
+    """rwkv_ops' raw ``w`` (decay ``exp(-exp(w))``) as the core API's log decay ``-exp(w)``,
+    computed in at least float32 and returned in ``w``'s dtype. ``w = -1e9`` (its padding habit)
+    gives exactly 0 (decay 1)."""
+    wide = jnp.promote_types(w.dtype, jnp.float32)
+    return (-jnp.exp(w.astype(wide))).astype(w.dtype)
+
+
+def _freeze_mask(mask, batch, steps, head_first):
+    """``mask`` [B, T] or [B, T, 1, 1] as a boolean array that broadcasts against the inputs
+    ([B, T, 1, 1], or [B, 1, T, 1] when ``head_first``); True advances the state."""
+    mask = checks.array("mask", mask)
+    if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)
+            or jnp.issubdtype(mask.dtype, jnp.floating)):
+        raise TypeError(f"mask must be bool, integer or floating, got dtype {mask.dtype}")
+    if tuple(mask.shape) not in ((batch, steps), (batch, steps, 1, 1)):
+        raise ValueError(f"mask must be [B, T] = [{batch}, {steps}] or [B, T, 1, 1], "
+                         f"got shape {tuple(mask.shape)}")
+    values = checks.concrete(mask)
+    if values is not None and not np.isin(values, (0, 1)).all():
+        raise ValueError(f"mask must hold 0 (freeze the state) or 1 (advance it), got "
+                         f"{np.unique(values)[:8].tolist()}")
+    advance = jnp.reshape(jnp.asarray(mask) != 0, (batch, steps))
+    return advance[:, None, :, None] if head_first else advance[:, :, None, None]
+
+
+def generalized_delta_rule(r, w, k, v, a, b, initial_state=None, output_final_state=True,
+                           head_first=False, chunk_size=16, mask=None, *, backend=None):
+    """RWKV-7 in the ``rwkv_ops`` convention (also ``rwkv7_op``).
+
+    ``w`` is **raw**: the decay is ``exp(-exp(w))``, so the core op :func:`rwkv_jax.rwkv7` gets
+    the log decay ``-exp(w)``. ``initial_state`` is ``[B, H, K, K]`` or ``[1, H, K, K]`` (shared by
+    every sequence), key-major like the core op's. ``mask`` ``[B, T]`` (or ``[B, T, 1, 1]``): 1
+    advances the state at that step, 0 freezes it (the step runs with decay 1 and zero ``k``,
+    ``a``, ``b``, so the state is exactly unchanged; its output reads the frozen state and is
+    padding). ``chunk_size`` is accepted for the signature and ignored (each backend picks its
+    own). Returns ``(o, final_state)``, or ``o`` alone when ``output_final_state`` is False, as
+    ``rwkv_ops`` does; ``o`` is ``[B, T, H, K]`` (``[B, H, T, K]`` when ``head_first``).
+    """
+    head_first = checks.flag("head_first", head_first)
+    output_final_state = checks.flag("output_final_state", output_final_state)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) \
+            or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    sizes: dict = {}
+    lead = ("B", "H", "T") if head_first else ("B", "T", "H")
+    r, w, k, v, a, b = (checks.shaped(n, x, lead + ("V" if n == "v" else "K",), sizes)
+                        for n, x in dict(r=r, w=w, k=k, v=v, a=a, b=b).items())
+    batch, steps = sizes["B"][0], sizes["T"][0]
+    if mask is not None:
+        advance = _freeze_mask(mask, batch, steps, head_first)
+        # A frozen step: decay 1 (raw w = -inf) and nothing added (k = a = b = 0).
+        w = jnp.where(advance, w, -jnp.inf)
+        k, a, b = (jnp.where(advance, x, jnp.zeros((), x.dtype)) for x in (k, a, b))
+    if initial_state is not None:
+        initial_state = checks.floating("initial_state", initial_state)
+        if initial_state.ndim == 4 and initial_state.shape[0] == 1 and batch > 1:
+            initial_state = jnp.broadcast_to(initial_state, (batch,) + initial_state.shape[1:])
+    o, h = rwkv7(r, _log_decay(w), k, v, a, b, initial_state=initial_state,
+                 output_final_state=output_final_state, head_first=head_first, backend=backend)
+    return (o, h) if output_final_state else o
+
+
+rwkv7_op = generalized_delta_rule
 
 
 def _backend_for(kernel_type):
-    if kernel_type is None:
-        kernel_type = os.environ.get("KERNEL_TYPE") or None
+    """The backend a ``KERNEL_TYPE`` argument names (strict), or None for the default."""
     if kernel_type is None:
         return None
     if kernel_type not in _KERNEL_TYPES:
@@ -28,13 +94,16 @@ def _backend_for(kernel_type):
 
 
 def get_generalized_delta_rule(head_size=64, KERNEL_TYPE=None):
-    """Returns ``(fn, uses_chunked_kernel)``: ``fn`` is :func:`rwkv_jax.rwkv7` bound to the backend
-    that ``KERNEL_TYPE`` ("native", "triton", "cuda"; default: the environment variable
-    ``KERNEL_TYPE``, else the platform default) names."""
+    """Returns ``(fn, uses_chunked_kernel)``: ``fn`` is :func:`generalized_delta_rule` bound to the
+    backend that ``KERNEL_TYPE`` ("native", "triton", "cuda" = our "ffi") names, strictly; without
+    it the default (the environment variables ``RWKV_JAX_BACKEND`` / ``KERNEL_TYPE`` as a
+    preference, else the measured per-op default). ``uses_chunked_kernel`` says whether that
+    backend runs the chunked algorithm."""
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size < 1:
         raise ValueError(f"head_size must be a positive int, got {head_size!r}")
     backend = _backend_for(KERNEL_TYPE)
-    return functools.partial(rwkv7, backend=backend), backend in ("triton", "chunked")
+    name = backend if backend is not None else resolve("rwkv7", None)[0]
+    return functools.partial(generalized_delta_rule, backend=backend), name in _CHUNKED
 
 
 class RWKV6_OP:
@@ -52,7 +121,7 @@ class RWKV6_OP:
             raise ValueError(f"head_size must be a positive int, got {head_size!r}")
         self.head_size = head_size
         self.max_sequence_length = max_sequence_length  # no limit here; kept for the signature
-        self.backend = "native" if ops_loop else _backend_for(None)
+        self.backend = "native" if ops_loop else None  # None: preference, then default
 
     def __call__(self, r, k, v, w, u, with_state=False, init_state=None, state_map=None):
         n = self.head_size
@@ -69,7 +138,6 @@ class RWKV6_OP:
             raise ValueError(f"u must be [H, N] = [{heads}, {n}] or [C] = [{channels}], "
                              f"got shape {tuple(u.shape)}")
         split = lambda x: jnp.reshape(x, (batch, length, heads, n))
-        log_decay = -jnp.exp(w.astype(jnp.float32))
         h0 = None
         if init_state is not None:
             init_state = checks.floating("init_state", init_state)
@@ -90,7 +158,8 @@ class RWKV6_OP:
             h0 = checks.take_rows("state_map", jnp.asarray(init_state, jnp.float32), state_map)
         elif state_map is not None:
             raise ValueError("state_map was given without init_state")
-        y, state = rwkv6(split(r), split(k), split(v), split(log_decay), jnp.reshape(u, (heads, n)),
+        y, state = rwkv6(split(r), split(k), split(v), split(_log_decay(w)),
+                         jnp.reshape(u, (heads, n)),
                          initial_state=h0, output_final_state=bool(with_state),
                          backend=self.backend)
         return jnp.reshape(y, (batch, length, channels)), state

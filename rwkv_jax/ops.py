@@ -64,6 +64,37 @@ def _nan_unless(ok, x):
     return jnp.where(ok, x, jnp.asarray(jnp.nan, x.dtype))
 
 
+# --- dtypes (DESIGN.md, "Operators"): one rule for every backend --------------------------------
+
+
+def _sequence_dtype(arrays):
+    """The one dtype of the inputs that carry a time axis. Mixed dtypes are a TypeError naming
+    them: promoting silently would run a different kernel (precision, memory) than the caller
+    chose, so the caller casts explicitly."""
+    dtypes = {n: x.dtype for n, x in arrays.items() if x is not None}
+    if len(set(dtypes.values())) > 1:
+        got = ", ".join(f"{n} {d}" for n, d in dtypes.items())
+        raise TypeError(f"{', '.join(dtypes)} must share one dtype, got {got}; cast them with "
+                        f".astype (mixed dtypes are not promoted)")
+    return next(iter(dtypes.values()))
+
+
+def _state_dtype(dtype):
+    """The state's dtype: float32, or float64 for float64 inputs (jax_enable_x64)."""
+    return jnp.dtype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
+
+
+def _in_state_dtype(initial_state, dtype):
+    """``initial_state`` of any floating dtype, as the state's dtype (its gradient comes back in
+    the dtype it was given in)."""
+    return None if initial_state is None else jnp.asarray(initial_state).astype(_state_dtype(dtype))
+
+
+def _results(o, h, dtype):
+    """Outputs in the inputs' dtype, the final state in the state's dtype, whatever the backend."""
+    return o.astype(dtype), (None if h is None else h.astype(_state_dtype(dtype)))
+
+
 def _state_and_segments(initial_state, cu_seqlens, sizes, batch, total):
     """Validate ``cu_seqlens`` and ``initial_state`` (rows: batch, or segments when packed).
     Returns (initial_state, int32 cu_seqlens or None, traced validity of cu_seqlens or None)."""
@@ -76,7 +107,6 @@ def _state_and_segments(initial_state, cu_seqlens, sizes, batch, total):
         sizes["N"] = (batch, "the batch size B")
     if initial_state is not None:
         initial_state = checks.shaped("initial_state", initial_state, ("N", "H", "K", "V"), sizes)
-        initial_state = jnp.asarray(initial_state)
     return initial_state, cu_seqlens, offsets_ok
 
 
@@ -101,12 +131,14 @@ def _sequence(op, named, scale, initial_state, output_final_state, cu_seqlens, h
         arrays[name] = None if x is None else checks.shaped(name, x, spec, sizes)
     batch, total = sizes["B"][0], sizes["T"][0]
     checks.positive_length("the inputs", total)
+    dtype = _sequence_dtype({n: arrays[n] for n in named})
     initial_state, cu_seqlens, offsets_ok = _state_and_segments(initial_state, cu_seqlens, sizes,
                                                                 batch, total)
     name, fn = resolve(op, backend)
     arrays = {n: (_to_bthk(x, head_first) if n in named else x) for n, x in arrays.items()}
-    o, h = fn(**arrays, scale=scale, initial_state=initial_state,
+    o, h = fn(**arrays, scale=scale, initial_state=_in_state_dtype(initial_state, dtype),
               output_final_state=output_final_state, cu_seqlens=cu_seqlens, **options)
+    o, h = _results(o, h, dtype)
     o, h = _nan_unless(offsets_ok, o), _nan_unless(offsets_ok, h)
     if head_first:
         o = jnp.swapaxes(o, 1, 2)
@@ -194,12 +226,13 @@ def rwkv4(w, u, k, v, *, initial_state=None, output_final_state=True, backend=No
     w = checks.shaped("w", w, ("C",), sizes)
     u = checks.shaped("u", u, ("C",), sizes)
     checks.positive_length("k and v", sizes["T"][0])
+    dtype = _sequence_dtype(dict(k=k, v=v))
     if initial_state is not None:
         initial_state = checks.shaped("initial_state", initial_state, ("B", "C", "3"), sizes)
-        initial_state = jnp.asarray(initial_state)
     _, fn = resolve("rwkv4", backend)
-    y, state = fn(w, u, k, v, initial_state=initial_state, output_final_state=output_final_state)
-    return y, (state if output_final_state else None)
+    y, state = fn(w, u, k, v, initial_state=_in_state_dtype(initial_state, dtype),
+                  output_final_state=output_final_state)
+    return _results(y, state if output_final_state else None, dtype)
 
 
 def _step(op, named, extra, state, scale, state_indices, backend):
@@ -208,6 +241,7 @@ def _step(op, named, extra, state, scale, state_indices, backend):
     arrays = {n: checks.shaped(n, x, _heads(False, last), sizes) for n, (x, last) in named.items()}
     arrays.update({n: checks.shaped(n, x, spec, sizes) for n, (x, spec) in extra.items()})
     checks.positive_length("the inputs", sizes["T"][0])
+    dtype = _sequence_dtype({n: arrays[n] for n in named})
     state = checks.shaped("state", state, ("S", "H", "K", "V"), sizes)
     if state.dtype != jnp.float32:
         raise TypeError(f"state must be a float32 pool [S, H, K, V] (it is updated in place), "
@@ -225,7 +259,7 @@ def _step(op, named, extra, state, scale, state_indices, backend):
     state_indices, rows_ok = _guard_rows(state_indices, slots)
     _, fn = resolve(op, backend)
     o, state = fn(**arrays, state=state, scale=scale, state_indices=state_indices)
-    return _nan_unless(rows_ok, o), state
+    return _nan_unless(rows_ok, o.astype(dtype)), state  # the pool keeps its float32
 
 
 def rwkv7_step(r, w, k, v, a, b, state, *, scale=1.0, state_indices=None, backend=None):

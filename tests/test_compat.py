@@ -42,53 +42,272 @@ def assert_close(x, ref, backend, kind="forward"):
     assert error <= tolerance(backend, "float32", kind), f"relative error {error:.2e}"
 
 
-def test_rwkv7_aliases_are_rwkv7():
-    assert rwkv_jax.generalized_delta_rule is rwkv_jax.rwkv7
-    assert rwkv_jax.rwkv7_op is rwkv_jax.rwkv7
+# ------------------------------------------------------------------------------------------
+# generalized_delta_rule / rwkv7_op: raw w (decay exp(-exp(w))), shared state, mask.
+# ------------------------------------------------------------------------------------------
+
+def raw_rwkv7_inputs(seed, batch=B, steps=T):
+    """(float32 arguments in rwkv_ops' convention, the same values in the core convention as
+    float64 for the reference): raw w = log(-log decay)."""
+    x = reference.random_inputs("rwkv7", np.random.default_rng(seed), batch=batch, steps=steps,
+                                heads=H, key=N)
+    x = {n: np.asarray(jnp.asarray(a, jnp.float32), np.float64) for n, a in x.items()}
+    raw = dict(x, w=np.log(-x["w"]))
+    core = dict(x, w=-np.exp(raw["w"]))  # the log decay the compatibility layer passes on
+    return {n: jnp.asarray(a, jnp.float32) for n, a in raw.items()}, core
+
+
+def test_rwkv7_op_is_generalized_delta_rule():
+    assert rwkv_jax.rwkv7_op is rwkv_jax.generalized_delta_rule
+
+
+def test_raw_w_padding_is_decay_one_exactly():
+    """rwkv_ops pads with w += -1e9: log decay exactly 0 (decay 1), finite, zero gradient."""
+    from rwkv_jax.compat import _log_decay
+    w = jnp.asarray([-1e9, -1e30, -jnp.inf, 0.0], jnp.float32)
+    assert np.array_equal(np.asarray(_log_decay(w)), [0.0, 0.0, 0.0, -1.0])
+    assert np.array_equal(np.asarray(jax.grad(lambda w: _log_decay(w).sum())(w)),
+                          [0.0, 0.0, 0.0, -1.0])
+
+
+def assert_gradients(grads, ref, core, backend, shared_state=False):
+    """Gradients in rwkv_ops' convention against the float64 reference's: d raw w =
+    d log decay * log decay; a shared [1, H, K, K] initial state sums its rows' gradients."""
+    expected = dict(ref, w=ref["w"] * core["w"])
+    if shared_state:
+        expected["initial_state"] = ref["initial_state"].sum(0, keepdims=True)
+    for name, g in grads.items():
+        assert_close(g, expected[name], backend, "gradient")
+
+
+def test_generalized_delta_rule_matches_reference(backend):
+    raw, core = raw_rwkv7_inputs(10)
+    o, h = rwkv_jax.generalized_delta_rule(**raw, backend=backend)
+    ref_o, ref_h = reference.forward("rwkv7", core)
+    assert o.shape == (B, T, H, N) and h.shape == (B, H, N, N)
+    assert_close(o, ref_o, backend)
+    assert_close(h, ref_h, backend)
+    rng = np.random.default_rng(11)
+    d_o, d_h = rng.standard_normal(ref_o.shape), rng.standard_normal(ref_h.shape)
+
+    def loss(args):
+        o, h = rwkv_jax.generalized_delta_rule(**args, backend=backend)
+        return jnp.sum(o * d_o) + jnp.sum(h * d_h)
+
+    grads = jax.grad(loss)(raw)
+    assert_gradients(grads, reference.gradients("rwkv7", core, d_o, d_h), core, backend)
+
+
+def test_generalized_delta_rule_head_first_and_no_final_state(backend):
+    raw, core = raw_rwkv7_inputs(12)
+    head_first = {n: (jnp.swapaxes(a, 1, 2) if n != "initial_state" else a)
+                  for n, a in raw.items()}
+    o = rwkv_jax.rwkv7_op(**head_first, head_first=True, output_final_state=False,
+                          chunk_size=64, backend=backend)
+    assert isinstance(o, jax.Array) and o.shape == (B, H, T, N)  # o alone, as rwkv_ops returns
+    assert_close(jnp.swapaxes(o, 1, 2), reference.forward("rwkv7", core)[0], backend)
+
+
+def test_generalized_delta_rule_shared_initial_state(backend):
+    """An initial state [1, H, K, K] serves every sequence; its gradient sums theirs."""
+    raw, core = raw_rwkv7_inputs(13)
+    shared = raw["initial_state"][:1]
+    core = dict(core, initial_state=np.repeat(np.asarray(shared, np.float64), B, axis=0))
+    o, h = rwkv_jax.generalized_delta_rule(**dict(raw, initial_state=shared), backend=backend)
+    ref_o, ref_h = reference.forward("rwkv7", core)
+    assert_close(o, ref_o, backend)
+    assert_close(h, ref_h, backend)
+    rng = np.random.default_rng(14)
+    d_o, d_h = rng.standard_normal(ref_o.shape), rng.standard_normal(ref_h.shape)
+
+    def loss(args):
+        o, h = rwkv_jax.generalized_delta_rule(**args, backend=backend)
+        return jnp.sum(o * d_o) + jnp.sum(h * d_h)
+
+    grads = jax.grad(loss)(dict(raw, initial_state=shared))
+    assert grads["initial_state"].shape == (1, H, N, N)
+    assert_gradients(grads, reference.gradients("rwkv7", core, d_o, d_h), core, backend,
+                     shared_state=True)
+
+
+MASKS = {  # 1 advances the state, 0 freezes it: leading (left padding), inner and trailing zeros
+    "left_padding": np.array([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 1]]),
+    "holes": np.array([[1, 0, 1, 1, 0, 0, 1, 1, 0], [0, 1, 1, 0, 1, 1, 1, 0, 1]]),
+}
+
+
+@pytest.mark.parametrize("layout", ["[B,T]", "[B,T,1,1]"])
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_generalized_delta_rule_mask_skips_frozen_steps(backend, mask_name, layout):
+    """A frozen step leaves the state unchanged: outputs at the other steps, the final state and
+    every gradient equal running each sequence without its frozen steps (float64 reference);
+    frozen steps get zero gradients and finite padding outputs, even where the padding holds
+    rwkv_ops' w = -1e9 and large k."""
+    mask = MASKS[mask_name]
+    raw, core = raw_rwkv7_inputs(15)
+    frozen = jnp.asarray(mask == 0)[:, :, None, None]
+    raw = dict(raw, w=jnp.where(frozen, -1e9, raw["w"]), k=jnp.where(frozen, 1e3, raw["k"]))
+    given = jnp.asarray(mask if layout == "[B,T]" else mask[:, :, None, None], jnp.float32)
+    rng = np.random.default_rng(16)
+    d_o, d_h = rng.standard_normal((B, T, H, N)) * mask[:, :, None, None], rng.standard_normal((B, H, N, N))
+
+    def loss(args):
+        o, h = rwkv_jax.generalized_delta_rule(**args, mask=given, backend=backend)
+        return jnp.sum(o * d_o) + jnp.sum(h * d_h), (o, h)
+
+    grads, (o, h) = jax.grad(loss, has_aux=True)(raw)
+    assert np.isfinite(np.asarray(o)).all()
+    for row in range(B):
+        kept = np.flatnonzero(mask[row])
+        sub = {n: (a[row:row + 1] if n == "initial_state" else a[row:row + 1, kept])
+               for n, a in core.items()}
+        ref_o, ref_h = reference.forward("rwkv7", sub)
+        assert_close(o[row:row + 1, kept], ref_o, backend)
+        assert_close(h[row:row + 1], ref_h, backend)
+        ref = reference.gradients("rwkv7", sub, d_o[row:row + 1, kept], d_h[row:row + 1])
+        sub_grads = {n: (g[row:row + 1] if n == "initial_state" else g[row:row + 1, kept])
+                     for n, g in grads.items()}
+        assert_gradients(sub_grads, ref, sub, backend)
+        for name, g in grads.items():
+            if name != "initial_state":
+                assert not np.any(np.asarray(g[row, mask[row] == 0])), name
 
 
 @pytest.mark.parametrize("kernel_type, backend, chunked", [
     ("native", "native", False), ("triton", "triton", True), ("cuda", "ffi", False)])
 def test_get_generalized_delta_rule(kernel_type, backend, chunked, chosen_backends):
+    """KERNEL_TYPE binds that backend, strictly (no fallback when it cannot run here)."""
     fn, uses_chunked_kernel = rwkv_jax.get_generalized_delta_rule(N, KERNEL_TYPE=kernel_type)
     assert uses_chunked_kernel is chunked
+    raw, core = raw_rwkv7_inputs(17)
     if backends.unavailable_reason(backend, backends.platform()) is not None:
         with pytest.raises(backends.BackendUnavailableError, match=repr(backend)):
-            fn(**rwkv7_inputs())
+            fn(**raw)
         return
-    x = rwkv7_inputs()
-    o, h = fn(**x)
+    o, h = fn(**raw)
     assert chosen_backends == [backend]
-    ref_o, ref_h = reference.forward("rwkv7", {n: np.asarray(a) for n, a in x.items()})
+    ref_o, ref_h = reference.forward("rwkv7", core)
     assert_close(o, ref_o, backend)
     assert_close(h, ref_h, backend)
 
 
-def test_get_generalized_delta_rule_reads_kernel_type(monkeypatch, chosen_backends):
+def test_get_generalized_delta_rule_follows_the_environment(monkeypatch, chosen_backends):
     monkeypatch.setenv("KERNEL_TYPE", "native")
     fn, uses_chunked_kernel = rwkv_jax.get_generalized_delta_rule(N)
-    fn(**rwkv7_inputs())
+    fn(**raw_rwkv7_inputs(18)[0])
     assert chosen_backends == ["native"] and not uses_chunked_kernel
 
 
-def test_get_generalized_delta_rule_rejects_unknown_kernel_type():
-    with pytest.raises(ValueError, match="KERNEL_TYPE.*'vulkan'"):
-        rwkv_jax.get_generalized_delta_rule(N, KERNEL_TYPE="vulkan")
+GDR_BAD = [  # (id, changes to the arguments, error, words the message must contain)
+    ("kernel_type", None, ValueError, ["KERNEL_TYPE", "'vulkan'"]),
+    ("chunk_size_zero", dict(chunk_size=0), ValueError, ["chunk_size", "0"]),
+    ("chunk_size_float", dict(chunk_size=16.0), ValueError, ["chunk_size", "16.0"]),
+    ("mask_shape", dict(mask=np.ones((B, T + 1))), ValueError, ["mask", f"[{B}, {T}]", f"({B}, {T + 1})"]),
+    ("mask_values", dict(mask=np.full((B, T), 0.5)), ValueError, ["mask", "0.5"]),
+    ("mask_dtype", dict(mask=np.full((B, T), "x")), TypeError, ["mask", "dtype"]),
+    ("state_rows", dict(initial_state=np.ones((3, H, N, N), np.float32)), ValueError,
+     ["initial_state", "(3, 2, 8, 8)"]),
+    ("head_first_flag", dict(head_first=1), TypeError, ["head_first", "bool"]),
+    ("k_shape", dict(k=np.ones((1, T, H, N), np.float32)), ValueError, ["k", "(1, 9, 2, 8)"]),
+]
 
 
-@pytest.mark.parametrize("variable, value, expected", [
+@pytest.mark.parametrize("changes, error, words", [p[1:] for p in GDR_BAD],
+                         ids=[p[0] for p in GDR_BAD])
+def test_generalized_delta_rule_rejects_bad_input(changes, error, words):
+    with pytest.raises(error) as info:
+        if changes is None:
+            rwkv_jax.get_generalized_delta_rule(N, KERNEL_TYPE="vulkan")
+        else:
+            rwkv_jax.generalized_delta_rule(**dict(raw_rwkv7_inputs(19)[0], **changes))
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+# ------------------------------------------------------------------------------------------
+# Choosing backends: explicit (strict), the environment's preference, per-op defaults.
+# ------------------------------------------------------------------------------------------
+
+def runs_here(name, op):
+    return (backends.unavailable_reason(name, backends.platform()) is None
+            and backends.implements(name, op))
+
+
+def expected_default(op):
+    return next(n for n in backends.default_order(op, backends.platform()) if runs_here(n, op))
+
+
+def test_defaults_are_per_op_and_cite_measurements():
+    for (op, where), (order, measurement) in backends.DEFAULTS.items():
+        assert op in backends.OPS and where in ("cpu", "gpu", "tpu")
+        assert order and set(order) <= set(backends.names()), (op, where, order)
+        assert measurement, (op, where)  # the measurement behind the order, or "not timed"
+    for op in backends.OPS:
+        for where in ("cpu", "gpu"):
+            assert (op, where) in backends.DEFAULTS
+    for where in ("cpu", "gpu"):  # measured: chunked trains GLA faster than native on both
+        order = backends.default_order("gated_linear_attention", where)
+        assert order.index("chunked") < order.index("native")
+
+
+def test_each_op_gets_its_own_default(chosen_backends):
+    for op in backends.OPS:
+        assert backends.resolve(op, None)[0] == expected_default(op)
+
+
+@pytest.mark.parametrize("variable, value, preferred", [
+    ("RWKV_JAX_BACKEND", "triton", "triton"),
+    ("RWKV_JAX_BACKEND", "chunked", "chunked"),
     ("RWKV_JAX_BACKEND", "native", "native"),
-    ("KERNEL_TYPE", "native", "native"),
     ("KERNEL_TYPE", "cuda", "ffi"),
+    ("KERNEL_TYPE", "triton", "triton"),
+    ("KERNEL_TYPE", "native", "native"),
 ])
-def test_environment_picks_the_backend(monkeypatch, chosen_backends, variable, value, expected):
+def test_environment_is_a_preference(monkeypatch, chosen_backends, variable, value, preferred):
+    """The preferred backend for every op it implements and can run here, the default for the
+    others; rwkv-jax info shows the same choice per op."""
+    from rwkv_jax.cli import collect_info
+
     monkeypatch.setenv(variable, value)
-    if backends.unavailable_reason(expected, backends.platform()) is not None:
-        with pytest.raises(backends.BackendUnavailableError, match=f"{variable}={value}"):
-            rwkv_jax.rwkv7(**rwkv7_inputs())
-        return
-    rwkv_jax.rwkv7(**rwkv7_inputs())
-    assert chosen_backends == [expected]
+    expected = {op: preferred if runs_here(preferred, op) else expected_default(op)
+                for op in backends.OPS}
+    assert {op: backends.resolve(op, None)[0] for op in backends.OPS} == expected
+    assert collect_info()["defaults"] == expected
+
+
+@pytest.mark.parametrize("variable, value, preferred, op", [
+    ("RWKV_JAX_BACKEND", "triton", "triton", "rwkv6"),
+    ("RWKV_JAX_BACKEND", "triton", "triton", "rwkv7_step"),
+    ("RWKV_JAX_BACKEND", "triton", "triton", "rwkv4"),
+    ("KERNEL_TYPE", "cuda", "ffi", "gated_linear_attention"),
+])
+def test_preference_does_not_break_other_ops(monkeypatch, chosen_backends, variable, value,
+                                             preferred, op):
+    """Ops the preferred backend lacks run (on their default) and match the reference."""
+    from test_ops import Case, call_op, make_inputs
+
+    monkeypatch.setenv(variable, value)
+    x, x64, _ = make_inputs(Case(op, dict(batch=2, steps=3, heads=2, key=8)), 30)
+    out, state = call_op(op, x, {}, None)
+    name = chosen_backends[-1]
+    assert name == (preferred if runs_here(preferred, op) else expected_default(op))
+    ref_out, ref_state = reference.forward(op, x64)
+    assert_close(out, ref_out, name)
+    assert_close(state, ref_state, name)
+
+
+def test_explicit_backend_stays_strict(monkeypatch):
+    """backend= never falls back, whatever the environment prefers."""
+    monkeypatch.setenv("RWKV_JAX_BACKEND", "native")
+    missing = [(name, op) for name in backends.names() for op in backends.OPS
+               if backends.unavailable_reason(name, backends.platform()) is None
+               and not backends.implements(name, op)]
+    assert missing
+    for name, op in missing:
+        with pytest.raises(backends.BackendUnavailableError, match=f"{name!r} does not implement {op}"):
+            backends.resolve(op, name)
+    with pytest.raises(ValueError, match="unknown backend 'vulkan'"):
+        backends.resolve("rwkv7", "vulkan")
 
 
 def test_explicit_backend_beats_the_environment(monkeypatch, chosen_backends):

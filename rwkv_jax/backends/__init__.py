@@ -5,11 +5,14 @@ signatures documented in ``rwkv_jax.backends.native`` (inputs already validated,
 ``[B, T, H, *]``, ``initial_state`` float32 or None). Adding a backend is one ``register`` call
 below; the module is imported only when the backend is first asked for.
 
-Which backend runs an op: the explicit ``backend=`` argument, else the environment variable
-``RWKV_JAX_BACKEND`` (or ``KERNEL_TYPE``, where ``cuda`` means ``ffi``), else the first backend in
-``DEFAULT_ORDER`` for the platform that can run here and implements the op. An explicit or
-environment choice that cannot run raises ``BackendUnavailableError`` saying why: never a
-silent fallback.
+Which backend runs an op (``resolve``):
+1. the explicit ``backend=`` argument, strictly: if it cannot run this op here, the error says
+   why, never a silent fallback;
+2. else a preference from the environment, ``RWKV_JAX_BACKEND`` (or ``KERNEL_TYPE``, rwkv_ops'
+   variable, where ``cuda`` means ``ffi``): that backend for every op it implements and can run
+   here, the default for the others;
+3. else the default: the first backend of ``DEFAULTS[(op, platform)]`` (fastest measured first)
+   that can run here.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import os
 from typing import Callable, Optional
 
 import jax
+from jax.interpreters import ad
+from jax.interpreters import partial_eval as pe
 
 OPS = ("rwkv7", "rwkv6", "rwkv4", "gated_linear_attention", "rwkv7_step", "rwkv6_step")
 
@@ -39,6 +44,8 @@ class Backend:
     # DESIGN.md's numerical contract for float32 inputs: (forward, gradients) relative error
     # against float64. Sequential backends are exact to rounding; chunked ones use tf32 matmuls.
     float32_tolerance: tuple[float, float] = (1e-5, 1e-4)
+    # Whether jax.jvp / jacfwd / hessian work through it (kernels wrapped in custom_vjp do not).
+    forward_mode_ad: bool = False
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -51,21 +58,54 @@ LOW_PRECISION_TOLERANCE = 1e-2
 # finite and their differences precise (DESIGN.md, numerical contract).
 LOG_DECAY_FLOOR = -128.0
 
-# Fastest first, per platform; backends that cannot run here or lack the op are skipped. The order
-# follows BENCHMARKS.md: on the GPU (H100) triton trains rwkv7 ~20x faster than native and ~5x
-# faster than ffi, and ffi beats native; on the CPU ffi beats native and chunked for both the
-# forward and forward+backward of rwkv7/rwkv6. chunked trains faster than native on the CPU but
-# runs the forward slower; it is unmeasured on GPU and TPU, so it comes last until measured.
-DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
-    "gpu": ("triton", "ffi", "native", "chunked"),
-    "cpu": ("ffi", "native", "chunked"),
-    "tpu": ("native", "chunked"),
+# The default backend per op and platform: fastest measured first (backends that cannot run here
+# are skipped), each entry with the measurement behind its order (BENCHMARKS.md unless said).
+# Adding a backend to an op is a one-line edit of its entry.
+DEFAULTS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
+    ("rwkv7", "gpu"): (("triton", "ffi", "native", "chunked"),
+        "H100 B=8 T=4096 H=64 K=64 bf16 fwd+bwd: triton 17.84 ms, ffi 110.9, native 466; "
+        "chunked not timed on a GPU"),
+    ("rwkv7", "cpu"): (("ffi", "native", "chunked"),
+        "2-core CPU B=4 T=1024 H=8 K=64 f32 fwd / fwd+bwd: ffi 24.1 / 131 ms, native 80.7 / 664, "
+        "chunked 250 / 1259"),
+    ("rwkv6", "gpu"): (("ffi", "native", "chunked"),
+        "H100 B=8 T=4096 H=64 K=64 bf16 fwd+bwd: ffi 70.9 ms; native, chunked not timed on a GPU"),
+    ("rwkv6", "cpu"): (("ffi", "chunked", "native"),
+        "2-core CPU B=4 T=1024 H=8 K=64 f32 fwd / fwd+bwd: ffi 18.5 / 124 ms, chunked 84.0 / 769, "
+        "native 105.8 / 854"),
+    ("gated_linear_attention", "gpu"): (("chunked", "native"),
+        "H100 B=8 T=4096 H=64 K=64 fwd+bwd: chunked 85 ms, native 378 (issue 12)"),
+    ("gated_linear_attention", "cpu"): (("chunked", "native"),
+        "2-core CPU (loaded) f32 fwd+bwd, the dominant cost: chunked 390 ms vs native 1294 at "
+        "B=1 T=1024 H=4 K=64, 1450 vs 3131 at B=1 T=4096, a tie at B=2 T=1024 H=4 (758 vs 710) "
+        "and B=4 T=1024 H=8 K=128 (13.1 vs 12.6 s); the forward alone is 2-9x faster on native "
+        "(22 vs 191 ms at B=1 T=1024)"),
+    ("rwkv4", "gpu"): (("ffi", "native"), "not timed on a GPU; ffi is the compiled kernel"),
+    ("rwkv4", "cpu"): (("ffi", "native"),
+        "2-core CPU (loaded) B=2 T=1024 C=256 f32 fwd / fwd+bwd: ffi 34.4 / 94.3 ms, native "
+        "34.4 / 88.3 (a tie); ffi's peak memory 6.4 MB vs 10.2"),
+    ("rwkv7_step", "gpu"): (("ffi", "native"),
+        "H100 T=1 H=32 K=64 decode step in a jitted loop: ffi 15-108 us for B=1-256 "
+        "(fla 35-114); native not timed"),
+    ("rwkv7_step", "cpu"): (("ffi", "native"),
+        "2-core CPU (loaded) B=2 T=1 H=4 K=64 f32: ffi 0.080 ms, native 0.125"),
+    ("rwkv6_step", "gpu"): (("ffi", "native"), "not timed on a GPU; ffi is the compiled kernel"),
+    ("rwkv6_step", "cpu"): (("ffi", "native"),
+        "2-core CPU (loaded) B=2 T=1 H=4 K=64 f32: ffi 0.069 ms, native 0.125"),
 }
+# Platforms without an entry (TPU): the portable backends, unmeasured.
+FALLBACK_ORDER = ("native", "chunked")
+
+
+def default_order(op: str, where: str) -> tuple[str, ...]:
+    """The backends ``op`` tries by default on platform ``where``, fastest measured first."""
+    return DEFAULTS.get((op, where), (FALLBACK_ORDER,))[0]
 
 
 def register(name: str, module: str, summary: str, probe: Callable[[str], Optional[str]],
-             float32_tolerance: tuple[float, float] = (1e-5, 1e-4)) -> None:
-    _BACKENDS[name] = Backend(name, module, summary, probe, float32_tolerance)
+             float32_tolerance: tuple[float, float] = (1e-5, 1e-4),
+             forward_mode_ad: bool = False) -> None:
+    _BACKENDS[name] = Backend(name, module, summary, probe, float32_tolerance, forward_mode_ad)
 
 
 def tolerance(name: str, dtype) -> tuple[float, float]:
@@ -103,39 +143,86 @@ def implements(name: str, op: str) -> bool:
     return callable(getattr(importlib.import_module(backend.module), op, None))
 
 
-def _requested() -> tuple[Optional[str], str]:
+def supports_forward_mode(name: str) -> bool:
+    """Whether jax.jvp / jacfwd / hessian work through backend ``name``."""
+    return _BACKENDS[name].forward_mode_ad
+
+
+def _function(name: str, op: str) -> Callable:
+    fn = getattr(importlib.import_module(_BACKENDS[name].module), op)
+    return fn if supports_forward_mode(name) else _refusing_forward_mode(op, name, fn)
+
+
+def _runs(name: str, op: str, where: str) -> bool:
+    return unavailable_reason(name, where) is None and implements(name, op)
+
+
+def preference() -> Optional[str]:
+    """The backend preferred through the environment, or None."""
     for var in ("RWKV_JAX_BACKEND", "KERNEL_TYPE"):
         value = os.environ.get(var, "").strip().lower()
         if value:
-            return ("ffi" if var == "KERNEL_TYPE" and value == "cuda" else value), f"{var}={value}"
-    return None, ""
+            name = "ffi" if var == "KERNEL_TYPE" and value == "cuda" else value
+            if name not in _BACKENDS:
+                raise ValueError(f"unknown backend {value!r} (from {var}={value}); known: "
+                                 f"{', '.join(_BACKENDS)}, and for KERNEL_TYPE cuda (= ffi)")
+            return name
+    return None
 
 
 def resolve(op: str, backend: Optional[str]) -> tuple[str, Callable]:
-    """The (name, function) that runs ``op``; raises a clear error when that is impossible."""
-    source = f"backend={backend!r}"
-    if backend is None:
-        backend, source = _requested()
+    """The (name, function) that runs ``op``: the explicit ``backend`` (strict), else the
+    environment's preference where it runs ``op`` here, else the per-op default."""
     where = platform()
     if backend is None:
-        for name in DEFAULT_ORDER.get(where, ("native",)):
-            if unavailable_reason(name, where) is None and implements(name, op):
-                return name, getattr(importlib.import_module(_BACKENDS[name].module), op)
+        preferred = preference()
+        if preferred is not None and _runs(preferred, op, where):
+            return preferred, _function(preferred, op)
+        for name in default_order(op, where):
+            if name in _BACKENDS and _runs(name, op, where):
+                return name, _function(name, op)
         raise BackendUnavailableError(f"no backend implements {op} on platform {where!r}")
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     if backend not in _BACKENDS:
-        raise ValueError(f"unknown backend {backend!r} (from {source}); known: {', '.join(_BACKENDS)}")
+        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(_BACKENDS)}")
     reason = unavailable_reason(backend, where)
     if reason is not None:
-        raise BackendUnavailableError(f"backend {backend!r} (from {source}) cannot run here: {reason}")
+        raise BackendUnavailableError(f"backend {backend!r} cannot run here: {reason}")
     if not implements(backend, op):
-        have = [n for n in _BACKENDS if unavailable_reason(n, where) is None and implements(n, op)]
+        have = [n for n in _BACKENDS if _runs(n, op, where)]
         raise BackendUnavailableError(
-            f"backend {backend!r} (from {source}) does not implement {op}; "
-            f"backends that do here: {', '.join(have)}"
+            f"backend {backend!r} does not implement {op}; backends that do here: {', '.join(have)}"
         )
-    return backend, getattr(importlib.import_module(_BACKENDS[backend].module), op)
+    return backend, _function(backend, op)
+
+
+def _forward_mode(x) -> bool:
+    """Whether forward-mode AD (jax.jvp, jacfwd, hessian) is differentiating ``x``: a JVP tracer
+    somewhere in its chain of tracers (under vmap, jit, grad...). A JVP tracer whose tangent is
+    a partial-evaluation tracer is reverse mode (jax.grad without direct linearization)."""
+    while isinstance(x, jax.core.Tracer):
+        if isinstance(x, ad.JVPTracer) and not isinstance(x.tangent, pe.JaxprTracer):
+            return True
+        x = getattr(x, "primal", getattr(x, "val", None))
+    return False
+
+
+def _refusing_forward_mode(op: str, name: str, fn: Callable) -> Callable:
+    """``fn`` that raises one clear error under forward-mode AD, before any kernel is traced."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if any(_forward_mode(x) for x in jax.tree.leaves((args, kwargs))):
+            able = [n for n in _BACKENDS if supports_forward_mode(n) and _runs(n, op, platform())]
+            raise TypeError(
+                f"{op} on backend {name!r} does not support forward-mode autodiff (jax.jvp, "
+                f"jax.jacfwd, jax.hessian): its kernels define only a reverse-mode rule "
+                f"(custom_vjp). Backends that support it: {', '.join(map(repr, able))} "
+                f"(pass backend=...)")
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def describe() -> list[dict]:
@@ -151,7 +238,8 @@ def describe() -> list[dict]:
 
 
 register("native", "rwkv_jax.backends.native",
-         "lax.scan over time, checkpointed blocks; the readable reference", lambda p: None)
+         "lax.scan over time, checkpointed blocks; the readable reference", lambda p: None,
+         forward_mode_ad=True)
 register("chunked", "rwkv_jax.backends.chunked",
          "chunked WY/UT-transform algorithm in jax.numpy", lambda p: None,
          float32_tolerance=(2e-3, 2e-3))

@@ -1,0 +1,145 @@
+"""Composition with JAX's transformations and dtypes, on every backend and op: forward-mode AD
+(supported by native, one clear error elsewhere), jax_enable_x64 (one dtype rule, no warning)
+and mixed input dtypes (rejected, except for the state and the per-head parameters)."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference
+from conftest import tolerance
+from rwkv_jax import backends
+from test_ops import Case, call_op, make_inputs
+
+OPS = ("rwkv7", "rwkv6", "gated_linear_attention", "rwkv4", "rwkv7_step", "rwkv6_step")
+# Arrays without a time axis: the state (pool) and per-head parameters.
+NOT_SEQUENCE = ("initial_state", "state", "u", "g_gamma")
+
+
+def small_case(op, **inputs):
+    sizes = dict(batch=2, steps=2 if op.endswith("_step") else 5, heads=2, key=8)
+    if op == "gated_linear_attention":
+        sizes["gates"] = ("g", "g_gamma", "gk")
+    return Case(op, dict(sizes, **inputs))
+
+
+def sequence_names(op, x):
+    if op == "rwkv4":
+        return ["k", "v"]
+    return [n for n in x if n not in NOT_SEQUENCE]
+
+
+# ------------------------------------------------------------------------------------------
+# Forward-mode AD.
+# ------------------------------------------------------------------------------------------
+
+def _tangents(x, seed):
+    rng = np.random.default_rng(seed)
+    return {n: jnp.asarray(rng.standard_normal(a.shape), a.dtype) for n, a in x.items()}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_forward_mode_ad(backend, op):
+    """native: jax.jvp within the gradient tolerance of a float64 central difference of the
+    reference. Every other backend: one TypeError naming the op, the backend and native, for
+    jvp, jvp inside jit, jacfwd and hessian."""
+    x, x64, _ = make_inputs(small_case(op), 20)
+    t = _tangents(x, 21)
+    run = lambda x: call_op(op, x, {}, backend)
+    if backends.supports_forward_mode(backend):
+        (out, state), (d_out, d_state) = jax.jvp(run, (x,), (t,))
+        eps = 1e-6
+        shifted = lambda sign: reference.forward(
+            op, {n: a + sign * eps * np.asarray(t[n], np.float64) for n, a in x64.items()})
+        (out_plus, state_plus), (out_minus, state_minus) = shifted(1), shifted(-1)
+        limit = tolerance(backend, "float32", "gradient")
+        assert reference.relative_error(d_out, (out_plus - out_minus) / (2 * eps)) <= limit
+        assert reference.relative_error(d_state, (state_plus - state_minus) / (2 * eps)) <= limit
+        return
+    first = next(iter(x))
+    scalar = lambda a: jnp.sum(run(dict(x, **{first: a}))[0] ** 2)
+    transforms = {
+        "jvp": lambda: jax.jvp(run, (x,), (t,)),
+        "jit(jvp)": lambda: jax.jit(lambda x, t: jax.jvp(run, (x,), (t,)))(x, t),
+        "jacfwd": lambda: jax.jacfwd(scalar)(x[first]),
+        "hessian": lambda: jax.hessian(scalar)(x[first]),
+    }
+    for name, transform in transforms.items():
+        with pytest.raises(TypeError, match=rf"{op} on backend '{backend}' does not support "
+                                            rf"forward-mode autodiff.*'native'"):
+            transform()
+
+
+def test_reverse_mode_is_not_mistaken_for_forward_mode(backend):
+    """grad of grad and vmap of grad stay allowed on every backend (reverse mode only)."""
+    x, _, _ = make_inputs(small_case("rwkv7"), 22)
+    loss = lambda r: jnp.sum(call_op("rwkv7", dict(x, r=r), {}, backend)[0] ** 2)
+    g = jax.jit(jax.grad(loss))(x["r"])
+    assert np.isfinite(np.asarray(g)).all()
+    batched = jax.vmap(jax.grad(loss))(jnp.stack([x["r"], 2 * x["r"]]))
+    assert np.isfinite(np.asarray(batched)).all()
+
+
+# ------------------------------------------------------------------------------------------
+# jax_enable_x64: outputs in the inputs' dtype, the state float32 (float64 for float64 inputs),
+# the step pool float32; no warning.
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("inputs", ["float32", "float64"])
+@pytest.mark.parametrize("op", OPS)
+def test_x64_dtype_rule(backend, op, inputs):
+    with jax.enable_x64(True):
+        x, x64, _ = make_inputs(small_case(op), 23)
+        # float64 everywhere but the step pool; float32 inputs get a float64 initial state (what
+        # jnp.zeros gives under x64), which the state's float32 rule converts.
+        x = {n: (a if n == "state" else
+                 a.astype(jnp.float64 if inputs == "float64" or n == "initial_state" else
+                          jnp.float32)) for n, a in x.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # e.g. FutureWarning: scatter inputs have incompatible types
+            out, state = call_op(op, x, {}, backend)
+        ref_out, ref_state = reference.forward(op, x64)
+    assert out.dtype == jnp.dtype(inputs)
+    expected_state = jnp.float32 if op.endswith("_step") else jnp.dtype(inputs)
+    assert state.dtype == expected_state, (state.dtype, expected_state)
+    limit = tolerance(backend, "float32", "forward")
+    assert reference.relative_error(out, ref_out) <= limit
+    assert reference.relative_error(state, ref_state) <= limit
+
+
+# ------------------------------------------------------------------------------------------
+# Mixed dtypes: sequence inputs share one dtype; the state and per-head parameters may differ.
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", OPS)
+def test_mixed_sequence_dtypes_are_rejected(backend, op):
+    x, _, _ = make_inputs(small_case(op), 24)
+    odd = sequence_names(op, x)[0]
+    x = dict(x, **{odd: x[odd].astype(jnp.bfloat16)})
+    with pytest.raises(TypeError, match=rf"must share one dtype, got .*{odd} bfloat16.*float32"):
+        call_op(op, x, {}, backend)
+
+
+@pytest.mark.parametrize("op", ["rwkv7", "rwkv6", "gated_linear_attention", "rwkv4"])
+def test_state_and_parameters_in_another_dtype(backend, op):
+    """A bfloat16 initial state (and bfloat16 per-head parameters) with float32 inputs: used as
+    float32, so the result equals passing the same values in float32; the state stays float32
+    and the initial state's gradient comes back in bfloat16."""
+    x, _, _ = make_inputs(small_case(op), 25)
+    rounded = {n: (a.astype(jnp.bfloat16).astype(jnp.float32) if n in NOT_SEQUENCE or
+                   (op == "rwkv4" and n in ("w", "u")) else a) for n, a in x.items()}
+    low = {n: (a.astype(jnp.bfloat16) if n in NOT_SEQUENCE or (op == "rwkv4" and n in ("w", "u"))
+               else a) for n, a in x.items()}
+    out, state = call_op(op, low, {}, backend)
+    ref_out, ref_state = call_op(op, rounded, {}, backend)
+    assert state.dtype == jnp.float32 and out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
+    np.testing.assert_array_equal(np.asarray(state), np.asarray(ref_state))
+    grad = jax.grad(lambda h0: jnp.sum(call_op(op, dict(low, initial_state=h0), {}, backend)[1]))(
+        low["initial_state"])
+    assert grad.dtype == jnp.bfloat16
