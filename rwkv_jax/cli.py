@@ -350,7 +350,12 @@ def run_bench(ops, backend_names, sizes, dtypes, *, repeats=20, warmup=2, max_se
         bar.set_postfix_str(f"{op} {name} {','.join(map(str, size))} {dtype_name}")
         case = make_case(op, *size)
         if name == "fla":
-            results.extend(bench_fla(case, dtype_name, repeats=repeats, max_seconds=max_seconds))
+            rows = bench_fla(case, dtype_name, repeats=repeats, max_seconds=max_seconds)
+            # The same call moves the same bytes as ours (for the bandwidth plot).
+            ours = {r["pass"]: r["bytes_moved"] for r in results if "bytes_moved" in r
+                    and (r["op"], (r["B"], r["T"], r["H"], r["K"]), r["dtype"]) == job}
+            results.extend(dict(r, bytes_moved=ours[r["pass"]]) if r["pass"] in ours else r
+                           for r in rows)
         else:
             results.extend(bench_case(case, name, dtype_name, repeats=repeats, warmup=warmup,
                                       max_seconds=max_seconds))
@@ -421,6 +426,30 @@ def _timed(results):
     return [r for r in results if "median_ms" in r]
 
 
+def _length_axes(ax, lengths, ylabel):
+    """Log-log axes with the measured lengths as plain-number ticks."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sorted(lengths), [str(t) for t in sorted(lengths)])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.set_xlabel("sequence length T (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.grid(True, which="minor", alpha=0.1)
+
+
+def _legend(fig, entries: dict, extra=()):
+    """One legend for the figure, outside the panels: a line per (backend, dtype) label."""
+    from matplotlib.lines import Line2D
+    handles = [Line2D([], [], color=_backend_colour(backend), linestyle=DTYPE_STYLES.get(dtype, "-"),
+                      marker="o", markersize=4) for backend, dtype in entries.values()]
+    handles += [h for h, _ in extra]
+    fig.legend(handles, list(entries) + [label for _, label in extra], loc="outside right center",
+               title="backend")
+
+
 def plot_bench(results: list[dict], path: str, *, device: str = "") -> None:
     """Time per call against the sequence length (log-log), one row of panels per op (forward,
     forward+backward), one line per backend; decode steps (T=1) as bars in a last row."""
@@ -436,26 +465,19 @@ def plot_bench(results: list[dict], path: str, *, device: str = "") -> None:
     n_rows = len(sequence_ops) + (1 if step_ops else 0)
     fig, axes = plt.subplots(max(n_rows, 1), 2, figsize=(10, 3.1 * max(n_rows, 1)),
                              squeeze=False, layout="constrained")
-    handles = {}
+    entries = {}
     for row, op in enumerate(sequence_ops):
         for col, pass_name in enumerate(("fwd", "fwd+bwd")):
             ax = axes[row][col]
             rows = [r for r in timed if r["op"] == op and r["pass"] == pass_name]
             for key, points in _series(rows).items():
-                label = _label(key, dtypes, shapes)
-                handles[label], = ax.plot([r["T"] for r in points],
-                                          [r["median_ms"] for r in points],
-                                          color=_backend_colour(key[0]),
-                                          linestyle=DTYPE_STYLES.get(key[1], "-"), marker="o",
-                                          markersize=4, label=label)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+                entries[_label(key, dtypes, shapes)] = key[:2]
+                ax.plot([r["T"] for r in points], [r["median_ms"] for r in points],
+                        color=_backend_colour(key[0]), linestyle=DTYPE_STYLES.get(key[1], "-"),
+                        marker="o", markersize=4)
+            _length_axes(ax, {r["T"] for r in rows}, "time per call (ms)")
             ax.set_title(f"{op}: {'forward' if pass_name == 'fwd' else 'forward + backward'}",
                          fontsize=10)
-            ax.set_xlabel("sequence length T (tokens)")
-            ax.set_ylabel("time per call (ms)")
-            ax.grid(True, which="major", alpha=0.3)
-            ax.grid(True, which="minor", alpha=0.1)
     if step_ops:
         for col, pass_name in enumerate(("fwd", "fwd+bwd")):
             ax = axes[n_rows - 1][col]
@@ -469,12 +491,15 @@ def plot_bench(results: list[dict], path: str, *, device: str = "") -> None:
                         if (r["op"], r["backend"], r["dtype"]) == (op, backend, dtype):
                             xs.append(j + (i - (len(bars) - 1) / 2) * width)
                             ys.append(r["median_ms"])
-                label = backend + (f" {dtype}" if len(dtypes) > 1 else "")
-                handles[label] = ax.bar(xs, ys, width, color=_backend_colour(backend),
-                                        hatch="//" if dtype != "float32" else None, label=label)
+                entries.setdefault(backend + (f" {dtype}" if len(dtypes) > 1 else ""),
+                                   (backend, dtype))
+                # A linear axis from 0: bar lengths compare the times.
+                bars = ax.bar(xs, ys, width, color=_backend_colour(backend),
+                              hatch="//" if dtype != "float32" else None)
+                ax.bar_label(bars, fmt="%.3g", fontsize=7, padding=1)
             shapes_text = ", ".join(sorted({f"{r['B']},{r['H']},{r['K']}" for r in rows}))
             ax.set_xticks(range(len(step_ops)), step_ops)
-            ax.set_yscale("log")
+            ax.margins(y=0.15)
             ax.set_title(f"decode step (T=1, B,H,K={shapes_text}): "
                          f"{'forward' if pass_name == 'fwd' else 'forward + backward'}",
                          fontsize=10)
@@ -485,7 +510,7 @@ def plot_bench(results: list[dict], path: str, *, device: str = "") -> None:
         batch, heads, head_size = next(iter(shapes))
         title += f" (B={batch}, H={heads}, K=V={head_size})"
     fig.suptitle(title + (f" on {device}" if device else ""))
-    fig.legend(list(handles.values()), list(handles), loc="outside right center", title="backend")
+    _legend(fig, entries)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -503,32 +528,26 @@ def plot_bandwidth(results: list[dict], path: str, *, device: str, peak: float |
     shapes = set((r["B"], r["H"], r["K"]) for r in timed)
     fig, axes = plt.subplots(max(len(ops), 1), 2, figsize=(10, 3.1 * max(len(ops), 1)),
                              squeeze=False, layout="constrained")
-    handles = {}
+    entries, extra = {}, []
     for row, op in enumerate(ops):
         for col, pass_name in enumerate(("fwd", "fwd+bwd")):
             ax = axes[row][col]
             rows = [r for r in timed if r["op"] == op and r["pass"] == pass_name]
             for key, points in _series(rows).items():
-                label = _label(key, dtypes, shapes)
-                handles[label], = ax.plot(
-                    [r["T"] for r in points],
-                    [r["bytes_moved"] / (r["median_ms"] / 1e3) / 1e9 for r in points],
-                    color=_backend_colour(key[0]), linestyle=DTYPE_STYLES.get(key[1], "-"),
-                    marker="o", markersize=4, label=label)
+                entries[_label(key, dtypes, shapes)] = key[:2]
+                ax.plot([r["T"] for r in points],
+                        [r["bytes_moved"] / (r["median_ms"] / 1e3) / 1e9 for r in points],
+                        color=_backend_colour(key[0]), linestyle=DTYPE_STYLES.get(key[1], "-"),
+                        marker="o", markersize=4)
             if peak:
-                label = f"peak {peak / 1e9:,.0f} GB/s"
-                handles[label] = ax.axhline(peak / 1e9, color="black", linestyle="--",
-                                            linewidth=1, label=label)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+                line = ax.axhline(peak / 1e9, color="black", linestyle="--", linewidth=1)
+                extra = [(line, f"device peak\n{peak / 1e9:,.0f} GB/s")]
+            _length_axes(ax, {r["T"] for r in rows}, "achieved bandwidth (GB/s)")
             ax.set_title(f"{op}: {'forward' if pass_name == 'fwd' else 'forward + backward'}",
                          fontsize=10)
-            ax.set_xlabel("sequence length T (tokens)")
-            ax.set_ylabel("achieved bandwidth (GB/s)")
-            ax.grid(True, which="major", alpha=0.3)
-    fig.suptitle(f"achieved bandwidth = (inputs + outputs bytes) / time on {device}"
+    fig.suptitle(f"achieved bandwidth = bytes of inputs and outputs / time, on {device}"
                  + ("" if peak else " (peak unknown for this device)"))
-    fig.legend(list(handles.values()), list(handles), loc="outside right center", title="backend")
+    _legend(fig, entries, extra)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
