@@ -427,13 +427,18 @@ def _timed(results):
 
 
 def _length_axes(ax, lengths, ylabel):
-    """Log-log axes with the measured lengths as plain-number ticks."""
+    """Log-log axes (call after plotting) with the measured lengths as plain-number ticks, and
+    plain numbers on y: 1, 10, 100, with 2 and 5 in between where the data span few decades."""
     from matplotlib.ticker import FuncFormatter, NullFormatter
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(sorted(lengths), [str(t) for t in sorted(lengths)])
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    plain = FuncFormatter(lambda y, _: f"{y:g}")
+    two_five = FuncFormatter(lambda y, _: f"{y:g}" if f"{y:.0e}"[0] in "25" else "")
+    low, high = ax.get_ylim()
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(two_five if high / low < 100 else NullFormatter())
     ax.set_xlabel("sequence length T (tokens)")
     ax.set_ylabel(ylabel)
     ax.grid(True, which="major", alpha=0.3)
@@ -603,7 +608,8 @@ def bench_results(args) -> list[dict] | None:
         print(f"wrote {args.json}")
     if args.plot:
         device = jax.devices()[0].device_kind
-        plot_bench(results, args.plot, device=device)
+        plot_bench(results, args.plot,
+                   device=device if on_gpu else f"a CPU ({os.cpu_count()} cores)")
         print(f"wrote {args.plot}")
         if on_gpu:
             path = _bandwidth_path(args.plot)

@@ -203,8 +203,17 @@ def test_main_job_ends_with_the_verdict(monkeypatch, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("FAILED: 1 of 1 checks")
 
 
-def test_fla_is_optional_here():
+def test_fla_is_optional_here(capsys):
     assert _bench.fla_unavailable_reason() is not None  # no CUDA device on the CPU machine
+    # A failing fla call is reported in fla's rows and never fails our benchmark.
+    rows = cli.bench_fla(_bench.make_case("rwkv7", 1, 8, 1, 16), "float32", repeats=1,
+                         max_seconds=1.0)
+    assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
+    assert all(r["backend"] == "fla" and r["fla_error"] for r in rows)
+    cli.print_bench(rows)
+    assert "ERROR" in capsys.readouterr().out
+    ok = [dict(op="rwkv7", backend="native", dtype="float32", ok=True)]
+    assert cli.verdict(ok, _timing_rows("rwkv7", "native", 1.0) + rows)[0] == 0
 
 
 def test_bench_plot_without_matplotlib_names_it(monkeypatch, capsys):
