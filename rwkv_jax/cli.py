@@ -445,6 +445,29 @@ def _length_axes(ax, lengths, ylabel):
     ax.grid(True, which="minor", alpha=0.1)
 
 
+PASSES = {"fwd": "forward", "fwd+bwd": "forward + backward"}
+
+
+def _line_panels(axes, timed, ops, value, ylabel, entries, peak=None):
+    """Row ``i`` of ``axes``: op ``ops[i]``, forward then forward+backward, ``value(row)``
+    against T, a line per (backend, dtype, B, H, K); ``entries`` collects the legend."""
+    dtypes = set(r["dtype"] for r in timed)
+    shapes = set((r["B"], r["H"], r["K"]) for r in timed)
+    for row, op in enumerate(ops):
+        for col, pass_name in enumerate(PASSES):
+            ax = axes[row][col]
+            rows = [r for r in timed if r["op"] == op and r["pass"] == pass_name]
+            for key, points in _series(rows).items():
+                entries[_label(key, dtypes, shapes)] = key[:2]
+                ax.plot([r["T"] for r in points], [value(r) for r in points],
+                        color=_backend_colour(key[0]), linestyle=DTYPE_STYLES.get(key[1], "-"),
+                        marker="o", markersize=4)
+            if peak:
+                ax.axhline(peak, color="black", linestyle="--", linewidth=1)
+            _length_axes(ax, {r["T"] for r in rows}, ylabel)
+            ax.set_title(f"{op}: {PASSES[pass_name]}", fontsize=10)
+
+
 def _legend(fig, entries: dict, extra=()):
     """One legend for the figure, outside the panels: a line per (backend, dtype) label."""
     from matplotlib.lines import Line2D
@@ -471,45 +494,32 @@ def plot_bench(results: list[dict], path: str, *, device: str = "") -> None:
     fig, axes = plt.subplots(max(n_rows, 1), 2, figsize=(10, 3.1 * max(n_rows, 1)),
                              squeeze=False, layout="constrained")
     entries = {}
-    for row, op in enumerate(sequence_ops):
-        for col, pass_name in enumerate(("fwd", "fwd+bwd")):
-            ax = axes[row][col]
-            rows = [r for r in timed if r["op"] == op and r["pass"] == pass_name]
-            for key, points in _series(rows).items():
-                entries[_label(key, dtypes, shapes)] = key[:2]
-                ax.plot([r["T"] for r in points], [r["median_ms"] for r in points],
-                        color=_backend_colour(key[0]), linestyle=DTYPE_STYLES.get(key[1], "-"),
-                        marker="o", markersize=4)
-            _length_axes(ax, {r["T"] for r in rows}, "time per call (ms)")
-            ax.set_title(f"{op}: {'forward' if pass_name == 'fwd' else 'forward + backward'}",
-                         fontsize=10)
-    if step_ops:
-        for col, pass_name in enumerate(("fwd", "fwd+bwd")):
-            ax = axes[n_rows - 1][col]
-            rows = [r for r in timed if r["op"] in step_ops and r["pass"] == pass_name]
-            bars = list(dict.fromkeys((r["backend"], r["dtype"]) for r in rows))
-            width = 0.8 / max(len(bars), 1)
-            for i, (backend, dtype) in enumerate(bars):
-                xs, ys = [], []
-                for j, op in enumerate(step_ops):
-                    for r in rows:
-                        if (r["op"], r["backend"], r["dtype"]) == (op, backend, dtype):
-                            xs.append(j + (i - (len(bars) - 1) / 2) * width)
-                            ys.append(r["median_ms"])
-                entries.setdefault(backend + (f" {dtype}" if len(dtypes) > 1 else ""),
-                                   (backend, dtype))
-                # A linear axis from 0: bar lengths compare the times.
-                bars = ax.bar(xs, ys, width, color=_backend_colour(backend),
-                              hatch="//" if dtype != "float32" else None)
-                ax.bar_label(bars, fmt="%.3g", fontsize=7, padding=1)
-            shapes_text = ", ".join(sorted({f"{r['B']},{r['H']},{r['K']}" for r in rows}))
-            ax.set_xticks(range(len(step_ops)), step_ops)
-            ax.margins(y=0.15)
-            ax.set_title(f"decode step (T=1, B,H,K={shapes_text}): "
-                         f"{'forward' if pass_name == 'fwd' else 'forward + backward'}",
-                         fontsize=10)
-            ax.set_ylabel("time per step (ms)")
-            ax.grid(True, axis="y", alpha=0.3)
+    _line_panels(axes, [r for r in timed if r["op"] in sequence_ops], sequence_ops,
+                 lambda r: r["median_ms"], "time per call (ms)", entries)
+    for col, pass_name in enumerate(PASSES if step_ops else ()):
+        ax = axes[n_rows - 1][col]
+        rows = [r for r in timed if r["op"] in step_ops and r["pass"] == pass_name]
+        series = list(dict.fromkeys((r["backend"], r["dtype"]) for r in rows))
+        width = 0.8 / max(len(series), 1)
+        for i, (backend, dtype) in enumerate(series):
+            xs, ys = [], []
+            for j, op in enumerate(step_ops):
+                for r in rows:
+                    if (r["op"], r["backend"], r["dtype"]) == (op, backend, dtype):
+                        xs.append(j + (i - (len(series) - 1) / 2) * width)
+                        ys.append(r["median_ms"])
+            entries.setdefault(backend + (f" {dtype}" if len(dtypes) > 1 else ""),
+                               (backend, dtype))
+            # A linear axis from 0: bar lengths compare the times.
+            container = ax.bar(xs, ys, width, color=_backend_colour(backend),
+                               hatch="//" if dtype != "float32" else None)
+            ax.bar_label(container, fmt="%.3g", fontsize=7, padding=1)
+        shapes_text = ", ".join(sorted({f"{r['B']},{r['H']},{r['K']}" for r in rows}))
+        ax.set_xticks(range(len(step_ops)), step_ops)
+        ax.margins(y=0.15)
+        ax.set_title(f"decode step (T=1, B,H,K={shapes_text}): {PASSES[pass_name]}", fontsize=10)
+        ax.set_ylabel("time per step (ms)")
+        ax.grid(True, axis="y", alpha=0.3)
     title = "rwkv_jax bench: median time per call"
     if len(shapes) == 1:
         batch, heads, head_size = next(iter(shapes))
@@ -528,28 +538,15 @@ def plot_bandwidth(results: list[dict], path: str, *, device: str, peak: float |
     import matplotlib.pyplot as plt
 
     timed = [r for r in _timed(results) if r.get("bytes_moved") and r["op"] not in STEP_OPS]
+    from matplotlib.lines import Line2D
     ops = list(dict.fromkeys(r["op"] for r in timed))
-    dtypes = set(r["dtype"] for r in timed)
-    shapes = set((r["B"], r["H"], r["K"]) for r in timed)
     fig, axes = plt.subplots(max(len(ops), 1), 2, figsize=(10, 3.1 * max(len(ops), 1)),
                              squeeze=False, layout="constrained")
-    entries, extra = {}, []
-    for row, op in enumerate(ops):
-        for col, pass_name in enumerate(("fwd", "fwd+bwd")):
-            ax = axes[row][col]
-            rows = [r for r in timed if r["op"] == op and r["pass"] == pass_name]
-            for key, points in _series(rows).items():
-                entries[_label(key, dtypes, shapes)] = key[:2]
-                ax.plot([r["T"] for r in points],
-                        [r["bytes_moved"] / (r["median_ms"] / 1e3) / 1e9 for r in points],
-                        color=_backend_colour(key[0]), linestyle=DTYPE_STYLES.get(key[1], "-"),
-                        marker="o", markersize=4)
-            if peak:
-                line = ax.axhline(peak / 1e9, color="black", linestyle="--", linewidth=1)
-                extra = [(line, f"device peak\n{peak / 1e9:,.0f} GB/s")]
-            _length_axes(ax, {r["T"] for r in rows}, "achieved bandwidth (GB/s)")
-            ax.set_title(f"{op}: {'forward' if pass_name == 'fwd' else 'forward + backward'}",
-                         fontsize=10)
+    entries = {}
+    _line_panels(axes, timed, ops, lambda r: r["bytes_moved"] / (r["median_ms"] / 1e3) / 1e9,
+                 "achieved bandwidth (GB/s)", entries, peak=peak / 1e9 if peak else None)
+    extra = [(Line2D([], [], color="black", linestyle="--", linewidth=1),
+              f"device peak\n{peak / 1e9:,.0f} GB/s")] if peak else []
     fig.suptitle(f"achieved bandwidth = bytes of inputs and outputs / time, on {device}"
                  + ("" if peak else " (peak unknown for this device)"))
     _legend(fig, entries, extra)
