@@ -137,7 +137,6 @@ def generate(model: RWKV7LM, prompts, *, max_new_tokens: int, temperature: float
     position = [0] * lanes  # tokens of its request fed so far
     active = [True] * lanes
     waiting = lanes  # the next request to start
-    next_token = np.zeros(lanes, np.int32)
     steps = 0
     while any(active):
         tokens = np.array([prompts[r][p] if p < len(prompts[r]) else outputs[r][-1]
