@@ -107,5 +107,11 @@ done
 
 echo
 echo "== summary ($OUT)"
-{ printf 'part\tstatus\tseconds\tlast line\n'; cat "$OUT/summary.tsv"; } | column -t -s $'\t'
+# Aligned with awk (the GPU image has no `column`).
+{ printf 'part\tstatus\tseconds\tlast line\n'; cat "$OUT/summary.tsv"; } | awk -F'\t' '
+  { for (i = 1; i <= NF; i++) { cell[NR, i] = $i; if (length($i) > width[i]) width[i] = length($i) }
+    if (NF > columns) columns = NF }
+  END { for (r = 1; r <= NR; r++) { line = ""
+          for (i = 1; i < columns; i++) line = line sprintf("%-" width[i] "s  ", cell[r, i])
+          print line cell[r, columns] } }'
 exit $failed

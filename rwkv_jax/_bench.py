@@ -171,3 +171,103 @@ def device_peak_bytes() -> int | None:
     JAX cannot reset it, so it is per case only in a process that runs one case."""
     stats = jax.devices()[0].memory_stats()
     return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def bytes_moved(fn: Callable, args) -> int:
+    """The least memory traffic of one call: every input read once and every output written
+    once (bytes). Achieved bandwidth = this / time: a lower bound on what the kernel moved."""
+    outputs = jax.eval_shape(fn, *args)
+    sizes = [np.dtype(x.dtype).itemsize * int(np.prod(x.shape))
+             for x in jax.tree.leaves((args, outputs))]
+    return int(sum(sizes))
+
+
+# Peak memory bandwidth (bytes/s) of GPUs by the start of jax's device_kind, from the vendors'
+# data sheets; the achieved-bandwidth plot draws it as the ceiling.
+PEAK_BANDWIDTH = {
+    "NVIDIA H200": 4.8e12,
+    "NVIDIA H100 PCIe": 2.0e12,
+    "NVIDIA H100": 3.35e12,  # SXM (HBM3)
+    "NVIDIA A100-SXM4-80GB": 2.039e12,
+    "NVIDIA A100": 1.555e12,
+    "NVIDIA L4": 0.3e12,
+}
+
+
+def peak_bandwidth(device_kind: str) -> float | None:
+    """The peak bandwidth of ``device_kind`` (longest matching name first), None if unknown."""
+    for name in sorted(PEAK_BANDWIDTH, key=len, reverse=True):
+        if device_kind.startswith(name):
+            return PEAK_BANDWIDTH[name]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# fla (flash-linear-attention, torch + Triton) on the same inputs, where it is installed and a
+# CUDA device is there: its number beside ours. Only ops whose math fla computes exactly.
+
+FLA_OPS = {
+    # op -> (fla module, function, our argument names in fla's positional order)
+    "rwkv7": ("fla.ops.rwkv7", "chunk_rwkv7", ("r", "w", "k", "v", "a", "b")),
+    "rwkv6": ("fla.ops.rwkv6", "chunk_rwkv6", ("r", "k", "v", "w", "u")),
+}
+
+
+def fla_unavailable_reason() -> str | None:
+    """Why fla cannot be timed here (None when it can)."""
+    import importlib.util
+    if importlib.util.find_spec("fla") is None:
+        return "fla is not installed"
+    if importlib.util.find_spec("torch") is None:
+        return "fla needs torch"
+    import torch
+    if not torch.cuda.is_available():
+        return "fla needs a CUDA device visible to torch"
+    return None
+
+
+def time_fla(case: Case, dtype_name: str, *, repeats: int, max_seconds: float) -> dict:
+    """Median ms of fla's kernel for ``case``: ``{"fwd": ms, "fwd+bwd": ms}`` (torch's CUDA
+    events around each call; the first calls compile and autotune, untimed)."""
+    import importlib
+    import torch
+    module, function, names = FLA_OPS[case.op]
+    fla_op = getattr(importlib.import_module(module), function)
+    dtype = getattr(torch, dtype_name)
+    arrays = case.as_dtype(np.float32)  # cast in torch: numpy has no bfloat16
+    tensors = {n: torch.from_numpy(np.ascontiguousarray(x)).cuda() for n, x in arrays.items()}
+    tensors = {n: (t if n == "initial_state" else t.to(dtype)).requires_grad_(True)
+               for n, t in tensors.items()}
+    options = dict(scale=case.options.get("scale", 1.0), output_final_state=True)
+
+    def forward():
+        return fla_op(*(tensors[n] for n in names), initial_state=tensors["initial_state"],
+                      **options)
+
+    out, state = forward()
+    d_out, d_state = torch.randn_like(out), torch.randn_like(state)
+
+    def forward_backward():
+        out, state = forward()
+        torch.autograd.backward((out, state), (d_out, d_state))
+        for t in tensors.values():
+            t.grad = None
+
+    def median_ms(fn):
+        for _ in range(2):
+            fn()
+        times, started = [], time.perf_counter()
+        while len(times) < max(repeats, 3):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(begin.elapsed_time(end))
+            if time.perf_counter() - started > max_seconds:
+                break
+        return statistics.median(times)
+
+    with torch.no_grad():
+        fwd = median_ms(forward)
+    return {"fwd": fwd, "fwd+bwd": median_ms(forward_backward)}

@@ -1,9 +1,11 @@
 """The ``rwkv-jax`` command (also ``python -m rwkv_jax``).
 
-    rwkv-jax          info, then check, then a quick bench: the first thing to run on a machine
+    rwkv-jax          the main job (about a minute on a CPU): info, check, a quick bench of the
+                      performance paths, then one verdict line
     rwkv-jax info     versions, devices, backends available here (or why not), default per op
     rwkv-jax check    every op x available backend against a float64 reference, with pass/fail
     rwkv-jax bench    every op x backend, forward and forward+backward, timings and memory
+                      (beside fla's kernels on a GPU where fla is installed); --plot draws them
 
 Exit codes: 0 all good, 1 a check failed or a benchmark case errored, 2 bad command line.
 """
@@ -26,8 +28,9 @@ import numpy as np
 
 from . import __version__, backends
 from . import ops as public_ops
-from ._bench import (DTYPES, PRESETS, STEP_OPS, Case, bind, device_peak_bytes, make_case,
-                     random_cotangents, time_function, vjp_function)
+from ._bench import (DTYPES, FLA_OPS, PRESETS, STEP_OPS, Case, bind, bytes_moved,
+                     device_peak_bytes, fla_unavailable_reason, make_case, peak_bandwidth,
+                     random_cotangents, time_fla, time_function, vjp_function)
 from .backends import native
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "numpy", "triton", "torch", "jax-triton", "flax")
@@ -36,6 +39,13 @@ PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "numpy", "triton", "torch", "j
 CHECK_SIZE = (2, 72, 2, 64)
 QUICK_CHECK_SIZE = (1, 20, 2, 64)
 STEP_LENGTH = 3
+
+# Backends that run on a platform only as a correctness path: checked, but not timed unless
+# named with --backend (their times say nothing about speed).
+CORRECTNESS_ONLY = {"cpu": {"triton": "Triton's interpreter"}}
+
+# bench --plot without sizes: a sweep over the sequence length at one (B, H, K).
+PLOT_SWEEP = {"cpu": ((1, 4, 64), (64, 256, 1024)), "gpu": ((8, 32, 64), (512, 1024, 2048, 4096))}
 
 # The keyword arguments a backend function needs that the public op fills in by default.
 BACKEND_DEFAULTS = {
@@ -135,11 +145,17 @@ def _selected_ops(args) -> list[str]:
     return args.op or list(backends.OPS)
 
 
-def _selected_backends(args, op: str) -> list[str]:
-    """Backends to run ``op`` on: the requested ones that implement it, else all available."""
+def _selected_backends(args, op: str, *, timing: bool = False) -> list[str]:
+    """Backends to run ``op`` on: the requested ones that implement it, else all available
+    (for timing, without this platform's correctness-only paths)."""
     rows = {b["name"]: b for b in backends.describe()}
-    names = args.backend or [name for name, row in rows.items() if row["available"]]
+    names = args.backend or [name for name, row in rows.items() if row["available"]
+                             and not (timing and name in _correctness_only())]
     return [name for name in names if op in rows[name]["ops"]]
+
+
+def _correctness_only() -> dict:
+    return CORRECTNESS_ONLY.get(backends.platform(), {})
 
 
 def _check_requested_backends(args) -> str | None:
@@ -215,8 +231,9 @@ def run_check(ops: list[str], dtypes: list[str], size, select_backends, *, seed:
     batch, length, heads, head_size = size
     jobs = [(op, dt) for op in ops for dt in dtypes if select_backends(op)]
     rows = []
-    for op, dtype_name in tqdm(jobs, desc="check", unit="case", disable=not progress,
-                               file=sys.stderr, leave=False):
+    bar = tqdm(jobs, desc="check", unit="case", disable=not progress, file=sys.stderr, leave=False)
+    for op, dtype_name in bar:
+        bar.set_postfix_str(f"{op} {dtype_name} on {', '.join(select_backends(op))}")
         step_length = min(length, STEP_LENGTH) if op in STEP_OPS else length
         case = make_case(op, batch, step_length, heads, head_size, seed=seed)
         rows.extend(check_case(case, dtype_name, select_backends(op)))
@@ -242,20 +259,26 @@ def print_check(rows: list[dict], size) -> None:
     print(f"{len(rows) - failed} passed, {failed} failed")
 
 
-def cmd_check(args) -> int:
+def check_rows(args) -> list[dict] | None:
+    """The rows of ``rwkv-jax check`` (printed), or None when nothing could run."""
     reason = _check_requested_backends(args)
     if reason:
         print(f"rwkv-jax check: {reason}", file=sys.stderr)
-        return 1
+        return None
     size = args.size[-1] if args.size else (QUICK_CHECK_SIZE if args.quick else CHECK_SIZE)
     dtypes = args.dtype or ["float32", "bfloat16"]
     rows = run_check(_selected_ops(args), dtypes, size, lambda op: _selected_backends(args, op),
                      seed=args.seed)
     if not rows:
         print("rwkv-jax check: no backend here implements the selected ops", file=sys.stderr)
-        return 1
+        return None
     print_check(rows, size)
-    return 0 if all(r["ok"] for r in rows) else 1
+    return rows
+
+
+def cmd_check(args) -> int:
+    rows = check_rows(args)
+    return 0 if rows and all(r["ok"] for r in rows) else 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,14 +291,11 @@ def bench_case(case: Case, backend: str, dtype_name: str, *, repeats: int, warmu
     xs = tuple(jax.device_put(x) for x in arrays.values())
     forward = bind(functools.partial(getattr(public_ops, case.op), backend=backend), tuple(arrays),
                    case.options)
-    batch, length, heads, head_size = case.shape
-    common = dict(op=case.op, backend=backend, dtype=dtype_name, B=batch, T=length, H=heads,
-                  K=head_size)
     results = []
     for pass_name, fn, args in (("fwd", forward, xs),
                                 ("fwd+bwd", vjp_function(forward),
                                  (xs, random_cotangents(forward, xs)))):
-        row = dict(common, **{"pass": pass_name})
+        row = dict(_case_row(case, backend, dtype_name), **{"pass": pass_name})
         try:
             timing = time_function(fn, args, repeats=repeats, warmup=warmup, max_seconds=max_seconds)
         except Exception as err:  # e.g. out of memory or a size the backend refuses: reported
@@ -283,23 +303,62 @@ def bench_case(case: Case, backend: str, dtype_name: str, *, repeats: int, warmu
             continue
         results.append(dict(row, median_ms=timing.median_s * 1e3, min_ms=timing.min_s * 1e3,
                             repeats=timing.repeats, tokens_per_s=case.tokens / timing.median_s,
-                            peak_bytes=timing.peak_bytes))
+                            peak_bytes=timing.peak_bytes, bytes_moved=bytes_moved(fn, args)))
     return results
 
 
+def _case_row(case: Case, backend: str, dtype_name: str) -> dict:
+    batch, length, heads, head_size = case.shape
+    return dict(op=case.op, backend=backend, dtype=dtype_name, B=batch, T=length, H=heads,
+                K=head_size)
+
+
+def bench_fla(case: Case, dtype_name: str, *, repeats: int, max_seconds: float) -> list[dict]:
+    """fla's rows for ``case`` (its kernel on the same inputs). A failure of fla is reported in
+    its rows, never as a failure of ours."""
+    common = _case_row(case, "fla", dtype_name)
+    try:
+        times = time_fla(case, dtype_name, repeats=repeats, max_seconds=max_seconds)
+    except Exception as err:
+        return [dict(common, **{"pass": p}, fla_error=_error_text(err)) for p in ("fwd", "fwd+bwd")]
+    return [dict(common, **{"pass": p}, median_ms=ms, tokens_per_s=case.tokens / (ms / 1e3),
+                 peak_bytes=None, repeats=repeats) for p, ms in times.items()]
+
+
+def _bench_jobs(ops, backend_names, sizes, dtypes) -> list[tuple]:
+    """(op, backend, (B, T, H, K), dtype) per case; step ops decode one token (T=1), so they
+    run once per (B, H, K) whatever the lengths asked for."""
+    jobs = []
+    for batch, length, heads, head_size in sizes:
+        for op in ops:
+            size = (batch, 1 if op in STEP_OPS else length, heads, head_size)
+            jobs += [(op, name, size, dt) for name in backend_names(op) for dt in dtypes]
+    return list(dict.fromkeys(jobs))
+
+
 def run_bench(ops, backend_names, sizes, dtypes, *, repeats=20, warmup=2, max_seconds=10.0,
-              progress=True) -> list[dict]:
-    """Every op x backend x size x dtype; step ops run one decoding token (T=1) per row."""
+              progress=True, fla=False) -> list[dict]:
+    """Every op x backend x size x dtype, then fla's kernel for the ops it has when ``fla``."""
     from tqdm import tqdm
-    jobs = [(op, name, size, dt) for size in sizes for op in ops for name in backend_names(op)
-            for dt in dtypes]
+    jobs = _bench_jobs(ops, backend_names, sizes, dtypes)
+    fla_jobs = list(dict.fromkeys((op, size, dt) for op, _, size, dt in jobs if op in FLA_OPS)) \
+        if fla else []
     results = []
-    bar = tqdm(jobs, desc="bench", unit="case", disable=not progress, file=sys.stderr)
-    for op, name, (batch, length, heads, head_size), dtype_name in bar:
-        bar.set_postfix_str(f"{op} {name} {batch},{length},{heads},{head_size} {dtype_name}")
-        case = make_case(op, batch, 1 if op in STEP_OPS else length, heads, head_size)
-        results.extend(bench_case(case, name, dtype_name, repeats=repeats, warmup=warmup,
-                                  max_seconds=max_seconds))
+    bar = tqdm(jobs + fla_jobs, desc="bench", unit="case", disable=not progress, file=sys.stderr)
+    for job in bar:
+        op, name, size, dtype_name = job if len(job) == 4 else (job[0], "fla", *job[1:])
+        bar.set_postfix_str(f"{op} {name} {','.join(map(str, size))} {dtype_name}")
+        case = make_case(op, *size)
+        if name == "fla":
+            rows = bench_fla(case, dtype_name, repeats=repeats, max_seconds=max_seconds)
+            # The same call moves the same bytes as ours (for the bandwidth plot).
+            ours = {r["pass"]: r["bytes_moved"] for r in results if "bytes_moved" in r
+                    and (r["op"], (r["B"], r["T"], r["H"], r["K"]), r["dtype"]) == job}
+            results.extend(dict(r, bytes_moved=ours[r["pass"]]) if r["pass"] in ours else r
+                           for r in rows)
+        else:
+            results.extend(bench_case(case, name, dtype_name, repeats=repeats, warmup=warmup,
+                                      max_seconds=max_seconds))
     return results
 
 
@@ -307,70 +366,237 @@ def print_bench(results: list[dict]) -> None:
     table = []
     for r in results:
         shape = f"{r['B']},{r['T']},{r['H']},{r['K']}"
-        if "error" in r:
-            table.append([r["op"], r["backend"], r["dtype"], shape, r["pass"], "ERROR " + r["error"],
+        failure = r.get("error") or r.get("fla_error")
+        if failure:
+            table.append([r["op"], r["backend"], r["dtype"], shape, r["pass"], "ERROR " + failure,
                           "", "", ""])
         else:
             table.append([r["op"], r["backend"], r["dtype"], shape, r["pass"],
                           f"{r['median_ms']:.3f}", f"{r['tokens_per_s']:,.0f}",
                           _megabytes(r["peak_bytes"]), r["repeats"]])
     print("bench: median wall time per call (block_until_ready); peak = compiled memory "
-          "(arguments + outputs + temporaries); step ops decode T=1")
+          "(arguments + outputs + temporaries); step ops decode one token (T=1)")
     print(format_table(["op", "backend", "dtype", "B,T,H,K", "pass", "ms", "tokens/s", "peak MB",
                         "n"], table))
 
 
-def plot_bench(results: list[dict], path: str) -> None:
+def fastest(results: list[dict]) -> list[dict]:
+    """Per op, the row of our fastest backend at the largest size timed: forward+backward
+    (training) for sequence ops, forward (decoding) for step ops."""
+    best = []
+    for op in dict.fromkeys(r["op"] for r in results):
+        wanted = "fwd" if op in STEP_OPS else "fwd+bwd"
+        rows = [r for r in results if r["op"] == op and r["pass"] == wanted and "median_ms" in r
+                and r["backend"] != "fla"]
+        if rows:
+            largest = max(r["B"] * r["T"] * r["H"] * r["K"] for r in rows)
+            best.append(min((r for r in rows if r["B"] * r["T"] * r["H"] * r["K"] == largest),
+                            key=lambda r: r["median_ms"]))
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# bench --plot
+
+def _backend_colour(name: str) -> str:
+    """One colour per backend, the same in every panel and figure."""
+    order = list(backends.names()) + ["fla"]
+    return f"C{order.index(name) % 10}" if name in order else "black"
+
+
+DTYPE_STYLES = {"float32": "-", "bfloat16": "--", "float16": ":"}
+
+
+def _series(rows):
+    """Rows grouped into lines: (backend, dtype, B, H, K) -> rows sorted by T."""
+    lines: dict = {}
+    for r in rows:
+        lines.setdefault((r["backend"], r["dtype"], r["B"], r["H"], r["K"]), []).append(r)
+    return {key: sorted(points, key=lambda r: r["T"]) for key, points in lines.items()}
+
+
+def _label(key, dtypes, shapes) -> str:
+    backend, dtype, batch, heads, head_size = key
+    parts = [backend] + ([dtype] if len(dtypes) > 1 else [])
+    parts += [f"B,H,K={batch},{heads},{head_size}"] if len(shapes) > 1 else []
+    return " ".join(parts)
+
+
+def _timed(results):
+    return [r for r in results if "median_ms" in r]
+
+
+def _length_axes(ax, lengths, ylabel):
+    """Log-log axes (call after plotting) with the measured lengths as plain-number ticks, and
+    plain numbers on y: 1, 10, 100, with 2 and 5 in between where the data span few decades."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sorted(lengths), [str(t) for t in sorted(lengths)])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    plain = FuncFormatter(lambda y, _: f"{y:g}")
+    two_five = FuncFormatter(lambda y, _: f"{y:g}" if f"{y:.0e}"[0] in "25" else "")
+    low, high = ax.get_ylim()
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(two_five if high / low < 100 else NullFormatter())
+    ax.set_xlabel("sequence length T (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.grid(True, which="minor", alpha=0.1)
+
+
+PASSES = {"fwd": "forward", "fwd+bwd": "forward + backward"}
+
+
+def _line_panels(axes, timed, ops, value, ylabel, entries, peak=None):
+    """Row ``i`` of ``axes``: op ``ops[i]``, forward then forward+backward, ``value(row)``
+    against T, a line per (backend, dtype, B, H, K); ``entries`` collects the legend."""
+    dtypes = set(r["dtype"] for r in timed)
+    shapes = set((r["B"], r["H"], r["K"]) for r in timed)
+    for row, op in enumerate(ops):
+        for col, pass_name in enumerate(PASSES):
+            ax = axes[row][col]
+            rows = [r for r in timed if r["op"] == op and r["pass"] == pass_name]
+            for key, points in _series(rows).items():
+                entries[_label(key, dtypes, shapes)] = key[:2]
+                ax.plot([r["T"] for r in points], [value(r) for r in points],
+                        color=_backend_colour(key[0]), linestyle=DTYPE_STYLES.get(key[1], "-"),
+                        marker="o", markersize=4)
+            if peak:
+                ax.axhline(peak, color="black", linestyle="--", linewidth=1)
+            _length_axes(ax, {r["T"] for r in rows}, ylabel)
+            ax.set_title(f"{op}: {PASSES[pass_name]}", fontsize=10)
+
+
+def _legend(fig, entries: dict, extra=()):
+    """One legend for the figure, outside the panels: a line per (backend, dtype) label."""
+    from matplotlib.lines import Line2D
+    handles = [Line2D([], [], color=_backend_colour(backend), linestyle=DTYPE_STYLES.get(dtype, "-"),
+                      marker="o", markersize=4) for backend, dtype in entries.values()]
+    handles += [h for h, _ in extra]
+    fig.legend(handles, list(entries) + [label for _, label in extra], loc="outside right center",
+               title="backend")
+
+
+def plot_bench(results: list[dict], path: str, *, device: str = "") -> None:
+    """Time per call against the sequence length (log-log), one row of panels per op (forward,
+    forward+backward), one line per backend; decode steps (T=1) as bars in a last row."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    timed = [r for r in results if "error" not in r]
-    ops = list(dict.fromkeys(r["op"] for r in timed))
-    fig, axes = plt.subplots(1, max(len(ops), 1), figsize=(4.5 * max(len(ops), 1), 4), squeeze=False)
-    for ax, op in zip(axes[0], ops):
-        rows = [r for r in timed if r["op"] == op]
-        for series in dict.fromkeys((r["backend"], r["dtype"], r["pass"]) for r in rows):
-            points = [r for r in rows if (r["backend"], r["dtype"], r["pass"]) == series]
-            ax.plot([f"{r['B']},{r['T']},{r['H']},{r['K']}" for r in points],
-                    [r["median_ms"] for r in points], marker="o", label=" ".join(series))
-        ax.set_title(op)
-        ax.set_xlabel("B,T,H,K")
-        ax.set_ylabel("ms per call (median)")
-        ax.set_yscale("log")
-        ax.tick_params(axis="x", labelrotation=30)
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    timed = _timed(results)
+    sequence_ops = [op for op in dict.fromkeys(r["op"] for r in timed) if op not in STEP_OPS]
+    step_ops = [op for op in dict.fromkeys(r["op"] for r in timed) if op in STEP_OPS]
+    dtypes = set(r["dtype"] for r in timed)
+    shapes = set((r["B"], r["H"], r["K"]) for r in timed if r["op"] in sequence_ops)
+    n_rows = len(sequence_ops) + (1 if step_ops else 0)
+    fig, axes = plt.subplots(max(n_rows, 1), 2, figsize=(10, 3.1 * max(n_rows, 1)),
+                             squeeze=False, layout="constrained")
+    entries = {}
+    _line_panels(axes, [r for r in timed if r["op"] in sequence_ops], sequence_ops,
+                 lambda r: r["median_ms"], "time per call (ms)", entries)
+    for col, pass_name in enumerate(PASSES if step_ops else ()):
+        ax = axes[n_rows - 1][col]
+        rows = [r for r in timed if r["op"] in step_ops and r["pass"] == pass_name]
+        series = list(dict.fromkeys((r["backend"], r["dtype"]) for r in rows))
+        width = 0.8 / max(len(series), 1)
+        for i, (backend, dtype) in enumerate(series):
+            xs, ys = [], []
+            for j, op in enumerate(step_ops):
+                for r in rows:
+                    if (r["op"], r["backend"], r["dtype"]) == (op, backend, dtype):
+                        xs.append(j + (i - (len(series) - 1) / 2) * width)
+                        ys.append(r["median_ms"])
+            entries.setdefault(backend + (f" {dtype}" if len(dtypes) > 1 else ""),
+                               (backend, dtype))
+            # A linear axis from 0: bar lengths compare the times.
+            container = ax.bar(xs, ys, width, color=_backend_colour(backend),
+                               hatch="//" if dtype != "float32" else None)
+            ax.bar_label(container, fmt="%.3g", fontsize=7, padding=1)
+        shapes_text = ", ".join(sorted({f"{r['B']},{r['H']},{r['K']}" for r in rows}))
+        ax.set_xticks(range(len(step_ops)), step_ops)
+        ax.margins(y=0.15)
+        ax.set_title(f"decode step (T=1, B,H,K={shapes_text}): {PASSES[pass_name]}", fontsize=10)
+        ax.set_ylabel("time per step (ms)")
+        ax.grid(True, axis="y", alpha=0.3)
+    title = "rwkv_jax bench: median time per call"
+    if len(shapes) == 1:
+        batch, heads, head_size = next(iter(shapes))
+        title += f" (B={batch}, H={heads}, K=V={head_size})"
+    fig.suptitle(title + (f" on {device}" if device else ""))
+    _legend(fig, entries)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_bandwidth(results: list[dict], path: str, *, device: str, peak: float | None) -> None:
+    """Achieved bandwidth (least bytes moved / time) against the sequence length, per op and
+    pass, with the device's peak as the ceiling."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in _timed(results) if r.get("bytes_moved") and r["op"] not in STEP_OPS]
+    from matplotlib.lines import Line2D
+    ops = list(dict.fromkeys(r["op"] for r in timed))
+    fig, axes = plt.subplots(max(len(ops), 1), 2, figsize=(10, 3.1 * max(len(ops), 1)),
+                             squeeze=False, layout="constrained")
+    entries = {}
+    _line_panels(axes, timed, ops, lambda r: r["bytes_moved"] / (r["median_ms"] / 1e3) / 1e9,
+                 "achieved bandwidth (GB/s)", entries, peak=peak / 1e9 if peak else None)
+    extra = [(Line2D([], [], color="black", linestyle="--", linewidth=1),
+              f"device peak\n{peak / 1e9:,.0f} GB/s")] if peak else []
+    fig.suptitle(f"achieved bandwidth = bytes of inputs and outputs / time, on {device}"
+                 + ("" if peak else " (peak unknown for this device)"))
+    _legend(fig, entries, extra)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _bandwidth_path(path: str) -> str:
+    root, ext = os.path.splitext(path)
+    return f"{root}_bandwidth{ext or '.png'}"
 
 
 def _bench_sizes(args) -> list[tuple]:
     sizes = [PRESETS[name] for name in args.preset or []] + list(args.size or [])
     if sizes:
         return sizes
+    platform = "cpu" if backends.platform() == "cpu" else "gpu"
+    if args.plot:  # a line per backend needs several lengths
+        (batch, heads, head_size), lengths = PLOT_SWEEP[platform]
+        return [(batch, t, heads, head_size) for t in lengths]
     if args.quick:
         return [PRESETS["small"]]
-    if backends.platform() == "cpu":
+    if platform == "cpu":
         return [PRESETS["small"], PRESETS["medium"]]
     return [PRESETS[name] for name in ("small", "medium", "large", "xl")]
 
 
-def cmd_bench(args) -> int:
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        print("rwkv-jax bench: --plot needs the package 'matplotlib' "
-              "(pip install matplotlib, or the [plot] extra)", file=sys.stderr)
-        return 2
+def bench_results(args) -> list[dict] | None:
+    """The rows of ``rwkv-jax bench`` (printed, written), or None when it could not start."""
     reason = _check_requested_backends(args)
     if reason:
         print(f"rwkv-jax bench: {reason}", file=sys.stderr)
-        return 1
-    dtypes = args.dtype or (["float32"] if backends.platform() == "cpu" else ["bfloat16"])
+        return None
+    skipped = {name: what for name, what in _correctness_only().items()
+               if not args.backend and any(name in _selected_backends(args, op)
+                                           for op in _selected_ops(args))}
+    for name, what in skipped.items():
+        print(f"bench: not timing {name} ({what} on {backends.platform()}: a correctness path, "
+              f"checked by rwkv-jax check); name it with --backend {name} to time it anyway")
+    on_gpu = backends.platform() != "cpu"
+    fla_reason = fla_unavailable_reason() if on_gpu and not args.no_fla else None
+    if on_gpu and not args.no_fla and fla_reason:
+        print(f"bench: fla not timed beside ours: {fla_reason}")
+    dtypes = args.dtype or (["float32"] if not on_gpu else ["bfloat16"])
     repeats = args.repeats or (5 if args.quick else 20)
     max_seconds = 3.0 if args.quick else args.max_seconds
-    results = run_bench(_selected_ops(args), lambda op: _selected_backends(args, op),
+    results = run_bench(_selected_ops(args),
+                        lambda op: _selected_backends(args, op, timing=True),
                         _bench_sizes(args), dtypes, repeats=repeats, warmup=args.warmup,
-                        max_seconds=max_seconds)
+                        max_seconds=max_seconds, fla=on_gpu and not args.no_fla and not fla_reason)
     print_bench(results)
     if args.json:
         with open(args.json, "w") as f:
@@ -378,9 +604,66 @@ def cmd_bench(args) -> int:
                            results=results), f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
-        plot_bench(results, args.plot)
+        device = jax.devices()[0].device_kind
+        plot_bench(results, args.plot,
+                   device=device if on_gpu else f"a CPU ({os.cpu_count()} cores)")
         print(f"wrote {args.plot}")
-    return 1 if any("error" in r for r in results) else 0
+        if on_gpu:
+            path = _bandwidth_path(args.plot)
+            plot_bandwidth(results, path, device=device, peak=peak_bandwidth(device))
+            print(f"wrote {path}")
+    return results
+
+
+def cmd_bench(args) -> int:
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("rwkv-jax bench: --plot needs the package 'matplotlib' "
+              "(pip install matplotlib, or the [plot] extra)", file=sys.stderr)
+        return 2
+    results = bench_results(args)
+    return 1 if results is None or any("error" in r for r in results) else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The main job
+
+def verdict(check: list[dict] | None, bench: list[dict] | None) -> tuple[int, str]:
+    """The exit status and the one line that ends the main job."""
+    if not check:
+        return 1, "FAILED: no check ran"
+    failed = [f"{r['op']} {r['backend']} {r['dtype']}" for r in check if not r["ok"]]
+    if failed:
+        return 1, (f"FAILED: {len(failed)} of {len(check)} checks failed ({', '.join(failed)}); "
+                   f"benchmark skipped")
+    errored = [f"{r['op']} {r['backend']} {r['pass']}" for r in bench or [] if "error" in r]
+    best = fastest(bench or [])
+    line = f"all {len(check)} checks passed; fastest here: " + ", ".join(
+        f"{r['op']} {r['backend']} {r['median_ms']:.3g} ms" + (" per step" if r["op"] in STEP_OPS
+                                                               else "") for r in best)
+    shapes = " / ".join(dict.fromkeys(f"{r['B']},{r['T']},{r['H']},{r['K']}" for r in best
+                                    if r["op"] not in STEP_OPS))
+    if best:
+        line += f" (forward+backward at B,T,H,K={shapes}; steps: forward, one token)"
+    if bench is None or errored:
+        return 1, line + (f"; FAILED: {len(errored)} benchmark cases errored ({', '.join(errored)})"
+                          if errored else "; FAILED: the benchmark did not run")
+    return 0, line
+
+
+def main_job(parser) -> int:
+    """info, check (the quick size, float32, every backend), a quick bench of the performance
+    paths, and the verdict: about a minute on a 2-core CPU."""
+    cmd_info(None)
+    print()
+    check = check_rows(parser.parse_args(["check", "--quick", "--dtype", "float32"]))
+    print()
+    bench = None
+    if check and all(r["ok"] for r in check):
+        bench = bench_results(parser.parse_args(["bench", "--quick"]))
+        print()
+    status, line = verdict(check, bench)
+    print(line)
+    return status
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,28 +694,39 @@ def _names(choices):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rwkv-jax", description="RWKV linear-attention kernels for JAX: inspect, check, benchmark. "
-        "Without a subcommand: info, then check, then a quick bench.")
+        "Without a subcommand, the main job (about a minute on a CPU): info, check (quick size, "
+        "float32), a quick bench of the backends that are performance paths here, and a verdict.")
     parser.add_argument("--version", action="version", version=f"rwkv_jax {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{info,check,bench}")
     commands.add_parser("info", help="versions, devices, backends available here and why not")
 
-    def selection(p):
+    def selection(p, *, backend_default, dtype_default, size_help, quick_help):
         p.add_argument("--op", type=_names(lambda: backends.OPS), action="extend",
                        help="ops to run, comma-separated (default: all)")
         p.add_argument("--backend", type=_names(backends.names), action="extend",
-                       help="backends to run, comma-separated (default: all available here)")
+                       help=f"backends to run, comma-separated (default: {backend_default})")
         p.add_argument("--dtype", type=_names(lambda: tuple(DTYPES)), action="extend",
-                       help="input dtypes, comma-separated")
-        p.add_argument("--size", type=_size, action="append", metavar="B,T,H,K",
-                       help="problem size (K == V); repeatable for bench")
-        p.add_argument("--quick", action="store_true", help="tiny sizes and few repeats")
+                       help=f"input dtypes, comma-separated (default: {dtype_default})")
+        p.add_argument("--size", type=_size, action="append", metavar="B,T,H,K", help=size_help)
+        p.add_argument("--quick", action="store_true", help=quick_help)
 
+    size = lambda v: ",".join(map(str, v))
     check = commands.add_parser("check", help="every op x backend against a float64 reference")
-    selection(check)
+    selection(check, backend_default="all available here", dtype_default="float32,bfloat16",
+              size_help=f"problem size (K == V; default {size(CHECK_SIZE)}); step ops run "
+                        f"T={STEP_LENGTH} tokens; if given twice, the last counts",
+              quick_help=f"the smaller size {size(QUICK_CHECK_SIZE)}")
     check.add_argument("--seed", type=int, default=0, help="random inputs' seed")
 
     bench = commands.add_parser("bench", help="time every op x backend, forward and forward+backward")
-    selection(bench)
+    selection(bench, backend_default="all available here that are performance paths; on a CPU "
+              "not triton, which runs in Triton's interpreter there",
+              dtype_default="float32 on a CPU, bfloat16 on a GPU",
+              size_help="problem size (K == V), repeatable; step ops always decode T=1 (default: "
+                        "the presets small,medium on a CPU, small..xl on a GPU; with --plot a "
+                        "sweep over T)",
+              quick_help=f"the small preset ({size(PRESETS['small'])}), 5 repeats, at most 3 s "
+                         f"per case")
     bench.add_argument("--preset", type=_names(lambda: tuple(PRESETS)), action="extend",
                        help="size presets: " + ", ".join(f"{k}={','.join(map(str, v))}"
                                                          for k, v in PRESETS.items()))
@@ -441,7 +735,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-seconds", type=float, default=10.0,
                        help="stop repeating a case after this long (at least 3 calls)")
     bench.add_argument("--json", metavar="OUT.json", help="write every result as JSON")
-    bench.add_argument("--plot", metavar="OUT.png", help="plot times per op (needs matplotlib)")
+    bench.add_argument("--plot", metavar="OUT.png",
+                       help="plot time against sequence length per op and backend (needs "
+                            "matplotlib); on a GPU also OUT_bandwidth.png, achieved bandwidth "
+                            "against the device's peak. Without --size/--preset it sweeps T over "
+                            + "; ".join(f"{','.join(map(str, v[1]))} on a {k.upper()}"
+                                        for k, v in PLOT_SWEEP.items()))
+    bench.add_argument("--no-fla", action="store_true",
+                       help="on a GPU, do not time fla's kernels beside ours (default: timed "
+                            "where fla is installed)")
     return parser
 
 
@@ -454,12 +756,4 @@ def main(argv=None) -> int:
         return cmd_check(args)
     if args.command == "bench":
         return cmd_bench(args)
-    # The main job: everything, small enough for a 2-core CPU in a few minutes.
-    cmd_info(args)
-    print()
-    status = cmd_check(parser.parse_args(["check"]))
-    print()
-    if status:
-        print("rwkv-jax: check failed; skipping the benchmark")
-        return status
-    return cmd_bench(parser.parse_args(["bench", "--quick"]))
+    return main_job(parser)

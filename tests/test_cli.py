@@ -134,6 +134,88 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
     assert "tokens/s" in capsys.readouterr().out
 
 
+def test_bench_times_performance_paths_only_unless_named():
+    parser = cli.build_parser()
+    default = parser.parse_args(["bench"])
+    assert "triton" not in cli._selected_backends(default, "rwkv7", timing=True)  # CPU here
+    assert "native" in cli._selected_backends(default, "rwkv7", timing=True)
+    assert "triton" in cli._selected_backends(default, "rwkv7")  # check still runs it
+    named = parser.parse_args(["bench", "--backend", "triton"])
+    assert cli._selected_backends(named, "rwkv7", timing=True) == ["triton"]
+
+
+def test_bench_runs_step_ops_once_at_their_decoding_size():
+    jobs = cli._bench_jobs(["rwkv4", "rwkv7_step"], lambda op: ["native"],
+                           [(1, 64, 2, 16), (1, 128, 2, 16)], ["float32"])
+    assert jobs == [("rwkv4", "native", (1, 64, 2, 16), "float32"),
+                    ("rwkv7_step", "native", (1, 1, 2, 16), "float32"),
+                    ("rwkv4", "native", (1, 128, 2, 16), "float32")]
+
+
+def _timing_rows(op, backend, ms, lengths=(64, 256)):
+    return [dict(op=op, backend=backend, dtype="float32", B=1, T=1 if op in _bench.STEP_OPS else t,
+                 H=2, K=16, **{"pass": p},
+                 median_ms=ms * (t / lengths[0]) * (2 if p == "fwd+bwd" else 1),
+                 bytes_moved=4096 * t, tokens_per_s=1.0, peak_bytes=1, repeats=3)
+            for t in lengths for p in ("fwd", "fwd+bwd")]
+
+
+def test_plots_render_every_panel(tmp_path):
+    results = (_timing_rows("rwkv7", "native", 2.0) + _timing_rows("rwkv7", "ffi", 0.5)
+               + _timing_rows("rwkv7", "fla", 0.4) + _timing_rows("rwkv7_step", "ffi", 0.1, (1,))
+               + [dict(op="rwkv7", backend="chunked", dtype="float32", B=1, T=64, H=2, K=16,
+                       **{"pass": "fwd"}, error="ValueError: refused")])
+    times, bandwidth = tmp_path / "t.png", tmp_path / "t_bandwidth.png"
+    cli.plot_bench(results, str(times), device="cpu")
+    cli.plot_bandwidth(results, str(bandwidth), device="NVIDIA H100 80GB HBM3",
+                       peak=_bench.peak_bandwidth("NVIDIA H100 80GB HBM3"))
+    for path in (times, bandwidth):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _bench.peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert _bench.peak_bandwidth("NVIDIA H200") == 4.8e12 and _bench.peak_bandwidth("cpu") is None
+    assert cli._bandwidth_path("out/bench.png") == "out/bench_bandwidth.png"
+
+
+def test_verdict_line_and_exit_status():
+    check = [dict(op="rwkv7", backend=b, dtype="float32", ok=True) for b in ("native", "ffi")]
+    bench = _timing_rows("rwkv7", "native", 2.0) + _timing_rows("rwkv7", "ffi", 0.5) \
+        + _timing_rows("rwkv7", "fla", 0.1) + _timing_rows("rwkv7_step", "native", 0.1, (1,))
+    status, line = cli.verdict(check, bench)
+    # The fastest of ours at the largest size (fla is beside, not among, the candidates).
+    assert status == 0 and line.startswith("all 2 checks passed; fastest here")
+    assert "rwkv7 ffi 4 ms" in line and "rwkv7_step native 0.1 ms per step" in line
+    assert "forward+backward at B,T,H,K=1,256,2,16; steps: forward, one token" in line
+    status, line = cli.verdict([dict(check[0], ok=False)] + check[1:], None)
+    assert status == 1 and line.startswith("FAILED: 1 of 2 checks failed (rwkv7 native float32)")
+    status, line = cli.verdict(check, bench + [dict(bench[0], error="boom")])
+    assert status == 1 and "FAILED: 1 benchmark cases errored" in line
+    assert cli.verdict(None, None)[0] == 1
+
+
+def test_main_job_ends_with_the_verdict(monkeypatch, capsys):
+    ok = [dict(op="rwkv4", backend="native", dtype="float32", ok=True)]
+    monkeypatch.setattr(cli, "check_rows", lambda args: ok)
+    monkeypatch.setattr(cli, "bench_results", lambda args: _timing_rows("rwkv4", "native", 1.0))
+    assert cli.main([]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("all 1 checks passed")
+    monkeypatch.setattr(cli, "check_rows", lambda args: [dict(ok[0], ok=False)])
+    assert cli.main([]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("FAILED: 1 of 1 checks")
+
+
+def test_fla_is_optional_here(capsys):
+    assert _bench.fla_unavailable_reason() is not None  # no CUDA device on the CPU machine
+    # A failing fla call is reported in fla's rows and never fails our benchmark.
+    rows = cli.bench_fla(_bench.make_case("rwkv7", 1, 8, 1, 16), "float32", repeats=1,
+                         max_seconds=1.0)
+    assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
+    assert all(r["backend"] == "fla" and r["fla_error"] for r in rows)
+    cli.print_bench(rows)
+    assert "ERROR" in capsys.readouterr().out
+    ok = [dict(op="rwkv7", backend="native", dtype="float32", ok=True)]
+    assert cli.verdict(ok, _timing_rows("rwkv7", "native", 1.0) + rows)[0] == 0
+
+
 def test_bench_plot_without_matplotlib_names_it(monkeypatch, capsys):
     find_spec = cli.importlib.util.find_spec
     monkeypatch.setattr(cli.importlib.util, "find_spec",

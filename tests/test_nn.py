@@ -176,6 +176,44 @@ def test_checkpoint_files_round_trip(tmp_path, suffix, checkpoint, model, tokens
     np.testing.assert_array_equal(loaded(tokens), model(tokens))
 
 
+def test_state_dict_arrays_are_c_contiguous_and_writable(model, checkpoint):
+    exported = rnn.rwkv7_state_dict(model)
+    for name, value in exported.items():
+        assert value.flags.c_contiguous and value.flags.writeable and value.flags.owndata, name
+        assert value.dtype == np.float32, name
+    value = exported["blocks.0.att.key.weight"]
+    value += 1.0  # its own memory: the model is untouched
+    np.testing.assert_array_equal(rnn.rwkv7_state_dict(model)["blocks.0.att.key.weight"],
+                                  checkpoint["blocks.0.att.key.weight"])
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors", ".pth"])
+def test_save_rwkv7_round_trip_gives_identical_logits(tmp_path, suffix, model, tokens):
+    if suffix == ".pth":
+        pytest.importorskip("torch")
+    path = tmp_path / f"saved{suffix}"
+    rnn.save_rwkv7(model, path)
+    assert path.exists()  # under its own name (np.savez would add a second ".npz")
+    np.testing.assert_array_equal(rnn.load_rwkv7(path)(tokens), model(tokens))
+
+
+def test_state_dict_written_by_safetensors_loads_right(tmp_path, model, tokens, reference_logits):
+    # The issue's case: a writer that takes the buffers as they lie in memory.
+    from safetensors.numpy import save_file
+    path = tmp_path / "plain.safetensors"
+    save_file(rnn.rwkv7_state_dict(model), str(path))
+    logits = rnn.load_rwkv7(path)(tokens)
+    np.testing.assert_array_equal(logits, model(tokens))
+    assert relative_error(logits, reference_logits) < 1e-4
+
+
+def test_save_rwkv7_errors(tmp_path, model):
+    with pytest.raises(ValueError, match=r"path must end in \.pth, \.pt, \.safetensors or \.npz"):
+        rnn.save_rwkv7(model, tmp_path / "model.bin")
+    with pytest.raises(TypeError, match="model must be an RWKV7LM"):
+        rnn.save_rwkv7({"emb.weight": np.ones((2, 2))}, tmp_path / "model.npz")
+
+
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
 def test_checkpoint_bfloat16_and_flat_vectors(tmp_path, suffix, checkpoint, tokens):
     torch = pytest.importorskip("torch")
@@ -343,6 +381,112 @@ def test_linen_wrappers_call_the_ops():
     wc, uc = -jnp.ones(8), jnp.zeros(8)
     y, _ = linen.RWKV4().apply({}, wc, uc, kc, vc)
     np.testing.assert_array_equal(y, rwkv_jax.rwkv4(wc, uc, kc, vc)[0])
+
+
+# --- generation ------------------------------------------------------------------------------
+
+GEN_PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 8, 7]]  # different lengths; 3 requests on 2 lanes
+
+
+@nnx.jit
+def _padded_logits(model, tokens):
+    return model(tokens)
+
+
+def _next_logits(model, tokens):
+    """Sequence-mode logits after ``tokens``: padded to one length (the model is causal, so the
+    padding does not change them) so that one compiled call serves every prefix."""
+    padded = np.zeros((1, 16), np.int32)
+    padded[0, :len(tokens)] = tokens
+    return np.asarray(_padded_logits(model, padded))[0, len(tokens) - 1]
+
+
+def _greedy_by_sequence_mode(model, prompt, count, below=VOCAB):
+    tokens = list(prompt)
+    for _ in range(count):
+        tokens.append(int(np.argmax(_next_logits(model, tokens)[:below])))
+    return tokens[len(prompt):]
+
+
+def test_generate_greedy_equals_the_sequence_mode_with_continuous_batching(model):
+    # Two lanes for three prompts of different lengths: the third request starts in the lane
+    # of the first one to finish, in a slot of its own (state_indices).
+    result = rnn.generate(model, GEN_PROMPTS, max_new_tokens=4, temperature=0, batch_size=2)
+    for prompt, tokens in zip(GEN_PROMPTS, result.tokens):
+        assert tokens == _greedy_by_sequence_mode(model, prompt, 4)
+    # Slot i holds request i's state after its last fed token (prompt + all but the last
+    # sample); request 2 started late, in the lane request 1 left.
+    _, want = model(np.array([GEN_PROMPTS[2] + result.tokens[2][:-1]], np.int32),
+                    return_state=True)
+    for layer, (got, expected) in enumerate(zip(result.state, want)):
+        assert relative_error(got.att.wkv[2], expected.att.wkv[0]) < 1e-4, layer
+    # Sampling with a vanishing nucleus is greedy; a seed fixes the sample (same compiled step).
+    nucleus = rnn.generate(model, GEN_PROMPTS, max_new_tokens=4, top_p=1e-6, batch_size=2)
+    assert nucleus.tokens == result.tokens
+    sampled = [rnn.generate(model, GEN_PROMPTS, max_new_tokens=6, temperature=1.5, batch_size=2,
+                            seed=seed).tokens for seed in (1, 1, 2)]
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
+    assert all(len(t) == 6 and all(0 <= x < VOCAB for x in t) for t in sampled[0])
+
+
+def test_generate_stop_token_and_sample_below(model):
+    result = rnn.generate(model, GEN_PROMPTS, max_new_tokens=5, temperature=0, batch_size=3,
+                          sample_below=10)
+    for prompt, tokens in zip(GEN_PROMPTS, result.tokens):
+        assert tokens == _greedy_by_sequence_mode(model, prompt, 5, below=10)
+    stop = result.tokens[0][2]
+    stopped = rnn.generate(model, GEN_PROMPTS, max_new_tokens=5, temperature=0, batch_size=3,
+                           sample_below=10, stop_token=stop)
+    for full, cut in zip(result.tokens, stopped.tokens):
+        assert cut == full[:full.index(stop)] if stop in full else cut == full
+
+
+def test_sample_logits_keeps_the_nucleus():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 2000))
+    keys = jax.random.key(0)
+    # top_p = 0.7: the two most likely tokens (0.5 + 0.3 reach it), renormalised to 5/8, 3/8.
+    drawn = np.asarray(rnn.sample_logits(logits, keys, 1.0, 0.7))
+    assert set(drawn) == {0, 1}
+    assert abs(np.mean(drawn == 0) - 0.625) < 0.05
+    drawn = np.asarray(rnn.sample_logits(logits, keys, 1.0, 1.0))
+    assert set(drawn) == {0, 1, 2, 3} and abs(np.mean(drawn == 3) - 0.05) < 0.02
+    assert set(np.asarray(rnn.sample_logits(logits, keys, 0.0, 1.0))) == {0}  # greedy
+
+
+def test_generate_errors_name_the_argument(model):
+    cases = [
+        (dict(prompts=[[1, 2], []]), ValueError, r"prompts\[1\] must be a non-empty 1-D"),
+        (dict(prompts=[[1, VOCAB]]), ValueError, r"prompts\[0\] must hold token ids in \[0, 50\)"),
+        (dict(prompts="hello"), TypeError, "prompts must be a non-empty list"),
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1"),
+        (dict(temperature=-1.0), ValueError, "temperature must be a number >= 0"),
+        (dict(top_p=0.0), ValueError, r"top_p must be a number in \(0, 1\]"),
+        (dict(sample_below=VOCAB + 1), ValueError, r"sample_below must be in \[1, 50\]"),
+        (dict(stop_token=VOCAB), ValueError, r"stop_token must be in \[0, 50\)"),
+        (dict(batch_size=0), ValueError, "batch_size must be >= 1"),
+    ]
+    for change, error, message in cases:
+        kwargs = {"prompts": [[1, 2]], "max_new_tokens": 2, **change}
+        with pytest.raises(error, match=message):
+            rnn.generate(model, kwargs.pop("prompts"), **kwargs)
+
+
+def test_generate_example_runs_on_a_saved_checkpoint(tmp_path, capsys):
+    pytest.importorskip("pyrwkv_tokenizer")
+    # A random model with the World vocabulary, written as an official .pth by save_rwkv7.
+    params = official_rwkv7.random_checkpoint(5, vocab_size=65536, n_layer=1)
+    path = tmp_path / "model.pth"
+    rnn.save_rwkv7(rnn.load_rwkv7(params), path)
+    spec = importlib.util.spec_from_file_location("generate_example",
+                                                  ROOT / "examples" / "generate.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main(["--checkpoint", str(path), "--prompt", "The capital of France is",
+                           "--prompt", "Hi", "--max-new-tokens", "5"])
+    out = capsys.readouterr().out
+    assert "The capital of France is" in out and "tokens/s" in out
+    assert all(1 <= len(tokens) <= 5 and max(tokens) < 65530 for tokens in result["tokens"])
+    assert result["tokens_per_s"] > 0
 
 
 # --- the training example --------------------------------------------------------------------

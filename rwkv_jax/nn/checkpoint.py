@@ -5,7 +5,8 @@ An official checkpoint is a flat dict with the names of BlinkDL's RWKV-LM (``emb
 parameters are ``[1, 1, C]``, linear weights ``[out, in]``. :func:`load_rwkv7` reads one (a
 ``.pth`` through torch when it is installed, ``.safetensors``, ``.npz``, or a dict of arrays),
 infers the model sizes from the shapes, checks every name and shape, and returns the model;
-:func:`rwkv7_state_dict` writes a model back in the official format.
+:func:`rwkv7_state_dict` gives a model's weights in the official format and :func:`save_rwkv7`
+writes them to a file.
 """
 
 from __future__ import annotations
@@ -194,13 +195,42 @@ def load_rwkv7(source, *, dtype=jnp.float32, param_dtype=jnp.float32) -> RWKV7LM
 
 
 def rwkv7_state_dict(model: RWKV7LM) -> dict[str, np.ndarray]:
-    """The model's weights under the official names and shapes (float32 numpy)."""
+    """The model's weights under the official names and shapes: float32 numpy arrays that are
+    C-contiguous and writable (their own memory), so any writer (``safetensors``, ``np.savez``,
+    ``torch.from_numpy``) stores them as the official layout."""
     out = {}
     for name, (path, named_shape, kind) in _layout(model.config).items():
         value = np.asarray(_variable(model, path).get_value(), np.float32)
         value = value.T if kind == "linear" else value
-        out[name] = value.reshape(tuple(size for _, size in named_shape))
+        # A transpose is a Fortran-ordered view: writers that take the buffer as it lies in
+        # memory would store the matrix transposed. Copy into C order.
+        out[name] = np.array(value.reshape(tuple(size for _, size in named_shape)), order="C")
     return out
+
+
+def save_rwkv7(model: RWKV7LM, path) -> None:
+    """Write ``model`` as an official RWKV-7 checkpoint (float32) that :func:`load_rwkv7` and
+    the official code read: ``.safetensors``, ``.npz``, or ``.pth``/``.pt`` (needs torch)."""
+    path = os.fspath(path)
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in (".pth", ".pt", ".safetensors", ".npz"):
+        raise ValueError(f"path must end in .pth, .pt, .safetensors or .npz, got {path!r}")
+    if not isinstance(model, RWKV7LM):
+        raise TypeError(f"model must be an RWKV7LM, got {type(model).__name__}")
+    params = rwkv7_state_dict(model)
+    if suffix == ".safetensors":
+        from safetensors.numpy import save_file
+        save_file(params, path)
+    elif suffix == ".npz":
+        with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a name
+            np.savez(f, **params)
+    else:
+        try:
+            import torch
+        except ImportError as err:
+            raise ImportError(f"writing {path} needs torch; write .safetensors or .npz "
+                              f"instead") from err
+        torch.save({name: torch.from_numpy(value) for name, value in params.items()}, path)
 
 
 def _rwkv6_layout(cfg: RWKV6Config, layer_id: int):
