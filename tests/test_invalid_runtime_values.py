@@ -188,7 +188,7 @@ def test_traced_bad_state_indices_have_gradients(backend, op):
 # RWKV6_OP's state_map (rwkv_ops convention) is checked the same way.
 # ------------------------------------------------------------------------------------------
 
-def _rwkv6_op_inputs(seed=5, batch=2, length=5, heads=2, size=8):
+def _rwkv6_op_inputs(seed=5, batch=2, length=5, heads=2, size=KEY):
     rng = np.random.default_rng(seed)
     c = heads * size
     x = {n: jnp.asarray(rng.standard_normal((batch, length, c)), jnp.float32) for n in "rkv"}
