@@ -45,7 +45,8 @@ __device__ __forceinline__ bool outside_pool(const int* rows, int64_t n, int64_t
                                              Range seq, T* o, int64_t H, int64_t hd, int V, int j) {
   const int64_t row = rows[n];
   if (row >= 0 && row < pool_rows) return false;
-  for (int64_t t = seq.start; t < seq.end; ++t) o[(t * H + hd) * V + j] = from_f<T>(__int_as_float(0x7fc00000));
+  const T nan = from_f<T>(__int_as_float(0x7fc00000));
+  for (int64_t t = seq.start; t < seq.end; ++t) o[(t * H + hd) * V + j] = nan;
   return true;
 }
 

@@ -179,6 +179,10 @@ def test_traced_bad_state_indices_have_gradients(backend, op):
 
     g = grads(x, jnp.asarray([1, 4], jnp.int32))
     assert all(np.all(np.isfinite(a)) for a in g.values())
+    # The invalid row (index 4) neither reads nor writes a slot: nothing flows back to its inputs.
+    for name, grad in g.items():
+        if name not in ("u", "state"):
+            assert np.all(np.asarray(grad)[1] == 0), f"d{name} of the invalid row"
     # The pool's cotangent passes straight through every slot the valid row does not write.
     untouched = [0, 2, 3]
     assert np.array_equal(np.asarray(g["state"])[untouched], np.ones((3,) + x["state"].shape[1:]))
@@ -188,7 +192,7 @@ def test_traced_bad_state_indices_have_gradients(backend, op):
 # RWKV6_OP's state_map (rwkv_ops convention) is checked the same way.
 # ------------------------------------------------------------------------------------------
 
-def _rwkv6_op_inputs(seed=5, batch=2, length=5, heads=2, size=8):
+def _rwkv6_op_inputs(seed=5, batch=2, length=5, heads=2, size=KEY):
     rng = np.random.default_rng(seed)
     c = heads * size
     x = {n: jnp.asarray(rng.standard_normal((batch, length, c)), jnp.float32) for n in "rkv"}

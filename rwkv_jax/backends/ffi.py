@@ -168,7 +168,7 @@ def _rwkv7_step_bwd(scale, residuals, cotangents):
     d_o, d_state = cotangents
     cu = _segments(r.shape[0], r.shape[1], None)
     _, saved = _rwkv7_fwd(scale, r, w, k, v, a, b, h0, cu)
-    *grads, dh0, _ = _rwkv7_bwd(scale, saved, (d_o, d_state[rows]))
+    *grads, dh0, _ = _rwkv7_bwd(scale, saved, (d_o, read_rows(d_state, rows)))
     return (*grads, write_rows(d_state, rows, dh0), None)
 
 
@@ -246,7 +246,7 @@ def _rwkv6_step_bwd(scale, residuals, cotangents):
     d_o, d_state = cotangents
     cu = _segments(r.shape[0], r.shape[1], None)
     _, saved = _rwkv6_fwd(scale, r, k, v, w, u, h0, cu)
-    *grads, dh0, _ = _rwkv6_bwd(scale, saved, (d_o, d_state[rows]))
+    *grads, dh0, _ = _rwkv6_bwd(scale, saved, (d_o, read_rows(d_state, rows)))
     return (*grads, write_rows(d_state, rows, dh0), None)
 
 
