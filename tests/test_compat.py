@@ -200,6 +200,7 @@ def test_get_generalized_delta_rule_follows_the_environment(monkeypatch, chosen_
 
 GDR_BAD = [  # (id, changes to the arguments, error, words the message must contain)
     ("kernel_type", None, ValueError, ["KERNEL_TYPE", "'vulkan'"]),
+    ("head_size", dict(head_size=2 * N), ValueError, [f"K={N}", f"head_size={2 * N}"]),
     ("chunk_size_zero", dict(chunk_size=0), ValueError, ["chunk_size", "0"]),
     ("chunk_size_float", dict(chunk_size=16.0), ValueError, ["chunk_size", "16.0"]),
     ("mask_shape", dict(mask=np.ones((B, T + 1))), ValueError, ["mask", f"[{B}, {T}]", f"({B}, {T + 1})"]),
