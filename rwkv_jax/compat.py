@@ -45,7 +45,8 @@ def _freeze_mask(mask, batch, steps, head_first):
 
 
 def generalized_delta_rule(r, w, k, v, a, b, initial_state=None, output_final_state=True,
-                           head_first=False, chunk_size=16, mask=None, *, backend=None):
+                           head_first=False, chunk_size=16, mask=None, *, backend=None,
+                           head_size=None):
     """RWKV-7 in the ``rwkv_ops`` convention (also ``rwkv7_op``).
 
     ``w`` is **raw**: the decay is ``exp(-exp(w))``, so the core op :func:`rwkv_jax.rwkv7` gets
@@ -54,7 +55,8 @@ def generalized_delta_rule(r, w, k, v, a, b, initial_state=None, output_final_st
     advances the state at that step, 0 freezes it (the step runs with decay 1 and zero ``k``,
     ``a``, ``b``, so the state is exactly unchanged; its output reads the frozen state and is
     padding). ``chunk_size`` is accepted for the signature and ignored (each backend picks its
-    own). Returns ``(o, final_state)``, or ``o`` alone when ``output_final_state`` is False, as
+    own). ``head_size`` (set by :func:`get_generalized_delta_rule`), when given, must equal ``K``.
+    Returns ``(o, final_state)``, or ``o`` alone when ``output_final_state`` is False, as
     ``rwkv_ops`` does; ``o`` is ``[B, T, H, K]`` (``[B, H, T, K]`` when ``head_first``).
     """
     head_first = checks.flag("head_first", head_first)
@@ -67,6 +69,9 @@ def generalized_delta_rule(r, w, k, v, a, b, initial_state=None, output_final_st
     r, w, k, v, a, b = (checks.shaped(n, x, lead + ("V" if n == "v" else "K",), sizes)
                         for n, x in dict(r=r, w=w, k=k, v=v, a=a, b=b).items())
     batch, steps = sizes["B"][0], sizes["T"][0]
+    if head_size is not None and sizes["K"][0] != head_size:
+        raise ValueError(f"r, w, k, a, b have K={sizes['K'][0]}, but this function was made for "
+                         f"head_size={head_size}")
     if mask is not None:
         advance = _freeze_mask(mask, batch, steps, head_first)
         # A frozen step: decay 1 (raw w = -inf) and nothing added (k = a = b = 0).
@@ -103,7 +108,8 @@ def get_generalized_delta_rule(head_size=64, KERNEL_TYPE=None):
         raise ValueError(f"head_size must be a positive int, got {head_size!r}")
     backend = _backend_for(KERNEL_TYPE)
     name = backend if backend is not None else resolve("rwkv7", None)[0]
-    return functools.partial(generalized_delta_rule, backend=backend), name in _CHUNKED
+    fn = functools.partial(generalized_delta_rule, backend=backend, head_size=head_size)
+    return fn, name in _CHUNKED
 
 
 class RWKV6_OP:

@@ -173,6 +173,16 @@ def test_generalized_delta_rule_mask_skips_frozen_steps(backend, mask_name, layo
                 assert not np.any(np.asarray(g[row, mask[row] == 0])), name
 
 
+def test_generalized_delta_rule_fully_frozen_row_keeps_its_state_exactly(backend):
+    """A row whose mask is all 0 over several chunks returns its initial state bit for bit."""
+    raw, _ = raw_rwkv7_inputs(31, steps=40)
+    mask = np.ones((B, 40))
+    mask[0] = 0
+    o, h = rwkv_jax.generalized_delta_rule(**raw, mask=mask, backend=backend)
+    np.testing.assert_array_equal(np.asarray(h[0]), np.asarray(raw["initial_state"][0]))
+    assert np.isfinite(np.asarray(o)).all()
+
+
 @pytest.mark.parametrize("kernel_type, backend, chunked", [
     ("native", "native", False), ("triton", "triton", True), ("cuda", "ffi", False)])
 def test_get_generalized_delta_rule(kernel_type, backend, chunked, chosen_backends):
@@ -200,6 +210,7 @@ def test_get_generalized_delta_rule_follows_the_environment(monkeypatch, chosen_
 
 GDR_BAD = [  # (id, changes to the arguments, error, words the message must contain)
     ("kernel_type", None, ValueError, ["KERNEL_TYPE", "'vulkan'"]),
+    ("head_size", dict(head_size=2 * N), ValueError, [f"K={N}", f"head_size={2 * N}"]),
     ("chunk_size_zero", dict(chunk_size=0), ValueError, ["chunk_size", "0"]),
     ("chunk_size_float", dict(chunk_size=16.0), ValueError, ["chunk_size", "16.0"]),
     ("mask_shape", dict(mask=np.ones((B, T + 1))), ValueError, ["mask", f"[{B}, {T}]", f"({B}, {T + 1})"]),

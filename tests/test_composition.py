@@ -131,10 +131,9 @@ def test_state_and_parameters_in_another_dtype(backend, op):
     float32, so the result equals passing the same values in float32; the state stays float32
     and the initial state's gradient comes back in bfloat16."""
     x, _, _ = make_inputs(small_case(op), 25)
-    rounded = {n: (a.astype(jnp.bfloat16).astype(jnp.float32) if n in NOT_SEQUENCE or
-                   (op == "rwkv4" and n in ("w", "u")) else a) for n, a in x.items()}
-    low = {n: (a.astype(jnp.bfloat16) if n in NOT_SEQUENCE or (op == "rwkv4" and n in ("w", "u"))
-               else a) for n, a in x.items()}
+    other = [n for n in x if n not in sequence_names(op, x)]  # the state and the parameters
+    low = {n: (a.astype(jnp.bfloat16) if n in other else a) for n, a in x.items()}
+    rounded = {n: a.astype(jnp.float32) for n, a in low.items()}
     out, state = call_op(op, low, {}, backend)
     ref_out, ref_state = call_op(op, rounded, {}, backend)
     assert state.dtype == jnp.float32 and out.dtype == jnp.float32
