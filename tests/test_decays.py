@@ -92,3 +92,7 @@ def test_reference_at_minus_infinity_matches_minus_1e9():
         for name, grad in grads_inf.items():
             assert np.all(np.isfinite(grad)), (variant, name)
             np.testing.assert_array_equal(grad, grads[name], err_msg=f"{variant} d{name}")
+        # The -inf entries themselves: tokens SPIKE_TOKENS, or g_gamma's first head.
+        spikes = (grads_inf["g_gamma"][0] if "g_gamma" in grads_inf else
+                  grads_inf["gk" if "gk" in grads_inf else "w"][:, list(reference.SPIKE_TOKENS)])
+        assert np.all(spikes == 0), variant
