@@ -65,8 +65,8 @@ PARAMS = ([(v, d, "float32") for v in OPS for d in DECAYS]
 
 
 # ``op`` is a parameter so that conftest.py deselects the ops a backend does not implement.
-@pytest.mark.parametrize("op, variant, decay, dtype",
-                         [pytest.param(OPS[v][0], v, d, t, id=f"{v}-{d}-{t}") for v, d, t in PARAMS])
+@pytest.mark.parametrize("op, variant, decay, dtype", [
+    pytest.param(OPS[v][0], v, d, t, id=f"{v}-{d}-{t}") for v, d, t in PARAMS])
 def test_decays_hold_the_contract(backend, op, variant, decay, dtype):
     case = _case(variant, decay, dtype)
     check_case(backend, case, _seed(variant, decay, dtype), _compiled(backend, variant, dtype))
