@@ -65,6 +65,7 @@ def main():
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--family", choices=("rwkv7", "gla"), default="rwkv7")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
+    parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
     args = parser.parse_args()
     bk = max(16, 1 << (args.key - 1).bit_length())
     bv = min(64, max(16, 1 << (args.value - 1).bit_length()))
@@ -90,6 +91,8 @@ def main():
         kernels = gla_kernels(shapes, inputs, v_blocks, args.bonus)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
     for name, kernel, constexprs in kernels:
+        if args.only and name != args.only:
+            continue
         for warps in (int(w) for w in args.warps.split(",")):
             compiled = compile_for_hopper(kernel, inputs, constexprs, warps)
             print(f"{name:15s} {warps} warps: {resources(compiled)}")
