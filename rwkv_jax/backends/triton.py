@@ -349,7 +349,7 @@ def _gla_call(q, k, v, a, b, u, *, scale, reverse, initial_state, cu_seqlens):
     static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
-        chunks_per_state=8, warps=8 if _pow2_at_least(k_size) * block_v > 64 * 64 else 4)
+        chunks_per_state=8, warps=8)
     if cu_seqlens is None:
         cu = jnp.arange(batch + 1, dtype=jnp.int32) * steps
     else:
