@@ -265,9 +265,11 @@ def gla_backward_kernel(
             value_decays = _pair_decays(B, B, False, C)
             mixed = do[:, :, None] * value_decays  # [V, C, C]: dO_t e^{B_t - B_i}
             d_scores = tl.sum(mixed * v[:, None, :], axis=0)
-            dv = tl.sum(scores[None, :, :] * mixed, axis=1)
+            # The diagonal's factor is e^0: kept out of dB (see the key side below).
+            off_diagonal = tl.where(diagonal, 0.0, scores)[None, :, :]
+            dv = tl.sum(off_diagonal * mixed, axis=1)
             o = (tl.dot(tl.trans(h), q * tl.exp(R), input_precision=PRECISION) * tl.exp(B)
-                 + tl.sum(scores[None, :, :] * v[:, None, :] * value_decays, axis=2))
+                 + tl.sum(off_diagonal * v[:, None, :] * value_decays, axis=2))
             do_read = do * tl.exp(B)
             v_end = v * tl.exp(B_end[:, None] - B)
             state_decay = tl.exp(A_end)[:, None] * tl.exp(B_end)[None, :]
@@ -280,18 +282,31 @@ def gla_backward_kernel(
         # Through the state: H' = state_decay * H + k_end^T v_end.
         to_end = tl.exp(A_end[:, None] - A)
         k_end = k * to_end
-        dk = tl.dot(dh, v_end, input_precision=PRECISION) * to_end
+        dk_state = tl.dot(dh, v_end, input_precision=PRECISION) * to_end
         dv_state = tl.dot(tl.trans(dh), k_end, input_precision=PRECISION)
         decayed_h_dh = state_decay * h * dh
-        dA_end = tl.sum(decayed_h_dh, axis=1) + tl.sum(k * dk, axis=1)
-        # Through the scores' pairs and the read of H.
-        pairs = d_scores[None, :, :] * decays  # (decays are 0 off the kept pairs)
+        # Through the scores' pairs and the read of H. The pairs whose factor is e^0 whatever
+        # the gates (GLA: i = t; RWKV-6: i = t - 1) are kept out of the gate gradients and
+        # added after: their terms in q dq and k dk would cancel only to rounding, which
+        # strong gates leave much larger than the gate gradient itself.
+        if BONUS:
+            constant = t[:, None] == t[None, :] + 1
+        else:
+            constant = diagonal
+        d_constant = tl.where(constant, d_scores, 0.0)
+        pairs = tl.where(constant, 0.0, d_scores)[None, :, :] * decays  # 0 off the kept pairs
         dq = (tl.sum(pairs * k[:, None, :], axis=2)
               + tl.dot(h, do_read, input_precision=PRECISION) * tl.exp(R))
-        dk += tl.sum(pairs * q[:, :, None], axis=1)
-        # A log gate z of a factor x = y e^z has dz = x dx: dR = q dq, dA = -k dk.
+        dk = tl.sum(pairs * q[:, :, None], axis=1)
+        # A log gate z of a factor x = y e^z has dz = x dx: dR = q dq, dA = -k dk, and
+        # k_end's exponent A_end - A_i = a_{i+1} + ... : a forward exclusive sum (not A_end
+        # minus a reverse one, which would cancel to rounding).
         d_read = q * dq
-        da = tl.cumsum(d_read - k * dk, axis=1, reverse=True) + dA_end[:, None]
+        d_to_end = k * dk_state
+        da = (tl.cumsum(d_read - k * dk, axis=1, reverse=True) + tl.cumsum(d_to_end, axis=1)
+              - d_to_end + tl.sum(decayed_h_dh, axis=1)[:, None])
+        dq += tl.dot(k, tl.trans(d_constant), input_precision=PRECISION)
+        dk += dk_state + tl.dot(q, d_constant, input_precision=PRECISION)
         if BONUS:  # R_t = A_t - a_t: R's sum is exclusive
             da -= d_read
             d_bonus = tl.sum(tl.where(diagonal, d_scores, 0.0), axis=1)[None, :]
@@ -300,10 +315,11 @@ def gla_backward_kernel(
             du += tl.sum(d_bonus * q * k, axis=1)
         if HAS_B:
             dv_state = dv_state * tl.exp(B_end[:, None] - B)
-            dv += dv_state
-            dB_end = tl.sum(decayed_h_dh, axis=0) + tl.sum(v * dv_state, axis=1)
-            db = tl.cumsum(do * o - v * dv, axis=1, reverse=True) + dB_end[:, None]
+            d_to_end = v * dv_state
+            db = (tl.cumsum(do * o - v * dv, axis=1, reverse=True) + tl.cumsum(d_to_end, axis=1)
+                  - d_to_end + tl.sum(decayed_h_dh, axis=0)[:, None])
             tl.store(db_ptr + v_off, tl.where(b_kept, db, 0.0), mask=v_in)
+            dv += dv_state + tl.sum(tl.where(diagonal, scores, 0.0), axis=0)[None, :] * do
         else:
             dv += dv_state
         tl.store(dv_ptr + v_off, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
