@@ -33,10 +33,6 @@ multiplies a factor x = y e^z, so dz = x dx; summed over the chunk's factors tha
 dR = q dq, dA = -k dk (plus the chunk-end terms) and the per-token gradient is their reverse
 cumulative sum (exclusive for R under RWKV-6), in float32.
 
-Tiles are held transposed, [K, C] and [V, C] (steps along axis 1), so that the products with
-the state have K or V rows (Hopper's warpgroup MMA takes them from shared memory; RWKV-7's
-gradient kernel measured the same on an H100), and the pairwise factors are [D, C, C].
-
 REVERSE runs each sequence from its last token to its first (GLA's ``reverse``): chunk c's
 position j is row ``end - 1 - (c * C + j)``. Sequences are rows [cu[n], cu[n+1]) of the
 flattened inputs, clamped to [0, ROWS) in the kernel, and saved-state slots are masked to
@@ -61,18 +57,18 @@ def _segment(sequence, cu_ptr, ROWS: tl.constexpr, C: tl.constexpr):
 def _chunk(c, start, end, head, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
            REVERSE: tl.constexpr):
-    """Offsets and masks of chunk c's [K, C] and [V, C] tiles, steps in processing order."""
+    """Offsets and masks of chunk c's [C, K] and [C, V] tiles, in processing order."""
     position = c * C + tl.arange(0, C)
     if REVERSE:
         row = end - 1 - position
     else:
         row = start + position
-    inside = (position < end - start)[None, :]
+    inside = (position < end - start)[:, None]
     k_cols = tl.arange(0, BK)
-    k_off = (row[None, :] * HEADS + head) * K + k_cols[:, None]
-    v_off = (row[None, :] * HEADS + head) * V + v_cols[:, None]
-    return (k_off, inside & in_range(k_cols, K, BK)[:, None],
-            v_off, inside & in_range(v_cols, V, BV)[:, None])
+    k_off = (row[:, None] * HEADS + head) * K + k_cols[None, :]
+    v_off = (row[:, None] * HEADS + head) * V + v_cols[None, :]
+    return (k_off, inside & in_range(k_cols, K, BK)[None, :],
+            v_off, inside & in_range(v_cols, V, BV)[None, :])
 
 
 @triton.jit
@@ -83,37 +79,31 @@ def _load(ptr, off, mask):
 @triton.jit
 def _log_gate(ptr, off, mask, HAS: tl.constexpr, FLOOR: tl.constexpr, C: tl.constexpr,
               BLOCK: tl.constexpr):
-    """A chunk's log gates [BLOCK, C] raised to FLOOR, their cumulative sums along the steps
-    and total, and where the floor did not apply (elsewhere the gradient is 0)."""
+    """A chunk's log gates raised to FLOOR, their cumulative sums and total, and where the
+    floor applied (there the gradient is 0)."""
     if HAS:
         raw = _load(ptr, off, mask)
     else:
-        raw = tl.zeros([BLOCK, C], tl.float32)
+        raw = tl.zeros([C, BLOCK], tl.float32)
     gate = tl.maximum(raw, FLOOR)
-    return gate, tl.cumsum(gate, axis=1), tl.sum(gate, axis=1), raw >= FLOOR
+    return gate, tl.cumsum(gate, axis=0), tl.sum(gate, axis=0), raw >= FLOOR
+
+
+@triton.jit
+def _pair_mask(STRICT: tl.constexpr, C: tl.constexpr):
+    t = tl.arange(0, C)
+    if STRICT:
+        return t[:, None] > t[None, :]
+    else:
+        return t[:, None] >= t[None, :]
 
 
 @triton.jit
 def _pair_decays(rows, cols, STRICT: tl.constexpr, C: tl.constexpr):
-    """[D, C, C] factors e^{rows[:, t] - cols[:, i]} for the kept pairs (i < t if STRICT,
-    else i <= t; masked before the exp, so each exponent is <= 0), else 0."""
-    t = tl.arange(0, C)
-    if STRICT:
-        keep = t[:, None] > t[None, :]
-    else:
-        keep = t[:, None] >= t[None, :]
-    return tl.exp(tl.where(keep[None, :, :], rows[:, :, None] - cols[:, None, :], float("-inf")))
-
-
-@triton.jit
-def _scores(q, k, decays, u, BONUS: tl.constexpr, C: tl.constexpr):
-    """S [C, C] from [K, C] tiles: the kept pairs, plus RWKV-6's bonus on the diagonal."""
-    scores = tl.sum(q[:, :, None] * k[:, None, :] * decays, axis=0)
-    if BONUS:
-        t = tl.arange(0, C)
-        scores += tl.where(t[:, None] == t[None, :],
-                           tl.sum(q * u[:, None] * k, axis=0)[:, None], 0.0)
-    return scores
+    """[C, C, D] factors e^{rows_t - cols_i} for the kept pairs (masked before the exp: each
+    exponent is <= 0), else 0."""
+    keep = _pair_mask(STRICT, C)[:, :, None]
+    return tl.exp(tl.where(keep, rows[:, None, :] - cols[None, :, :], float("-inf")))
 
 
 @triton.jit
@@ -136,7 +126,8 @@ def gla_forward_kernel(
     start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
     local = state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
     first_slot = tl.load(state_index_ptr + sequence)
-    u = tl.load(u_ptr + head * K + k_cols, mask=(k_cols < K) & BONUS, other=0.0).to(tl.float32)
+    if BONUS:
+        u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
     h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
@@ -152,19 +143,23 @@ def gla_forward_kernel(
         v = _load(v_ptr, v_off, v_in)
         a, A, A_end, _ = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
         R = A - a if BONUS else A
-        scores = _scores(q, k, _pair_decays(R, A, BONUS, C), u, BONUS, C)
-        o = tl.dot(tl.trans(h), q * tl.exp(R), input_precision=PRECISION)  # [V, C]
+        scores = tl.sum(q[:, None, :] * k[None, :, :] * _pair_decays(R, A, BONUS, C), axis=2)
+        if BONUS:
+            t = tl.arange(0, C)
+            scores += tl.where(t[:, None] == t[None, :], tl.sum(q * u[None, :] * k, axis=1)[:, None],
+                               0.0)
+        o = tl.dot(q * tl.exp(R), h, input_precision=PRECISION)
         if HAS_B:
             _, B, B_end, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
-            o = o * tl.exp(B) + tl.sum(scores[None, :, :] * v[:, None, :]
-                                       * _pair_decays(B, B, False, C), axis=2)
-            v_end = v * tl.exp(B_end[:, None] - B)
+            o = o * tl.exp(B) + tl.sum(scores[:, :, None] * v[None, :, :]
+                                       * _pair_decays(B, B, False, C), axis=1)
+            v_end = v * tl.exp(B_end[None, :] - B)
             h = h * tl.exp(B_end)[None, :]
         else:
-            o = tl.dot(v, tl.trans(scores), o, input_precision=PRECISION)
+            o = tl.dot(scores, v, o, input_precision=PRECISION)
             v_end = v
         tl.store(o_ptr + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
-        h = tl.dot(k * tl.exp(A_end[:, None] - A), tl.trans(v_end), tl.exp(A_end)[:, None] * h,
+        h = tl.dot(tl.trans(k * tl.exp(A_end[None, :] - A)), v_end, tl.exp(A_end)[:, None] * h,
                    input_precision=PRECISION)
         c += 1
     tl.store(ht_ptr + local, h, mask=state_mask)
@@ -205,7 +200,7 @@ def gla_state_gradient_kernel(
             _, B, B_end, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
             do = do * tl.exp(B)
             dh = dh * tl.exp(B_end)[None, :]
-        dh = tl.dot(q * tl.exp(R), tl.trans(do), tl.exp(A_end)[:, None] * dh,
+        dh = tl.dot(tl.trans(q * tl.exp(R)), do, tl.exp(A_end)[:, None] * dh,
                     input_precision=PRECISION)
         c -= 1
     tl.store(dh0_ptr + local, dh, mask=state_mask)
@@ -243,7 +238,8 @@ def gla_backward_kernel(
                 mask=state_mask & used, other=0.0)
     t = tl.arange(0, C)
     diagonal = t[:, None] == t[None, :]
-    u = tl.load(u_ptr + head * K + k_cols, mask=(k_cols < K) & BONUS, other=0.0).to(tl.float32)
+    if BONUS:
+        u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
     du = tl.zeros([BK], tl.float32)
     while c < last:
         k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
@@ -258,32 +254,35 @@ def gla_backward_kernel(
         a, A, A_end, a_kept = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
         R = A - a if BONUS else A
         decays = _pair_decays(R, A, BONUS, C)
-        scores = _scores(q, k, decays, u, BONUS, C)
-        # Through the outputs: d(scores), dv's in-chunk part (and the outputs, for dB).
+        scores = tl.sum(q[:, None, :] * k[None, :, :] * decays, axis=2)
+        if BONUS:
+            scores += tl.where(diagonal, tl.sum(q * u[None, :] * k, axis=1)[:, None], 0.0)
+        # Through the outputs: d(scores) and dv's in-chunk part (and the outputs for dB).
+        q_read = q * tl.exp(R)
         if HAS_B:
             b, B, B_end, b_kept = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
             value_decays = _pair_decays(B, B, False, C)
-            mixed = do[:, :, None] * value_decays  # [V, C, C]: dO_t e^{B_t - B_i}
-            d_scores = tl.sum(mixed * v[:, None, :], axis=0)
+            mixed = do[:, None, :] * value_decays  # [C, C, BV]: dO_t e^{B_t - B_i}
+            d_scores = tl.sum(mixed * v[None, :, :], axis=2)
             # The diagonal's factor is e^0: kept out of dB (see the key side below).
-            off_diagonal = tl.where(diagonal, 0.0, scores)[None, :, :]
-            dv = tl.sum(off_diagonal * mixed, axis=1)
-            o = (tl.dot(tl.trans(h), q * tl.exp(R), input_precision=PRECISION) * tl.exp(B)
-                 + tl.sum(off_diagonal * v[:, None, :] * value_decays, axis=2))
+            off_diagonal = tl.where(diagonal, 0.0, scores)[:, :, None]
+            dv = tl.sum(off_diagonal * mixed, axis=0)
+            o = (tl.dot(q_read, h, input_precision=PRECISION) * tl.exp(B)
+                 + tl.sum(off_diagonal * v[None, :, :] * value_decays, axis=1))
             do_read = do * tl.exp(B)
-            v_end = v * tl.exp(B_end[:, None] - B)
+            v_end = v * tl.exp(B_end[None, :] - B)
             state_decay = tl.exp(A_end)[:, None] * tl.exp(B_end)[None, :]
         else:
-            d_scores = tl.dot(tl.trans(do), v, input_precision=PRECISION)
-            dv = tl.dot(do, scores, input_precision=PRECISION)
+            d_scores = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            dv = tl.dot(tl.trans(scores), do, input_precision=PRECISION)
             do_read = do
             v_end = v
             state_decay = tl.exp(A_end)[:, None]
         # Through the state: H' = state_decay * H + k_end^T v_end.
-        to_end = tl.exp(A_end[:, None] - A)
+        to_end = tl.exp(A_end[None, :] - A)
         k_end = k * to_end
-        dk_state = tl.dot(dh, v_end, input_precision=PRECISION) * to_end
-        dv_state = tl.dot(tl.trans(dh), k_end, input_precision=PRECISION)
+        dk_state = tl.dot(v_end, tl.trans(dh), input_precision=PRECISION) * to_end
+        dv_state = tl.dot(k_end, dh, input_precision=PRECISION)
         decayed_h_dh = state_decay * h * dh
         # Through the scores' pairs and the read of H. The pairs whose factor is e^0 whatever
         # the gates (GLA: i = t; RWKV-6: i = t - 1) are kept out of the gate gradients and
@@ -294,32 +293,33 @@ def gla_backward_kernel(
         else:
             constant = diagonal
         d_constant = tl.where(constant, d_scores, 0.0)
-        pairs = tl.where(constant, 0.0, d_scores)[None, :, :] * decays  # 0 off the kept pairs
-        dq = (tl.sum(pairs * k[:, None, :], axis=2)
-              + tl.dot(h, do_read, input_precision=PRECISION) * tl.exp(R))
-        dk = tl.sum(pairs * q[:, :, None], axis=1)
+        pairs = tl.where(constant, 0.0, d_scores)[:, :, None] * decays  # 0 off the kept pairs
+        dq = (tl.sum(pairs * k[None, :, :], axis=1)
+              + tl.dot(do_read, tl.trans(h), input_precision=PRECISION) * tl.exp(R))
+        dk = tl.sum(pairs * q[:, None, :], axis=0)
         # A log gate z of a factor x = y e^z has dz = x dx: dR = q dq, dA = -k dk, and
         # k_end's exponent A_end - A_i = a_{i+1} + ... : a forward exclusive sum (not A_end
         # minus a reverse one, which would cancel to rounding).
         d_read = q * dq
         d_to_end = k * dk_state
-        da = (tl.cumsum(d_read - k * dk, axis=1, reverse=True) + tl.cumsum(d_to_end, axis=1)
-              - d_to_end + tl.sum(decayed_h_dh, axis=1)[:, None])
-        dq += tl.dot(k, tl.trans(d_constant), input_precision=PRECISION)
-        dk += dk_state + tl.dot(q, d_constant, input_precision=PRECISION)
+        da = (tl.cumsum(d_read - k * dk, axis=0, reverse=True) + tl.cumsum(d_to_end, axis=0)
+              - d_to_end + tl.sum(decayed_h_dh, axis=1)[None, :])
+        dq += tl.dot(d_constant, k, input_precision=PRECISION)
+        dk += dk_state + tl.dot(tl.trans(d_constant), q, input_precision=PRECISION)
         if BONUS:  # R_t = A_t - a_t: R's sum is exclusive
             da -= d_read
-            d_bonus = tl.sum(tl.where(diagonal, d_scores, 0.0), axis=1)[None, :]
-            dq += d_bonus * u[:, None] * k
-            dk += d_bonus * u[:, None] * q
-            du += tl.sum(d_bonus * q * k, axis=1)
+            d_bonus = tl.sum(tl.where(diagonal, d_scores, 0.0), axis=1)[:, None]
+            dq += d_bonus * u[None, :] * k
+            dk += d_bonus * u[None, :] * q
+            du += tl.sum(d_bonus * q * k, axis=0)
+        da = tl.where(a_kept, da, 0.0)
         if HAS_B:
-            dv_state = dv_state * tl.exp(B_end[:, None] - B)
+            dv_state = dv_state * tl.exp(B_end[None, :] - B)
             d_to_end = v * dv_state
-            db = (tl.cumsum(do * o - v * dv, axis=1, reverse=True) + tl.cumsum(d_to_end, axis=1)
-                  - d_to_end + tl.sum(decayed_h_dh, axis=0)[:, None])
+            db = (tl.cumsum(do * o - v * dv, axis=0, reverse=True) + tl.cumsum(d_to_end, axis=0)
+                  - d_to_end + tl.sum(decayed_h_dh, axis=0)[None, :])
             tl.store(db_ptr + v_off, tl.where(b_kept, db, 0.0), mask=v_in)
-            dv += dv_state + tl.sum(tl.where(diagonal, scores, 0.0), axis=0)[None, :] * do
+            dv += dv_state + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * do
         else:
             dv += dv_state
         tl.store(dv_ptr + v_off, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
@@ -328,11 +328,11 @@ def gla_backward_kernel(
         tl.store(dq_ptr + k_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=k_in)
         tl.store(dk_ptr + k_off, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
         if HAS_A:
-            tl.store(da_ptr + k_off, tl.where(a_kept, da, 0.0), mask=k_in)
+            tl.store(da_ptr + k_off, da, mask=k_in)
         if CHUNKS_PER_STATE > 1:
             if HAS_B:
                 h = h * tl.exp(B_end)[None, :]
-            h = tl.dot(k_end, tl.trans(v_end), tl.exp(A_end)[:, None] * h,
+            h = tl.dot(tl.trans(k_end), v_end, tl.exp(A_end)[:, None] * h,
                        input_precision=PRECISION)
         c += 1
     if BONUS:

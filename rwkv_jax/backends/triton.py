@@ -235,7 +235,8 @@ class _GlaStatic:
     precision: str  # of the float32 matrix products: "tf32x3" for float32 inputs, else "tf32"
     block_v: int
     chunks_per_state: int
-    warps: int
+    forward_warps: int   # of the sequential kernels (forward, state gradient)
+    backward_warps: int  # of the parallel gradient kernel
 
     @property
     def sequences_grid(self):
@@ -273,7 +274,7 @@ def _gla_forward(static, q, k, v, a, b, u, h0, cu, save):
         (jax.ShapeDtypeStruct(v.shape, v.dtype),
          jax.ShapeDtypeStruct(state_shape, jnp.float32),
          jax.ShapeDtypeStruct((slots,) + state_shape[1:] if save else (1,), jnp.float32)),
-        (sequences * static.heads, static.sequences_grid), num_warps=static.warps,
+        (sequences * static.heads, static.sequences_grid), num_warps=static.forward_warps,
         **static.constexprs(SLOTS=slots, CHUNKS_PER_STATE=static.chunks_per_state, SAVE=save))
     return o, ht, states
 
@@ -303,7 +304,7 @@ def _gla_bwd(static, residuals, cotangents):
         _present(q, a, b, do, dht.astype(jnp.float32), cu, chunk_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((chunk_slots,) + state_shape, jnp.float32)),
-        (sequences * static.heads, v_blocks), num_warps=static.warps,
+        (sequences * static.heads, v_blocks), num_warps=static.forward_warps,
         **static.constexprs(SLOTS=chunk_slots))
     # 2. Every input gradient, one program per (span, head, V block), all at once.
     spans, state_index, slots = _gla_slots(cu, rows, GLA_CHUNK * static.chunks_per_state)
@@ -325,7 +326,7 @@ def _gla_bwd(static, residuals, cotangents):
          jax.ShapeDtypeStruct(v.shape, jnp.float32) if static.has_b else unused,
          jax.ShapeDtypeStruct((v_blocks, slots, static.heads, static.k_size), jnp.float32)
          if static.bonus else unused),
-        (slots, static.heads, v_blocks), num_warps=static.warps,
+        (slots, static.heads, v_blocks), num_warps=static.backward_warps,
         **static.constexprs(SLOTS=slots, CHUNK_SLOTS=chunk_slots,
                             CHUNKS_PER_STATE=static.chunks_per_state, PARTIAL=partial))
     reduce = (lambda g, x: g.sum(0).astype(x.dtype)) if partial else (lambda g, x: g)
@@ -339,6 +340,15 @@ def _gla_bwd(static, residuals, cotangents):
 _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
+def _gla_warps(k_size, block_v, bonus):
+    """Measured on an H100 at B=8, T=4096, bf16 (BENCHMARKS.md): at K=V=64 GLA's forward is
+    fastest with 4 warps (4.65 ms against 7.22 with 8), RWKV-6's with 8 (7.28 against 9.16: it
+    spills with 4), the gradient kernel with 8 (19.5 ms backward against 21.0); larger tiles
+    take 8 warps everywhere."""
+    small = _pow2_at_least(k_size) * block_v <= 64 * 64
+    return dict(forward_warps=4 if small and not bonus else 8, backward_warps=8)
+
+
 def _gla_call(q, k, v, a, b, u, *, scale, reverse, initial_state, cu_seqlens):
     """The shared path of both ops: rows layout, the static configuration, the launch."""
     batch, steps, heads, k_size = q.shape
@@ -349,7 +359,7 @@ def _gla_call(q, k, v, a, b, u, *, scale, reverse, initial_state, cu_seqlens):
     static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
-        chunks_per_state=8, warps=8)
+        chunks_per_state=8, **_gla_warps(k_size, block_v, u is not None))
     if cu_seqlens is None:
         cu = jnp.arange(batch + 1, dtype=jnp.int32) * steps
     else:
