@@ -135,11 +135,13 @@ def float64_slice(op, x, d_out, d_state, heads=4):
 
 def slice_errors(out, state, grads, ref, heads=4):
     ref_out, ref_state, ref_grads = ref
-    pick = lambda a, n="": np.asarray(a, np.float64)[:heads] if n == "u" else np.asarray(
-        a, np.float64)[:1, :, :heads]
+    pick = lambda a: np.asarray(a, np.float64)[:1, :, :heads]
     errors = {"out": relative_error(pick(out), ref_out),
               "state": relative_error(np.asarray(state, np.float64)[:1, :heads], ref_state)}
-    errors.update({f"d{n}": relative_error(pick(g, n), ref_grads[n]) for n, g in grads.items()})
+    # du sums over every batch row, so the slice's reference cannot check it (the correctness
+    # section does, on whole inputs).
+    errors.update({f"d{n}": relative_error(pick(g), ref_grads[n]) for n, g in grads.items()
+                   if n != "u"})
     return errors
 
 
@@ -263,7 +265,7 @@ def benchmark(deadline, out_dir, with_fla, shapes):
         contenders = ([("fla", bench_fla, x, d_out)] if with_fla else []) + [
             ("ours", bench_ours, x_jax, jax.dlpack.from_dlpack(d_out))]
         for label, fn, inputs, cotangent in contenders:
-            cap = 330 if label == "fla" else 120
+            cap = 200 if label == "fla" else 120
             row = attempt(fn, f"{label} {op} {shape}", deadline, cap, op, inputs, cotangent,
                           d_state if label == "fla" else jax.dlpack.from_dlpack(d_state), ref)
             if row is None:
