@@ -218,6 +218,7 @@ from . import LOG_DECAY_FLOOR  # noqa: E402
 _gla_kernels = _launch.kernels("gla")
 
 GLA_CHUNK = 16  # one exact (per element) diagonal block: the pairwise factors are [C, C, K]
+GLA_CHUNKS_PER_STATE = 8  # the forward saves the state every this many chunks (for the backward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,7 +360,7 @@ def _gla_call(q, k, v, a, b, u, *, scale, reverse, initial_state, cu_seqlens):
     static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
-        chunks_per_state=8, **_gla_warps(k_size, block_v, u is not None))
+        chunks_per_state=GLA_CHUNKS_PER_STATE, **_gla_warps(k_size, block_v, u is not None))
     if cu_seqlens is None:
         cu = jnp.arange(batch + 1, dtype=jnp.int32) * steps
     else:
