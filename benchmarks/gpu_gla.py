@@ -41,6 +41,7 @@ from gpu_rwkv7 import jax_peak_bytes, time_jax  # noqa: E402
 from reference import relative_error  # noqa: E402
 
 import rwkv_jax  # noqa: E402
+from rwkv_jax.backends import triton as triton_backend  # noqa: E402
 
 NAMES = {"gated_linear_attention": ("q", "k", "v"), "rwkv6": tuple("rkvwu")}
 results: dict = {"correctness": [], "benchmark": []}
@@ -159,10 +160,21 @@ def bench_ours(op, x_jax, d_out, d_state, ref):
     out, state, grads = jax.block_until_ready(both(x_jax, d_out, d_state))
     compile_s = time.perf_counter() - compile_start
     _, pullback = saving(x_jax)
+    # The state-gradient kernel alone (the rest of the backward is the gradient kernel).
+    rows = lambda t: t.reshape(-1, *t.shape[2:])
+    q, k, v = (x_jax[n] for n in NAMES[op][:3])
+    gate = x_jax["w" if op == "rwkv6" else "gk"]
+    static = triton_backend._gla_static(q, k, v, gate, None, x_jax.get("u"),
+                                        1.0 if op == "rwkv6" else q.shape[-1] ** -0.5, False)
+    cu = jnp.arange(q.shape[0] + 1, dtype=jnp.int32) * q.shape[1]
+    state_gradient = jax.jit(lambda q, a, do, dht: triton_backend._gla_state_gradient(
+        static, q, a, None, do, dht, cu)[:2])
     return dict(name=f"rwkv_jax triton {op}", forward_ms=time_jax(forward, x_jax),
                 forward_backward_ms=time_jax(both, x_jax, d_out, d_state),
                 forward_saving_states_ms=time_jax(lambda x: saving(x)[0], x_jax),
                 backward_ms=time_jax(backward, pullback, d_out, d_state),
+                state_gradient_ms=time_jax(state_gradient, rows(q), rows(gate), rows(d_out),
+                                           d_state),
                 peak_bytes=jax_peak_bytes(both, x_jax, d_out, d_state),
                 forward_peak_bytes=jax_peak_bytes(forward, x_jax),
                 errors=slice_errors(out, state, grads, ref), compile_s=compile_s)
@@ -215,8 +227,8 @@ def bench_fla(op, x, d_out, d_state, ref):
 def describe(row):
     errors = row["errors"]
     worst_grad = max(v for k, v in errors.items() if k.startswith("d"))
-    extra = (f" (saving {row['forward_saving_states_ms']:.2f}, bwd {row['backward_ms']:.2f})"
-             if "backward_ms" in row else "")
+    extra = (f" (saving {row['forward_saving_states_ms']:.2f}, bwd {row['backward_ms']:.2f} ="
+             f" state grad {row['state_gradient_ms']:.2f} + rest)" if "backward_ms" in row else "")
     return (f"{row['shape']:18s} {row['name']:36s} fwd {row['forward_ms']:6.2f} ms  fwd+bwd "
             f"{row['forward_backward_ms']:6.2f} ms{extra}  peak "
             f"{row['peak_bytes'] / 2**30:5.2f} GiB (fwd {row['forward_peak_bytes'] / 2**30:4.2f})"

@@ -291,23 +291,28 @@ def _gla_fwd(static, q, k, v, a, b, u, h0, cu):
     return (o, ht), (q, k, v, a, b, u, states, cu)
 
 
-def _gla_bwd(static, residuals, cotangents):
-    q, k, v, a, b, u, states, cu = residuals
-    do, dht = cotangents
-    do = do.astype(v.dtype)
-    rows, sequences = static.rows, cu.shape[0] - 1
+def _gla_state_gradient(static, q, a, b, do, dht, cu):
+    """The reverse recurrence of the state gradient: dh0, and dH at the end of every chunk."""
+    sequences = cu.shape[0] - 1
     state_shape = (static.heads, static.k_size, static.v_size)
-    v_blocks = static.sequences_grid
-    # 1. The reverse recurrence of the state gradient: dH at the end of every chunk.
-    _, chunk_index, chunk_slots = _gla_slots(cu, rows, GLA_CHUNK)
+    _, chunk_index, chunk_slots = _gla_slots(cu, static.rows, GLA_CHUNK)
     dh0, dstates = _launch.launch(
         _gla_kernels.gla_state_gradient_kernel,
         _present(q, a, b, do, dht.astype(jnp.float32), cu, chunk_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((chunk_slots,) + state_shape, jnp.float32)),
-        (sequences * static.heads, v_blocks), num_warps=static.forward_warps,
+        (sequences * static.heads, static.sequences_grid), num_warps=static.forward_warps,
         **static.constexprs(SLOTS=chunk_slots))
-    # 2. Every input gradient, one program per (span, head, V block), all at once.
+    return dh0, dstates, chunk_index, chunk_slots
+
+
+def _gla_bwd(static, residuals, cotangents):
+    q, k, v, a, b, u, states, cu = residuals
+    do, dht = cotangents
+    do = do.astype(v.dtype)
+    rows, v_blocks = static.rows, static.sequences_grid
+    dh0, dstates, chunk_index, chunk_slots = _gla_state_gradient(static, q, a, b, do, dht, cu)
+    # Every input gradient, one program per (span, head, V block), all at once.
     spans, state_index, slots = _gla_slots(cu, rows, GLA_CHUNK * static.chunks_per_state)
     slot = jnp.arange(slots, dtype=jnp.int32)
     # A sequence of no span shares its first slot with the next: 'right' skips it.
@@ -350,17 +355,24 @@ def _gla_warps(k_size, block_v, bonus):
     return dict(forward_warps=4 if small and not bonus else 8, backward_warps=8)
 
 
-def _gla_call(q, k, v, a, b, u, *, scale, reverse, initial_state, cu_seqlens):
-    """The shared path of both ops: rows layout, the static configuration, the launch."""
+def _gla_static(q, k, v, a, b, u, scale, reverse):
+    """The kernels' static configuration for these ([B, T, H, *]) inputs."""
     batch, steps, heads, k_size = q.shape
     v_size = v.shape[-1]
     _check_head_sizes(k_size, v_size)
     precise = any(x is not None and x.dtype == jnp.float32 for x in (q, k, v, a, b, u))
     block_v = min(_pow2_at_least(v_size), 64)
-    static = _GlaStatic(
+    return _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
         chunks_per_state=GLA_CHUNKS_PER_STATE, **_gla_warps(k_size, block_v, u is not None))
+
+
+def _gla_call(q, k, v, a, b, u, *, scale, reverse, initial_state, cu_seqlens):
+    """The shared path of both ops: rows layout, the static configuration, the launch."""
+    batch, steps, heads, k_size = q.shape
+    v_size = v.shape[-1]
+    static = _gla_static(q, k, v, a, b, u, scale, reverse)
     if cu_seqlens is None:
         cu = jnp.arange(batch + 1, dtype=jnp.int32) * steps
     else:
