@@ -27,14 +27,13 @@ def test_gla_every_gate_packed_several_v_blocks(reverse):
     check_case("triton", case, seed=11 + reverse)
 
 
-@pytest.mark.parametrize("decay", ["strong", ("uniform", -50.0), ("tokens", float("-inf"))])
-def test_rwkv6_packed_several_v_blocks(decay):
-    case = Case("rwkv6", dict(batch=1, steps=70, key=32, value=128, state_rows=4, decay=decay),
-                dict(cu_seqlens=PACKED))
+def test_rwkv6_packed_several_v_blocks_strong_decays():
+    case = Case("rwkv6", dict(batch=1, steps=70, key=32, value=128, state_rows=4,
+                              decay=("uniform", -50.0)), dict(cu_seqlens=PACKED))
     check_case("triton", case, seed=5)
 
 
-@pytest.mark.parametrize("gate", ["gk", "gv", "g"])
+@pytest.mark.parametrize("gate", ["gk", "gv"])
 def test_gla_strong_gates_across_spans(gate):
     case = Case("gated_linear_attention",
                 dict(gates=(gate,), batch=2, steps=70, key=16, value=48,
