@@ -60,18 +60,18 @@ def call(op, x, cu_seqlens=None, **options):
 # ----------------------------------------------------------------------------------------------
 
 PACKED = [0, 100, 100, 117, 300]  # an empty segment, partial chunks
-CHECKS = [  # (name, op, dtype, K, V, random_inputs options, op options)
+CHECKS = [  # (name, op, dtype, K, V, random_inputs options, op options); most telling first
     ("gla fp32 K=128 V=64 packed, every gate", "gated_linear_attention", "float32", 128, 64,
      dict(gates=("g", "g_gamma", "gk", "gv"), cu_seqlens=PACKED), {}),
     ("gla fp32 K=V=64 reverse packed, every gate", "gated_linear_attention", "float32", 64, 64,
      dict(gates=("g", "g_gamma", "gk", "gv"), cu_seqlens=PACKED), dict(reverse=True)),
+    ("rwkv6 fp32 K=V=64 packed", "rwkv6", "float32", 64, 64, dict(cu_seqlens=PACKED), {}),
+    ("rwkv6 fp32 K=V=128 strong", "rwkv6", "float32", 128, 128, dict(decay="strong"), {}),
     ("gla bf16 K=V=64 gk", "gated_linear_attention", "bfloat16", 64, 64, {}, {}),
     ("gla fp32 K=V=64 gk strong", "gated_linear_attention", "float32", 64, 64,
      dict(decay="strong"), {}),
     ("gla bf16 K=V=128 gk", "gated_linear_attention", "bfloat16", 128, 128, {}, {}),
-    ("rwkv6 fp32 K=V=64 packed", "rwkv6", "float32", 64, 64, dict(cu_seqlens=PACKED), {}),
     ("rwkv6 bf16 K=V=64", "rwkv6", "bfloat16", 64, 64, {}, {}),
-    ("rwkv6 fp32 K=V=128 strong", "rwkv6", "float32", 128, 128, dict(decay="strong"), {}),
     ("rwkv6 bf16 K=V=128", "rwkv6", "bfloat16", 128, 128, {}, {}),
 ]
 
