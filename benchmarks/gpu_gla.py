@@ -266,7 +266,7 @@ SHAPES = [("rwkv6", 64, 64), ("gated_linear_attention", 64, 64),
           ("rwkv6", 32, 128), ("gated_linear_attention", 32, 128)]
 
 
-def benchmark(deadline, out_dir, with_fla, shapes):
+def benchmark(deadline, out_dir, with_fla, shapes, sweep):
     for op, heads, size in shapes:
         batch, steps = 8, 4096
         shape = f"H={heads} K=V={size}"
@@ -282,11 +282,27 @@ def benchmark(deadline, out_dir, with_fla, shapes):
                           d_state if label == "fla" else jax.dlpack.from_dlpack(d_state), ref)
             if row is None:
                 continue
-            row.update(op=op, shape=shape)
-            log("  " + describe(row))
-            results["benchmark"].append(row)
-            with open(os.path.join(out_dir, "gpu_gla.json"), "w") as f:  # kept up to date
-                json.dump(results, f, indent=1, default=str)
+            record(row, op, shape, out_dir)
+        for spacing in (sweep if size == 64 else ()):  # other spacings of the saved states
+            default, triton_backend.GLA_CHUNKS_PER_STATE = (triton_backend.GLA_CHUNKS_PER_STATE,
+                                                            spacing)
+            try:
+                row = attempt(bench_ours, f"ours {op} {shape} spacing {spacing}", deadline, 60,
+                              op, x_jax, jax.dlpack.from_dlpack(d_out),
+                              jax.dlpack.from_dlpack(d_state), ref)
+            finally:
+                triton_backend.GLA_CHUNKS_PER_STATE = default
+            if row is not None:
+                row["name"] += f" (state every {spacing} chunks)"
+                record(row, op, shape, out_dir)
+
+
+def record(row, op, shape, out_dir):
+    row.update(op=op, shape=shape)
+    log("  " + describe(row))
+    results["benchmark"].append(row)
+    with open(os.path.join(out_dir, "gpu_gla.json"), "w") as f:  # kept up to date
+        json.dump(results, f, indent=1, default=str)
 
 
 def main():
@@ -298,6 +314,8 @@ def main():
                         help="how many of the correctness checks to run (0: none)")
     parser.add_argument("--no-fla", action="store_true", help="time ours only")
     parser.add_argument("--shapes", default="0,1,2,3", help="which of SHAPES to benchmark")
+    parser.add_argument("--sweep", default="", help="e.g. '4,16': at K=64 also time ours with "
+                        "the state saved every this many chunks (default 8)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     open_log(os.path.join(args.out, "gpu_gla.log"))
@@ -309,7 +327,8 @@ def main():
         attempt(check, name, deadline, 120, name, op, dtype, key, value, dict(drawn), options,
                 seed)
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",") if i]
-    benchmark(deadline, args.out, not args.no_fla, shapes)
+    benchmark(deadline, args.out, not args.no_fla, shapes,
+              [int(n) for n in args.sweep.split(",") if n])
     log("\ncorrectness: " + ", ".join(f"{c['name']}: {'ok' if c['ok'] else 'FAIL'}"
                                       for c in results["correctness"]))
     log(f"\nB=8 T=4096 bf16 on {gpu}")
