@@ -240,7 +240,7 @@ class _GlaStatic:
     backward_warps: int  # of the parallel gradient kernel
 
     @property
-    def sequences_grid(self):
+    def v_blocks(self):
         return -(-self.v_size // self.block_v)
 
     def constexprs(self, **more):
@@ -275,7 +275,7 @@ def _gla_forward(static, q, k, v, a, b, u, h0, cu, save):
         (jax.ShapeDtypeStruct(v.shape, v.dtype),
          jax.ShapeDtypeStruct(state_shape, jnp.float32),
          jax.ShapeDtypeStruct((slots,) + state_shape[1:] if save else (1,), jnp.float32)),
-        (sequences * static.heads, static.sequences_grid), num_warps=static.forward_warps,
+        (sequences * static.heads, static.v_blocks), num_warps=static.forward_warps,
         **static.constexprs(SLOTS=slots, CHUNKS_PER_STATE=static.chunks_per_state, SAVE=save))
     return o, ht, states
 
@@ -301,7 +301,7 @@ def _gla_state_gradient(static, q, a, b, do, dht, cu):
         _present(q, a, b, do, dht.astype(jnp.float32), cu, chunk_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((chunk_slots,) + state_shape, jnp.float32)),
-        (sequences * static.heads, static.sequences_grid), num_warps=static.forward_warps,
+        (sequences * static.heads, static.v_blocks), num_warps=static.forward_warps,
         **static.constexprs(SLOTS=chunk_slots))
     return dh0, dstates, chunk_index, chunk_slots
 
@@ -310,7 +310,7 @@ def _gla_bwd(static, residuals, cotangents):
     q, k, v, a, b, u, states, cu = residuals
     do, dht = cotangents
     do = do.astype(v.dtype)
-    rows, v_blocks = static.rows, static.sequences_grid
+    rows, v_blocks = static.rows, static.v_blocks
     dh0, dstates, chunk_index, chunk_slots = _gla_state_gradient(static, q, a, b, do, dht, cu)
     # Every input gradient, one program per (span, head, V block), all at once.
     spans, state_index, slots = _gla_slots(cu, rows, GLA_CHUNK * static.chunks_per_state)
