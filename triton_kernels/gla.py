@@ -262,7 +262,6 @@ def gla_backward_kernel(
         if BONUS:
             scores += tl.where(diagonal, tl.sum(q * u[None, :] * k, axis=1)[:, None], 0.0)
         # Through the outputs: d(scores) and dv's in-chunk part (and the outputs for dB).
-        q_read = q * tl.exp(R)
         if HAS_B:
             b, B, B_end, b_kept = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
             value_decays = _pair_decays(B, B, False, C)
@@ -271,7 +270,7 @@ def gla_backward_kernel(
             # The diagonal's factor is e^0: kept out of dB (see the key side below).
             off_diagonal = tl.where(diagonal, 0.0, scores)[:, :, None]
             dv = tl.sum(off_diagonal * mixed, axis=0)
-            o = (tl.dot(q_read, h, input_precision=PRECISION) * tl.exp(B)
+            o = (tl.dot(q * tl.exp(R), h, input_precision=PRECISION) * tl.exp(B)
                  + tl.sum(off_diagonal * v[None, :, :] * value_decays, axis=1))
             do_read = do * tl.exp(B)
             v_end = v * tl.exp(B_end[None, :] - B)
