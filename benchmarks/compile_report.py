@@ -1,7 +1,8 @@
-"""Registers, spills and shared memory of the triton RWKV-7 kernels, compiled for an H100/H200
-(sm_90) on any machine: no GPU needed, Triton's wheel carries ptxas and cuobjdump.
+"""Registers, spills and shared memory of the triton kernels (RWKV-7, or GLA / RWKV-6 with
+``--family gla``), compiled for an H100/H200 (sm_90) on any machine: no GPU needed, Triton's
+wheel carries ptxas and cuobjdump.
 
-    python benchmarks/compile_report.py [--key 64] [--value 64] [--warps 4,8]
+    python benchmarks/compile_report.py [--family rwkv7|gla] [--key 64] [--value 64] [--warps 4,8]
 
 A kernel at 255 registers with spills is latency-bound: METHOD.md's resource report, read before
 spending device time. Counts of the SASS instructions that matter follow (HGMMA: Hopper's
@@ -22,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from triton_kernels import rwkv7  # noqa: E402
+from triton_kernels import gla, rwkv7  # noqa: E402
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 SASS = ("HGMMA", "HMMA", "LDL", "STL", "BAR.SYNC", "LDS", "STS", "LDG", "STG")
@@ -62,6 +63,9 @@ def main():
     parser.add_argument("--key", type=int, default=64)
     parser.add_argument("--value", type=int, default=64)
     parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--family", choices=("rwkv7", "gla"), default="rwkv7")
+    parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
+    parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
     args = parser.parse_args()
     bk = max(16, 1 << (args.key - 1).bit_length())
     bv = min(64, max(16, 1 << (args.value - 1).bit_length()))
@@ -83,11 +87,31 @@ def main():
         ("gradient", rwkv7.rwkv7_backward_kernel,
          dict(shapes, CHUNKS_PER_STATE=8, ROWS=1 if v_blocks > 1 else 0)),
     ]
-    print(f"K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
+    if args.family == "gla":
+        kernels = gla_kernels(shapes, inputs, v_blocks, args.bonus)
+    print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
     for name, kernel, constexprs in kernels:
+        if args.only and name != args.only:
+            continue
         for warps in (int(w) for w in args.warps.split(",")):
             compiled = compile_for_hopper(kernel, inputs, constexprs, warps)
             print(f"{name:15s} {warps} warps: {resources(compiled)}")
+
+
+def gla_kernels(shapes, inputs, v_blocks, bonus):
+    """GLA (key gate only, as benchmarked) or RWKV-6: the pointer types and constexprs."""
+    inputs.update(q_ptr=inputs["r_ptr"], dq_ptr=inputs["dr_ptr"], da_ptr="*fp32", db_ptr="*fp32",
+                  du_ptr="*fp32")
+    shapes = dict(shapes, ROWS=8 * 4096, HAS_A=True, HAS_B=False, BONUS=bonus, REVERSE=False,
+                  FLOOR=-128.0)
+    return [
+        ("forward", gla.gla_forward_kernel,
+         dict(shapes, SLOTS=2048, CHUNKS_PER_STATE=8, SAVE=True)),
+        ("state gradient", gla.gla_state_gradient_kernel, dict(shapes, SLOTS=16384)),
+        ("gradient", gla.gla_backward_kernel,
+         dict(shapes, SLOTS=2048, CHUNK_SLOTS=16384, CHUNKS_PER_STATE=8,
+              PARTIAL=v_blocks > 1)),
+    ]
 
 
 if __name__ == "__main__":

@@ -205,3 +205,201 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     rows = lambda x: x.reshape(batch * steps, heads, x.shape[-1])
     o, ht = _rwkv7(static, *map(rows, (r, w, k, v, a, b)), initial_state.astype(jnp.float32), cu)
     return o.reshape(batch, steps, heads, v_size), ht
+
+
+# ==============================================================================================
+# Gated linear attention and RWKV-6: one chunked kernel family (triton_kernels/gla.py).
+# The same layout, varlen scheme and buffers as RWKV-7 above; RWKV-6 is the recurrence with
+# w as the key-side log gate, the read before the update and the bonus u on the diagonal.
+# ==============================================================================================
+
+from . import LOG_DECAY_FLOOR  # noqa: E402
+
+_gla_kernels = _launch.kernels("gla")
+
+GLA_CHUNK = 16  # one exact (per element) diagonal block: the pairwise factors are [C, C, K]
+GLA_CHUNKS_PER_STATE = 8  # the forward saves the state every this many chunks (for the backward)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GlaStatic:
+    """Everything the GLA/RWKV-6 kernels are specialised on (a custom_vjp nondiff argument)."""
+    scale: float
+    heads: int
+    k_size: int
+    v_size: int
+    rows: int
+    has_a: bool     # a key-side log gate (GLA: gk + g + g_gamma; RWKV-6: w)
+    has_b: bool     # a value-side log gate (GLA's gv)
+    bonus: bool     # RWKV-6: read before the update, u on the diagonal
+    reverse: bool
+    precision: str  # of the float32 matrix products: "tf32x3" for float32 inputs, else "tf32"
+    block_v: int
+    chunks_per_state: int
+    forward_warps: int   # of the sequential kernels (forward, state gradient)
+    backward_warps: int  # of the parallel gradient kernel
+
+    @property
+    def v_blocks(self):
+        return -(-self.v_size // self.block_v)
+
+    def constexprs(self, **more):
+        return dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
+                    BK=_pow2_at_least(self.k_size), BV=self.block_v, C=GLA_CHUNK, ROWS=self.rows,
+                    HAS_A=self.has_a, HAS_B=self.has_b, BONUS=self.bonus, REVERSE=self.reverse,
+                    FLOOR=LOG_DECAY_FLOOR, PRECISION=self.precision, **more)
+
+
+def _gla_slots(cu, rows, span):
+    """_first_slots over the sequences' lengths as the kernels clamp them (so that no traced
+    ``cu`` can address past the buffers), and the static buffer size."""
+    start = jnp.clip(cu[:-1], 0, rows)
+    lengths = jnp.clip(cu[1:], start, rows) - start
+    clamped = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
+    spans, first = _first_slots(clamped, span)
+    return spans, first, _slot_count(rows, cu.shape[0] - 1, span)
+
+
+def _present(*arrays):
+    """Launch inputs: an absent gate or bonus becomes a placeholder that no kernel reads."""
+    return tuple(jnp.zeros((1,), jnp.float32) if x is None else x for x in arrays)
+
+
+def _gla_forward(static, q, k, v, a, b, u, h0, cu, save):
+    sequences = cu.shape[0] - 1
+    span = GLA_CHUNK * static.chunks_per_state
+    _, state_index, slots = _gla_slots(cu, static.rows, span)
+    state_shape = (sequences, static.heads, static.k_size, static.v_size)
+    o, ht, states = _launch.launch(
+        _gla_kernels.gla_forward_kernel, _present(q, k, v, a, b, u, h0, cu, state_index),
+        (jax.ShapeDtypeStruct(v.shape, v.dtype),
+         jax.ShapeDtypeStruct(state_shape, jnp.float32),
+         jax.ShapeDtypeStruct((slots,) + state_shape[1:] if save else (1,), jnp.float32)),
+        (sequences * static.heads, static.v_blocks), num_warps=static.forward_warps,
+        **static.constexprs(SLOTS=slots, CHUNKS_PER_STATE=static.chunks_per_state, SAVE=save))
+    return o, ht, states
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gla(static, q, k, v, a, b, u, h0, cu):
+    o, ht, _ = _gla_forward(static, q, k, v, a, b, u, h0, cu, save=False)
+    return o, ht
+
+
+def _gla_fwd(static, q, k, v, a, b, u, h0, cu):
+    o, ht, states = _gla_forward(static, q, k, v, a, b, u, h0, cu, save=True)
+    return (o, ht), (q, k, v, a, b, u, states, cu)
+
+
+def _gla_state_gradient(static, q, a, b, do, dht, cu):
+    """The reverse recurrence of the state gradient: dh0, and dH at the end of every chunk."""
+    sequences = cu.shape[0] - 1
+    state_shape = (static.heads, static.k_size, static.v_size)
+    _, chunk_index, chunk_slots = _gla_slots(cu, static.rows, GLA_CHUNK)
+    dh0, dstates = _launch.launch(
+        _gla_kernels.gla_state_gradient_kernel,
+        _present(q, a, b, do, dht.astype(jnp.float32), cu, chunk_index),
+        (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
+         jax.ShapeDtypeStruct((chunk_slots,) + state_shape, jnp.float32)),
+        (sequences * static.heads, static.v_blocks), num_warps=static.forward_warps,
+        **static.constexprs(SLOTS=chunk_slots))
+    return dh0, dstates, chunk_index, chunk_slots
+
+
+def _gla_bwd(static, residuals, cotangents):
+    q, k, v, a, b, u, states, cu = residuals
+    do, dht = cotangents
+    do = do.astype(v.dtype)
+    rows, v_blocks = static.rows, static.v_blocks
+    dh0, dstates, chunk_index, chunk_slots = _gla_state_gradient(static, q, a, b, do, dht, cu)
+    # Every input gradient, one program per (span, head, V block), all at once.
+    spans, state_index, slots = _gla_slots(cu, rows, GLA_CHUNK * static.chunks_per_state)
+    slot = jnp.arange(slots, dtype=jnp.int32)
+    # A sequence of no span shares its first slot with the next: 'right' skips it.
+    slot_sequence = jnp.searchsorted(state_index, slot, side="right").astype(jnp.int32) - 1
+    slot_sequence = jnp.where(slot < spans.sum(), slot_sequence, -1)
+    partial = v_blocks > 1
+    k_side = (rows, static.heads, static.k_size)
+    k_grad = lambda dtype: jax.ShapeDtypeStruct(
+        (v_blocks,) + k_side if partial else k_side, jnp.float32 if partial else dtype)
+    unused = jax.ShapeDtypeStruct((1,), jnp.float32)
+    dq, dk, dv, da, db, du = _launch.launch(
+        _gla_kernels.gla_backward_kernel,
+        _present(q, k, v, a, b, u, do, states, dstates, cu, state_index, chunk_index,
+                 slot_sequence),
+        (k_grad(q.dtype), k_grad(k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+         k_grad(jnp.float32) if static.has_a else unused,
+         jax.ShapeDtypeStruct(v.shape, jnp.float32) if static.has_b else unused,
+         jax.ShapeDtypeStruct((v_blocks, slots, static.heads, static.k_size), jnp.float32)
+         if static.bonus else unused),
+        (slots, static.heads, v_blocks), num_warps=static.backward_warps,
+        **static.constexprs(SLOTS=slots, CHUNK_SLOTS=chunk_slots,
+                            CHUNKS_PER_STATE=static.chunks_per_state, PARTIAL=partial))
+    reduce = (lambda g, x: g.sum(0).astype(x.dtype)) if partial else (lambda g, x: g)
+    return (reduce(dq, q), reduce(dk, k), dv,
+            reduce(da, a).astype(a.dtype) if static.has_a else None,
+            db.astype(b.dtype) if static.has_b else None,
+            du.sum((0, 1)).astype(u.dtype) if static.bonus else None,
+            dh0, None)
+
+
+_gla.defvjp(_gla_fwd, _gla_bwd)
+
+
+def _gla_warps(k_size, block_v, bonus):
+    """Measured on an H100 at B=8, T=4096, bf16 (BENCHMARKS.md): at K=V=64 GLA's forward is
+    fastest with 4 warps (4.65 ms against 7.22 with 8), RWKV-6's with 8 (7.28 against 9.16: it
+    spills with 4), the gradient kernel with 8 (19.5 ms backward against 21.0); larger tiles
+    take 8 warps everywhere."""
+    small = _pow2_at_least(k_size) * block_v <= 64 * 64
+    return dict(forward_warps=4 if small and not bonus else 8, backward_warps=8)
+
+
+def _gla_static(q, k, v, a, b, u, scale, reverse):
+    """The kernels' static configuration for these ([B, T, H, *]) inputs."""
+    batch, steps, heads, k_size = q.shape
+    v_size = v.shape[-1]
+    _check_head_sizes(k_size, v_size)
+    precise = any(x is not None and x.dtype == jnp.float32 for x in (q, k, v, a, b, u))
+    block_v = min(_pow2_at_least(v_size), 64)
+    return _GlaStatic(
+        float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
+        u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
+        chunks_per_state=GLA_CHUNKS_PER_STATE, **_gla_warps(k_size, block_v, u is not None))
+
+
+def _gla_call(q, k, v, a, b, u, *, scale, reverse, initial_state, cu_seqlens):
+    """The shared path of both ops: rows layout, the static configuration, the launch."""
+    batch, steps, heads, k_size = q.shape
+    v_size = v.shape[-1]
+    static = _gla_static(q, k, v, a, b, u, scale, reverse)
+    if cu_seqlens is None:
+        cu = jnp.arange(batch + 1, dtype=jnp.int32) * steps
+    else:
+        cu = cu_seqlens.astype(jnp.int32)
+    if initial_state is None:
+        initial_state = jnp.zeros((cu.shape[0] - 1, heads, k_size, v_size), jnp.float32)
+    rows = lambda x: None if x is None else x.reshape(batch * steps, heads, x.shape[-1])
+    o, ht = _gla(static, rows(q), rows(k), rows(v), rows(a), rows(b), u,
+                 initial_state.astype(jnp.float32), cu)
+    return o.reshape(batch, steps, heads, v_size), ht
+
+
+def rwkv6(r, k, v, w, u, *, scale, initial_state, output_final_state, cu_seqlens):
+    return _gla_call(r, k, v, w, None, u, scale=scale, reverse=False,
+                     initial_state=initial_state, cu_seqlens=cu_seqlens)
+
+
+def gated_linear_attention(q, k, v, *, g, g_gamma, gk, gv, scale, initial_state,
+                           output_final_state, reverse, cu_seqlens):
+    # The scalar gates decay every key channel alike: one key-side log gate (summed in float32
+    # before the floor, so that the floor applies to the sum). gk alone goes in as it is.
+    a = gk
+    if g is not None or g_gamma is not None:
+        a = jnp.zeros(q.shape, jnp.float32) if gk is None else gk.astype(jnp.float32)
+        if g is not None:
+            a = a + g.astype(jnp.float32)[..., None]
+        if g_gamma is not None:
+            a = a + g_gamma.astype(jnp.float32)[:, None]
+    return _gla_call(q, k, v, a, gv, None, scale=scale, reverse=reverse,
+                     initial_state=initial_state, cu_seqlens=cu_seqlens)

@@ -1,0 +1,340 @@
+"""Gated linear attention and RWKV-6 on an NVIDIA GPU: the triton backend against a float64
+reference, then side by side with fla's ``chunk_gla`` and ``chunk_rwkv6`` on the same inputs.
+
+Run on the GPU machine (benchmarks/gpu_gla.sh installs jax-triton and fla-core first):
+
+    python benchmarks/gpu_gla.py --out DIR [--checks N] [--no-fla] [--budget S]
+
+1. Correctness: forward, final state and every gradient (initial state, packed sequences with
+   an empty segment, reverse, every GLA gate, strong gates, bf16 and fp32, K = 64 and 128)
+   against the float64 numpy reference of tests/reference.py.
+2. Benchmark, bf16, model-range gates (GLA: a key gate log-sigmoid / 16; RWKV-6: w =
+   -exp(0.7 z - 1.5)): B=8, T=4096, H=64, K=V=64 and H=32, K=V=128. For each op and size fla
+   runs FIRST (its first call compiles and autotunes for minutes), then ours: forward and
+   forward+backward medians, peak memory, error against float64 on a slice (batch 0, first
+   4 heads, all steps). Ours also: the forward that saves states and the backward alone.
+The table comes last; everything is also written to DIR/gpu_gla.log and DIR/gpu_gla.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+import reference  # noqa: E402
+from _log import log, open_log  # noqa: E402  (benchmarks/_log.py)
+from gpu_rwkv7 import jax_peak_bytes, time_jax  # noqa: E402
+from reference import relative_error  # noqa: E402
+
+import rwkv_jax  # noqa: E402
+from rwkv_jax.backends import triton as triton_backend  # noqa: E402
+
+NAMES = {"gated_linear_attention": ("q", "k", "v"), "rwkv6": tuple("rkvwu")}
+results: dict = {"correctness": [], "benchmark": []}
+
+
+def call(op, x, cu_seqlens=None, **options):
+    """The public op on a dict of arrays (positional names, then gates/state by keyword)."""
+    args = [x[n] for n in NAMES[op]]
+    keywords = {n: a for n, a in x.items() if n not in NAMES[op]}
+    return getattr(rwkv_jax, op)(*args, **keywords, cu_seqlens=cu_seqlens, backend="triton",
+                                 **options)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Correctness against float64.
+# ----------------------------------------------------------------------------------------------
+
+PACKED = [0, 100, 100, 117, 300]  # an empty segment, partial chunks
+CHECKS = [  # (name, op, dtype, K, V, random_inputs options, op options); most telling first
+    ("gla fp32 K=128 V=64 packed, every gate", "gated_linear_attention", "float32", 128, 64,
+     dict(gates=("g", "g_gamma", "gk", "gv"), cu_seqlens=PACKED), {}),
+    ("gla fp32 K=V=64 reverse packed, every gate", "gated_linear_attention", "float32", 64, 64,
+     dict(gates=("g", "g_gamma", "gk", "gv"), cu_seqlens=PACKED), dict(reverse=True)),
+    ("rwkv6 fp32 K=V=64 packed", "rwkv6", "float32", 64, 64, dict(cu_seqlens=PACKED), {}),
+    ("rwkv6 fp32 K=V=128 strong", "rwkv6", "float32", 128, 128, dict(decay="strong"), {}),
+    ("gla bf16 K=V=64 gk", "gated_linear_attention", "bfloat16", 64, 64, {}, {}),
+    ("gla fp32 K=V=64 gk strong", "gated_linear_attention", "float32", 64, 64,
+     dict(decay="strong"), {}),
+    ("gla bf16 K=V=128 gk", "gated_linear_attention", "bfloat16", 128, 128, {}, {}),
+    ("rwkv6 bf16 K=V=64", "rwkv6", "bfloat16", 64, 64, {}, {}),
+    ("rwkv6 bf16 K=V=128", "rwkv6", "bfloat16", 128, 128, {}, {}),
+]
+
+
+def check(name, op, dtype, key, value, drawn_options, options, seed, steps=300):
+    rng = np.random.default_rng(seed)
+    cu_seqlens = drawn_options.pop("cu_seqlens", None)
+    packed = dict(batch=1, state_rows=len(cu_seqlens) - 1) if cu_seqlens else dict(batch=2)
+    drawn = reference.random_inputs(op, rng, steps=steps, heads=4, key=key, value=value,
+                                    **packed, **drawn_options)
+    x = {n: jnp.asarray(a, jnp.float32 if n == "initial_state" else dtype)
+         for n, a in drawn.items()}
+    x64 = {n: np.asarray(a, np.float64) for n, a in x.items()}
+    ref_options = dict(options, **({"cu_seqlens": np.asarray(cu_seqlens)} if cu_seqlens else {}))
+    ref_out, ref_state = reference.forward(op, x64, **ref_options)
+    d_out = jnp.asarray(rng.standard_normal(ref_out.shape), dtype)
+    d_state = jnp.asarray(rng.standard_normal(ref_state.shape), jnp.float32)
+    ref_grads = reference.gradients(op, x64, np.asarray(d_out, np.float64),
+                                    np.asarray(d_state, np.float64), **ref_options)
+
+    @jax.jit
+    def run(x, cu):
+        (out, state), pullback = jax.vjp(lambda x: call(op, x, cu, **options), x)
+        return out, state, pullback((d_out, d_state))[0]
+
+    out, state, grads = run(x, jnp.asarray(cu_seqlens, jnp.int32) if cu_seqlens else None)
+    errors = {"out": relative_error(out, ref_out), "state": relative_error(state, ref_state)}
+    errors.update({f"d{n}": relative_error(g, ref_grads[n]) for n, g in grads.items()})
+    finite = all(np.isfinite(np.asarray(a, np.float64)).all()
+                 for a in [out, state, *grads.values()])
+    worst = max(errors.values())
+    ok = finite and worst <= max(rwkv_jax.backends.tolerance("triton", dtype))
+    log(f"check {name:44s} {'PASS' if ok else 'FAIL'} worst {worst:.2e}  "
+        + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+    results["correctness"].append(dict(name=name, ok=ok, finite=finite, errors=errors))
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Benchmark against fla.
+# ----------------------------------------------------------------------------------------------
+
+def model_inputs(op, batch, steps, heads, size, seed=0):
+    """bf16 torch tensors on the GPU (the reference's model-range draws), and cotangents."""
+    rng = np.random.default_rng(seed)
+    drawn = reference.random_inputs(op, rng, batch=batch, steps=steps, heads=heads, key=size,
+                                    initial_state=False)
+    cuda = lambda a: torch.from_numpy(np.asarray(a, np.float32)).cuda()
+    x = {n: cuda(a).to(torch.bfloat16).contiguous() for n, a in drawn.items()}
+    d_out = cuda(rng.standard_normal((batch, steps, heads, size))).to(torch.bfloat16)
+    d_state = cuda(rng.standard_normal((batch, heads, size, size)))
+    return x, d_out, d_state
+
+
+def float64_slice(op, x, d_out, d_state, heads=4):
+    """The float64 reference on batch 0 and the first ``heads`` heads (all steps)."""
+    pick = lambda t: t[:1, :, :heads].double().cpu().numpy()
+    x64 = {n: (t[:heads].double().cpu().numpy() if n == "u" else pick(t)) for n, t in x.items()}
+    out, state = reference.forward(op, x64)
+    grads = reference.gradients(op, x64, pick(d_out), d_state[:1, :heads].double().cpu().numpy())
+    return out, state, grads
+
+
+def slice_errors(out, state, grads, ref, heads=4):
+    ref_out, ref_state, ref_grads = ref
+    pick = lambda a: np.asarray(a, np.float64)[:1, :, :heads]
+    errors = {"out": relative_error(pick(out), ref_out),
+              "state": relative_error(np.asarray(state, np.float64)[:1, :heads], ref_state)}
+    # du sums over every batch row, so the slice's reference cannot check it (the correctness
+    # section does, on whole inputs).
+    errors.update({f"d{n}": relative_error(pick(g), ref_grads[n]) for n, g in grads.items()
+                   if n != "u"})
+    return errors
+
+
+def bench_ours(op, x_jax, d_out, d_state, ref):
+    forward = jax.jit(lambda x: call(op, x))
+
+    def both(x, d_out, d_state):
+        (out, state), pullback = jax.vjp(lambda x: call(op, x), x)
+        return out, state, pullback((d_out, d_state))[0]
+
+    both = jax.jit(both)
+    saving = jax.jit(lambda x: jax.vjp(lambda x: call(op, x), x))
+    backward = jax.jit(lambda pullback, d_out, d_state: pullback((d_out, d_state)))
+    compile_start = time.perf_counter()
+    out, state, grads = jax.block_until_ready(both(x_jax, d_out, d_state))
+    compile_s = time.perf_counter() - compile_start
+    _, pullback = saving(x_jax)
+    # The state-gradient kernel alone (the rest of the backward is the gradient kernel).
+    rows = lambda t: t.reshape(-1, *t.shape[2:])
+    q, k, v = (x_jax[n] for n in NAMES[op][:3])
+    gate = x_jax["w" if op == "rwkv6" else "gk"]
+    static = triton_backend._gla_static(q, k, v, gate, None, x_jax.get("u"),
+                                        1.0 if op == "rwkv6" else q.shape[-1] ** -0.5, False)
+    cu = jnp.arange(q.shape[0] + 1, dtype=jnp.int32) * q.shape[1]
+    state_gradient = jax.jit(lambda q, a, do, dht: triton_backend._gla_state_gradient(
+        static, q, a, None, do, dht, cu)[:2])
+    return dict(name=f"rwkv_jax triton {op}", forward_ms=time_jax(forward, x_jax),
+                forward_backward_ms=time_jax(both, x_jax, d_out, d_state),
+                forward_saving_states_ms=time_jax(lambda x: saving(x)[0], x_jax),
+                backward_ms=time_jax(backward, pullback, d_out, d_state),
+                state_gradient_ms=time_jax(state_gradient, rows(q), rows(gate), rows(d_out),
+                                           d_state),
+                peak_bytes=jax_peak_bytes(both, x_jax, d_out, d_state),
+                forward_peak_bytes=jax_peak_bytes(forward, x_jax),
+                errors=slice_errors(out, state, grads, ref), compile_s=compile_s)
+
+
+def bench_fla(op, x, d_out, d_state, ref):
+    import triton.testing
+    if op == "rwkv6":
+        from fla.ops.rwkv6 import chunk_rwkv6 as fla_op
+        names, options = NAMES[op], dict(scale=1.0)
+    else:
+        from fla.ops.gla import chunk_gla as fla_op
+        names, options = ("q", "k", "v", "gk"), {}
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+
+    def forward():
+        with torch.no_grad():
+            return fla_op(*(leaves[n] for n in names), output_final_state=True, **options)
+
+    def forward_backward():
+        out, state = fla_op(*(leaves[n] for n in names), output_final_state=True, **options)
+        torch.autograd.backward((out, state), (d_out, d_state))
+
+    compile_start = time.perf_counter()
+    out, state = forward()
+    forward_backward()
+    compile_s = time.perf_counter() - compile_start
+    grads = {n: t.grad.float().cpu().numpy() for n, t in leaves.items()}
+    errors = slice_errors(out.float().cpu().numpy(), state.float().cpu().numpy(), grads, ref)
+    fresh = list(leaves.values())
+    forward_ms = triton.testing.do_bench(forward, warmup=50, rep=300, return_mode="median")
+    both_ms = triton.testing.do_bench(forward_backward, warmup=50, rep=500,
+                                      grad_to_none=fresh, return_mode="median")
+    held = sum(t.numel() * t.element_size() for t in [*x.values(), d_out, d_state])
+    peaks = []
+    for fn in (forward_backward, forward):
+        for t in fresh:
+            t.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base + held)
+    return dict(name=f"fla {fla_op.__name__}", forward_ms=forward_ms, forward_backward_ms=both_ms,
+                peak_bytes=peaks[0], forward_peak_bytes=peaks[1], errors=errors,
+                compile_s=compile_s)
+
+
+def describe(row):
+    errors = row["errors"]
+    worst_grad = max(v for k, v in errors.items() if k.startswith("d"))
+    extra = (f" (saving {row['forward_saving_states_ms']:.2f}, bwd {row['backward_ms']:.2f} ="
+             f" state grad {row['state_gradient_ms']:.2f} + rest)" if "backward_ms" in row else "")
+    return (f"{row['shape']:18s} {row['name']:36s} fwd {row['forward_ms']:6.2f} ms  fwd+bwd "
+            f"{row['forward_backward_ms']:6.2f} ms{extra}  peak "
+            f"{row['peak_bytes'] / 2**30:5.2f} GiB (fwd {row['forward_peak_bytes'] / 2**30:4.2f})"
+            f"  err out {errors['out']:.1e} state {errors['state']:.1e} grads<= {worst_grad:.1e}")
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _OutOfTime()
+
+
+def attempt(fn, label, deadline, cap, *args):
+    """One contender within ``cap`` seconds and the run's deadline; a failure is logged."""
+    allowed = int(min(cap, deadline - time.time()))
+    if allowed < 15:
+        log(f"  {label}: not run, out of time")
+        return None
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(allowed)
+    try:
+        return fn(*args)
+    except _OutOfTime:
+        log(f"  {label}: did not finish within {allowed} s")
+    except Exception as err:  # one failing contender must not hide the others
+        log(f"  {label}: FAILED {type(err).__name__}: {str(err)[:400]}")
+    finally:
+        signal.alarm(0)
+    return None
+
+
+SHAPES = [("rwkv6", 64, 64), ("gated_linear_attention", 64, 64),
+          ("rwkv6", 32, 128), ("gated_linear_attention", 32, 128)]
+
+
+def benchmark(deadline, out_dir, with_fla, shapes, sweep):
+    for op, heads, size in shapes:
+        batch, steps = 8, 4096
+        shape = f"H={heads} K=V={size}"
+        x, d_out, d_state = model_inputs(op, batch, steps, heads, size)
+        log(f"benchmark {op}: B={batch} T={steps} {shape} bf16")
+        ref = float64_slice(op, x, d_out, d_state)
+        x_jax = {n: jax.dlpack.from_dlpack(t) for n, t in x.items()}
+        contenders = ([("fla", bench_fla, x, d_out)] if with_fla else []) + [
+            ("ours", bench_ours, x_jax, jax.dlpack.from_dlpack(d_out))]
+        for label, fn, inputs, cotangent in contenders:
+            cap = 200 if label == "fla" else 120
+            row = attempt(fn, f"{label} {op} {shape}", deadline, cap, op, inputs, cotangent,
+                          d_state if label == "fla" else jax.dlpack.from_dlpack(d_state), ref)
+            if row is None:
+                continue
+            record(row, op, shape, out_dir)
+        for spacing in (sweep if size == 64 else ()):  # other spacings of the saved states
+            default, triton_backend.GLA_CHUNKS_PER_STATE = (triton_backend.GLA_CHUNKS_PER_STATE,
+                                                            spacing)
+            try:
+                row = attempt(bench_ours, f"ours {op} {shape} spacing {spacing}", deadline, 60,
+                              op, x_jax, jax.dlpack.from_dlpack(d_out),
+                              jax.dlpack.from_dlpack(d_state), ref)
+            finally:
+                triton_backend.GLA_CHUNKS_PER_STATE = default
+            if row is not None:
+                row["name"] += f" (state every {spacing} chunks)"
+                record(row, op, shape, out_dir)
+
+
+def record(row, op, shape, out_dir):
+    row.update(op=op, shape=shape)
+    log("  " + describe(row))
+    results["benchmark"].append(row)
+    with open(os.path.join(out_dir, "gpu_gla.json"), "w") as f:  # kept up to date
+        json.dump(results, f, indent=1, default=str)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--budget", type=float, default=540.0,
+                        help="seconds (from the start) after which nothing new starts")
+    parser.add_argument("--checks", type=int, default=len(CHECKS),
+                        help="how many of the correctness checks to run (0: none)")
+    parser.add_argument("--no-fla", action="store_true", help="time ours only")
+    parser.add_argument("--shapes", default="0,1,2,3", help="which of SHAPES to benchmark")
+    parser.add_argument("--sweep", default="", help="e.g. '4,16': at K=64 also time ours with "
+                        "the state saved every this many chunks (default 8)")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    open_log(os.path.join(args.out, "gpu_gla.log"))
+    deadline = time.time() + args.budget
+    gpu = torch.cuda.get_device_name()
+    log(f"GPU {gpu}; jax {jax.__version__} ({jax.devices()[0]}), torch {torch.__version__}")
+    results["gpu"] = gpu
+    for seed, (name, op, dtype, key, value, drawn, options) in enumerate(CHECKS[:args.checks]):
+        attempt(check, name, deadline, 120, name, op, dtype, key, value, dict(drawn), options,
+                seed)
+    shapes = [SHAPES[int(i)] for i in args.shapes.split(",") if i]
+    benchmark(deadline, args.out, not args.no_fla, shapes,
+              [int(n) for n in args.sweep.split(",") if n])
+    log("\ncorrectness: " + ", ".join(f"{c['name']}: {'ok' if c['ok'] else 'FAIL'}"
+                                      for c in results["correctness"]))
+    log(f"\nB=8 T=4096 bf16 on {gpu}")
+    for row in results["benchmark"]:
+        log(describe(row))
+
+
+if __name__ == "__main__":
+    main()

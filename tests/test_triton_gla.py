@@ -1,0 +1,41 @@
+"""The triton GLA / RWKV-6 kernels (triton_kernels/gla.py) where the shared suite does not
+reach: several V blocks per head (K-side gradients and du summed from partial sums), saved
+states every 2 chunks so that short packed sequences cross span boundaries, every GLA gate with
+reverse and packed sequences (an empty segment, partial chunks) together, strong gates across
+chunk and span boundaries. Against the float64 reference, forward and every gradient, through
+test_ops.check_case (tiny shapes: Triton's interpreter)."""
+
+import pytest
+
+from rwkv_jax.backends import triton as triton_backend
+from test_ops import Case, check_case
+
+GATES = ("g", "g_gamma", "gk", "gv")
+PACKED = [0, 0, 17, 57, 70]  # empty, partial chunk, several spans of 2 chunks, short
+
+
+@pytest.fixture(autouse=True)
+def short_spans(monkeypatch):
+    monkeypatch.setattr(triton_backend, "GLA_CHUNKS_PER_STATE", 2)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_gla_every_gate_packed_several_v_blocks(reverse):
+    case = Case("gated_linear_attention",
+                dict(gates=GATES, batch=1, steps=70, key=32, value=128, state_rows=4),
+                dict(cu_seqlens=PACKED, reverse=reverse, scale=0.3))
+    check_case("triton", case, seed=11 + reverse)
+
+
+def test_rwkv6_packed_several_v_blocks_strong_decays():
+    case = Case("rwkv6", dict(batch=1, steps=70, key=32, value=128, state_rows=4,
+                              decay=("uniform", -50.0)), dict(cu_seqlens=PACKED))
+    check_case("triton", case, seed=5)
+
+
+@pytest.mark.parametrize("gate", ["gk", "gv"])
+def test_gla_strong_gates_across_spans(gate):
+    case = Case("gated_linear_attention",
+                dict(gates=(gate,), batch=2, steps=70, key=16, value=48,
+                     decay=("every_third", -1e9)), dict(reverse=gate == "gv"))
+    check_case("triton", case, seed=3)

@@ -1,0 +1,343 @@
+"""Chunked kernels of gated linear attention and RWKV-6: one family, one set of kernels.
+
+Per head, with the float32 state h [K, V], q = scale * q (RWKV-6: r), a per-key log gate
+a_t (GLA: gk + g + g_gamma, summed by the caller; RWKV-6: w) and a per-value log gate b_t
+(GLA's gv):
+
+    h_t = (e^{a_t} e^{b_t}^T) * h_{t-1} + k_t v_t^T
+    GLA:     o_t = h_t^T q_t                                  (read after the update)
+    RWKV-6:  o_t = (h_{t-1} + diag(u) k_t v_t^T)^T q_t         (read before, bonus u)
+
+A chunk of C tokens starting from the state H, with the in-chunk cumulative log gates
+A_t = a_1 + ... + a_t, B_t likewise, the read decay R_t = A_t (GLA) or A_t - a_t (RWKV-6)
+and the pairwise scores
+
+    S[t,i] = sum_k q_t k_i e^{R_t - A_i}   (i <= t; RWKV-6: i < t, and S[t,t] = q_t . (u k_t))
+
+is (the value gate enters each column v on its own):
+
+    o_t = e^{B_t} (H^T (q_t e^{R_t})) + sum_i S[t,i] v_i e^{B_t - B_i}
+    H'  = (e^{A_C} e^{B_C}^T) * H + (k e^{A_C - A})^T (v e^{B_C - B})
+
+Every exponent is <= 0: S and the value-gate mix are formed per element on [C, C, K] and
+[C, C, V] tiles, masked before the exponential (C = 16 is one exact diagonal block), and
+the other factors are decays to the chunk's end or from its start. Log gates are raised to
+FLOOR on load (their exp is 0 in float32 either way; it keeps the sums finite and precise),
+and the gradient of a floored gate is 0.
+
+Three kernels, as for RWKV-7: a sequential forward (H in registers; saves H every
+CHUNKS_PER_STATE chunks), a sequential reverse pass of the state gradient
+(dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B), saved at every chunk's end), and a
+parallel gradient kernel per (span of chunks, head, V block). Gate gradients: a log gate
+multiplies a factor x = y e^z, so dz = x dx; summed over the chunk's factors that gives
+dR = q dq, dA = -k dk and the per-token gradient is their reverse cumulative sum (exclusive
+for R under RWKV-6), in float32. Terms that would cancel exactly are kept out of those sums
+(strong gates leave the gradient far smaller than the rounding of the cancelling terms): the
+pairs whose factor is e^0 whatever the gates (GLA: i = t; RWKV-6: i = t - 1), and the decays
+to the chunk's end, summed forwards (A_end - A_i = a_{i+1} + ... + a_C) instead of as A_end
+minus a reverse sum.
+
+REVERSE runs each sequence from its last token to its first (GLA's ``reverse``): chunk c's
+position j is row ``end - 1 - (c * C + j)``. Sequences are rows [cu[n], cu[n+1]) of the
+flattened inputs, clamped to [0, ROWS) in the kernel, and saved-state slots are masked to
+[0, SLOTS), so no value of ``cu`` makes a kernel read or write out of bounds.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import in_range, state_offsets
+
+
+@triton.jit
+def _segment(sequence, cu_ptr, ROWS: tl.constexpr, C: tl.constexpr):
+    """Rows [start, end) of a sequence, clamped to the arrays, and its chunk count."""
+    start = tl.minimum(tl.maximum(tl.load(cu_ptr + sequence).to(tl.int64), 0), ROWS)
+    end = tl.minimum(tl.maximum(tl.load(cu_ptr + sequence + 1).to(tl.int64), start), ROWS)
+    return start, end, (end - start + C - 1) // C
+
+
+@triton.jit
+def _chunk(c, start, end, head, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
+           V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+           REVERSE: tl.constexpr):
+    """Offsets and masks of chunk c's [C, K] and [C, V] tiles, in processing order."""
+    position = c * C + tl.arange(0, C)
+    if REVERSE:
+        row = end - 1 - position
+    else:
+        row = start + position
+    inside = (position < end - start)[:, None]
+    k_cols = tl.arange(0, BK)
+    k_off = (row[:, None] * HEADS + head) * K + k_cols[None, :]
+    v_off = (row[:, None] * HEADS + head) * V + v_cols[None, :]
+    return (k_off, inside & in_range(k_cols, K, BK)[None, :],
+            v_off, inside & in_range(v_cols, V, BV)[None, :])
+
+
+@triton.jit
+def _load(ptr, off, mask):
+    return tl.load(ptr + off, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _log_gate(ptr, off, mask, HAS: tl.constexpr, FLOOR: tl.constexpr, C: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """A chunk's log gates raised to FLOOR, their cumulative sums and total, and where the
+    floor applied (there the gradient is 0)."""
+    if HAS:
+        raw = _load(ptr, off, mask)
+    else:
+        raw = tl.zeros([C, BLOCK], tl.float32)
+    gate = tl.maximum(raw, FLOOR)
+    return gate, tl.cumsum(gate, axis=0), tl.sum(gate, axis=0), raw >= FLOOR
+
+
+@triton.jit
+def _pair_mask(STRICT: tl.constexpr, C: tl.constexpr):
+    t = tl.arange(0, C)
+    if STRICT:
+        return t[:, None] > t[None, :]
+    else:
+        return t[:, None] >= t[None, :]
+
+
+@triton.jit
+def _pair_decays(rows, cols, STRICT: tl.constexpr, C: tl.constexpr):
+    """[C, C, D] factors e^{rows_t - cols_i} for the kept pairs (masked before the exp: each
+    exponent is <= 0), else 0."""
+    keep = _pair_mask(STRICT, C)[:, :, None]
+    return tl.exp(tl.where(keep, rows[:, None, :] - cols[None, :, :], float("-inf")))
+
+
+@triton.jit
+def gla_forward_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, u_ptr, h0_ptr, cu_ptr, state_index_ptr,  # inputs
+    o_ptr, ht_ptr, states_ptr,                                                  # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr,
+    SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr, SAVE: tl.constexpr,
+    HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr, REVERSE: tl.constexpr,
+    FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (sequences * HEADS, V blocks). o [rows, HEADS, V]; ht [N, HEADS, K, V] float32;
+    if SAVE: states [SLOTS, HEADS, K, V] float32, the state at the start of every span."""
+    sequence = tl.program_id(0) // HEADS
+    head = tl.program_id(0) % HEADS
+    v_cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    k_cols = tl.arange(0, BK)
+    state_mask = in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
+    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
+    local = state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
+    first_slot = tl.load(state_index_ptr + sequence)
+    if BONUS:
+        u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+    h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
+    c = 0
+    while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
+        if SAVE:
+            if c % CHUNKS_PER_STATE == 0:
+                slot = first_slot + c // CHUNKS_PER_STATE
+                tl.store(states_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols), h,
+                         mask=state_mask & (slot < SLOTS))
+        k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
+                                          REVERSE)
+        q = _load(q_ptr, k_off, k_in) * scale
+        k = _load(k_ptr, k_off, k_in)
+        v = _load(v_ptr, v_off, v_in)
+        a, A, A_end, _ = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
+        R = A - a if BONUS else A
+        scores = tl.sum(q[:, None, :] * k[None, :, :] * _pair_decays(R, A, BONUS, C), axis=2)
+        if BONUS:
+            t = tl.arange(0, C)
+            scores += tl.where(t[:, None] == t[None, :], tl.sum(q * u[None, :] * k, axis=1)[:, None],
+                               0.0)
+        o = tl.dot(q * tl.exp(R), h, input_precision=PRECISION)
+        if HAS_B:
+            _, B, B_end, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
+            o = o * tl.exp(B) + tl.sum(scores[:, :, None] * v[None, :, :]
+                                       * _pair_decays(B, B, False, C), axis=1)
+            v_end = v * tl.exp(B_end[None, :] - B)
+            h = h * tl.exp(B_end)[None, :]
+        else:
+            o = tl.dot(scores, v, o, input_precision=PRECISION)
+            v_end = v
+        tl.store(o_ptr + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
+        h = tl.dot(tl.trans(k * tl.exp(A_end[None, :] - A)), v_end, tl.exp(A_end)[:, None] * h,
+                   input_precision=PRECISION)
+        c += 1
+    tl.store(ht_ptr + local, h, mask=state_mask)
+
+
+@triton.jit
+def gla_state_gradient_kernel(
+    q_ptr, a_ptr, b_ptr, do_ptr, dht_ptr, cu_ptr, chunk_index_ptr,  # inputs
+    dh0_ptr, dstates_ptr,                                          # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr,
+    SLOTS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
+    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid as the forward's. dh0 [N, HEADS, K, V] float32; dstates [SLOTS, HEADS, K, V]
+    float32: the gradient of the state at the end of every chunk."""
+    sequence = tl.program_id(0) // HEADS
+    head = tl.program_id(0) % HEADS
+    v_cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    k_cols = tl.arange(0, BK)
+    state_mask = in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
+    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
+    local = state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
+    first_slot = tl.load(chunk_index_ptr + sequence)
+    dh = tl.load(dht_ptr + local, mask=state_mask, other=0.0)
+    c = chunks - 1
+    while c >= 0:
+        slot = first_slot + c
+        tl.store(dstates_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols), dh,
+                 mask=state_mask & (slot < SLOTS))
+        k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
+                                          REVERSE)
+        q = _load(q_ptr, k_off, k_in) * scale
+        do = _load(do_ptr, v_off, v_in)
+        a, A, A_end, _ = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
+        R = A - a if BONUS else A
+        if HAS_B:
+            _, B, B_end, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
+            do = do * tl.exp(B)
+            dh = dh * tl.exp(B_end)[None, :]
+        dh = tl.dot(tl.trans(q * tl.exp(R)), do, tl.exp(A_end)[:, None] * dh,
+                    input_precision=PRECISION)
+        c -= 1
+    tl.store(dh0_ptr + local, dh, mask=state_mask)
+
+
+@triton.jit
+def gla_backward_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, u_ptr, do_ptr, states_ptr, dstates_ptr,
+    cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,              # inputs
+    dq_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr, du_ptr,                           # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr,
+    SLOTS: tl.constexpr, CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
+    PARTIAL: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
+    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (SLOTS, HEADS, V blocks). dv [rows, HEADS, V]; db [rows, HEADS, V] float32 (if
+    HAS_B); du [V blocks, SLOTS, HEADS, K] float32 partial sums (if BONUS); dq, dk, da
+    [rows, HEADS, K] (da float32), or float32 partial sums [V blocks, ROWS, HEADS, K] when
+    PARTIAL (several V blocks: the K-side gradients sum over V)."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    v_block = tl.program_id(2)
+    sequence = tl.load(slot_sequence_ptr + slot)
+    used = sequence >= 0
+    sequence = tl.maximum(sequence, 0)
+    v_cols = v_block * BV + tl.arange(0, BV)
+    k_cols = tl.arange(0, BK)
+    state_mask = in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
+    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
+    c = (slot - tl.load(state_index_ptr + sequence)) * CHUNKS_PER_STATE
+    last = tl.where(used, tl.minimum(c + CHUNKS_PER_STATE, chunks), c)
+    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
+    h = tl.load(states_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols),
+                mask=state_mask & used, other=0.0)
+    t = tl.arange(0, C)
+    diagonal = t[:, None] == t[None, :]
+    if BONUS:
+        u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+    du = tl.zeros([BK], tl.float32)
+    while c < last:
+        k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
+                                          REVERSE)
+        q = _load(q_ptr, k_off, k_in) * scale
+        k = _load(k_ptr, k_off, k_in)
+        v = _load(v_ptr, v_off, v_in)
+        do = _load(do_ptr, v_off, v_in)
+        chunk_slot = first_chunk_slot + c
+        dh = tl.load(dstates_ptr + state_offsets(chunk_slot, head, HEADS, K, V, BK, v_cols),
+                     mask=state_mask & (chunk_slot < CHUNK_SLOTS), other=0.0)
+        a, A, A_end, a_kept = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
+        R = A - a if BONUS else A
+        decays = _pair_decays(R, A, BONUS, C)
+        scores = tl.sum(q[:, None, :] * k[None, :, :] * decays, axis=2)
+        if BONUS:
+            scores += tl.where(diagonal, tl.sum(q * u[None, :] * k, axis=1)[:, None], 0.0)
+        # Through the outputs: d(scores) and dv's in-chunk part (and the outputs for dB).
+        if HAS_B:
+            b, B, B_end, b_kept = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
+            value_decays = _pair_decays(B, B, False, C)
+            mixed = do[:, None, :] * value_decays  # [C, C, BV]: dO_t e^{B_t - B_i}
+            d_scores = tl.sum(mixed * v[None, :, :], axis=2)
+            # The diagonal's factor is e^0: kept out of dB (see the key side below).
+            off_diagonal = tl.where(diagonal, 0.0, scores)[:, :, None]
+            dv = tl.sum(off_diagonal * mixed, axis=0)
+            o = (tl.dot(q * tl.exp(R), h, input_precision=PRECISION) * tl.exp(B)
+                 + tl.sum(off_diagonal * v[None, :, :] * value_decays, axis=1))
+            do_read = do * tl.exp(B)
+            v_end = v * tl.exp(B_end[None, :] - B)
+            state_decay = tl.exp(A_end)[:, None] * tl.exp(B_end)[None, :]
+        else:
+            d_scores = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            dv = tl.dot(tl.trans(scores), do, input_precision=PRECISION)
+            do_read = do
+            v_end = v
+            state_decay = tl.exp(A_end)[:, None]
+        # Through the state: H' = state_decay * H + k_end^T v_end.
+        to_end = tl.exp(A_end[None, :] - A)
+        k_end = k * to_end
+        dk_state = tl.dot(v_end, tl.trans(dh), input_precision=PRECISION) * to_end
+        dv_state = tl.dot(k_end, dh, input_precision=PRECISION)
+        decayed_h_dh = state_decay * h * dh
+        # Through the scores' pairs and the read of H. The pairs whose factor is e^0 whatever
+        # the gates (GLA: i = t; RWKV-6: i = t - 1) are kept out of the gate gradients and
+        # added after: their terms in q dq and k dk would cancel only to rounding, which
+        # strong gates leave much larger than the gate gradient itself.
+        if BONUS:
+            constant = t[:, None] == t[None, :] + 1
+        else:
+            constant = diagonal
+        d_constant = tl.where(constant, d_scores, 0.0)
+        pairs = tl.where(constant, 0.0, d_scores)[:, :, None] * decays  # 0 off the kept pairs
+        dq = (tl.sum(pairs * k[None, :, :], axis=1)
+              + tl.dot(do_read, tl.trans(h), input_precision=PRECISION) * tl.exp(R))
+        dk = tl.sum(pairs * q[:, None, :], axis=0)
+        # A log gate z of a factor x = y e^z has dz = x dx: dR = q dq, dA = -k dk, and
+        # k_end's exponent A_end - A_i = a_{i+1} + ... : a forward exclusive sum (not A_end
+        # minus a reverse one, which would cancel to rounding).
+        d_read = q * dq
+        d_to_end = k * dk_state
+        da = (tl.cumsum(d_read - k * dk, axis=0, reverse=True) + tl.cumsum(d_to_end, axis=0)
+              - d_to_end + tl.sum(decayed_h_dh, axis=1)[None, :])
+        dq += tl.dot(d_constant, k, input_precision=PRECISION)
+        dk += dk_state + tl.dot(tl.trans(d_constant), q, input_precision=PRECISION)
+        if BONUS:  # R_t = A_t - a_t: R's sum is exclusive
+            da -= d_read
+            d_bonus = tl.sum(tl.where(diagonal, d_scores, 0.0), axis=1)[:, None]
+            dq += d_bonus * u[None, :] * k
+            dk += d_bonus * u[None, :] * q
+            du += tl.sum(d_bonus * q * k, axis=0)
+        da = tl.where(a_kept, da, 0.0)
+        if HAS_B:
+            dv_state = dv_state * tl.exp(B_end[None, :] - B)
+            d_to_end = v * dv_state
+            db = (tl.cumsum(do * o - v * dv, axis=0, reverse=True) + tl.cumsum(d_to_end, axis=0)
+                  - d_to_end + tl.sum(decayed_h_dh, axis=0)[None, :])
+            tl.store(db_ptr + v_off, tl.where(b_kept, db, 0.0), mask=v_in)
+            dv += dv_state + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * do
+        else:
+            dv += dv_state
+        tl.store(dv_ptr + v_off, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
+        if PARTIAL:  # several V blocks: this one's partial sums of the K-side gradients
+            k_off += v_block.to(tl.int64) * (ROWS * HEADS * K)
+        tl.store(dq_ptr + k_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=k_in)
+        tl.store(dk_ptr + k_off, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
+        if HAS_A:
+            tl.store(da_ptr + k_off, da, mask=k_in)
+        if CHUNKS_PER_STATE > 1:
+            if HAS_B:
+                h = h * tl.exp(B_end)[None, :]
+            h = tl.dot(tl.trans(k_end), v_end, tl.exp(A_end)[:, None] * h,
+                       input_precision=PRECISION)
+        c += 1
+    if BONUS:
+        du_off = ((v_block * SLOTS + slot).to(tl.int64) * HEADS + head) * K + k_cols
+        tl.store(du_ptr + du_off, du, mask=k_cols < K)
