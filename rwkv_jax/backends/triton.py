@@ -18,11 +18,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _launch
+from . import LOG_DECAY_FLOOR, _launch
 
 _kernels = _launch.kernels("rwkv7")
 
-CHUNK = 16  # tokens per chunk: exponents stay finite for w down to about -10
+CHUNK = 16  # tokens per chunk
+LEVELS = CHUNK.bit_length() - 1  # of the in-chunk factors (triton_kernels/rwkv7.py)
 MAX_HEAD_SIZE = 128
 
 
@@ -65,7 +66,7 @@ def _check_head_sizes(k_size, v_size):
                              f"(32, 64 and 128 are the tuned ones); got {name} = {size}")
 
 
-_SHAPES = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "PRECISION")  # every kernel's
+_SHAPES = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "LEVELS", "FLOOR", "PRECISION")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,7 @@ class _Static:
         """The kernels' compile-time arguments, those named."""
         every = dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
                      BK=_pow2_at_least(self.k_size), BV=self.config.block_v, C=CHUNK,
+                     LEVELS=LEVELS, FLOOR=LOG_DECAY_FLOOR,
                      CHUNKS_PER_STATE=self.config.chunks_per_state, PRECISION=self.precision,
                      INVERSE_PRECISION=self.config.inverse_precision or (
                          "ieee" if self.precision == "tf32x3" else "tf32"))
@@ -121,9 +123,9 @@ def _forward(static, r, w, k, v, a, b, h0, cu, save):
          saved((_slot_count(rows, sequences, static.span),) + state_shape[1:]),
          saved((rows, static.heads, static.v_size))),
         static.grid(sequences), num_warps=static.config.forward_warps,
-        num_stages=static.config.stages, SAVE=save, **static.constexprs(*_SHAPES,
-                                                                        "CHUNKS_PER_STATE",
-                                                                        "INVERSE_PRECISION"))
+        num_stages=static.config.stages, SAVE=save, TOTAL_ROWS=rows,
+        STATE_SLOTS=_slot_count(rows, sequences, static.span) if save else 1,
+        **static.constexprs(*_SHAPES, "CHUNKS_PER_STATE", "INVERSE_PRECISION"))
     return o, ht, states, u
 
 
@@ -154,7 +156,9 @@ def _rwkv7_bwd(static, residuals, cotangents):
          jax.ShapeDtypeStruct((_slot_count(rows, sequences, CHUNK),) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((rows, static.heads, static.v_size), jnp.float32)),
         static.grid(sequences), num_warps=static.config.forward_warps,
-        num_stages=static.config.stages, **static.constexprs(*_SHAPES, "INVERSE_PRECISION"))
+        num_stages=static.config.stages, TOTAL_ROWS=rows,
+        CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
+        **static.constexprs(*_SHAPES, "INVERSE_PRECISION"))
     # 2. Every input gradient, one program per (span, head, V block), all at once.
     spans, state_index = _first_slots(cu, static.span)
     slots = _slot_count(rows, sequences, static.span)
@@ -180,6 +184,7 @@ def _rwkv7_bwd(static, residuals, cotangents):
         (slots, static.heads, v_blocks), num_warps=static.config.backward_warps,
         num_stages=static.config.stages,
         ROWS=rows if v_blocks > 1 else 0,  # (0: one V block; no recompile per length)
+        TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
         **static.constexprs(*_SHAPES, "CHUNKS_PER_STATE"))
     return (reduce(dr, r), reduce(dw, w), reduce(dk, k), dv, reduce(da, a), reduce(db, b), dh0,
             None)
