@@ -111,21 +111,63 @@ def _diagonal(values, C: tl.constexpr):
 
 
 @triton.jit
-def _lower(x, y, w, STRICT: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-           PRECISION: tl.constexpr):
-    """A[t, i] = sum_k x[t,k] y[i,k] e^(G[t,k] - gi[i,k]) for i < t (and i = t unless STRICT;
-    G = ge if STRICT else gi) from [C, *] tiles, level by level (``_level``)."""
-    if STRICT:
-        lower = tl.zeros([C, C], tl.float32)
+def _middle(w, AXIS: tl.constexpr, C: tl.constexpr):
+    """The factors of a tame chunk (``_tame``), referenced to its middle m: e^(gi_t - m),
+    e^(ge_t - m) (rows) and e^(m - gi_i) (columns), each within e^(+-TAME)."""
+    index = tl.arange(0, C)
+    gi = tl.cumsum(w, axis=AXIS)
+    if AXIS == 0:
+        middle = tl.sum(tl.where(index[:, None] == C // 2 - 1, gi, 0.0), axis=0)[None, :]
     else:
-        lower = _diagonal(tl.sum(x * y, axis=1), C)
-    for level in tl.static_range(LEVELS):
-        row, row_strict, column, keep = _level(w, C >> (level + 1), 0, C)
-        if STRICT:
-            row = row_strict
-        lower += tl.where(keep, tl.dot(x * row, tl.trans(y * column), input_precision=PRECISION),
-                          0.0)
-    return lower
+        middle = tl.sum(tl.where(index[None, :] == C // 2 - 1, gi, 0.0), axis=1)[:, None]
+    return tl.exp(gi - middle), tl.exp(gi - w - middle), tl.exp(middle - gi)
+
+
+@triton.jit
+def _tame(g_end, TAME: tl.constexpr):
+    """Whether every column of the chunk decays by at most e^TAME over its C steps: then the
+    middle-referenced factors and their products stay within e^(+-TAME) (no overflow, no
+    subnormal), and one product per A matrix replaces one per level. TAME = 0: never."""
+    return tl.min(g_end, axis=0) >= -TAME if TAME > 0 else tl.min(g_end, axis=0) > 0.0
+
+
+@triton.jit
+def _in_chunk(q, k, a, b, w, EXACT: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """The A matrices of a chunk from [C, *] tiles: A_qk, A_qb (i <= t, factor e^(gi_t - gi_i))
+    and A_ak, A_ab (i < t, factor e^(ge_t - gi_i)); level by level (``_level``) if EXACT, else
+    with the factors of a tame chunk (``_middle``). Those a kernel does not use are not
+    computed (dead code)."""
+    index = tl.arange(0, C)
+    if EXACT:
+        A_qk = _diagonal(tl.sum(q * k, axis=1), C)
+        A_qb = _diagonal(tl.sum(q * b, axis=1), C)
+        A_ak = tl.zeros([C, C], tl.float32)
+        A_ab = tl.zeros([C, C], tl.float32)
+        for level in tl.static_range(LEVELS):
+            row, row_strict, column, keep = _level(w, C >> (level + 1), 0, C)
+            q_f = q * row
+            a_f = a * row_strict
+            k_f = tl.trans(k * column)
+            b_f = tl.trans(b * column)
+            A_qk += tl.where(keep, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
+            A_qb += tl.where(keep, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0)
+            A_ak += tl.where(keep, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
+            A_ab += tl.where(keep, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
+    else:
+        row, row_strict, column = _middle(w, 0, C)
+        q_f = q * row
+        a_f = a * row_strict
+        k_f = tl.trans(k * column)
+        b_f = tl.trans(b * column)
+        # tl.where, not a multiplication: the entries dropped are not decays of the math (up to e^TAME).
+        lower = index[:, None] >= index[None, :]
+        strict = index[:, None] > index[None, :]
+        A_qk = tl.where(lower, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
+        A_qb = tl.where(lower, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0)
+        A_ak = tl.where(strict, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
+        A_ab = tl.where(strict, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
+    return A_qk, A_qb, A_ak, A_ab
 
 
 @triton.jit
@@ -141,7 +183,8 @@ def rwkv7_forward_kernel(
     o_ptr, ht_ptr, states_ptr, u_ptr,                                           # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr, STATE_SLOTS: tl.constexpr,
+    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    STATE_SLOTS: tl.constexpr,
     CHUNKS_PER_STATE: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
     INVERSE_PRECISION: tl.constexpr,
 ):
@@ -172,17 +215,19 @@ def rwkv7_forward_kernel(
         b = rows(b_ptr, k_base, k_tile, k_in)
         v = rows(v_ptr, v_base, v_tile, v_in)
         gi, ge, g_end, to_end = _decays(w, 0)
-        inverse = _inverse_unit_lower(_lower(a, b, w, True, C, LEVELS, PRECISION), C,
-                                      INVERSE_PRECISION)
-        x = tl.dot(a * tl.exp(ge), h, tl.dot(_lower(a, k, w, True, C, LEVELS, PRECISION), v,
-                                             input_precision=PRECISION),
+        if _tame(g_end, TAME):
+            A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, False, C, LEVELS, PRECISION)
+        else:
+            A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, True, C, LEVELS, PRECISION)
+        inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
+        x = tl.dot(a * tl.exp(ge), h, tl.dot(A_ak, v, input_precision=PRECISION),
                    input_precision=PRECISION)
         u = tl.dot(inverse, x, input_precision=PRECISION)
         if SAVE:
             tl.store(u_ptr + v_base + v_tile, u, mask=v_in)
         o = tl.dot(q * tl.exp(gi), h, input_precision=PRECISION)
-        o = tl.dot(_lower(q, k, w, False, C, LEVELS, PRECISION), v, o, input_precision=PRECISION)
-        o = tl.dot(_lower(q, b, w, False, C, LEVELS, PRECISION), u, o, input_precision=PRECISION)
+        o = tl.dot(A_qk, v, o, input_precision=PRECISION)
+        o = tl.dot(A_qb, u, o, input_precision=PRECISION)
         tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
         h = _advance(h, k, b, v, u, tl.exp(to_end), g_end, PRECISION)
         c += 1
@@ -195,7 +240,8 @@ def rwkv7_state_gradient_kernel(
     dh0_ptr, dstates_ptr, dx_ptr,                                         # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
+    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    CHUNK_SLOTS: tl.constexpr,
     PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
 ):
     """Grid as the forward's. dh0 [N, HEADS, K, V] float32; dstates [CHUNK_SLOTS, HEADS, K, V]
@@ -220,9 +266,11 @@ def rwkv7_state_gradient_kernel(
         b = rows(b_ptr, k_base, k_tile, k_in)
         do = rows(do_ptr, v_base, v_tile, v_in)
         gi, ge, g_end, to_end = _decays(w, 0)
-        inverse = _inverse_unit_lower(_lower(a, b, w, True, C, LEVELS, PRECISION), C,
-                                      INVERSE_PRECISION)
-        A_qb = _lower(q, b, w, False, C, LEVELS, PRECISION)
+        if _tame(g_end, TAME):  # (k is not needed here: b stands in)
+            _, A_qb, _, A_ab = _in_chunk(q, b, a, b, w, False, C, LEVELS, PRECISION)
+        else:
+            _, A_qb, _, A_ab = _in_chunk(q, b, a, b, w, True, C, LEVELS, PRECISION)
+        inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
         du = tl.dot(b * tl.exp(to_end), dh,
                     tl.dot(tl.trans(A_qb), do, input_precision=PRECISION),
                     input_precision=PRECISION)
@@ -248,13 +296,72 @@ def _transposed_products(x, y, STRICT: tl.constexpr, C: tl.constexpr, PRECISION:
 
 
 @triton.jit
+def _in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, EXACT: tl.constexpr,
+                        C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """From tiles held transposed ([K, C]) and the A matrices' gradients (masked): A_qk, A_ak
+    (as ``_in_chunk``) and the terms of dq, da, dk, db through the four A matrices."""
+    if EXACT:
+        index = tl.arange(0, C)
+        diagonal = index[:, None] == index[None, :]
+        d_qk = tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :]
+        d_qb = tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :]
+        A_qk = _diagonal(tl.sum(q * k, axis=0), C)
+        A_ak = tl.zeros([C, C], tl.float32)
+        dq = d_qk * k + d_qb * b
+        da = tl.zeros(q.shape, tl.float32)
+        dk = d_qk * q
+        db = d_qb * q
+        for level in tl.static_range(LEVELS):
+            row, row_strict, column, keep = _level(w, C >> (level + 1), 1, C)
+            q_f = q * row
+            a_f = a * row_strict
+            k_f = k * column
+            b_f = b * column
+            A_qk += tl.where(keep, tl.dot(tl.trans(q_f), k_f, input_precision=PRECISION), 0.0)
+            A_ak += tl.where(keep, tl.dot(tl.trans(a_f), k_f, input_precision=PRECISION), 0.0)
+            kept_qk = tl.where(keep, dA_qk, 0.0)
+            kept_qb = tl.where(keep, dA_qb, 0.0)
+            kept_ak = tl.where(keep, dA_ak, 0.0)
+            kept_ab = tl.where(keep, dA_ab, 0.0)
+            dq += row * tl.dot(k_f, tl.trans(kept_qk), tl.dot(b_f, tl.trans(kept_qb),
+                                                               input_precision=PRECISION),
+                               input_precision=PRECISION)
+            da += row_strict * tl.dot(k_f, tl.trans(kept_ak), tl.dot(
+                b_f, tl.trans(kept_ab), input_precision=PRECISION), input_precision=PRECISION)
+            dk += column * tl.dot(q_f, kept_qk, tl.dot(a_f, kept_ak, input_precision=PRECISION),
+                                  input_precision=PRECISION)
+            db += column * tl.dot(q_f, kept_qb, tl.dot(a_f, kept_ab, input_precision=PRECISION),
+                                  input_precision=PRECISION)
+    else:
+        row, row_strict, column = _middle(w, 1, C)
+        q_f = q * row
+        a_f = a * row_strict
+        k_f = k * column
+        b_f = b * column
+        A_qk = _transposed_products(q_f, k_f, False, C, PRECISION)
+        A_ak = _transposed_products(a_f, k_f, True, C, PRECISION)
+        dq = row * tl.dot(k_f, tl.trans(dA_qk), tl.dot(b_f, tl.trans(dA_qb),
+                                                        input_precision=PRECISION),
+                          input_precision=PRECISION)
+        da = row_strict * tl.dot(k_f, tl.trans(dA_ak), tl.dot(b_f, tl.trans(dA_ab),
+                                                               input_precision=PRECISION),
+                                 input_precision=PRECISION)
+        dk = column * tl.dot(q_f, dA_qk, tl.dot(a_f, dA_ak, input_precision=PRECISION),
+                             input_precision=PRECISION)
+        db = column * tl.dot(q_f, dA_qb, tl.dot(a_f, dA_ab, input_precision=PRECISION),
+                             input_precision=PRECISION)
+    return A_qk, A_ak, dq, da, dk, db
+
+
+@triton.jit
 def rwkv7_backward_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, states_ptr, u_ptr, dstates_ptr, dx_ptr,
     cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,               # inputs
     dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr,                            # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr,
+    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    SEQUENCES: tl.constexpr,
     CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr, ROWS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -281,8 +388,6 @@ def rwkv7_backward_kernel(
     first_chunk_slot = tl.load(chunk_index_ptr + sequence)
     h = tl.load(states_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols),
                 mask=state_mask & used, other=0.0)
-    index = tl.arange(0, C)
-    diagonal = index[:, None] == index[None, :]
     while c < last:
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, True)
@@ -302,36 +407,13 @@ def rwkv7_backward_kernel(
         b = rows(b_ptr, k_base, k_tile, k_in)
         gi, ge, g_end, to_end = _decays(w, 1)
         to_end = tl.exp(to_end)
-        # Through the A matrices, level by level as they are built (_lower), the diagonal first.
-        d_qk = tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :]
-        d_qb = tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :]
-        A_qk = _diagonal(tl.sum(q * k, axis=0), C)
-        A_ak = tl.zeros([C, C], tl.float32)
-        dq = d_qk * k + d_qb * b
-        da = tl.zeros([BK, C], tl.float32)
-        dk = d_qk * q
-        db = d_qb * q
-        for level in tl.static_range(LEVELS):
-            row, row_strict, column, keep = _level(w, C >> (level + 1), 1, C)
-            q_f = q * row
-            a_f = a * row_strict
-            k_f = k * column
-            b_f = b * column
-            A_qk += tl.where(keep, tl.dot(tl.trans(q_f), k_f, input_precision=PRECISION), 0.0)
-            A_ak += tl.where(keep, tl.dot(tl.trans(a_f), k_f, input_precision=PRECISION), 0.0)
-            kept_qk = tl.where(keep, dA_qk, 0.0)
-            kept_qb = tl.where(keep, dA_qb, 0.0)
-            kept_ak = tl.where(keep, dA_ak, 0.0)
-            kept_ab = tl.where(keep, dA_ab, 0.0)
-            dq += row * tl.dot(k_f, tl.trans(kept_qk), tl.dot(b_f, tl.trans(kept_qb),
-                                                               input_precision=PRECISION),
-                               input_precision=PRECISION)
-            da += row_strict * tl.dot(k_f, tl.trans(kept_ak), tl.dot(
-                b_f, tl.trans(kept_ab), input_precision=PRECISION), input_precision=PRECISION)
-            dk += column * tl.dot(q_f, kept_qk, tl.dot(a_f, kept_ak, input_precision=PRECISION),
-                                  input_precision=PRECISION)
-            db += column * tl.dot(q_f, kept_qb, tl.dot(a_f, kept_ab, input_precision=PRECISION),
-                                  input_precision=PRECISION)
+        # Through the A matrices, built as the forward builds them.
+        if _tame(g_end, TAME):
+            A_qk, A_ak, dq, da, dk, db = _in_chunk_gradients(
+                q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, False, C, LEVELS, PRECISION)
+        else:
+            A_qk, A_ak, dq, da, dk, db = _in_chunk_gradients(
+                q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, True, C, LEVELS, PRECISION)
         # dV = k^ dH + A_qk^T dO + A_ak^T dX
         dh = tl.load(dstates_ptr + state_offsets(clamped(first_chunk_slot + c, CHUNK_SLOTS),
                                                   head, HEADS, K, V, BK, v_cols),

@@ -37,6 +37,10 @@ class KernelConfig:
     # Of the (I - A_ab)^-1 products; None: "ieee" for float32 inputs (their contract), else
     # "tf32" (H100, bf16: 7% faster forward, error unchanged at two digits).
     inverse_precision: str | None = None
+    # Chunks whose log decays sum to at least -tame in every column build their A matrices
+    # with one product each (factors within e^(+-tame)); the others level by level. 0: always
+    # level by level (exact for every decay either way).
+    tame: float = 16.0
 
 
 def _pow2_at_least(n, floor=16):
@@ -66,7 +70,7 @@ def _check_head_sizes(k_size, v_size):
                              f"(32, 64 and 128 are the tuned ones); got {name} = {size}")
 
 
-_SHAPES = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "LEVELS", "FLOOR", "PRECISION")
+_SHAPES = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "LEVELS", "FLOOR", "TAME", "PRECISION")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +91,7 @@ class _Static:
         """The kernels' compile-time arguments, those named."""
         every = dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
                      BK=_pow2_at_least(self.k_size), BV=self.config.block_v, C=CHUNK,
-                     LEVELS=LEVELS, FLOOR=LOG_DECAY_FLOOR,
+                     LEVELS=LEVELS, FLOOR=LOG_DECAY_FLOOR, TAME=self.config.tame,
                      CHUNKS_PER_STATE=self.config.chunks_per_state, PRECISION=self.precision,
                      INVERSE_PRECISION=self.config.inverse_precision or (
                          "ieee" if self.precision == "tf32x3" else "tf32"))
