@@ -21,7 +21,10 @@ on load, the factors against the state are e^gi, e^ge, e^(g - gi) <= 1, and the 
 built level by level (``_level``): at level S the chunk is cut into segments of S steps and
 rows t of each odd segment meet columns i of the even segment just before it, with the factor
 split at the boundary b between them, e^(G_t - gi_b) * e^(gi_b - gi_i), each <= 1. Levels
-S = C/2, C/4, ..., 1 cover every pair i < t once; the diagonal (i = t) has no factor.
+S = C/2, C/4, ..., 1 cover every pair i < t once; the diagonal (i = t) has no factor. A tame
+chunk (log decays summing to at least -TAME in every column: every model-range chunk) takes
+one product per A matrix instead, its factors referenced to the chunk's middle and so within
+e^(+-TAME) (``_tame``).
 
 Three kernels, so that only the two recurrences are sequential:
 
