@@ -135,41 +135,23 @@ def _tame(g_end, TAME: tl.constexpr):
 
 
 @triton.jit
-def _in_chunk(q, k, a, b, w, EXACT: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-              PRECISION: tl.constexpr):
-    """The A matrices of a chunk from [C, *] tiles: A_qk, A_qb (i <= t, factor e^(gi_t - gi_i))
-    and A_ak, A_ab (i < t, factor e^(ge_t - gi_i)); level by level (``_level``) if EXACT, else
-    with the factors of a tame chunk (``_middle``). Those a kernel does not use are not
-    computed (dead code)."""
-    index = tl.arange(0, C)
-    if EXACT:
-        A_qk = _diagonal(tl.sum(q * k, axis=1), C)
-        A_qb = _diagonal(tl.sum(q * b, axis=1), C)
-        A_ak = tl.zeros([C, C], tl.float32)
-        A_ab = tl.zeros([C, C], tl.float32)
-        for level in tl.static_range(LEVELS):
-            row, row_strict, column, keep = _level(w, C >> (level + 1), 0, C)
-            q_f = q * row
-            a_f = a * row_strict
-            k_f = tl.trans(k * column)
-            b_f = tl.trans(b * column)
-            A_qk += tl.where(keep, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
-            A_qb += tl.where(keep, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0)
-            A_ak += tl.where(keep, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
-            A_ab += tl.where(keep, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
-    else:
-        row, row_strict, column = _middle(w, 0, C)
+def _in_chunk(q, k, a, b, w, C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """The A matrices of a chunk from [C, *] tiles, level by level (``_level``): A_qk, A_qb
+    (i <= t, factor e^(gi_t - gi_i)) and A_ak, A_ab (i < t, factor e^(ge_t - gi_i))."""
+    A_qk = _diagonal(tl.sum(q * k, axis=1), C)
+    A_qb = _diagonal(tl.sum(q * b, axis=1), C)
+    A_ak = tl.zeros([C, C], tl.float32)
+    A_ab = tl.zeros([C, C], tl.float32)
+    for level in tl.static_range(LEVELS):
+        row, row_strict, column, keep = _level(w, C >> (level + 1), 0, C)
         q_f = q * row
         a_f = a * row_strict
         k_f = tl.trans(k * column)
         b_f = tl.trans(b * column)
-        # tl.where, not a multiplication: the entries dropped are not decays of the math (up to e^TAME).
-        lower = index[:, None] >= index[None, :]
-        strict = index[:, None] > index[None, :]
-        A_qk = tl.where(lower, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
-        A_qb = tl.where(lower, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0)
-        A_ak = tl.where(strict, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
-        A_ab = tl.where(strict, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
+        A_qk += tl.where(keep, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
+        A_qb += tl.where(keep, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0)
+        A_ak += tl.where(keep, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
+        A_ab += tl.where(keep, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
     return A_qk, A_qb, A_ak, A_ab
 
 
@@ -181,19 +163,65 @@ def _advance(h, k, b, v, u, to_end, g_end, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def rwkv7_forward_kernel(
-    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, h0_ptr, cu_ptr, state_index_ptr,  # inputs
-    o_ptr, ht_ptr, states_ptr, u_ptr,                                           # outputs
+def _matrix_offsets(chunk_slot, head, HEADS: tl.constexpr, C: tl.constexpr):
+    """Offsets of a chunk's four [C, C] matrices (inverse, A_ak, A_qk, A_qb) from the first."""
+    index = tl.arange(0, C)
+    return ((chunk_slot.to(tl.int64) * HEADS + head) * 4 * C * C
+            + index[:, None] * C + index[None, :])
+
+
+@triton.jit
+def rwkv7_in_chunk_kernel(
+    r_ptr, w_ptr, k_ptr, a_ptr, b_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,  # inputs
+    matrices_ptr,                                                                    # output
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
-    STATE_SLOTS: tl.constexpr,
-    CHUNKS_PER_STATE: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
-    INVERSE_PRECISION: tl.constexpr,
+    FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr,
+    PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
 ):
-    """Grid (sequences * HEADS, V blocks). o [rows, HEADS, V]; ht [N, HEADS, K, V] float32;
-    if SAVE: states [STATE_SLOTS, HEADS, K, V] float32, the state at the start of every span,
-    and u [rows, HEADS, V] float32."""
+    """Grid (chunk slots, HEADS), all at once: a chunk's (I - A_ab)^-1, A_ak, A_qk, A_qb into
+    matrices [chunk slots, HEADS, 4, C, C] float32, level by level (exact for every decay), so
+    that the sequential kernels keep only the state recurrence. ``chunk_sequence[s]``: the
+    sequence of chunk slot s (-1 past the last chunk: those slots are not written)."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    sequence = tl.load(chunk_sequence_ptr + slot)
+    used = sequence >= 0
+    sequence = clamped(sequence, SEQUENCES)
+    _, k_tile, k_cols_in, _, v_cols_in, _, start, end, chunks = program(
+        sequence, head, 0, cu_ptr, HEADS, K, V, BK, BV, C, False)
+    start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
+    c = slot - tl.load(chunk_index_ptr + sequence)
+    used = used & (c >= 0) & (c < chunks)
+    c = tl.minimum(tl.maximum(c, 0), tl.maximum(chunks - 1, 0))
+    k_base, k_in, _, _ = row_bases(start + c * C, end, head, k_cols_in, v_cols_in, HEADS, K, V,
+                                   C, False)
+    q = rows(r_ptr, k_base, k_tile, k_in) * scale
+    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+    k = rows(k_ptr, k_base, k_tile, k_in)
+    a = rows(a_ptr, k_base, k_tile, k_in)
+    b = rows(b_ptr, k_base, k_tile, k_in)
+    A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, C, LEVELS, PRECISION)
+    offsets = _matrix_offsets(slot, head, HEADS, C)
+    tl.store(matrices_ptr + offsets, _inverse_unit_lower(A_ab, C, INVERSE_PRECISION), mask=used)
+    tl.store(matrices_ptr + offsets + C * C, A_ak, mask=used)
+    tl.store(matrices_ptr + offsets + 2 * C * C, A_qk, mask=used)
+    tl.store(matrices_ptr + offsets + 3 * C * C, A_qb, mask=used)
+
+
+@triton.jit
+def rwkv7_forward_kernel(
+    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, h0_ptr, matrices_ptr, cu_ptr,    # inputs
+    state_index_ptr, chunk_index_ptr,
+    o_ptr, ht_ptr, states_ptr, u_ptr,                                           # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+    TOTAL_ROWS: tl.constexpr, STATE_SLOTS: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
+    CHUNKS_PER_STATE: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (sequences * HEADS, V blocks). matrices: rwkv7_in_chunk_kernel's. o [rows, HEADS,
+    V]; ht [N, HEADS, K, V] float32; if SAVE: states [STATE_SLOTS, HEADS, K, V] float32, the
+    state at the start of every span, and u [rows, HEADS, V] float32."""
     sequence = tl.program_id(0) // HEADS
     head = tl.program_id(0) % HEADS
     v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
@@ -201,6 +229,7 @@ def rwkv7_forward_kernel(
     start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
     local = state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
     first_slot = tl.load(state_index_ptr + sequence)
+    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
     h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
@@ -218,19 +247,17 @@ def rwkv7_forward_kernel(
         b = rows(b_ptr, k_base, k_tile, k_in)
         v = rows(v_ptr, v_base, v_tile, v_in)
         gi, ge, g_end, to_end = _decays(w, 0)
-        if _tame(g_end, TAME):
-            A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, False, C, LEVELS, PRECISION)
-        else:
-            A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, True, C, LEVELS, PRECISION)
-        inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
-        x = tl.dot(a * tl.exp(ge), h, tl.dot(A_ak, v, input_precision=PRECISION),
+        matrices = matrices_ptr + _matrix_offsets(clamped(first_chunk_slot + c, CHUNK_SLOTS),
+                                                  head, HEADS, C)
+        x = tl.dot(a * tl.exp(ge), h, tl.dot(tl.load(matrices + C * C), v,
+                                             input_precision=PRECISION),
                    input_precision=PRECISION)
-        u = tl.dot(inverse, x, input_precision=PRECISION)
+        u = tl.dot(tl.load(matrices), x, input_precision=PRECISION)
         if SAVE:
             tl.store(u_ptr + v_base + v_tile, u, mask=v_in)
         o = tl.dot(q * tl.exp(gi), h, input_precision=PRECISION)
-        o = tl.dot(A_qk, v, o, input_precision=PRECISION)
-        o = tl.dot(A_qb, u, o, input_precision=PRECISION)
+        o = tl.dot(tl.load(matrices + 2 * C * C), v, o, input_precision=PRECISION)
+        o = tl.dot(tl.load(matrices + 3 * C * C), u, o, input_precision=PRECISION)
         tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
         h = _advance(h, k, b, v, u, tl.exp(to_end), g_end, PRECISION)
         c += 1
@@ -239,13 +266,12 @@ def rwkv7_forward_kernel(
 
 @triton.jit
 def rwkv7_state_gradient_kernel(
-    r_ptr, w_ptr, a_ptr, b_ptr, do_ptr, dht_ptr, cu_ptr, chunk_index_ptr,  # inputs
+    r_ptr, w_ptr, a_ptr, b_ptr, do_ptr, dht_ptr, matrices_ptr, cu_ptr,     # inputs
+    chunk_index_ptr,
     dh0_ptr, dstates_ptr, dx_ptr,                                         # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
-    CHUNK_SLOTS: tl.constexpr,
-    PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+    TOTAL_ROWS: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid as the forward's. dh0 [N, HEADS, K, V] float32; dstates [CHUNK_SLOTS, HEADS, K, V]
     float32: the gradient of the state at the end of every chunk; dx [rows, HEADS, V] float32."""
@@ -259,8 +285,9 @@ def rwkv7_state_gradient_kernel(
     dh = tl.load(dht_ptr + local, mask=state_mask, other=0.0)
     c = chunks - 1
     while c >= 0:
-        saved = state_offsets(clamped(first_slot + c, CHUNK_SLOTS), head, HEADS, K, V, BK, v_cols)
-        tl.store(dstates_ptr + saved, dh, mask=state_mask)
+        chunk_slot = clamped(first_slot + c, CHUNK_SLOTS)
+        tl.store(dstates_ptr + state_offsets(chunk_slot, head, HEADS, K, V, BK, v_cols), dh,
+                 mask=state_mask)
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, False)
         q = rows(r_ptr, k_base, k_tile, k_in) * scale
@@ -269,15 +296,12 @@ def rwkv7_state_gradient_kernel(
         b = rows(b_ptr, k_base, k_tile, k_in)
         do = rows(do_ptr, v_base, v_tile, v_in)
         gi, ge, g_end, to_end = _decays(w, 0)
-        if _tame(g_end, TAME):  # (k is not needed here: b stands in)
-            _, A_qb, _, A_ab = _in_chunk(q, b, a, b, w, False, C, LEVELS, PRECISION)
-        else:
-            _, A_qb, _, A_ab = _in_chunk(q, b, a, b, w, True, C, LEVELS, PRECISION)
-        inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
+        matrices = matrices_ptr + _matrix_offsets(chunk_slot, head, HEADS, C)
         du = tl.dot(b * tl.exp(to_end), dh,
-                    tl.dot(tl.trans(A_qb), do, input_precision=PRECISION),
+                    tl.dot(tl.trans(tl.load(matrices + 3 * C * C)), do,
+                           input_precision=PRECISION),
                     input_precision=PRECISION)
-        dx = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
+        dx = tl.dot(tl.trans(tl.load(matrices)), du, input_precision=PRECISION)
         tl.store(dx_ptr + v_base + v_tile, dx, mask=v_in)
         dh = tl.dot(tl.trans(q * tl.exp(gi)), do, tl.exp(g_end)[:, None] * dh,
                     input_precision=PRECISION)
@@ -301,15 +325,13 @@ def _transposed_products(x, y, STRICT: tl.constexpr, C: tl.constexpr, PRECISION:
 @triton.jit
 def _in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, EXACT: tl.constexpr,
                         C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
-    """From tiles held transposed ([K, C]) and the A matrices' gradients (masked): A_qk, A_ak
-    (as ``_in_chunk``) and the terms of dq, da, dk, db through the four A matrices."""
+    """From tiles held transposed ([K, C]) and the A matrices' gradients (masked): the terms of
+    dq, da, dk, db through the four A matrices, built as ``_in_chunk`` builds them."""
     if EXACT:
         index = tl.arange(0, C)
         diagonal = index[:, None] == index[None, :]
         d_qk = tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :]
         d_qb = tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :]
-        A_qk = _diagonal(tl.sum(q * k, axis=0), C)
-        A_ak = tl.zeros([C, C], tl.float32)
         dq = d_qk * k + d_qb * b
         da = tl.zeros(q.shape, tl.float32)
         dk = d_qk * q
@@ -320,8 +342,6 @@ def _in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, EXACT: tl.con
             a_f = a * row_strict
             k_f = k * column
             b_f = b * column
-            A_qk += tl.where(keep, tl.dot(tl.trans(q_f), k_f, input_precision=PRECISION), 0.0)
-            A_ak += tl.where(keep, tl.dot(tl.trans(a_f), k_f, input_precision=PRECISION), 0.0)
             kept_qk = tl.where(keep, dA_qk, 0.0)
             kept_qb = tl.where(keep, dA_qb, 0.0)
             kept_ak = tl.where(keep, dA_ak, 0.0)
@@ -341,8 +361,6 @@ def _in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, EXACT: tl.con
         a_f = a * row_strict
         k_f = k * column
         b_f = b * column
-        A_qk = _transposed_products(q_f, k_f, False, C, PRECISION)
-        A_ak = _transposed_products(a_f, k_f, True, C, PRECISION)
         dq = row * tl.dot(k_f, tl.trans(dA_qk), tl.dot(b_f, tl.trans(dA_qb),
                                                         input_precision=PRECISION),
                           input_precision=PRECISION)
@@ -353,13 +371,13 @@ def _in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, EXACT: tl.con
                              input_precision=PRECISION)
         db = column * tl.dot(q_f, dA_qb, tl.dot(a_f, dA_ab, input_precision=PRECISION),
                              input_precision=PRECISION)
-    return A_qk, A_ak, dq, da, dk, db
+    return dq, da, dk, db
 
 
 @triton.jit
 def rwkv7_backward_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, states_ptr, u_ptr, dstates_ptr, dx_ptr,
-    cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,               # inputs
+    matrices_ptr, cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,  # inputs
     dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr,                            # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
@@ -412,18 +430,19 @@ def rwkv7_backward_kernel(
         to_end = tl.exp(to_end)
         # Through the A matrices, built as the forward builds them.
         if _tame(g_end, TAME):
-            A_qk, A_ak, dq, da, dk, db = _in_chunk_gradients(
-                q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, False, C, LEVELS, PRECISION)
+            dq, da, dk, db = _in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab,
+                                                 False, C, LEVELS, PRECISION)
         else:
-            A_qk, A_ak, dq, da, dk, db = _in_chunk_gradients(
-                q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, True, C, LEVELS, PRECISION)
+            dq, da, dk, db = _in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab,
+                                                 True, C, LEVELS, PRECISION)
         # dV = k^ dH + A_qk^T dO + A_ak^T dX
-        dh = tl.load(dstates_ptr + state_offsets(clamped(first_chunk_slot + c, CHUNK_SLOTS),
-                                                  head, HEADS, K, V, BK, v_cols),
+        chunk_slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
+        dh = tl.load(dstates_ptr + state_offsets(chunk_slot, head, HEADS, K, V, BK, v_cols),
                      mask=state_mask, other=0.0)
+        matrices = matrices_ptr + _matrix_offsets(chunk_slot, head, HEADS, C)
         dv = tl.dot(tl.trans(dh), k * to_end, input_precision=PRECISION)
-        dv = tl.dot(do, A_qk, dv, input_precision=PRECISION)
-        dv = tl.dot(dx, A_ak, dv, input_precision=PRECISION)
+        dv = tl.dot(do, tl.load(matrices + 2 * C * C), dv, input_precision=PRECISION)
+        dv = tl.dot(dx, tl.load(matrices + C * C), dv, input_precision=PRECISION)
         tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
         # H' = e^g H + k^T V + b^T U, with k^ = k e^(g - gi), b^ = b e^(g - gi).
         dk_state = tl.dot(dh, v, input_precision=PRECISION) * to_end
