@@ -283,7 +283,8 @@ def _alarm(signum, frame):
     raise _OutOfTime()
 
 
-def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_default=True):
+def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_default=True,
+              fla_configs=("disable_recompute", "safe")):
     batch, steps, heads = 8, 4096, 64 * 64 // size
     x, d_out, d_state = model_inputs(batch, steps, heads, size)
     log(f"benchmark inputs: B={batch} T={steps} H={heads} K=V={size} bf16, "
@@ -326,10 +327,12 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
         ours()
     # On a fresh machine fla's compile and autotuning took 70 to over 330 s.
     fastest = dict(chunk_size=64, safe_gate=True, lower_bound=LOWER_BOUND)
-    attempt(bench_fla, "fla fastest, disable_recompute", x, d_out, d_state, ref,
-            disable_recompute=True, cap=480 if fla_first else 330, **fastest)
-    attempt(bench_fla, "fla chunk_rwkv7 (C=64, safe)", x, d_out, d_state, ref,
-            cap=480 if fla_first else 330, **fastest)
+    if "disable_recompute" in fla_configs:
+        attempt(bench_fla, "fla fastest, disable_recompute", x, d_out, d_state, ref,
+                disable_recompute=True, cap=480 if fla_first else 330, **fastest)
+    if "safe" in fla_configs:
+        attempt(bench_fla, "fla chunk_rwkv7 (C=64, safe)", x, d_out, d_state, ref,
+                cap=480 if fla_first else 330, **fastest)
     if fla_first:
         ours()
     default = triton_backend.default_config(size, size)
@@ -367,6 +370,9 @@ def main():
                         help="head sizes to benchmark (H = 4096 / size), e.g. 64,128")
     parser.add_argument("--no-fla-default", action="store_true",
                         help="skip fla's default configuration (minutes of autotuning)")
+    parser.add_argument("--fla", default="disable_recompute,safe",
+                        help="fla's fastest configuration with disable_recompute=True and/or "
+                             "without (each compiles for about 2 minutes)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     open_log(os.path.join(args.out, "gpu_rwkv7.log"))
@@ -378,7 +384,8 @@ def main():
     rows = []
     for size in (int(x) for x in args.sizes.split(",")):
         rows += benchmark(args.sweep, [b for b in args.others.split(",") if b], deadline,
-                          args.out, args.fla_first, size, not args.no_fla_default)
+                          args.out, args.fla_first, size, not args.no_fla_default,
+                          args.fla.split(","))
     with open(os.path.join(args.out, "gpu_rwkv7.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     log("\ncorrectness: " + ", ".join(f"{c['name']}: {'ok' if c['ok'] else 'FAIL'}"
