@@ -76,6 +76,8 @@ def main():
                   matrices_ptr=f32, cu_ptr=i32, state_index_ptr=i32, chunk_index_ptr=i32,
                   slot_sequence_ptr=i32, chunk_sequence_ptr=i32)
     k_grads = f32 if v_blocks > 1 else bf16  # float32 partial sums with several V blocks
+    inputs.update({f"d{n}_in_ptr": k_grads for n in "rwkab"})
+    k_grads = f32 if v_blocks > 1 else bf16  # float32 partial sums with several V blocks
     inputs.update({f"d{n}_ptr": k_grads for n in "rwkab"})
     kernels = [
         ("in-chunk", rwkv7.rwkv7_in_chunk_kernel,
@@ -85,8 +87,10 @@ def main():
         ("state gradient", rwkv7.rwkv7_state_gradient_kernel,
          dict(shapes, CHUNK_SLOTS=chunk_slots)),
         ("gradient", rwkv7.rwkv7_backward_kernel,
-         dict(shapes, LEVELS=4, TAME=16.0, CHUNKS_PER_STATE=8, SEQUENCES=8,
-              CHUNK_SLOTS=chunk_slots, ROWS=rows if v_blocks > 1 else 0)),
+         dict(shapes, TAME=16.0, CHUNKS_PER_STATE=8, SEQUENCES=8, CHUNK_SLOTS=chunk_slots,
+              ROWS=rows if v_blocks > 1 else 0)),
+        ("strong decay", rwkv7.rwkv7_strong_decay_kernel,
+         dict(shapes, LEVELS=4, TAME=16.0, SEQUENCES=8, ROWS=rows if v_blocks > 1 else 0)),
     ]
     print(f"K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
     for name, kernel, constexprs in kernels:

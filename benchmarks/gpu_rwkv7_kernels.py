@@ -20,7 +20,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from triton_kernels import rwkv7  # noqa: E402
 
-KERNELS = ("in-chunk", "forward", "state gradient", "gradient")
+KERNELS = ("in-chunk", "forward", "state gradient", "gradient", "strong decay")
 RUNS = [(kernel, warps) for kernel in KERNELS for warps in (4, 8)]
 
 
@@ -81,15 +81,20 @@ def run(kernel_name, warps):
     def gradient(warps):
         rwkv7.rwkv7_backward_kernel[(slots, heads, 1)](
             *x.values(), do, states, u, dstates, dx, matrices, cu, index(steps // span),
-            index(steps // chunk), slot_sequence, *grads[warps], LEVELS=4, TAME=16.0,
-            SEQUENCES=batch, CHUNK_SLOTS=chunk_slots, CHUNKS_PER_STATE=chunks_per_state, ROWS=0,
+            index(steps // chunk), slot_sequence, *grads[warps], TAME=16.0, SEQUENCES=batch, CHUNK_SLOTS=chunk_slots, CHUNKS_PER_STATE=chunks_per_state, ROWS=0,
             num_warps=warps, **sizes)
+
+    def strong_decay(warps):  # in place on the 4-warp gradients; model-range decays: no work
+        k_side = [grads[4][i] for i in (0, 1, 2, 4, 5)]
+        rwkv7.rwkv7_strong_decay_kernel[(chunk_slots, heads, 1)](
+            *x.values(), do, u, dx, cu, index(steps // chunk), chunk_sequence, *k_side, *k_side,
+            LEVELS=4, TAME=16.0, SEQUENCES=batch, ROWS=0, num_warps=warps, **sizes)
 
     in_chunk(4)
     forward(4)
     state_gradient(4)
     launch = {"in-chunk": in_chunk, "forward": forward, "state gradient": state_gradient,
-              "gradient": gradient}
+              "gradient": gradient, "strong decay": strong_decay}
     note = ""
     if kernel_name == "gradient":
         gradient(4)

@@ -323,55 +323,82 @@ def _transposed_products(x, y, STRICT: tl.constexpr, C: tl.constexpr, PRECISION:
 
 
 @triton.jit
-def _in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, EXACT: tl.constexpr,
-                        C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
-    """From tiles held transposed ([K, C]) and the A matrices' gradients (masked): the terms of
-    dq, da, dk, db through the four A matrices, built as ``_in_chunk`` builds them."""
-    if EXACT:
-        index = tl.arange(0, C)
-        diagonal = index[:, None] == index[None, :]
-        d_qk = tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :]
-        d_qb = tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :]
-        dq = d_qk * k + d_qb * b
-        da = tl.zeros(q.shape, tl.float32)
-        dk = d_qk * q
-        db = d_qb * q
-        for level in tl.static_range(LEVELS):
-            row, row_strict, column, keep = _level(w, C >> (level + 1), 1, C)
-            q_f = q * row
-            a_f = a * row_strict
-            k_f = k * column
-            b_f = b * column
-            kept_qk = tl.where(keep, dA_qk, 0.0)
-            kept_qb = tl.where(keep, dA_qb, 0.0)
-            kept_ak = tl.where(keep, dA_ak, 0.0)
-            kept_ab = tl.where(keep, dA_ab, 0.0)
-            dq += row * tl.dot(k_f, tl.trans(kept_qk), tl.dot(b_f, tl.trans(kept_qb),
-                                                               input_precision=PRECISION),
-                               input_precision=PRECISION)
-            da += row_strict * tl.dot(k_f, tl.trans(kept_ak), tl.dot(
-                b_f, tl.trans(kept_ab), input_precision=PRECISION), input_precision=PRECISION)
-            dk += column * tl.dot(q_f, kept_qk, tl.dot(a_f, kept_ak, input_precision=PRECISION),
-                                  input_precision=PRECISION)
-            db += column * tl.dot(q_f, kept_qb, tl.dot(a_f, kept_ab, input_precision=PRECISION),
-                                  input_precision=PRECISION)
-    else:
-        row, row_strict, column = _middle(w, 1, C)
+def _a_gradients(do, v, u, dx, C: tl.constexpr, PRECISION: tl.constexpr):
+    """The A matrices' gradients from tiles held transposed ([V, C]): O = q~ H + A_qk V + A_qb U
+    and X = A_ak V + a~ H give dA_qk, dA_qb (i <= t) and dA_ak, dA_ab (i < t)."""
+    return (_transposed_products(do, v, False, C, PRECISION),
+            _transposed_products(do, u, False, C, PRECISION),
+            _transposed_products(dx, v, True, C, PRECISION),
+            _transposed_products(dx, u, True, C, PRECISION))
+
+
+@triton.jit
+def _tame_in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, C: tl.constexpr,
+                             PRECISION: tl.constexpr):
+    """The terms of dq, da, dk, db through the four A matrices of a tame chunk (``_tame``),
+    from tiles held transposed ([K, C]): one product per term."""
+    row, row_strict, column = _middle(w, 1, C)
+    q_f = q * row
+    a_f = a * row_strict
+    k_f = k * column
+    b_f = b * column
+    dq = row * tl.dot(k_f, tl.trans(dA_qk), tl.dot(b_f, tl.trans(dA_qb),
+                                                    input_precision=PRECISION),
+                      input_precision=PRECISION)
+    da = row_strict * tl.dot(k_f, tl.trans(dA_ak), tl.dot(b_f, tl.trans(dA_ab),
+                                                           input_precision=PRECISION),
+                             input_precision=PRECISION)
+    dk = column * tl.dot(q_f, dA_qk, tl.dot(a_f, dA_ak, input_precision=PRECISION),
+                         input_precision=PRECISION)
+    db = column * tl.dot(q_f, dA_qb, tl.dot(a_f, dA_ab, input_precision=PRECISION),
+                         input_precision=PRECISION)
+    return dq, da, dk, db
+
+
+@triton.jit
+def _exact_in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, C: tl.constexpr,
+                              LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """As ``_tame_in_chunk_gradients`` for any chunk: level by level as ``_in_chunk`` builds
+    the A matrices, the diagonal first."""
+    index = tl.arange(0, C)
+    diagonal = index[:, None] == index[None, :]
+    d_qk = tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :]
+    d_qb = tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :]
+    dq = d_qk * k + d_qb * b
+    da = tl.zeros(q.shape, tl.float32)
+    dk = d_qk * q
+    db = d_qb * q
+    for level in tl.static_range(LEVELS):
+        row, row_strict, column, keep = _level(w, C >> (level + 1), 1, C)
         q_f = q * row
         a_f = a * row_strict
         k_f = k * column
         b_f = b * column
-        dq = row * tl.dot(k_f, tl.trans(dA_qk), tl.dot(b_f, tl.trans(dA_qb),
-                                                        input_precision=PRECISION),
-                          input_precision=PRECISION)
-        da = row_strict * tl.dot(k_f, tl.trans(dA_ak), tl.dot(b_f, tl.trans(dA_ab),
-                                                               input_precision=PRECISION),
-                                 input_precision=PRECISION)
-        dk = column * tl.dot(q_f, dA_qk, tl.dot(a_f, dA_ak, input_precision=PRECISION),
-                             input_precision=PRECISION)
-        db = column * tl.dot(q_f, dA_qb, tl.dot(a_f, dA_ab, input_precision=PRECISION),
-                             input_precision=PRECISION)
+        kept_qk = tl.where(keep, dA_qk, 0.0)
+        kept_qb = tl.where(keep, dA_qb, 0.0)
+        kept_ak = tl.where(keep, dA_ak, 0.0)
+        kept_ab = tl.where(keep, dA_ab, 0.0)
+        dq += row * tl.dot(k_f, tl.trans(kept_qk), tl.dot(b_f, tl.trans(kept_qb),
+                                                           input_precision=PRECISION),
+                           input_precision=PRECISION)
+        da += row_strict * tl.dot(k_f, tl.trans(kept_ak), tl.dot(
+            b_f, tl.trans(kept_ab), input_precision=PRECISION), input_precision=PRECISION)
+        dk += column * tl.dot(q_f, kept_qk, tl.dot(a_f, kept_ak, input_precision=PRECISION),
+                              input_precision=PRECISION)
+        db += column * tl.dot(q_f, kept_qb, tl.dot(a_f, kept_ab, input_precision=PRECISION),
+                              input_precision=PRECISION)
     return dq, da, dk, db
+
+
+@triton.jit
+def _log_decay_gradient(q, k, a, b, dq, da, dk, db, dg_end):
+    """In a chunk q_t enters only as q_t e^gi_t, a_t as a_t e^ge_t, and k_i, b_i as x_i e^-gi_i
+    (the e^g of k^ and b^ is in dg_end): the gradients of gi and ge are q dq - k dk - b db and
+    a da; gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t, g = gi_C. Tiles held transposed. Linear
+    in its gradients: a part of them gives that part of dw."""
+    d_ge = a * da
+    return (tl.cumsum(q * dq - k * dk - b * db + d_ge, axis=1, reverse=True) - d_ge
+            + dg_end[:, None])
 
 
 @triton.jit
@@ -380,9 +407,8 @@ def rwkv7_backward_kernel(
     matrices_ptr, cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,  # inputs
     dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr,                            # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
-    SEQUENCES: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+    TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr,
     CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr, ROWS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -416,11 +442,6 @@ def rwkv7_backward_kernel(
         do = rows(do_ptr, v_base, v_tile, v_in)
         u = rows(u_ptr, v_base, v_tile, v_in)
         dx = rows(dx_ptr, v_base, v_tile, v_in)
-        # The A matrices' gradients: O = q~ H + A_qk V + A_qb U and X = A_ak V + a~ H.
-        dA_qk = _transposed_products(do, v, False, C, PRECISION)
-        dA_qb = _transposed_products(do, u, False, C, PRECISION)
-        dA_ak = _transposed_products(dx, v, True, C, PRECISION)
-        dA_ab = _transposed_products(dx, u, True, C, PRECISION)
         q = rows(r_ptr, k_base, k_tile, k_in) * scale
         w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
         k = rows(k_ptr, k_base, k_tile, k_in)
@@ -428,13 +449,17 @@ def rwkv7_backward_kernel(
         b = rows(b_ptr, k_base, k_tile, k_in)
         gi, ge, g_end, to_end = _decays(w, 1)
         to_end = tl.exp(to_end)
-        # Through the A matrices, built as the forward builds them.
+        # Through the A matrices: here for tame chunks; rwkv7_strong_decay_kernel adds them
+        # for the others (so that this kernel's registers are those of the tame path).
         if _tame(g_end, TAME):
-            dq, da, dk, db = _in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab,
-                                                 False, C, LEVELS, PRECISION)
+            dA_qk, dA_qb, dA_ak, dA_ab = _a_gradients(do, v, u, dx, C, PRECISION)
+            dq, da, dk, db = _tame_in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab,
+                                                      C, PRECISION)
         else:
-            dq, da, dk, db = _in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab,
-                                                 True, C, LEVELS, PRECISION)
+            dq = tl.zeros([BK, C], tl.float32)
+            da = tl.zeros([BK, C], tl.float32)
+            dk = tl.zeros([BK, C], tl.float32)
+            db = tl.zeros([BK, C], tl.float32)
         # dV = k^ dH + A_qk^T dO + A_ak^T dX
         chunk_slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
         dh = tl.load(dstates_ptr + state_offsets(chunk_slot, head, HEADS, K, V, BK, v_cols),
@@ -454,13 +479,8 @@ def rwkv7_backward_kernel(
         da += tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
         dk += dk_state
         db += db_state
-        # In a chunk q_t enters only as q_t e^gi_t, a_t as a_t e^ge_t, and k_i, b_i as
-        # x_i e^-gi_i (the e^g of k^ and b^ is in dg_end): the gradients of gi and ge are
-        # q dq - k dk - b db and a da. gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t, g = gi_C.
         # A log decay raised to FLOOR has gradient 0.
-        d_ge = a * da
-        dw = (tl.cumsum(q * dq - k * dk - b * db + d_ge, axis=1, reverse=True) - d_ge
-              + dg_end[:, None])
+        dw = _log_decay_gradient(q, k, a, b, dq, da, dk, db, dg_end)
         dw = tl.where(rows(w_ptr, k_base, k_tile, k_in) < FLOOR, 0.0, dw)
         if ROWS > 0:  # several V blocks: this one's partial sums of the K-side gradients
             k_base += v_block.to(tl.int64) * (ROWS * HEADS * K)
@@ -474,3 +494,60 @@ def rwkv7_backward_kernel(
                        input_precision=PRECISION)
             h = tl.dot(b * to_end, tl.trans(u), h, input_precision=PRECISION)
         c += 1
+
+
+@triton.jit
+def rwkv7_strong_decay_kernel(
+    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr, cu_ptr, chunk_index_ptr,
+    chunk_sequence_ptr, dr_in_ptr, dw_in_ptr, dk_in_ptr, da_in_ptr, db_in_ptr,  # inputs
+    dr_ptr, dw_ptr, dk_ptr, da_ptr, db_ptr,  # outputs: the same buffers as the *_in
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    SEQUENCES: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (chunk slots, HEADS, V blocks), after rwkv7_backward_kernel: for each chunk that is
+    not tame, adds the K-side gradient terms through the A matrices (level by level, exact for
+    every decay) to that kernel's dr, dw, dk, da, db, updated in place. Tame chunks (all of
+    them for model-range decays) return at once."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    v_block = tl.program_id(2)
+    sequence = tl.load(chunk_sequence_ptr + slot)
+    used = sequence >= 0
+    sequence = clamped(sequence, SEQUENCES)
+    v_cols, k_tile, k_cols_in, v_tile, v_cols_in, _, start, end, chunks = program(
+        sequence, head, v_block, cu_ptr, HEADS, K, V, BK, BV, C, True)
+    start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
+    c = slot - tl.load(chunk_index_ptr + sequence)
+    used = used & (c >= 0) & (c < chunks)
+    c = tl.minimum(tl.maximum(c, 0), tl.maximum(chunks - 1, 0))
+    k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
+                                            HEADS, K, V, C, True)
+    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+    if used & ~_tame(tl.sum(w, axis=1), TAME):
+        dA_qk, dA_qb, dA_ak, dA_ab = _a_gradients(
+            rows(do_ptr, v_base, v_tile, v_in), rows(v_ptr, v_base, v_tile, v_in),
+            rows(u_ptr, v_base, v_tile, v_in), rows(dx_ptr, v_base, v_tile, v_in), C,
+            PRECISION)
+        q = rows(r_ptr, k_base, k_tile, k_in) * scale
+        k = rows(k_ptr, k_base, k_tile, k_in)
+        a = rows(a_ptr, k_base, k_tile, k_in)
+        b = rows(b_ptr, k_base, k_tile, k_in)
+        dq, da, dk, db = _exact_in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab,
+                                                   C, LEVELS, PRECISION)
+        dw = _log_decay_gradient(q, k, a, b, dq, da, dk, db, tl.zeros([BK], tl.float32))
+        dw = tl.where(rows(w_ptr, k_base, k_tile, k_in) < FLOOR, 0.0, dw)
+        if ROWS > 0:  # several V blocks: this one's partial sums
+            k_base += v_block.to(tl.int64) * (ROWS * HEADS * K)
+        tile = k_base + k_tile
+        tl.store(dr_ptr + tile, (tl.load(dr_in_ptr + tile, mask=k_in).to(tl.float32)
+                                 + dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
+        tl.store(dw_ptr + tile, (tl.load(dw_in_ptr + tile, mask=k_in).to(tl.float32)
+                                 + dw).to(dw_ptr.dtype.element_ty), mask=k_in)
+        tl.store(dk_ptr + tile, (tl.load(dk_in_ptr + tile, mask=k_in).to(tl.float32)
+                                 + dk).to(dk_ptr.dtype.element_ty), mask=k_in)
+        tl.store(da_ptr + tile, (tl.load(da_in_ptr + tile, mask=k_in).to(tl.float32)
+                                 + da).to(da_ptr.dtype.element_ty), mask=k_in)
+        tl.store(db_ptr + tile, (tl.load(db_in_ptr + tile, mask=k_in).to(tl.float32)
+                                 + db).to(db_ptr.dtype.element_ty), mask=k_in)

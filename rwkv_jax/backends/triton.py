@@ -173,16 +173,17 @@ def _rwkv7_bwd(static, residuals, cotangents):
     sequences = cu.shape[0] - 1
     state_shape = (static.heads, static.k_size, static.v_size)
     # 1. The reverse recurrence of the state gradient: dH at the end of every chunk, and dX.
-    _, chunk_index = _first_slots(cu, CHUNK)
+    chunks, chunk_index = _first_slots(cu, CHUNK)
+    chunk_slots = _slot_count(rows, sequences, CHUNK)
     dh0, dstates, dx = _launch.launch(
         _kernels.rwkv7_state_gradient_kernel,
         (r, w, a, b, do, dht.astype(jnp.float32), matrices, cu, chunk_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
-         jax.ShapeDtypeStruct((_slot_count(rows, sequences, CHUNK),) + state_shape, jnp.float32),
+         jax.ShapeDtypeStruct((chunk_slots,) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((rows, static.heads, static.v_size), jnp.float32)),
         static.grid(sequences), num_warps=static.config.forward_warps,
-        num_stages=static.config.stages, TOTAL_ROWS=rows,
-        CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK), **static.constexprs(*_SHAPES))
+        num_stages=static.config.stages, TOTAL_ROWS=rows, CHUNK_SLOTS=chunk_slots,
+        **static.constexprs(*_SHAPES))
     # 2. Every input gradient, one program per (span, head, V block), all at once.
     spans, state_index = _first_slots(cu, static.span)
     slots = _slot_count(rows, sequences, static.span)
@@ -205,8 +206,19 @@ def _rwkv7_bwd(static, residuals, cotangents):
         (slots, static.heads, v_blocks), num_warps=static.config.backward_warps,
         num_stages=static.config.stages,
         ROWS=rows if v_blocks > 1 else 0,  # (0: one V block; no recompile per length)
-        TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
-        **static.constexprs(*_SHAPES, "LEVELS", "TAME", "CHUNKS_PER_STATE"))
+        TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots,
+        **static.constexprs(*_SHAPES, "TAME", "CHUNKS_PER_STATE"))
+    # 3. The chunks that are not tame add their terms through the A matrices (level by level):
+    # in place, a few programs' work for any decays (none for model-range ones).
+    dr, dw, dk, da, db = _launch.launch(
+        _kernels.rwkv7_strong_decay_kernel,
+        (r, w, k, v, a, b, do, u, dx, cu, chunk_index,
+         _slot_sequences(chunks, chunk_index, chunk_slots), dr, dw, dk, da, db),
+        (dr, dw, dk, da, db), (chunk_slots, static.heads, v_blocks),
+        num_warps=static.config.backward_warps,
+        input_output_aliases={12: 0, 13: 1, 14: 2, 15: 3, 16: 4},
+        ROWS=rows if v_blocks > 1 else 0, TOTAL_ROWS=rows, SEQUENCES=sequences,
+        **static.constexprs(*_SHAPES, "LEVELS", "TAME"))
     return (reduce(dr, r), reduce(dw, w), reduce(dk, k), dv, reduce(da, a), reduce(db, b), dh0,
             None)
 
