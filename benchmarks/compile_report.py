@@ -66,31 +66,25 @@ def main():
     bk = max(16, 1 << (args.key - 1).bit_length())
     bv = min(64, max(16, 1 << (args.value - 1).bit_length()))
     v_blocks = -(-args.value // bv)
-    rows, spans, chunk_slots = 8 * 4096, 8 * 4096 // (16 * 8) + 8, 8 * 4096 // 16 + 8
-    shapes = dict(scale=1.0, HEADS=64, K=args.key, V=args.value, BK=bk, BV=bv, C=16,
-                  FLOOR=-128.0, TOTAL_ROWS=rows, PRECISION="tf32")
+    rows, spans = 8 * 4096, 8 * 4096 // (16 * 8) + 8
+    shapes = dict(scale=1.0, HEADS=64, K=args.key, V=args.value, BK=bk, BV=bv, C=16, LEVELS=4,
+                  FLOOR=-128.0, TAME=16.0, TOTAL_ROWS=rows, PRECISION="tf32")
     bf16, f32, i32 = "*bf16", "*fp32", "*i32"
     inputs = dict(r_ptr=bf16, w_ptr=bf16, k_ptr=bf16, v_ptr=bf16, a_ptr=bf16, b_ptr=bf16,
                   do_ptr=bf16, h0_ptr=f32, dht_ptr=f32, states_ptr=f32, dstates_ptr=f32,
                   u_ptr=f32, dx_ptr=f32, ht_ptr=f32, dh0_ptr=f32, o_ptr=bf16, dv_ptr=bf16,
-                  matrices_ptr=f32, cu_ptr=i32, state_index_ptr=i32, chunk_index_ptr=i32,
-                  slot_sequence_ptr=i32, chunk_sequence_ptr=i32)
-    k_grads = f32 if v_blocks > 1 else bf16  # float32 partial sums with several V blocks
-    inputs.update({f"d{n}_in_ptr": k_grads for n in "rwkab"})
+                  cu_ptr=i32, state_index_ptr=i32, chunk_index_ptr=i32, slot_sequence_ptr=i32)
     k_grads = f32 if v_blocks > 1 else bf16  # float32 partial sums with several V blocks
     inputs.update({f"d{n}_ptr": k_grads for n in "rwkab"})
     kernels = [
-        ("in-chunk", rwkv7.rwkv7_in_chunk_kernel,
-         dict(shapes, LEVELS=4, SEQUENCES=8, INVERSE_PRECISION="tf32")),
         ("forward", rwkv7.rwkv7_forward_kernel,
-         dict(shapes, CHUNKS_PER_STATE=8, SAVE=True, STATE_SLOTS=spans, CHUNK_SLOTS=chunk_slots)),
+         dict(shapes, CHUNKS_PER_STATE=8, SAVE=True, STATE_SLOTS=spans,
+              INVERSE_PRECISION="tf32")),
         ("state gradient", rwkv7.rwkv7_state_gradient_kernel,
-         dict(shapes, CHUNK_SLOTS=chunk_slots)),
+         dict(shapes, CHUNK_SLOTS=rows // 16 + 8, INVERSE_PRECISION="tf32")),
         ("gradient", rwkv7.rwkv7_backward_kernel,
-         dict(shapes, TAME=16.0, CHUNKS_PER_STATE=8, SEQUENCES=8, CHUNK_SLOTS=chunk_slots,
+         dict(shapes, CHUNKS_PER_STATE=8, SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
               ROWS=rows if v_blocks > 1 else 0)),
-        ("strong decay", rwkv7.rwkv7_strong_decay_kernel,
-         dict(shapes, LEVELS=4, TAME=16.0, SEQUENCES=8, ROWS=rows if v_blocks > 1 else 0)),
     ]
     print(f"K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
     for name, kernel, constexprs in kernels:

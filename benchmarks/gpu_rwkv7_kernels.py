@@ -20,8 +20,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from triton_kernels import rwkv7  # noqa: E402
 
-KERNELS = ("in-chunk", "forward", "state gradient", "gradient", "strong decay")
-RUNS = [(kernel, warps) for kernel in KERNELS for warps in (4, 8)]
+RUNS = [(kernel, warps) for kernel in ("forward", "state gradient", "gradient") for warps in (4, 8)]
 
 
 def run(kernel_name, warps):
@@ -47,30 +46,21 @@ def run(kernel_name, warps):
     o, ht, dh0 = empty(*shape, dtype=torch.bfloat16), empty(*h0.shape), empty(*h0.shape)
     states, dstates = empty(slots, heads, size, size), empty(chunk_slots, heads, size, size)
     u, dx = empty(*shape), empty(*shape)
-    matrices = empty(chunk_slots, heads, 4, chunk, chunk)
-    sizes = dict(scale=1.0, HEADS=heads, K=size, V=size, BK=size, BV=size, C=chunk,
-                 FLOOR=-128.0, TOTAL_ROWS=rows, PRECISION="tf32")
+    sizes = dict(scale=1.0, HEADS=heads, K=size, V=size, BK=size, BV=size, C=chunk, LEVELS=4,
+                 FLOOR=-128.0, TAME=16.0, TOTAL_ROWS=rows, PRECISION="tf32")
     grid = (batch * heads, 1)
-    chunk_sequence = torch.full((chunk_slots,), -1, device=device, dtype=torch.int32)
-    chunk_sequence[:rows // chunk] = torch.arange(batch, device=device, dtype=torch.int32
-                                                  ).repeat_interleave(steps // chunk)
-
-    def in_chunk(warps):
-        rwkv7.rwkv7_in_chunk_kernel[(chunk_slots, heads)](
-            x["r"], x["w"], x["k"], x["a"], x["b"], cu, index(steps // chunk), chunk_sequence,
-            matrices, LEVELS=4, SEQUENCES=batch, INVERSE_PRECISION="tf32", num_warps=warps,
-            **sizes)
 
     def forward(warps):
         rwkv7.rwkv7_forward_kernel[grid](
-            *x.values(), h0, matrices, cu, index(steps // span), index(steps // chunk), o, ht,
-            states, u, CHUNKS_PER_STATE=chunks_per_state, SAVE=True, STATE_SLOTS=slots,
-            CHUNK_SLOTS=chunk_slots, num_warps=warps, **sizes)
+            *x.values(), h0, cu, index(steps // span), o, ht, states, u,
+            CHUNKS_PER_STATE=chunks_per_state, SAVE=True, INVERSE_PRECISION="tf32",
+            STATE_SLOTS=slots,
+            num_warps=warps, **sizes)
 
     def state_gradient(warps):
         rwkv7.rwkv7_state_gradient_kernel[grid](
-            x["r"], x["w"], x["a"], x["b"], do, dht, matrices, cu, index(steps // chunk), dh0,
-            dstates, dx, CHUNK_SLOTS=chunk_slots, num_warps=warps, **sizes)
+            x["r"], x["w"], x["a"], x["b"], do, dht, cu, index(steps // chunk), dh0, dstates, dx,
+            INVERSE_PRECISION="tf32", CHUNK_SLOTS=chunk_slots, num_warps=warps, **sizes)
 
     slot_sequence = torch.full((slots,), -1, device=device, dtype=torch.int32)
     slot_sequence[:rows // span] = torch.arange(batch, device=device, dtype=torch.int32
@@ -80,21 +70,14 @@ def run(kernel_name, warps):
 
     def gradient(warps):
         rwkv7.rwkv7_backward_kernel[(slots, heads, 1)](
-            *x.values(), do, states, u, dstates, dx, matrices, cu, index(steps // span),
-            index(steps // chunk), slot_sequence, *grads[warps], TAME=16.0, SEQUENCES=batch, CHUNK_SLOTS=chunk_slots, CHUNKS_PER_STATE=chunks_per_state, ROWS=0,
+            *x.values(), do, states, u, dstates, dx, cu, index(steps // span),
+            index(steps // chunk), slot_sequence, *grads[warps],
+            CHUNKS_PER_STATE=chunks_per_state, ROWS=0, SEQUENCES=batch, CHUNK_SLOTS=chunk_slots,
             num_warps=warps, **sizes)
 
-    def strong_decay(warps):  # in place on the 4-warp gradients; model-range decays: no work
-        k_side = [grads[4][i] for i in (0, 1, 2, 4, 5)]
-        rwkv7.rwkv7_strong_decay_kernel[(chunk_slots, heads, 1)](
-            *x.values(), do, u, dx, cu, index(steps // chunk), chunk_sequence, *k_side, *k_side,
-            LEVELS=4, TAME=16.0, SEQUENCES=batch, ROWS=0, num_warps=warps, **sizes)
-
-    in_chunk(4)
     forward(4)
     state_gradient(4)
-    launch = {"in-chunk": in_chunk, "forward": forward, "state gradient": state_gradient,
-              "gradient": gradient, "strong decay": strong_decay}
+    launch = {"forward": forward, "state gradient": state_gradient, "gradient": gradient}
     note = ""
     if kernel_name == "gradient":
         gradient(4)
@@ -113,7 +96,7 @@ def main():
         return run(sys.argv[1], int(sys.argv[2]))
     runs = RUNS
     if len(sys.argv) == 3:
-        runs = [(kernel, int(sys.argv[2])) for kernel in KERNELS]
+        runs = [(kernel, int(sys.argv[2])) for kernel, _ in RUNS[::2]]
     rows = []
     for kernel_name, warps in runs:
         done = subprocess.run([sys.executable, __file__, kernel_name, str(warps)],

@@ -135,23 +135,41 @@ def _tame(g_end, TAME: tl.constexpr):
 
 
 @triton.jit
-def _in_chunk(q, k, a, b, w, C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
-    """The A matrices of a chunk from [C, *] tiles, level by level (``_level``): A_qk, A_qb
-    (i <= t, factor e^(gi_t - gi_i)) and A_ak, A_ab (i < t, factor e^(ge_t - gi_i))."""
-    A_qk = _diagonal(tl.sum(q * k, axis=1), C)
-    A_qb = _diagonal(tl.sum(q * b, axis=1), C)
-    A_ak = tl.zeros([C, C], tl.float32)
-    A_ab = tl.zeros([C, C], tl.float32)
-    for level in tl.static_range(LEVELS):
-        row, row_strict, column, keep = _level(w, C >> (level + 1), 0, C)
+def _in_chunk(q, k, a, b, w, EXACT: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """The A matrices of a chunk from [C, *] tiles: A_qk, A_qb (i <= t, factor e^(gi_t - gi_i))
+    and A_ak, A_ab (i < t, factor e^(ge_t - gi_i)); level by level (``_level``) if EXACT, else
+    with the factors of a tame chunk (``_middle``). Those a kernel does not use are not
+    computed (dead code)."""
+    index = tl.arange(0, C)
+    if EXACT:
+        A_qk = _diagonal(tl.sum(q * k, axis=1), C)
+        A_qb = _diagonal(tl.sum(q * b, axis=1), C)
+        A_ak = tl.zeros([C, C], tl.float32)
+        A_ab = tl.zeros([C, C], tl.float32)
+        for level in tl.static_range(LEVELS):
+            row, row_strict, column, keep = _level(w, C >> (level + 1), 0, C)
+            q_f = q * row
+            a_f = a * row_strict
+            k_f = tl.trans(k * column)
+            b_f = tl.trans(b * column)
+            A_qk += tl.where(keep, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
+            A_qb += tl.where(keep, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0)
+            A_ak += tl.where(keep, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
+            A_ab += tl.where(keep, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
+    else:
+        row, row_strict, column = _middle(w, 0, C)
         q_f = q * row
         a_f = a * row_strict
         k_f = tl.trans(k * column)
         b_f = tl.trans(b * column)
-        A_qk += tl.where(keep, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
-        A_qb += tl.where(keep, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0)
-        A_ak += tl.where(keep, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
-        A_ab += tl.where(keep, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
+        # tl.where, not a multiplication: the entries dropped are not decays of the math (up to e^TAME).
+        lower = index[:, None] >= index[None, :]
+        strict = index[:, None] > index[None, :]
+        A_qk = tl.where(lower, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
+        A_qb = tl.where(lower, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0)
+        A_ak = tl.where(strict, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
+        A_ab = tl.where(strict, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
     return A_qk, A_qb, A_ak, A_ab
 
 
@@ -163,65 +181,19 @@ def _advance(h, k, b, v, u, to_end, g_end, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _matrix_offsets(chunk_slot, head, HEADS: tl.constexpr, C: tl.constexpr):
-    """Offsets of a chunk's four [C, C] matrices (inverse, A_ak, A_qk, A_qb) from the first."""
-    index = tl.arange(0, C)
-    return ((chunk_slot.to(tl.int64) * HEADS + head) * 4 * C * C
-            + index[:, None] * C + index[None, :])
-
-
-@triton.jit
-def rwkv7_in_chunk_kernel(
-    r_ptr, w_ptr, k_ptr, a_ptr, b_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,  # inputs
-    matrices_ptr,                                                                    # output
-    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr,
-    PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
-):
-    """Grid (chunk slots, HEADS), all at once: a chunk's (I - A_ab)^-1, A_ak, A_qk, A_qb into
-    matrices [chunk slots, HEADS, 4, C, C] float32, level by level (exact for every decay), so
-    that the sequential kernels keep only the state recurrence. ``chunk_sequence[s]``: the
-    sequence of chunk slot s (-1 past the last chunk: those slots are not written)."""
-    slot = tl.program_id(0)
-    head = tl.program_id(1)
-    sequence = tl.load(chunk_sequence_ptr + slot)
-    used = sequence >= 0
-    sequence = clamped(sequence, SEQUENCES)
-    _, k_tile, k_cols_in, _, v_cols_in, _, start, end, chunks = program(
-        sequence, head, 0, cu_ptr, HEADS, K, V, BK, BV, C, False)
-    start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
-    c = slot - tl.load(chunk_index_ptr + sequence)
-    used = used & (c >= 0) & (c < chunks)
-    c = tl.minimum(tl.maximum(c, 0), tl.maximum(chunks - 1, 0))
-    k_base, k_in, _, _ = row_bases(start + c * C, end, head, k_cols_in, v_cols_in, HEADS, K, V,
-                                   C, False)
-    q = rows(r_ptr, k_base, k_tile, k_in) * scale
-    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-    k = rows(k_ptr, k_base, k_tile, k_in)
-    a = rows(a_ptr, k_base, k_tile, k_in)
-    b = rows(b_ptr, k_base, k_tile, k_in)
-    A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, C, LEVELS, PRECISION)
-    offsets = _matrix_offsets(slot, head, HEADS, C)
-    tl.store(matrices_ptr + offsets, _inverse_unit_lower(A_ab, C, INVERSE_PRECISION), mask=used)
-    tl.store(matrices_ptr + offsets + C * C, A_ak, mask=used)
-    tl.store(matrices_ptr + offsets + 2 * C * C, A_qk, mask=used)
-    tl.store(matrices_ptr + offsets + 3 * C * C, A_qb, mask=used)
-
-
-@triton.jit
 def rwkv7_forward_kernel(
-    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, h0_ptr, matrices_ptr, cu_ptr,    # inputs
-    state_index_ptr, chunk_index_ptr,
+    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, h0_ptr, cu_ptr, state_index_ptr,  # inputs
     o_ptr, ht_ptr, states_ptr, u_ptr,                                           # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
-    TOTAL_ROWS: tl.constexpr, STATE_SLOTS: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    STATE_SLOTS: tl.constexpr,
     CHUNKS_PER_STATE: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
+    INVERSE_PRECISION: tl.constexpr,
 ):
-    """Grid (sequences * HEADS, V blocks). matrices: rwkv7_in_chunk_kernel's. o [rows, HEADS,
-    V]; ht [N, HEADS, K, V] float32; if SAVE: states [STATE_SLOTS, HEADS, K, V] float32, the
-    state at the start of every span, and u [rows, HEADS, V] float32."""
+    """Grid (sequences * HEADS, V blocks). o [rows, HEADS, V]; ht [N, HEADS, K, V] float32;
+    if SAVE: states [STATE_SLOTS, HEADS, K, V] float32, the state at the start of every span,
+    and u [rows, HEADS, V] float32."""
     sequence = tl.program_id(0) // HEADS
     head = tl.program_id(0) % HEADS
     v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
@@ -229,7 +201,6 @@ def rwkv7_forward_kernel(
     start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
     local = state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
     first_slot = tl.load(state_index_ptr + sequence)
-    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
     h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
@@ -247,17 +218,19 @@ def rwkv7_forward_kernel(
         b = rows(b_ptr, k_base, k_tile, k_in)
         v = rows(v_ptr, v_base, v_tile, v_in)
         gi, ge, g_end, to_end = _decays(w, 0)
-        matrices = matrices_ptr + _matrix_offsets(clamped(first_chunk_slot + c, CHUNK_SLOTS),
-                                                  head, HEADS, C)
-        x = tl.dot(a * tl.exp(ge), h, tl.dot(tl.load(matrices + C * C), v,
-                                             input_precision=PRECISION),
+        if _tame(g_end, TAME):
+            A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, False, C, LEVELS, PRECISION)
+        else:
+            A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, True, C, LEVELS, PRECISION)
+        inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
+        x = tl.dot(a * tl.exp(ge), h, tl.dot(A_ak, v, input_precision=PRECISION),
                    input_precision=PRECISION)
-        u = tl.dot(tl.load(matrices), x, input_precision=PRECISION)
+        u = tl.dot(inverse, x, input_precision=PRECISION)
         if SAVE:
             tl.store(u_ptr + v_base + v_tile, u, mask=v_in)
         o = tl.dot(q * tl.exp(gi), h, input_precision=PRECISION)
-        o = tl.dot(tl.load(matrices + 2 * C * C), v, o, input_precision=PRECISION)
-        o = tl.dot(tl.load(matrices + 3 * C * C), u, o, input_precision=PRECISION)
+        o = tl.dot(A_qk, v, o, input_precision=PRECISION)
+        o = tl.dot(A_qb, u, o, input_precision=PRECISION)
         tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
         h = _advance(h, k, b, v, u, tl.exp(to_end), g_end, PRECISION)
         c += 1
@@ -266,12 +239,13 @@ def rwkv7_forward_kernel(
 
 @triton.jit
 def rwkv7_state_gradient_kernel(
-    r_ptr, w_ptr, a_ptr, b_ptr, do_ptr, dht_ptr, matrices_ptr, cu_ptr,     # inputs
-    chunk_index_ptr,
+    r_ptr, w_ptr, a_ptr, b_ptr, do_ptr, dht_ptr, cu_ptr, chunk_index_ptr,  # inputs
     dh0_ptr, dstates_ptr, dx_ptr,                                         # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
-    TOTAL_ROWS: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    CHUNK_SLOTS: tl.constexpr,
+    PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
 ):
     """Grid as the forward's. dh0 [N, HEADS, K, V] float32; dstates [CHUNK_SLOTS, HEADS, K, V]
     float32: the gradient of the state at the end of every chunk; dx [rows, HEADS, V] float32."""
@@ -285,9 +259,8 @@ def rwkv7_state_gradient_kernel(
     dh = tl.load(dht_ptr + local, mask=state_mask, other=0.0)
     c = chunks - 1
     while c >= 0:
-        chunk_slot = clamped(first_slot + c, CHUNK_SLOTS)
-        tl.store(dstates_ptr + state_offsets(chunk_slot, head, HEADS, K, V, BK, v_cols), dh,
-                 mask=state_mask)
+        saved = state_offsets(clamped(first_slot + c, CHUNK_SLOTS), head, HEADS, K, V, BK, v_cols)
+        tl.store(dstates_ptr + saved, dh, mask=state_mask)
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, False)
         q = rows(r_ptr, k_base, k_tile, k_in) * scale
@@ -296,12 +269,15 @@ def rwkv7_state_gradient_kernel(
         b = rows(b_ptr, k_base, k_tile, k_in)
         do = rows(do_ptr, v_base, v_tile, v_in)
         gi, ge, g_end, to_end = _decays(w, 0)
-        matrices = matrices_ptr + _matrix_offsets(chunk_slot, head, HEADS, C)
+        if _tame(g_end, TAME):  # (k is not needed here: b stands in)
+            _, A_qb, _, A_ab = _in_chunk(q, b, a, b, w, False, C, LEVELS, PRECISION)
+        else:
+            _, A_qb, _, A_ab = _in_chunk(q, b, a, b, w, True, C, LEVELS, PRECISION)
+        inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
         du = tl.dot(b * tl.exp(to_end), dh,
-                    tl.dot(tl.trans(tl.load(matrices + 3 * C * C)), do,
-                           input_precision=PRECISION),
+                    tl.dot(tl.trans(A_qb), do, input_precision=PRECISION),
                     input_precision=PRECISION)
-        dx = tl.dot(tl.trans(tl.load(matrices)), du, input_precision=PRECISION)
+        dx = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
         tl.store(dx_ptr + v_base + v_tile, dx, mask=v_in)
         dh = tl.dot(tl.trans(q * tl.exp(gi)), do, tl.exp(g_end)[:, None] * dh,
                     input_precision=PRECISION)
@@ -323,92 +299,72 @@ def _transposed_products(x, y, STRICT: tl.constexpr, C: tl.constexpr, PRECISION:
 
 
 @triton.jit
-def _a_gradients(do, v, u, dx, C: tl.constexpr, PRECISION: tl.constexpr):
-    """The A matrices' gradients from tiles held transposed ([V, C]): O = q~ H + A_qk V + A_qb U
-    and X = A_ak V + a~ H give dA_qk, dA_qb (i <= t) and dA_ak, dA_ab (i < t)."""
-    return (_transposed_products(do, v, False, C, PRECISION),
-            _transposed_products(do, u, False, C, PRECISION),
-            _transposed_products(dx, v, True, C, PRECISION),
-            _transposed_products(dx, u, True, C, PRECISION))
-
-
-@triton.jit
-def _tame_in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, C: tl.constexpr,
-                             PRECISION: tl.constexpr):
-    """The terms of dq, da, dk, db through the four A matrices of a tame chunk (``_tame``),
-    from tiles held transposed ([K, C]): one product per term."""
-    row, row_strict, column = _middle(w, 1, C)
-    q_f = q * row
-    a_f = a * row_strict
-    k_f = k * column
-    b_f = b * column
-    dq = row * tl.dot(k_f, tl.trans(dA_qk), tl.dot(b_f, tl.trans(dA_qb),
-                                                    input_precision=PRECISION),
-                      input_precision=PRECISION)
-    da = row_strict * tl.dot(k_f, tl.trans(dA_ak), tl.dot(b_f, tl.trans(dA_ab),
-                                                           input_precision=PRECISION),
-                             input_precision=PRECISION)
-    dk = column * tl.dot(q_f, dA_qk, tl.dot(a_f, dA_ak, input_precision=PRECISION),
-                         input_precision=PRECISION)
-    db = column * tl.dot(q_f, dA_qb, tl.dot(a_f, dA_ab, input_precision=PRECISION),
-                         input_precision=PRECISION)
-    return dq, da, dk, db
-
-
-@triton.jit
-def _exact_in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, C: tl.constexpr,
-                              LEVELS: tl.constexpr, PRECISION: tl.constexpr):
-    """As ``_tame_in_chunk_gradients`` for any chunk: level by level as ``_in_chunk`` builds
-    the A matrices, the diagonal first."""
-    index = tl.arange(0, C)
-    diagonal = index[:, None] == index[None, :]
-    d_qk = tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :]
-    d_qb = tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :]
-    dq = d_qk * k + d_qb * b
-    da = tl.zeros(q.shape, tl.float32)
-    dk = d_qk * q
-    db = d_qb * q
-    for level in tl.static_range(LEVELS):
-        row, row_strict, column, keep = _level(w, C >> (level + 1), 1, C)
+def _in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, EXACT: tl.constexpr,
+                        C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """From tiles held transposed ([K, C]) and the A matrices' gradients (masked): A_qk, A_ak
+    (as ``_in_chunk``) and the terms of dq, da, dk, db through the four A matrices."""
+    if EXACT:
+        index = tl.arange(0, C)
+        diagonal = index[:, None] == index[None, :]
+        d_qk = tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :]
+        d_qb = tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :]
+        A_qk = _diagonal(tl.sum(q * k, axis=0), C)
+        A_ak = tl.zeros([C, C], tl.float32)
+        dq = d_qk * k + d_qb * b
+        da = tl.zeros(q.shape, tl.float32)
+        dk = d_qk * q
+        db = d_qb * q
+        for level in tl.static_range(LEVELS):
+            row, row_strict, column, keep = _level(w, C >> (level + 1), 1, C)
+            q_f = q * row
+            a_f = a * row_strict
+            k_f = k * column
+            b_f = b * column
+            A_qk += tl.where(keep, tl.dot(tl.trans(q_f), k_f, input_precision=PRECISION), 0.0)
+            A_ak += tl.where(keep, tl.dot(tl.trans(a_f), k_f, input_precision=PRECISION), 0.0)
+            kept_qk = tl.where(keep, dA_qk, 0.0)
+            kept_qb = tl.where(keep, dA_qb, 0.0)
+            kept_ak = tl.where(keep, dA_ak, 0.0)
+            kept_ab = tl.where(keep, dA_ab, 0.0)
+            dq += row * tl.dot(k_f, tl.trans(kept_qk), tl.dot(b_f, tl.trans(kept_qb),
+                                                               input_precision=PRECISION),
+                               input_precision=PRECISION)
+            da += row_strict * tl.dot(k_f, tl.trans(kept_ak), tl.dot(
+                b_f, tl.trans(kept_ab), input_precision=PRECISION), input_precision=PRECISION)
+            dk += column * tl.dot(q_f, kept_qk, tl.dot(a_f, kept_ak, input_precision=PRECISION),
+                                  input_precision=PRECISION)
+            db += column * tl.dot(q_f, kept_qb, tl.dot(a_f, kept_ab, input_precision=PRECISION),
+                                  input_precision=PRECISION)
+    else:
+        row, row_strict, column = _middle(w, 1, C)
         q_f = q * row
         a_f = a * row_strict
         k_f = k * column
         b_f = b * column
-        kept_qk = tl.where(keep, dA_qk, 0.0)
-        kept_qb = tl.where(keep, dA_qb, 0.0)
-        kept_ak = tl.where(keep, dA_ak, 0.0)
-        kept_ab = tl.where(keep, dA_ab, 0.0)
-        dq += row * tl.dot(k_f, tl.trans(kept_qk), tl.dot(b_f, tl.trans(kept_qb),
-                                                           input_precision=PRECISION),
-                           input_precision=PRECISION)
-        da += row_strict * tl.dot(k_f, tl.trans(kept_ak), tl.dot(
-            b_f, tl.trans(kept_ab), input_precision=PRECISION), input_precision=PRECISION)
-        dk += column * tl.dot(q_f, kept_qk, tl.dot(a_f, kept_ak, input_precision=PRECISION),
-                              input_precision=PRECISION)
-        db += column * tl.dot(q_f, kept_qb, tl.dot(a_f, kept_ab, input_precision=PRECISION),
-                              input_precision=PRECISION)
-    return dq, da, dk, db
-
-
-@triton.jit
-def _log_decay_gradient(q, k, a, b, dq, da, dk, db, dg_end):
-    """In a chunk q_t enters only as q_t e^gi_t, a_t as a_t e^ge_t, and k_i, b_i as x_i e^-gi_i
-    (the e^g of k^ and b^ is in dg_end): the gradients of gi and ge are q dq - k dk - b db and
-    a da; gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t, g = gi_C. Tiles held transposed. Linear
-    in its gradients: a part of them gives that part of dw."""
-    d_ge = a * da
-    return (tl.cumsum(q * dq - k * dk - b * db + d_ge, axis=1, reverse=True) - d_ge
-            + dg_end[:, None])
+        A_qk = _transposed_products(q_f, k_f, False, C, PRECISION)
+        A_ak = _transposed_products(a_f, k_f, True, C, PRECISION)
+        dq = row * tl.dot(k_f, tl.trans(dA_qk), tl.dot(b_f, tl.trans(dA_qb),
+                                                        input_precision=PRECISION),
+                          input_precision=PRECISION)
+        da = row_strict * tl.dot(k_f, tl.trans(dA_ak), tl.dot(b_f, tl.trans(dA_ab),
+                                                               input_precision=PRECISION),
+                                 input_precision=PRECISION)
+        dk = column * tl.dot(q_f, dA_qk, tl.dot(a_f, dA_ak, input_precision=PRECISION),
+                             input_precision=PRECISION)
+        db = column * tl.dot(q_f, dA_qb, tl.dot(a_f, dA_ab, input_precision=PRECISION),
+                             input_precision=PRECISION)
+    return A_qk, A_ak, dq, da, dk, db
 
 
 @triton.jit
 def rwkv7_backward_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, states_ptr, u_ptr, dstates_ptr, dx_ptr,
-    matrices_ptr, cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,  # inputs
+    cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,               # inputs
     dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr,                            # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
-    TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    SEQUENCES: tl.constexpr,
     CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr, ROWS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -442,6 +398,11 @@ def rwkv7_backward_kernel(
         do = rows(do_ptr, v_base, v_tile, v_in)
         u = rows(u_ptr, v_base, v_tile, v_in)
         dx = rows(dx_ptr, v_base, v_tile, v_in)
+        # The A matrices' gradients: O = q~ H + A_qk V + A_qb U and X = A_ak V + a~ H.
+        dA_qk = _transposed_products(do, v, False, C, PRECISION)
+        dA_qb = _transposed_products(do, u, False, C, PRECISION)
+        dA_ak = _transposed_products(dx, v, True, C, PRECISION)
+        dA_ab = _transposed_products(dx, u, True, C, PRECISION)
         q = rows(r_ptr, k_base, k_tile, k_in) * scale
         w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
         k = rows(k_ptr, k_base, k_tile, k_in)
@@ -449,25 +410,20 @@ def rwkv7_backward_kernel(
         b = rows(b_ptr, k_base, k_tile, k_in)
         gi, ge, g_end, to_end = _decays(w, 1)
         to_end = tl.exp(to_end)
-        # Through the A matrices: here for tame chunks; rwkv7_strong_decay_kernel adds them
-        # for the others (so that this kernel's registers are those of the tame path).
+        # Through the A matrices, built as the forward builds them.
         if _tame(g_end, TAME):
-            dA_qk, dA_qb, dA_ak, dA_ab = _a_gradients(do, v, u, dx, C, PRECISION)
-            dq, da, dk, db = _tame_in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab,
-                                                      C, PRECISION)
+            A_qk, A_ak, dq, da, dk, db = _in_chunk_gradients(
+                q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, False, C, LEVELS, PRECISION)
         else:
-            dq = tl.zeros([BK, C], tl.float32)
-            da = tl.zeros([BK, C], tl.float32)
-            dk = tl.zeros([BK, C], tl.float32)
-            db = tl.zeros([BK, C], tl.float32)
+            A_qk, A_ak, dq, da, dk, db = _in_chunk_gradients(
+                q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, True, C, LEVELS, PRECISION)
         # dV = k^ dH + A_qk^T dO + A_ak^T dX
-        chunk_slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
-        dh = tl.load(dstates_ptr + state_offsets(chunk_slot, head, HEADS, K, V, BK, v_cols),
+        dh = tl.load(dstates_ptr + state_offsets(clamped(first_chunk_slot + c, CHUNK_SLOTS),
+                                                  head, HEADS, K, V, BK, v_cols),
                      mask=state_mask, other=0.0)
-        matrices = matrices_ptr + _matrix_offsets(chunk_slot, head, HEADS, C)
         dv = tl.dot(tl.trans(dh), k * to_end, input_precision=PRECISION)
-        dv = tl.dot(do, tl.load(matrices + 2 * C * C), dv, input_precision=PRECISION)
-        dv = tl.dot(dx, tl.load(matrices + C * C), dv, input_precision=PRECISION)
+        dv = tl.dot(do, A_qk, dv, input_precision=PRECISION)
+        dv = tl.dot(dx, A_ak, dv, input_precision=PRECISION)
         tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
         # H' = e^g H + k^T V + b^T U, with k^ = k e^(g - gi), b^ = b e^(g - gi).
         dk_state = tl.dot(dh, v, input_precision=PRECISION) * to_end
@@ -479,8 +435,13 @@ def rwkv7_backward_kernel(
         da += tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
         dk += dk_state
         db += db_state
+        # In a chunk q_t enters only as q_t e^gi_t, a_t as a_t e^ge_t, and k_i, b_i as
+        # x_i e^-gi_i (the e^g of k^ and b^ is in dg_end): the gradients of gi and ge are
+        # q dq - k dk - b db and a da. gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t, g = gi_C.
         # A log decay raised to FLOOR has gradient 0.
-        dw = _log_decay_gradient(q, k, a, b, dq, da, dk, db, dg_end)
+        d_ge = a * da
+        dw = (tl.cumsum(q * dq - k * dk - b * db + d_ge, axis=1, reverse=True) - d_ge
+              + dg_end[:, None])
         dw = tl.where(rows(w_ptr, k_base, k_tile, k_in) < FLOOR, 0.0, dw)
         if ROWS > 0:  # several V blocks: this one's partial sums of the K-side gradients
             k_base += v_block.to(tl.int64) * (ROWS * HEADS * K)
@@ -494,60 +455,3 @@ def rwkv7_backward_kernel(
                        input_precision=PRECISION)
             h = tl.dot(b * to_end, tl.trans(u), h, input_precision=PRECISION)
         c += 1
-
-
-@triton.jit
-def rwkv7_strong_decay_kernel(
-    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr, cu_ptr, chunk_index_ptr,
-    chunk_sequence_ptr, dr_in_ptr, dw_in_ptr, dk_in_ptr, da_in_ptr, db_in_ptr,  # inputs
-    dr_ptr, dw_ptr, dk_ptr, da_ptr, db_ptr,  # outputs: the same buffers as the *_in
-    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
-    SEQUENCES: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """Grid (chunk slots, HEADS, V blocks), after rwkv7_backward_kernel: for each chunk that is
-    not tame, adds the K-side gradient terms through the A matrices (level by level, exact for
-    every decay) to that kernel's dr, dw, dk, da, db, updated in place. Tame chunks (all of
-    them for model-range decays) return at once."""
-    slot = tl.program_id(0)
-    head = tl.program_id(1)
-    v_block = tl.program_id(2)
-    sequence = tl.load(chunk_sequence_ptr + slot)
-    used = sequence >= 0
-    sequence = clamped(sequence, SEQUENCES)
-    v_cols, k_tile, k_cols_in, v_tile, v_cols_in, _, start, end, chunks = program(
-        sequence, head, v_block, cu_ptr, HEADS, K, V, BK, BV, C, True)
-    start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
-    c = slot - tl.load(chunk_index_ptr + sequence)
-    used = used & (c >= 0) & (c < chunks)
-    c = tl.minimum(tl.maximum(c, 0), tl.maximum(chunks - 1, 0))
-    k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
-                                            HEADS, K, V, C, True)
-    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-    if used & ~_tame(tl.sum(w, axis=1), TAME):
-        dA_qk, dA_qb, dA_ak, dA_ab = _a_gradients(
-            rows(do_ptr, v_base, v_tile, v_in), rows(v_ptr, v_base, v_tile, v_in),
-            rows(u_ptr, v_base, v_tile, v_in), rows(dx_ptr, v_base, v_tile, v_in), C,
-            PRECISION)
-        q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        k = rows(k_ptr, k_base, k_tile, k_in)
-        a = rows(a_ptr, k_base, k_tile, k_in)
-        b = rows(b_ptr, k_base, k_tile, k_in)
-        dq, da, dk, db = _exact_in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab,
-                                                   C, LEVELS, PRECISION)
-        dw = _log_decay_gradient(q, k, a, b, dq, da, dk, db, tl.zeros([BK], tl.float32))
-        dw = tl.where(rows(w_ptr, k_base, k_tile, k_in) < FLOOR, 0.0, dw)
-        if ROWS > 0:  # several V blocks: this one's partial sums
-            k_base += v_block.to(tl.int64) * (ROWS * HEADS * K)
-        tile = k_base + k_tile
-        tl.store(dr_ptr + tile, (tl.load(dr_in_ptr + tile, mask=k_in).to(tl.float32)
-                                 + dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
-        tl.store(dw_ptr + tile, (tl.load(dw_in_ptr + tile, mask=k_in).to(tl.float32)
-                                 + dw).to(dw_ptr.dtype.element_ty), mask=k_in)
-        tl.store(dk_ptr + tile, (tl.load(dk_in_ptr + tile, mask=k_in).to(tl.float32)
-                                 + dk).to(dk_ptr.dtype.element_ty), mask=k_in)
-        tl.store(da_ptr + tile, (tl.load(da_in_ptr + tile, mask=k_in).to(tl.float32)
-                                 + da).to(da_ptr.dtype.element_ty), mask=k_in)
-        tl.store(db_ptr + tile, (tl.load(db_in_ptr + tile, mask=k_in).to(tl.float32)
-                                 + db).to(db_ptr.dtype.element_ty), mask=k_in)

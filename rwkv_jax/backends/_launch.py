@@ -82,17 +82,12 @@ def kernels(module: str):
 
 
 def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDtypeStruct],
-           grid: tuple, *, num_warps: int = 4, num_stages: Optional[int] = None,
-           input_output_aliases: Optional[dict] = None, **constexprs):
+           grid: tuple, *, num_warps: int = 4, num_stages: Optional[int] = None, **constexprs):
     """Run ``kernel[grid](*inputs, *outputs, **constexprs)`` and return the outputs (a tuple).
 
     Outputs are uninitialised: the kernel must write every element that is read back. On the
     CPU path they start as NaN (integers as -1), so an element a kernel forgets shows up.
-    ``input_output_aliases`` ({input index: output index}) makes an output start as that input
-    (the same buffer on the GPU, a copy on the CPU): a kernel that updates a few elements
-    leaves the others as they were.
     """
-    aliases = dict(input_output_aliases or {})
     out_shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes)
     if _on_gpu():
         jax_triton = _import_jax_triton()
@@ -100,10 +95,10 @@ def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDt
         def run(*arrays):
             return tuple(jax_triton.triton_call(
                 *arrays, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps,
-                num_stages=num_stages, input_output_aliases=aliases, **constexprs))
+                num_stages=num_stages, **constexprs))
     else:
         def run(*arrays):
-            host = lambda *xs: _interpret(kernel, grid, xs, out_shapes, constexprs, aliases)
+            host = lambda *xs: _interpret(kernel, grid, xs, out_shapes, constexprs)
             return tuple(jax.pure_callback(host, out_shapes, *arrays))
     return _one_at_a_time_under_vmap(run)(*inputs)
 
@@ -166,11 +161,9 @@ def _to_numpy(tensor, dtype) -> np.ndarray:
 _INTERPRETER_LOCK = threading.Lock()
 
 
-def _interpret(kernel, grid, inputs, out_shapes, constexprs, aliases):
+def _interpret(kernel, grid, inputs, out_shapes, constexprs):
     tensors = [_to_torch(np.asarray(x)) for x in inputs]
     outputs = [_empty_torch(s.shape, s.dtype) for s in out_shapes]
-    for source, target in aliases.items():
-        outputs[target] = tensors[source].clone()
     with _INTERPRETER_LOCK:
         kernel[grid](*tensors, *outputs, **constexprs)
     return tuple(_to_numpy(t, s.dtype) for t, s in zip(outputs, out_shapes))

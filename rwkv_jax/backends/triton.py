@@ -70,7 +70,7 @@ def _check_head_sizes(k_size, v_size):
                              f"(32, 64 and 128 are the tuned ones); got {name} = {size}")
 
 
-_SHAPES = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "FLOOR", "PRECISION")
+_SHAPES = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "LEVELS", "FLOOR", "TAME", "PRECISION")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,35 +114,14 @@ def _slot_count(rows, sequences, span):
     return rows // span + sequences
 
 
-def _slot_sequences(spans, first_slots, slots):
-    """The sequence of every slot of a buffer of ``slots`` entries (-1 past the last span),
-    on the device: no host sync."""
-    slot = jnp.arange(slots, dtype=jnp.int32)
-    # A sequence of no span shares its first slot with the next: 'right' skips it.
-    slot_sequence = jnp.searchsorted(first_slots, slot, side="right").astype(jnp.int32) - 1
-    return jnp.where(slot < spans.sum(), slot_sequence, -1)
-
-
 def _forward(static, r, w, k, v, a, b, h0, cu, save):
     rows = r.shape[0]
     sequences = cu.shape[0] - 1
     state_shape = (sequences, static.heads, static.k_size, static.v_size)
-    # 1. Every chunk's in-chunk matrices, all at once.
-    chunks, chunk_index = _first_slots(cu, CHUNK)
-    chunk_slots = _slot_count(rows, sequences, CHUNK)
-    (matrices,) = _launch.launch(
-        _kernels.rwkv7_in_chunk_kernel,
-        (r, w, k, a, b, cu, chunk_index, _slot_sequences(chunks, chunk_index, chunk_slots)),
-        (jax.ShapeDtypeStruct((chunk_slots, static.heads, 4, CHUNK, CHUNK), jnp.float32),),
-        (chunk_slots, static.heads), num_warps=static.config.forward_warps,
-        TOTAL_ROWS=rows, SEQUENCES=sequences,
-        **static.constexprs("scale", "HEADS", "K", "V", "BK", "BV", "C", "LEVELS", "FLOOR",
-                            "PRECISION", "INVERSE_PRECISION"))
-    # 2. The state recurrence, each sequence's chunks in order.
     saved = lambda shape: jax.ShapeDtypeStruct(shape if save else (1,), jnp.float32)
     o, ht, states, u = _launch.launch(
         _kernels.rwkv7_forward_kernel,
-        (r, w, k, v, a, b, h0, matrices, cu, _first_slots(cu, static.span)[1], chunk_index),
+        (r, w, k, v, a, b, h0, cu, _first_slots(cu, static.span)[1]),
         (jax.ShapeDtypeStruct((rows, static.heads, static.v_size), v.dtype),
          jax.ShapeDtypeStruct(state_shape, jnp.float32),
          saved((_slot_count(rows, sequences, static.span),) + state_shape[1:]),
@@ -150,44 +129,47 @@ def _forward(static, r, w, k, v, a, b, h0, cu, save):
         static.grid(sequences), num_warps=static.config.forward_warps,
         num_stages=static.config.stages, SAVE=save, TOTAL_ROWS=rows,
         STATE_SLOTS=_slot_count(rows, sequences, static.span) if save else 1,
-        CHUNK_SLOTS=chunk_slots, **static.constexprs(*_SHAPES, "CHUNKS_PER_STATE"))
-    return o, ht, states, u, matrices
+        **static.constexprs(*_SHAPES, "CHUNKS_PER_STATE", "INVERSE_PRECISION"))
+    return o, ht, states, u
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rwkv7(static, r, w, k, v, a, b, h0, cu):
-    o, ht, _, _, _ = _forward(static, r, w, k, v, a, b, h0, cu, save=False)
+    o, ht, _, _ = _forward(static, r, w, k, v, a, b, h0, cu, save=False)
     return o, ht
 
 
 def _rwkv7_fwd(static, r, w, k, v, a, b, h0, cu):
-    o, ht, states, u, matrices = _forward(static, r, w, k, v, a, b, h0, cu, save=True)
-    return (o, ht), (r, w, k, v, a, b, states, u, matrices, cu)
+    o, ht, states, u = _forward(static, r, w, k, v, a, b, h0, cu, save=True)
+    return (o, ht), (r, w, k, v, a, b, states, u, cu)
 
 
 def _rwkv7_bwd(static, residuals, cotangents):
-    r, w, k, v, a, b, states, u, matrices, cu = residuals
+    r, w, k, v, a, b, states, u, cu = residuals
     do, dht = cotangents
     do = do.astype(v.dtype)
     rows = r.shape[0]
     sequences = cu.shape[0] - 1
     state_shape = (static.heads, static.k_size, static.v_size)
     # 1. The reverse recurrence of the state gradient: dH at the end of every chunk, and dX.
-    chunks, chunk_index = _first_slots(cu, CHUNK)
-    chunk_slots = _slot_count(rows, sequences, CHUNK)
+    _, chunk_index = _first_slots(cu, CHUNK)
     dh0, dstates, dx = _launch.launch(
         _kernels.rwkv7_state_gradient_kernel,
-        (r, w, a, b, do, dht.astype(jnp.float32), matrices, cu, chunk_index),
+        (r, w, a, b, do, dht.astype(jnp.float32), cu, chunk_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
-         jax.ShapeDtypeStruct((chunk_slots,) + state_shape, jnp.float32),
+         jax.ShapeDtypeStruct((_slot_count(rows, sequences, CHUNK),) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((rows, static.heads, static.v_size), jnp.float32)),
         static.grid(sequences), num_warps=static.config.forward_warps,
-        num_stages=static.config.stages, TOTAL_ROWS=rows, CHUNK_SLOTS=chunk_slots,
-        **static.constexprs(*_SHAPES))
+        num_stages=static.config.stages, TOTAL_ROWS=rows,
+        CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
+        **static.constexprs(*_SHAPES, "INVERSE_PRECISION"))
     # 2. Every input gradient, one program per (span, head, V block), all at once.
     spans, state_index = _first_slots(cu, static.span)
     slots = _slot_count(rows, sequences, static.span)
-    slot_sequence = _slot_sequences(spans, state_index, slots)
+    slot = jnp.arange(slots, dtype=jnp.int32)
+    # A sequence of no span shares its first slot with the next: 'right' skips it.
+    slot_sequence = jnp.searchsorted(state_index, slot, side="right").astype(jnp.int32) - 1
+    slot_sequence = jnp.where(slot < spans.sum(), slot_sequence, -1)
     v_blocks = static.grid(sequences)[1]
     # K-side gradients sum over V: with several V blocks each writes a float32 partial sum.
     if v_blocks == 1:
@@ -199,26 +181,15 @@ def _rwkv7_bwd(static, residuals, cotangents):
         reduce = lambda g, x: g.sum(0).astype(x.dtype)
     dr, dw, dk, dv, da, db = _launch.launch(
         _kernels.rwkv7_backward_kernel,
-        (r, w, k, v, a, b, do, states, u, dstates, dx, matrices, cu, state_index, chunk_index,
+        (r, w, k, v, a, b, do, states, u, dstates, dx, cu, state_index, chunk_index,
          slot_sequence),
         (k_grad(r), k_grad(w), k_grad(k), jax.ShapeDtypeStruct(v.shape, v.dtype),
          k_grad(a), k_grad(b)),
         (slots, static.heads, v_blocks), num_warps=static.config.backward_warps,
         num_stages=static.config.stages,
         ROWS=rows if v_blocks > 1 else 0,  # (0: one V block; no recompile per length)
-        TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots,
-        **static.constexprs(*_SHAPES, "TAME", "CHUNKS_PER_STATE"))
-    # 3. The chunks that are not tame add their terms through the A matrices (level by level):
-    # in place, a few programs' work for any decays (none for model-range ones).
-    dr, dw, dk, da, db = _launch.launch(
-        _kernels.rwkv7_strong_decay_kernel,
-        (r, w, k, v, a, b, do, u, dx, cu, chunk_index,
-         _slot_sequences(chunks, chunk_index, chunk_slots), dr, dw, dk, da, db),
-        (dr, dw, dk, da, db), (chunk_slots, static.heads, v_blocks),
-        num_warps=static.config.backward_warps,
-        input_output_aliases={12: 0, 13: 1, 14: 2, 15: 3, 16: 4},
-        ROWS=rows if v_blocks > 1 else 0, TOTAL_ROWS=rows, SEQUENCES=sequences,
-        **static.constexprs(*_SHAPES, "LEVELS", "TAME"))
+        TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
+        **static.constexprs(*_SHAPES, "CHUNKS_PER_STATE"))
     return (reduce(dr, r), reduce(dw, w), reduce(dk, k), dv, reduce(da, a), reduce(db, b), dh0,
             None)
 
