@@ -373,11 +373,14 @@ def gradients(op, inputs, d_out, d_state, **options):
 
 def relative_error(x, ref):
     """DESIGN.md's error measure: ``||x - ref|| / ||ref||`` over the whole tensor, in float64;
-    inf when ``x`` holds a non-finite value, so that no tolerance passes it."""
+    inf when ``x`` holds a non-finite value, so that no tolerance passes it. ``||ref||`` counts
+    as at least float32's smallest normal number: a reference that strong decays make smaller
+    than that (exp(-500), or exactly 0) is 0 in float32, and 0 is then the right answer."""
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
     if not np.all(np.isfinite(x)):
         return float("inf")
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+    scale = max(np.linalg.norm(ref), np.finfo(np.float32).tiny)
+    return float(np.linalg.norm(x - ref) / scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,6 +388,12 @@ def relative_error(x, ref):
 # ---------------------------------------------------------------------------------------------
 
 DECAYS = ("model", "strong", "zero")
+# Decay patterns (tuples) beyond those: ("uniform", lo) draws uniform in [lo, 0];
+# ("tokens", value) puts whole tokens SPIKE_TOKENS at value (inside a chunk of 16 or 32 tokens,
+# never on its boundary) and the rest in the model's range; ("every_third", value) puts tokens
+# 1, 4, 7, ... at value (the first token keeps a path from the initial state). value may be
+# -inf (decay exactly 0).
+SPIKE_TOKENS = (5, 21)
 
 
 def _log_sigmoid(x):
@@ -392,14 +401,35 @@ def _log_sigmoid(x):
 
 
 def _log_decay(rng, shape, decay, model):
-    """A log decay: the model's range, strong (uniform down to -8), or exactly 0."""
+    """A log decay of ``shape`` ([B, T, ...]): the model's range, strong (uniform down to -8),
+    exactly 0, or one of the patterns above."""
     if decay == "model":
         return model(rng.standard_normal(shape))
     if decay == "strong":
         return rng.uniform(-8.0, 0.0, shape)
     if decay == "zero":
         return np.zeros(shape)
-    raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
+    kind, value = decay if isinstance(decay, tuple) and len(decay) == 2 else (None, None)
+    if kind == "uniform":
+        return rng.uniform(value, 0.0, shape)
+    if kind in ("tokens", "every_third"):
+        x = model(rng.standard_normal(shape))
+        steps = shape[1]
+        tokens = [t for t in SPIKE_TOKENS if t < steps] if kind == "tokens" else range(1, steps, 3)
+        x[:, list(tokens)] = value
+        return x
+    raise ValueError(f"decay must be one of {DECAYS} or a pattern, got {decay!r}")
+
+
+def _per_head_log_decay(rng, heads, decay):
+    """g_gamma [H]: RetNet's fixed decays for "model"; else the first head takes the pattern's
+    value (or every head a uniform / zero / strong draw)."""
+    retnet = np.log1p(-2.0 ** (-5.0 - np.arange(heads)))
+    if decay == "model":
+        return retnet
+    if isinstance(decay, tuple) and decay[0] in ("tokens", "every_third"):
+        return np.concatenate([[decay[1]], retnet[1:]])
+    return _log_decay(rng, (heads,), decay, None)
 
 
 def rwkv7_model_decay(x):
@@ -413,7 +443,9 @@ def random_inputs(op, rng, *, batch=2, steps=37, heads=2, key=16, value=None, de
 
     RWKV-7: ``a = -kk``, ``b = kk * iclr`` with ``kk`` the L2-normalised key and ``iclr`` in
     (0, 1). ``gates`` picks the gated_linear_attention gates present (``g``, ``g_gamma``,
-    ``gk``, ``gv``). The initial state of RWKV-4 comes from running a random prefix, so
+    ``gk``, ``gv``). ``decay`` ("model", "strong", "zero" or a pattern above) sets every log
+    decay and gate present, g_gamma included (RetNet's fixed decays for "model"; RWKV-4 takes
+    the three names only). The initial state of RWKV-4 comes from running a random prefix, so
     ``(aa, bb, pp)`` are consistent. The initial state (or a step op's pool) has ``state_rows``
     rows (default ``batch``; the number of segments with packing, the pool size for steps).
     """
@@ -437,8 +469,8 @@ def random_inputs(op, rng, *, batch=2, steps=37, heads=2, key=16, value=None, de
         gla_gate = lambda z: _log_sigmoid(z) / 16.0  # GLA's normalised log-sigmoid gate
         if "g" in gates:
             x["g"] = _log_decay(rng, token, decay, _log_sigmoid)
-        if "g_gamma" in gates:  # RetNet-style fixed per-head decays
-            x["g_gamma"] = np.log1p(-2.0 ** (-5.0 - np.arange(heads)))
+        if "g_gamma" in gates:  # RetNet-style fixed per-head decays for "model"
+            x["g_gamma"] = _per_head_log_decay(rng, heads, decay)
         if "gk" in gates:
             x["gk"] = _log_decay(rng, token + (key,), decay, gla_gate)
         if "gv" in gates:

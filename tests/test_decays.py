@@ -1,0 +1,94 @@
+"""Every backend holds the numerical contract for every log decay in [-inf, 0] (DESIGN.md).
+
+Each op (RWKV-7, RWKV-6, gated linear attention with each gate kind carrying the decays, and the
+step ops) runs against the float64 reference of tests/reference.py through test_ops.check_case:
+output, final state and every gradient (initial state included), finite and within the
+backend's tolerance. The decays: uniform in [lo, 0] for lo down to -1e3, whole tokens at -1e9
+and at -inf inside a chunk (tokens 5 and 21 of 37: off every chunk boundary for chunks of 16
+and 32), every third token at -1e9, and w = 0; float32, and bfloat16 for the -inf tokens.
+Shapes are tiny (B=1, T=37, H=2, K=16): the Triton interpreter runs them in CI.
+
+Cases of one (backend, op) share one compiled program (same shapes and options), so the count
+of compilations stays at one per op and backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import reference
+from test_ops import Case, _seed, check_case, forward_and_gradients
+
+STEPS = 37
+DECAYS = {
+    "uniform_8": ("uniform", -8.0),
+    "uniform_20": ("uniform", -20.0),
+    "uniform_50": ("uniform", -50.0),
+    "uniform_1000": ("uniform", -1e3),
+    "tokens_1e9": ("tokens", -1e9),
+    "tokens_inf": ("tokens", -np.inf),
+    "every_third_1e9": ("every_third", -1e9),
+    "zero": "zero",
+}
+# bfloat16 once per algorithm family (each needs its own compilation).
+BFLOAT16 = [("rwkv7", "tokens_inf"), ("rwkv6", "tokens_inf"), ("gla_gk", "tokens_inf")]
+
+# name -> (op, random_inputs options, op options): each GLA gate kind carries the decays alone.
+OPS = {
+    "rwkv7": ("rwkv7", {}, {}),
+    "rwkv6": ("rwkv6", {}, {}),
+    "gla_g": ("gated_linear_attention", dict(gates=("g",)), {}),
+    "gla_gk": ("gated_linear_attention", dict(gates=("gk",)), {}),
+    "gla_gv": ("gated_linear_attention", dict(gates=("gv",)), {}),
+    "gla_g_gamma": ("gated_linear_attention", dict(gates=("g_gamma",)), {}),
+    "rwkv7_step": ("rwkv7_step", dict(state_rows=3), dict(state_indices=[2])),
+    "rwkv6_step": ("rwkv6_step", dict(state_rows=3), dict(state_indices=[2])),
+}
+
+
+def _case(variant, decay, dtype):
+    op, inputs, options = OPS[variant]
+    return Case(op, dict(inputs, batch=1, steps=STEPS, decay=DECAYS[decay]), options, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(backend, variant, dtype):
+    """One jitted forward+vjp per (backend, op variant, dtype), shared by every decay."""
+    return forward_and_gradients(_case(variant, "zero", dtype), backend)
+
+
+PARAMS = ([(v, d, "float32") for v in OPS for d in DECAYS]
+          + [(v, d, "bfloat16") for v, d in BFLOAT16])
+
+
+# ``op`` is a parameter so that conftest.py deselects the ops a backend does not implement.
+@pytest.mark.parametrize("op, variant, decay, dtype",
+                         [pytest.param(OPS[v][0], v, d, t, id=f"{v}-{d}-{t}") for v, d, t in PARAMS])
+def test_decays_hold_the_contract(backend, op, variant, decay, dtype):
+    case = _case(variant, decay, dtype)
+    check_case(backend, case, _seed(variant, decay, dtype), _compiled(backend, variant, dtype))
+
+
+def test_reference_at_minus_infinity_matches_minus_1e9():
+    """The reference itself: exp(-inf) = 0, so a decay of -inf gives the outputs, state and
+    gradients of -1e9 (whose exp is 0 too), every one finite; the -inf decay's gradient is 0."""
+    for variant in ("rwkv7", "rwkv6", "gla_gk", "gla_g_gamma", "rwkv7_step"):
+        op, inputs, options = OPS[variant]
+        runs = []
+        for value in (-1e9, -np.inf):
+            rng = np.random.default_rng(_seed("reference", variant))
+            x = reference.random_inputs(op, rng, batch=1, steps=STEPS, decay=("tokens", value),
+                                        **inputs)
+            opts = {n: np.asarray(a) for n, a in options.items()}
+            out, state = reference.forward(op, x, **opts)
+            d_out, d_state = rng.standard_normal(out.shape), rng.standard_normal(state.shape)
+            runs.append((out, state, reference.gradients(op, x, d_out, d_state, **opts)))
+        (out, state, grads), (out_inf, state_inf, grads_inf) = runs
+        np.testing.assert_array_equal(out, out_inf)
+        np.testing.assert_array_equal(state, state_inf)
+        for name, grad in grads_inf.items():
+            assert np.all(np.isfinite(grad)), (variant, name)
+            np.testing.assert_array_equal(grad, grads[name], err_msg=f"{variant} d{name}")
