@@ -163,7 +163,8 @@ def _in_chunk(q, k, a, b, w, EXACT: tl.constexpr, C: tl.constexpr, LEVELS: tl.co
         a_f = a * row_strict
         k_f = tl.trans(k * column)
         b_f = tl.trans(b * column)
-        # tl.where, not a multiplication: the entries dropped are not decays of the math (up to e^TAME).
+        # tl.where, not a multiplication: the entries dropped (i > t) are no factors of the
+        # math and may be large (up to e^TAME).
         lower = index[:, None] >= index[None, :]
         strict = index[:, None] > index[None, :]
         A_qk = tl.where(lower, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)

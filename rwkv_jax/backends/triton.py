@@ -6,8 +6,11 @@ share one code path. The forward saves the state every ``CHUNK * chunks_per_stat
 each sequence (and U, see the kernels) for the backward, whose state-gradient pass saves dH
 at every chunk's end; where each sequence's entries start in these buffers is computed on the
 device from ``cu``, and the buffers have the static size ``rows // span + N`` (an upper bound
-over all length patterns): no host sync, no recompile per length pattern. Launches go through :mod:`rwkv_jax.backends._launch` (jax-triton on GPU,
-Triton's interpreter on CPU); :func:`rwkv7` is a ``jax.custom_vjp``.
+over all length patterns): no host sync, no recompile per length pattern. The kernels clamp
+every row and slot they derive from ``cu`` into these buffers (their sizes are compile-time
+constants), so no value of ``cu`` reads or writes out of bounds. Launches go through
+:mod:`rwkv_jax.backends._launch` (jax-triton on GPU, Triton's interpreter on CPU);
+:func:`rwkv7` is a ``jax.custom_vjp``. Exact for every log decay in [-inf, 0] (see the kernels).
 """
 
 from __future__ import annotations
