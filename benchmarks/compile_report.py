@@ -3,8 +3,9 @@
 
     python benchmarks/compile_report.py [--key 64] [--value 64] [--warps 4,8]
 
-A kernel at 255 registers with spills is latency-bound: METHOD.md's resource report, read before
-spending device time. Counts of the SASS instructions that matter follow (HGMMA: Hopper's
+Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
+exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
+resource report, read before spending device time. Counts of the SASS instructions that matter follow (HGMMA: Hopper's
 warpgroup MMA; HMMA: the older 16-row MMA; LDL/STL: spill traffic).
 """
 
@@ -68,7 +69,7 @@ def main():
     v_blocks = -(-args.value // bv)
     rows, spans = 8 * 4096, 8 * 4096 // (16 * 8) + 8
     shapes = dict(scale=1.0, HEADS=64, K=args.key, V=args.value, BK=bk, BV=bv, C=16, LEVELS=4,
-                  FLOOR=-128.0, TAME=16.0, TOTAL_ROWS=rows, PRECISION="tf32")
+                  FLOOR=-128.0, TOTAL_ROWS=rows, PRECISION="tf32")
     bf16, f32, i32 = "*bf16", "*fp32", "*i32"
     inputs = dict(r_ptr=bf16, w_ptr=bf16, k_ptr=bf16, v_ptr=bf16, a_ptr=bf16, b_ptr=bf16,
                   do_ptr=bf16, h0_ptr=f32, dht_ptr=f32, states_ptr=f32, dstates_ptr=f32,
@@ -87,10 +88,13 @@ def main():
               ROWS=rows if v_blocks > 1 else 0)),
     ]
     print(f"K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
+    # TAME: each kernel's two compiled paths (the tame one for model-range decays, the exact one).
     for name, kernel, constexprs in kernels:
-        for warps in (int(w) for w in args.warps.split(",")):
-            compiled = compile_for_hopper(kernel, inputs, constexprs, warps)
-            print(f"{name:15s} {warps} warps: {resources(compiled)}")
+        for tame in (True, False):
+            for warps in (int(w) for w in args.warps.split(",")):
+                compiled = compile_for_hopper(kernel, inputs, dict(constexprs, TAME=tame), warps)
+                path = "tame" if tame else "exact"
+                print(f"{name:15s} {path:5s} {warps} warps: {resources(compiled)}")
 
 
 if __name__ == "__main__":

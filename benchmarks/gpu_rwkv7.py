@@ -338,7 +338,7 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
     default = triton_backend.default_config(size, size)
     # Every chunk through the level-by-level path (what chunks with strong decays take).
     attempt(bench_jax, "triton, every chunk level by level", x_jax, d_out_jax, d_state_jax, ref,
-            "triton", dataclasses.replace(default, tame=0.0), cap=90)
+            "triton", dataclasses.replace(default, tame=False), cap=90)
     if sweep:
         variants = [dict(chunks_per_state=4), dict(chunks_per_state=16), dict(stages=2)]
         for change in variants:

@@ -47,7 +47,7 @@ def run(kernel_name, warps):
     states, dstates = empty(slots, heads, size, size), empty(chunk_slots, heads, size, size)
     u, dx = empty(*shape), empty(*shape)
     sizes = dict(scale=1.0, HEADS=heads, K=size, V=size, BK=size, BV=size, C=chunk, LEVELS=4,
-                 FLOOR=-128.0, TAME=16.0, TOTAL_ROWS=rows, PRECISION="tf32")
+                 FLOOR=-128.0, TAME=True, TOTAL_ROWS=rows, PRECISION="tf32")
     grid = (batch * heads, 1)
 
     def forward(warps):

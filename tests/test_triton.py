@@ -156,11 +156,26 @@ def test_decay_extremes_across_chunks(decay):
 
 
 @pytest.mark.parametrize("hard", sorted(HARD_DECAYS))
-@pytest.mark.parametrize("tame", [16.0, 0.0])
-def test_every_decay(hard, tame):
-    """Exact and finite for log decays far below the model's range, with chunks of both kinds
-    (tame = 0: every chunk level by level)."""
-    check(Case(steps=40, hard=hard, config=dict(SHORT_SPANS, tame=tame)), seed=len(hard))
+def test_every_decay(hard):
+    """Exact and finite for log decays far below the model's range (the exact path)."""
+    check(Case(steps=40, hard=hard, config=SHORT_SPANS), seed=len(hard))
+
+
+@pytest.mark.parametrize("decay, hard, tame", [("model", "", True), ("strong", "", False),
+                                               ("model", "every third -1e9", False)])
+def test_path_per_call(decay, hard, tame):
+    """Model-range log decays take the tame path, strong ones the exact one; both match the
+    float64 reference (the tame path also when forced onto the exact one)."""
+    rng = np.random.default_rng(3)
+    w = reference.random_inputs("rwkv7", rng, batch=1, steps=40, heads=1, key=16, value=16,
+                                decay=decay)["w"]
+    if hard:
+        w = HARD_DECAYS[hard](rng, w)
+    assert bool(jax.jit(triton_backend.tame_path)(jnp.asarray(w, jnp.float32))) is tame
+    case = Case(steps=40, decay=decay, hard=hard, config=SHORT_SPANS)
+    check(case, seed=3)
+    if tame:
+        check(dataclasses.replace(case, config=dict(SHORT_SPANS, tame=False)), seed=3)
 
 
 def test_packed_sequences_with_initial_states_bfloat16():

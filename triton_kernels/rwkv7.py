@@ -21,10 +21,14 @@ on load, the factors against the state are e^gi, e^ge, e^(g - gi) <= 1, and the 
 built level by level (``_level``): at level S the chunk is cut into segments of S steps and
 rows t of each odd segment meet columns i of the even segment just before it, with the factor
 split at the boundary b between them, e^(G_t - gi_b) * e^(gi_b - gi_i), each <= 1. Levels
-S = C/2, C/4, ..., 1 cover every pair i < t once; the diagonal (i = t) has no factor. A tame
-chunk (log decays summing to at least -TAME in every column: every model-range chunk) takes
-one product per A matrix instead, its factors referenced to the chunk's middle and so within
-e^(+-TAME) (``_tame``).
+S = C/2, C/4, ..., 1 cover every pair i < t once; the diagonal (i = t) has no factor.
+
+Every kernel is compiled twice, on the constexpr TAME. TAME=True is for calls whose every
+chunk is tame, its log decays summing to at least -16 in every column (the caller decides on
+the device, for the whole call: every log decay >= -16 / C, which model-range decays always
+are): one product per A matrix, its factors referenced to the chunk's middle and so within
+e^(+-16) (``_middle``). TAME=False builds them level by level, exact for every decay. One
+compiled path per kernel keeps the tame one's registers those of a kernel without the other.
 
 Three kernels, so that only the two recurrences are sequential:
 
@@ -115,8 +119,8 @@ def _diagonal(values, C: tl.constexpr):
 
 @triton.jit
 def _middle(w, AXIS: tl.constexpr, C: tl.constexpr):
-    """The factors of a tame chunk (``_tame``), referenced to its middle m: e^(gi_t - m),
-    e^(ge_t - m) (rows) and e^(m - gi_i) (columns), each within e^(+-TAME)."""
+    """The factors of a tame chunk (module docstring), referenced to its middle m:
+    e^(gi_t - m), e^(ge_t - m) (rows) and e^(m - gi_i) (columns), each within e^(+-16)."""
     index = tl.arange(0, C)
     gi = tl.cumsum(w, axis=AXIS)
     if AXIS == 0:
@@ -127,22 +131,14 @@ def _middle(w, AXIS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _tame(g_end, TAME: tl.constexpr):
-    """Whether every column of the chunk decays by at most e^TAME over its C steps: then the
-    middle-referenced factors and their products stay within e^(+-TAME) (no overflow, no
-    subnormal), and one product per A matrix replaces one per level. TAME = 0: never."""
-    return tl.min(g_end, axis=0) >= -TAME if TAME > 0 else tl.min(g_end, axis=0) > 0.0
-
-
-@triton.jit
-def _in_chunk(q, k, a, b, w, EXACT: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+def _in_chunk(q, k, a, b, w, TAME: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
               PRECISION: tl.constexpr):
     """The A matrices of a chunk from [C, *] tiles: A_qk, A_qb (i <= t, factor e^(gi_t - gi_i))
-    and A_ak, A_ab (i < t, factor e^(ge_t - gi_i)); level by level (``_level``) if EXACT, else
-    with the factors of a tame chunk (``_middle``). Those a kernel does not use are not
-    computed (dead code)."""
+    and A_ak, A_ab (i < t, factor e^(ge_t - gi_i)); with the factors of a tame chunk
+    (``_middle``) if TAME, else level by level (``_level``). Those a kernel does not use are
+    not computed (dead code)."""
     index = tl.arange(0, C)
-    if EXACT:
+    if not TAME:
         A_qk = _diagonal(tl.sum(q * k, axis=1), C)
         A_qb = _diagonal(tl.sum(q * b, axis=1), C)
         A_ak = tl.zeros([C, C], tl.float32)
@@ -164,7 +160,7 @@ def _in_chunk(q, k, a, b, w, EXACT: tl.constexpr, C: tl.constexpr, LEVELS: tl.co
         k_f = tl.trans(k * column)
         b_f = tl.trans(b * column)
         # tl.where, not a multiplication: the entries dropped (i > t) are no factors of the
-        # math and may be large (up to e^TAME).
+        # math and may be large (up to e^16).
         lower = index[:, None] >= index[None, :]
         strict = index[:, None] > index[None, :]
         A_qk = tl.where(lower, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
@@ -219,10 +215,7 @@ def rwkv7_forward_kernel(
         b = rows(b_ptr, k_base, k_tile, k_in)
         v = rows(v_ptr, v_base, v_tile, v_in)
         gi, ge, g_end, to_end = _decays(w, 0)
-        if _tame(g_end, TAME):
-            A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, False, C, LEVELS, PRECISION)
-        else:
-            A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, True, C, LEVELS, PRECISION)
+        A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, TAME, C, LEVELS, PRECISION)
         inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
         x = tl.dot(a * tl.exp(ge), h, tl.dot(A_ak, v, input_precision=PRECISION),
                    input_precision=PRECISION)
@@ -270,10 +263,8 @@ def rwkv7_state_gradient_kernel(
         b = rows(b_ptr, k_base, k_tile, k_in)
         do = rows(do_ptr, v_base, v_tile, v_in)
         gi, ge, g_end, to_end = _decays(w, 0)
-        if _tame(g_end, TAME):  # (k is not needed here: b stands in)
-            _, A_qb, _, A_ab = _in_chunk(q, b, a, b, w, False, C, LEVELS, PRECISION)
-        else:
-            _, A_qb, _, A_ab = _in_chunk(q, b, a, b, w, True, C, LEVELS, PRECISION)
+        # (k is not needed here: b stands in)
+        _, A_qb, _, A_ab = _in_chunk(q, b, a, b, w, TAME, C, LEVELS, PRECISION)
         inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
         du = tl.dot(b * tl.exp(to_end), dh,
                     tl.dot(tl.trans(A_qb), do, input_precision=PRECISION),
@@ -300,11 +291,11 @@ def _transposed_products(x, y, STRICT: tl.constexpr, C: tl.constexpr, PRECISION:
 
 
 @triton.jit
-def _in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, EXACT: tl.constexpr,
+def _in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, TAME: tl.constexpr,
                         C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
     """From tiles held transposed ([K, C]) and the A matrices' gradients (masked): A_qk, A_ak
     (as ``_in_chunk``) and the terms of dq, da, dk, db through the four A matrices."""
-    if EXACT:
+    if not TAME:
         index = tl.arange(0, C)
         diagonal = index[:, None] == index[None, :]
         d_qk = tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :]
@@ -410,14 +401,12 @@ def rwkv7_backward_kernel(
         a = rows(a_ptr, k_base, k_tile, k_in)
         b = rows(b_ptr, k_base, k_tile, k_in)
         gi, ge, g_end, to_end = _decays(w, 1)
+        if TAME:  # no floored decay, |gi| <= 16: the plain difference is precise, fewer registers
+            to_end = g_end[:, None] - gi
         to_end = tl.exp(to_end)
         # Through the A matrices, built as the forward builds them.
-        if _tame(g_end, TAME):
-            A_qk, A_ak, dq, da, dk, db = _in_chunk_gradients(
-                q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, False, C, LEVELS, PRECISION)
-        else:
-            A_qk, A_ak, dq, da, dk, db = _in_chunk_gradients(
-                q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, True, C, LEVELS, PRECISION)
+        A_qk, A_ak, dq, da, dk, db = _in_chunk_gradients(
+            q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, TAME, C, LEVELS, PRECISION)
         # dV = k^ dH + A_qk^T dO + A_ak^T dX
         dh = tl.load(dstates_ptr + state_offsets(clamped(first_chunk_slot + c, CHUNK_SLOTS),
                                                   head, HEADS, K, V, BK, v_cols),
@@ -443,7 +432,8 @@ def rwkv7_backward_kernel(
         d_ge = a * da
         dw = (tl.cumsum(q * dq - k * dk - b * db + d_ge, axis=1, reverse=True) - d_ge
               + dg_end[:, None])
-        dw = tl.where(rows(w_ptr, k_base, k_tile, k_in) < FLOOR, 0.0, dw)
+        if not TAME:  # (a tame call has no decay below FLOOR)
+            dw = tl.where(rows(w_ptr, k_base, k_tile, k_in) < FLOOR, 0.0, dw)
         if ROWS > 0:  # several V blocks: this one's partial sums of the K-side gradients
             k_base += v_block.to(tl.int64) * (ROWS * HEADS * K)
         tl.store(dr_ptr + k_base + k_tile, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
