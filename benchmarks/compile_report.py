@@ -5,8 +5,8 @@
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
-resource report, read before spending device time. Counts of the SASS instructions that matter follow (HGMMA: Hopper's
-warpgroup MMA; HMMA: the older 16-row MMA; LDL/STL: spill traffic).
+resource report, read before spending device time. Counts of the SASS instructions that matter
+follow (HGMMA: Hopper's warpgroup MMA; HMMA: the older 16-row MMA; LDL/STL: spill traffic).
 """
 
 from __future__ import annotations

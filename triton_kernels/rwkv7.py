@@ -118,16 +118,15 @@ def _diagonal(values, C: tl.constexpr):
 
 
 @triton.jit
-def _middle(w, AXIS: tl.constexpr, C: tl.constexpr):
-    """The factors of a tame chunk (module docstring), referenced to its middle m:
-    e^(gi_t - m), e^(ge_t - m) (rows) and e^(m - gi_i) (columns), each within e^(+-16)."""
+def _middle(gi, AXIS: tl.constexpr, C: tl.constexpr):
+    """The reference m of a tame chunk's factors (module docstring), its middle's cumulative
+    log decays: e^(gi_t - m), e^(ge_t - m) (rows) and e^(m - gi_i) (columns) are each within
+    e^(+-16)."""
     index = tl.arange(0, C)
-    gi = tl.cumsum(w, axis=AXIS)
     if AXIS == 0:
-        middle = tl.sum(tl.where(index[:, None] == C // 2 - 1, gi, 0.0), axis=0)[None, :]
+        return tl.sum(tl.where(index[:, None] == C // 2 - 1, gi, 0.0), axis=0)[None, :]
     else:
-        middle = tl.sum(tl.where(index[None, :] == C // 2 - 1, gi, 0.0), axis=1)[:, None]
-    return tl.exp(gi - middle), tl.exp(gi - w - middle), tl.exp(middle - gi)
+        return tl.sum(tl.where(index[None, :] == C // 2 - 1, gi, 0.0), axis=1)[:, None]
 
 
 @triton.jit
@@ -154,9 +153,11 @@ def _in_chunk(q, k, a, b, w, TAME: tl.constexpr, C: tl.constexpr, LEVELS: tl.con
             A_ak += tl.where(keep, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
             A_ab += tl.where(keep, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
     else:
-        row, row_strict, column = _middle(w, 0, C)
-        q_f = q * row
-        a_f = a * row_strict
+        gi = tl.cumsum(w, axis=0)
+        middle = _middle(gi, 0, C)
+        q_f = q * tl.exp(gi - middle)
+        a_f = a * tl.exp(gi - w - middle)
+        column = tl.exp(middle - gi)
         k_f = tl.trans(k * column)
         b_f = tl.trans(b * column)
         # tl.where, not a multiplication: the entries dropped (i > t) are no factors of the
@@ -291,61 +292,38 @@ def _transposed_products(x, y, STRICT: tl.constexpr, C: tl.constexpr, PRECISION:
 
 
 @triton.jit
-def _in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, TAME: tl.constexpr,
-                        C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
-    """From tiles held transposed ([K, C]) and the A matrices' gradients (masked): A_qk, A_ak
-    (as ``_in_chunk``) and the terms of dq, da, dk, db through the four A matrices."""
-    if not TAME:
-        index = tl.arange(0, C)
-        diagonal = index[:, None] == index[None, :]
-        d_qk = tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :]
-        d_qb = tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :]
-        A_qk = _diagonal(tl.sum(q * k, axis=0), C)
-        A_ak = tl.zeros([C, C], tl.float32)
-        dq = d_qk * k + d_qb * b
-        da = tl.zeros(q.shape, tl.float32)
-        dk = d_qk * q
-        db = d_qb * q
-        for level in tl.static_range(LEVELS):
-            row, row_strict, column, keep = _level(w, C >> (level + 1), 1, C)
-            q_f = q * row
-            a_f = a * row_strict
-            k_f = k * column
-            b_f = b * column
-            A_qk += tl.where(keep, tl.dot(tl.trans(q_f), k_f, input_precision=PRECISION), 0.0)
-            A_ak += tl.where(keep, tl.dot(tl.trans(a_f), k_f, input_precision=PRECISION), 0.0)
-            kept_qk = tl.where(keep, dA_qk, 0.0)
-            kept_qb = tl.where(keep, dA_qb, 0.0)
-            kept_ak = tl.where(keep, dA_ak, 0.0)
-            kept_ab = tl.where(keep, dA_ab, 0.0)
-            dq += row * tl.dot(k_f, tl.trans(kept_qk), tl.dot(b_f, tl.trans(kept_qb),
-                                                               input_precision=PRECISION),
-                               input_precision=PRECISION)
-            da += row_strict * tl.dot(k_f, tl.trans(kept_ak), tl.dot(
-                b_f, tl.trans(kept_ab), input_precision=PRECISION), input_precision=PRECISION)
-            dk += column * tl.dot(q_f, kept_qk, tl.dot(a_f, kept_ak, input_precision=PRECISION),
-                                  input_precision=PRECISION)
-            db += column * tl.dot(q_f, kept_qb, tl.dot(a_f, kept_ab, input_precision=PRECISION),
-                                  input_precision=PRECISION)
-    else:
-        row, row_strict, column = _middle(w, 1, C)
+def _exact_in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, dq, da, dk, db,
+                              C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """dq, da, dk, db plus their terms through the four A matrices built level by level (as
+    ``_in_chunk`` builds them), from tiles held transposed ([K, C]) and the A matrices'
+    gradients (masked)."""
+    index = tl.arange(0, C)
+    diagonal = index[:, None] == index[None, :]
+    d_qk = tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :]
+    d_qb = tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :]
+    dq += d_qk * k + d_qb * b
+    dk += d_qk * q
+    db += d_qb * q
+    for level in tl.static_range(LEVELS):
+        row, row_strict, column, keep = _level(w, C >> (level + 1), 1, C)
         q_f = q * row
         a_f = a * row_strict
         k_f = k * column
         b_f = b * column
-        A_qk = _transposed_products(q_f, k_f, False, C, PRECISION)
-        A_ak = _transposed_products(a_f, k_f, True, C, PRECISION)
-        dq = row * tl.dot(k_f, tl.trans(dA_qk), tl.dot(b_f, tl.trans(dA_qb),
-                                                        input_precision=PRECISION),
-                          input_precision=PRECISION)
-        da = row_strict * tl.dot(k_f, tl.trans(dA_ak), tl.dot(b_f, tl.trans(dA_ab),
-                                                               input_precision=PRECISION),
-                                 input_precision=PRECISION)
-        dk = column * tl.dot(q_f, dA_qk, tl.dot(a_f, dA_ak, input_precision=PRECISION),
-                             input_precision=PRECISION)
-        db = column * tl.dot(q_f, dA_qb, tl.dot(a_f, dA_ab, input_precision=PRECISION),
-                             input_precision=PRECISION)
-    return A_qk, A_ak, dq, da, dk, db
+        kept_qk = tl.where(keep, dA_qk, 0.0)
+        kept_qb = tl.where(keep, dA_qb, 0.0)
+        kept_ak = tl.where(keep, dA_ak, 0.0)
+        kept_ab = tl.where(keep, dA_ab, 0.0)
+        dq += row * tl.dot(k_f, tl.trans(kept_qk), tl.dot(b_f, tl.trans(kept_qb),
+                                                           input_precision=PRECISION),
+                           input_precision=PRECISION)
+        da += row_strict * tl.dot(k_f, tl.trans(kept_ak), tl.dot(
+            b_f, tl.trans(kept_ab), input_precision=PRECISION), input_precision=PRECISION)
+        dk += column * tl.dot(q_f, kept_qk, tl.dot(a_f, kept_ak, input_precision=PRECISION),
+                              input_precision=PRECISION)
+        db += column * tl.dot(q_f, kept_qb, tl.dot(a_f, kept_ab, input_precision=PRECISION),
+                              input_precision=PRECISION)
+    return dq, da, dk, db
 
 
 @triton.jit
@@ -404,27 +382,53 @@ def rwkv7_backward_kernel(
         if TAME:  # no floored decay, |gi| <= 16: the plain difference is precise, fewer registers
             to_end = g_end[:, None] - gi
         to_end = tl.exp(to_end)
-        # Through the A matrices, built as the forward builds them.
-        A_qk, A_ak, dq, da, dk, db = _in_chunk_gradients(
-            q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, TAME, C, LEVELS, PRECISION)
-        # dV = k^ dH + A_qk^T dO + A_ak^T dX
+        if TAME:  # the factored tiles of A_qk, A_ak, kept for the gradients below
+            middle = _middle(gi, 1, C)
+            column = tl.exp(middle - gi)
+            q_f = q * tl.exp(gi - middle)
+            a_f = a * tl.exp(ge - middle)
+            k_f = k * column
+        # dV = k^ dH + A_qk^T dO + A_ak^T dX, the A matrices built as the forward builds them
         dh = tl.load(dstates_ptr + state_offsets(clamped(first_chunk_slot + c, CHUNK_SLOTS),
                                                   head, HEADS, K, V, BK, v_cols),
                      mask=state_mask, other=0.0)
         dv = tl.dot(tl.trans(dh), k * to_end, input_precision=PRECISION)
-        dv = tl.dot(do, A_qk, dv, input_precision=PRECISION)
-        dv = tl.dot(dx, A_ak, dv, input_precision=PRECISION)
+        if TAME:  # (products inside the dots: 628 B of spills, 700 with them formed first)
+            dv = tl.dot(do, _transposed_products(q_f, k_f, False, C, PRECISION), dv,
+                        input_precision=PRECISION)
+            dv = tl.dot(dx, _transposed_products(a_f, k_f, True, C, PRECISION), dv,
+                        input_precision=PRECISION)
+        else:  # ([C, K] tiles; k stands in for b, not needed)
+            A_qk, _, A_ak, _ = _in_chunk(tl.trans(q), tl.trans(k), tl.trans(a), tl.trans(k),
+                                         tl.trans(w), False, C, LEVELS, PRECISION)
+            dv = tl.dot(do, A_qk, dv, input_precision=PRECISION)
+            dv = tl.dot(dx, A_ak, dv, input_precision=PRECISION)
         tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
         # H' = e^g H + k^T V + b^T U, with k^ = k e^(g - gi), b^ = b e^(g - gi).
         dk_state = tl.dot(dh, v, input_precision=PRECISION) * to_end
         db_state = tl.dot(dh, u, input_precision=PRECISION) * to_end
         dg_end = tl.exp(g_end) * tl.sum(h * dh, axis=1) + tl.sum(dk_state * k + db_state * b,
                                                                   axis=1)
-        # The terms of q~ H and a~ H.
-        dq += tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi)
-        da += tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
-        dk += dk_state
-        db += db_state
+        # The terms of q~ H and a~ H, and those through the four A matrices.
+        dq = tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi)
+        da = tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
+        if TAME:
+            b_f = b * column
+            dq += tl.exp(gi - middle) * tl.dot(k_f, tl.trans(dA_qk), tl.dot(b_f, tl.trans(dA_qb),
+                                                             input_precision=PRECISION),
+                               input_precision=PRECISION)
+            da += tl.exp(ge - middle) * tl.dot(k_f, tl.trans(dA_ak), tl.dot(
+                b_f, tl.trans(dA_ab), input_precision=PRECISION), input_precision=PRECISION)
+            dk = dk_state + column * tl.dot(q_f, dA_qk, tl.dot(a_f, dA_ak,
+                                                                input_precision=PRECISION),
+                                            input_precision=PRECISION)
+            db = db_state + column * tl.dot(q_f, dA_qb, tl.dot(a_f, dA_ab,
+                                                                input_precision=PRECISION),
+                                            input_precision=PRECISION)
+        else:
+            dq, da, dk, db = _exact_in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab,
+                                                       dq, da, dk_state, db_state, C, LEVELS,
+                                                       PRECISION)
         # In a chunk q_t enters only as q_t e^gi_t, a_t as a_t e^ge_t, and k_i, b_i as
         # x_i e^-gi_i (the e^g of k^ and b^ is in dg_end): the gradients of gi and ge are
         # q dq - k dk - b db and a da. gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t, g = gi_C.
