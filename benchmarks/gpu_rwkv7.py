@@ -293,6 +293,9 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
     x_jax = {n: jax.dlpack.from_dlpack(t) for n, t in x.items()}
     d_out_jax = jax.dlpack.from_dlpack(d_out)
     d_state_jax = jax.dlpack.from_dlpack(d_state)
+    # The per-call choice of the kernels' path: one read of w (the tame path for these inputs).
+    choose = jax.jit(triton_backend.tame_path)
+    log(f"tame_path(w) = {bool(choose(x_jax['w']))}: {time_jax(choose, x_jax['w']):.3f} ms")
     rows = []
 
     def attempt(fn, *args, cap=240, **kwargs):
