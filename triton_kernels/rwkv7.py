@@ -393,7 +393,7 @@ def rwkv7_backward_kernel(
                                                   head, HEADS, K, V, BK, v_cols),
                      mask=state_mask, other=0.0)
         dv = tl.dot(tl.trans(dh), k * to_end, input_precision=PRECISION)
-        if TAME:  # (products inside the dots: 628 B of spills, 700 with them formed first)
+        if TAME:  # (products inside the dots: sm_90 spills 636 B, 700 with them formed first)
             dv = tl.dot(do, _transposed_products(q_f, k_f, False, C, PRECISION), dv,
                         input_precision=PRECISION)
             dv = tl.dot(dx, _transposed_products(a_f, k_f, True, C, PRECISION), dv,
@@ -414,9 +414,8 @@ def rwkv7_backward_kernel(
         da = tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
         if TAME:
             b_f = b * column
-            dq += tl.exp(gi - middle) * tl.dot(k_f, tl.trans(dA_qk), tl.dot(b_f, tl.trans(dA_qb),
-                                                             input_precision=PRECISION),
-                               input_precision=PRECISION)
+            dq += tl.exp(gi - middle) * tl.dot(k_f, tl.trans(dA_qk), tl.dot(
+                b_f, tl.trans(dA_qb), input_precision=PRECISION), input_precision=PRECISION)
             da += tl.exp(ge - middle) * tl.dot(k_f, tl.trans(dA_ak), tl.dot(
                 b_f, tl.trans(dA_ab), input_precision=PRECISION), input_precision=PRECISION)
             dk = dk_state + column * tl.dot(q_f, dA_qk, tl.dot(a_f, dA_ak,
