@@ -4,9 +4,10 @@ wheel carries ptxas and cuobjdump.
 
     python benchmarks/compile_report.py [--family rwkv7|gla] [--key 64] [--value 64] [--warps 4,8]
 
-A kernel at 255 registers with spills is latency-bound: METHOD.md's resource report, read before
-spending device time. Counts of the SASS instructions that matter follow (HGMMA: Hopper's
-warpgroup MMA; HMMA: the older 16-row MMA; LDL/STL: spill traffic).
+Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
+exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
+resource report, read before spending device time. Counts of the SASS instructions that matter
+follow (HGMMA: Hopper's warpgroup MMA; HMMA: the older 16-row MMA; LDL/STL: spill traffic).
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def main():
     bk = max(16, 1 << (args.key - 1).bit_length())
     bv = min(64, max(16, 1 << (args.value - 1).bit_length()))
     v_blocks = -(-args.value // bv)
-    shapes = dict(scale=1.0, HEADS=64, K=args.key, V=args.value, BK=bk, BV=bv, C=16,
-                  PRECISION="tf32")
+    rows, spans = 8 * 4096, 8 * 4096 // (16 * 8) + 8
+    shapes = dict(scale=1.0, HEADS=64, K=args.key, V=args.value, BK=bk, BV=bv, C=16, LEVELS=4,
+                  FLOOR=-128.0, TOTAL_ROWS=rows, PRECISION="tf32")
     bf16, f32, i32 = "*bf16", "*fp32", "*i32"
     inputs = dict(r_ptr=bf16, w_ptr=bf16, k_ptr=bf16, v_ptr=bf16, a_ptr=bf16, b_ptr=bf16,
                   do_ptr=bf16, h0_ptr=f32, dht_ptr=f32, states_ptr=f32, dstates_ptr=f32,
@@ -81,21 +83,27 @@ def main():
     inputs.update({f"d{n}_ptr": k_grads for n in "rwkab"})
     kernels = [
         ("forward", rwkv7.rwkv7_forward_kernel,
-         dict(shapes, CHUNKS_PER_STATE=8, SAVE=True, INVERSE_PRECISION="tf32")),
+         dict(shapes, CHUNKS_PER_STATE=8, SAVE=True, STATE_SLOTS=spans,
+              INVERSE_PRECISION="tf32")),
         ("state gradient", rwkv7.rwkv7_state_gradient_kernel,
-         dict(shapes, INVERSE_PRECISION="tf32")),
+         dict(shapes, CHUNK_SLOTS=rows // 16 + 8, INVERSE_PRECISION="tf32")),
         ("gradient", rwkv7.rwkv7_backward_kernel,
-         dict(shapes, CHUNKS_PER_STATE=8, ROWS=1 if v_blocks > 1 else 0)),
+         dict(shapes, CHUNKS_PER_STATE=8, SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
+              ROWS=rows if v_blocks > 1 else 0)),
     ]
     if args.family == "gla":
         kernels = gla_kernels(shapes, inputs, v_blocks, args.bonus)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
+    # RWKV-7: each kernel's two compiled paths (TAME=True for model-range decays, the exact one).
+    paths = ((True, "tame"), (False, "exact")) if args.family == "rwkv7" else ((None, ""),)
     for name, kernel, constexprs in kernels:
         if args.only and name != args.only:
             continue
-        for warps in (int(w) for w in args.warps.split(",")):
-            compiled = compile_for_hopper(kernel, inputs, constexprs, warps)
-            print(f"{name:15s} {warps} warps: {resources(compiled)}")
+        for tame, path in paths:
+            for warps in (int(w) for w in args.warps.split(",")):
+                options = constexprs if tame is None else dict(constexprs, TAME=tame)
+                compiled = compile_for_hopper(kernel, inputs, options, warps)
+                print(f"{name:15s} {path:5s} {warps} warps: {resources(compiled)}")
 
 
 def gla_kernels(shapes, inputs, v_blocks, bonus):

@@ -60,13 +60,29 @@ def triton_vjp(x, d_out, d_state, cu_seqlens=None):
     return out, state, pullback((d_out, d_state))[0]
 
 
+def _hard_decays(kind, rng, shape):
+    """Log decays the chunked kernels must survive exactly: uniform down to -1e3, single tokens
+    at -1e9 and -inf, every third token at -1e9 (the rest model-range)."""
+    if kind == "uniform-1e3":
+        return rng.uniform(-1e3, 0.0, shape)
+    w = reference.rwkv7_model_decay(rng.standard_normal(shape))
+    if kind == "spikes":
+        w[:, 5] = -1e9
+        w[:, 40] = -np.inf
+    elif kind == "every-third":
+        w[:, ::3] = -1e9
+    return w
+
+
 def check(name, dtype, key, value, steps=300, batch=2, heads=4, decay="model", cu_seqlens=None,
-          seed=0):
+          seed=0, hard=None):
     rng = np.random.default_rng(seed)
     rows = len(cu_seqlens) - 1 if cu_seqlens else None
     drawn = reference.random_inputs("rwkv7", rng, batch=1 if cu_seqlens else batch, steps=steps,
                                     heads=heads, key=key, value=value, decay=decay,
                                     state_rows=rows)
+    if hard:
+        drawn["w"] = _hard_decays(hard, rng, drawn["w"].shape)
     x = {n: jnp.asarray(a, jnp.float32 if n == "initial_state" else dtype)
          for n, a in drawn.items()}
     x64 = {n: np.asarray(a, np.float64) for n, a in x.items()}
@@ -91,7 +107,7 @@ def check(name, dtype, key, value, steps=300, batch=2, heads=4, decay="model", c
 
 
 PACKED = [0, 100, 100, 117, 300]  # with an empty segment and a partial chunk
-CHECKS = [  # most telling first: --checks N runs the first N
+CHECKS = [
     ("fp32 K=128 V=64 packed (cu_seqlens)", "float32", 128, 64, dict(cu_seqlens=PACKED)),
     ("bf16 K=V=64 initial state", "bfloat16", 64, 64, {}),
     ("fp32 K=V=64 strong decay (w>=-8)", "float32", 64, 64, dict(decay="strong")),
@@ -100,11 +116,17 @@ CHECKS = [  # most telling first: --checks N runs the first N
     ("bf16 K=64 packed (cu_seqlens)", "bfloat16", 64, 64, dict(cu_seqlens=PACKED)),
     ("fp32 K=V=64 zero decay", "float32", 64, 64, dict(decay="zero")),
     ("bf16 K=V=64 T=4097", "bfloat16", 64, 64, dict(steps=4097, batch=1, heads=2)),
+    ("fp32 K=V=64 w uniform [-1e3, 0]", "float32", 64, 64, dict(hard="uniform-1e3")),
+    ("fp32 K=V=64 w -1e9 and -inf tokens", "float32", 64, 64, dict(hard="spikes")),
+    ("bf16 K=V=64 every third w -1e9", "bfloat16", 64, 64, dict(hard="every-third")),
+    ("bf16 K=V=128 w uniform [-1e3, 0]", "bfloat16", 128, 128, dict(hard="uniform-1e3")),
 ]
 
 
 def correctness(count):
-    for seed, (name, dtype, key, value, options) in enumerate(CHECKS[:count]):
+    # The hard decays first: --checks N runs them and the first N - 4 others.
+    ordered = CHECKS[-4:] + CHECKS[:-4]
+    for seed, (name, dtype, key, value, options) in enumerate(ordered[:count]):
         check(name, dtype, key, value, seed=seed, **options)
 
 
@@ -247,7 +269,7 @@ def describe(row):
     worst_grad = max(v for k, v in errors.items() if k.startswith("d"))
     saving = (f" (saving states {row['forward_saving_states_ms']:.3f})"
               if "forward_saving_states_ms" in row else "")
-    return (f"{row['name']:38s} fwd {row['forward_ms']:7.3f} ms{saving}  fwd+bwd "
+    return (f"{row['name']:44s} fwd {row['forward_ms']:7.3f} ms{saving}  fwd+bwd "
             f"{row['forward_backward_ms']:7.3f} ms  peak {row['peak_bytes'] / 2**30:6.2f} GiB "
             f"(fwd {row['forward_peak_bytes'] / 2**30:5.2f})  err out {errors['out']:.1e} "
             f"state {errors['state']:.1e} grads<= {worst_grad:.1e}")
@@ -261,8 +283,9 @@ def _alarm(signum, frame):
     raise _OutOfTime()
 
 
-def benchmark(sweep, others, deadline, out_dir, fla_first=False):
-    batch, steps, heads, size = 8, 4096, 64, 64
+def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_default=True,
+              fla_configs=("disable_recompute", "safe")):
+    batch, steps, heads = 8, 4096, 64 * 64 // size
     x, d_out, d_state = model_inputs(batch, steps, heads, size)
     log(f"benchmark inputs: B={batch} T={steps} H={heads} K=V={size} bf16, "
         f"w in [{LOWER_BOUND}, 0)")
@@ -270,6 +293,9 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False):
     x_jax = {n: jax.dlpack.from_dlpack(t) for n, t in x.items()}
     d_out_jax = jax.dlpack.from_dlpack(d_out)
     d_state_jax = jax.dlpack.from_dlpack(d_state)
+    # The per-call choice of the kernels' path: one read of w (the tame path for these inputs).
+    choose = jax.jit(triton_backend.tame_path)
+    log(f"tame_path(w) = {bool(choose(x_jax['w']))}: {time_jax(choose, x_jax['w']):.3f} ms")
     rows = []
 
     def attempt(fn, *args, cap=240, **kwargs):
@@ -290,10 +316,12 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False):
             return None
         finally:
             signal.alarm(0)
+        row["name"] = f"K={size} {row['name']}"
         log("  " + describe(row))
         rows.append(row)
         with open(os.path.join(out_dir, "gpu_rwkv7.json"), "w") as f:  # kept up to date
-            json.dump(dict(results, benchmark=rows), f, indent=1, default=str)
+            json.dump(dict(results, benchmark=results["benchmark"] + rows), f, indent=1,
+                      default=str)
         return row
 
     ours = lambda: attempt(bench_jax, "rwkv_jax triton (default config)", x_jax, d_out_jax,
@@ -301,23 +329,31 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False):
     if not fla_first:
         ours()
     # On a fresh machine fla's compile and autotuning took 70 to over 330 s.
-    attempt(bench_fla, "fla chunk_rwkv7 fastest (C=64, safe)", x, d_out, d_state, ref,
-            chunk_size=64, safe_gate=True, lower_bound=LOWER_BOUND, cap=480 if fla_first else 330)
+    fastest = dict(chunk_size=64, safe_gate=True, lower_bound=LOWER_BOUND)
+    if "disable_recompute" in fla_configs:
+        attempt(bench_fla, "fla fastest, disable_recompute", x, d_out, d_state, ref,
+                disable_recompute=True, cap=480 if fla_first else 330, **fastest)
+    if "safe" in fla_configs:
+        attempt(bench_fla, "fla chunk_rwkv7 (C=64, safe)", x, d_out, d_state, ref,
+                cap=480 if fla_first else 330, **fastest)
     if fla_first:
         ours()
+    default = triton_backend.default_config(size, size)
+    # Every chunk through the level-by-level path (what chunks with strong decays take).
+    attempt(bench_jax, "triton, every chunk level by level", x_jax, d_out_jax, d_state_jax, ref,
+            "triton", dataclasses.replace(default, tame=False), cap=90)
     if sweep:
-        default = triton_backend.default_config(size, size)
         variants = [dict(chunks_per_state=4), dict(chunks_per_state=16), dict(stages=2)]
         for change in variants:
             config = dataclasses.replace(default, **change)
             attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,
                     "triton", config, cap=60)
-    # fla's default configuration autotunes each kernel on first use (minutes): last, capped.
-    attempt(bench_fla, "fla chunk_rwkv7 default", x, d_out, d_state, ref, cap=300)
+    if fla_default:  # it autotunes each kernel on first use (minutes): last, capped.
+        attempt(bench_fla, "fla chunk_rwkv7 default", x, d_out, d_state, ref, cap=300)
     for backend in others:
         attempt(bench_jax, f"rwkv_jax {backend}", x_jax, d_out_jax, d_state_jax, ref, backend,
                 cap=60)
-    results["benchmark"] = rows
+    results["benchmark"] = results["benchmark"] + rows
     return rows
 
 
@@ -333,6 +369,13 @@ def main():
                         help="time fla's fastest configuration first, with a longer cap")
     parser.add_argument("--others", default="native,chunked",
                         help="other rwkv_jax backends to time at the benchmark shape")
+    parser.add_argument("--sizes", default="64",
+                        help="head sizes to benchmark (H = 4096 / size), e.g. 64,128")
+    parser.add_argument("--no-fla-default", action="store_true",
+                        help="skip fla's default configuration (minutes of autotuning)")
+    parser.add_argument("--fla", default="disable_recompute,safe",
+                        help="fla's fastest configuration with disable_recompute=True and/or "
+                             "without (each compiles for about 2 minutes)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     open_log(os.path.join(args.out, "gpu_rwkv7.log"))
@@ -341,13 +384,16 @@ def main():
     log(f"GPU {gpu}; jax {jax.__version__} ({jax.devices()[0]}), torch {torch.__version__}")
     results["gpu"] = gpu
     correctness(args.checks)
-    rows = benchmark(args.sweep, [b for b in args.others.split(",") if b], deadline, args.out,
-                     args.fla_first)
+    rows = []
+    for size in (int(x) for x in args.sizes.split(",")):
+        rows += benchmark(args.sweep, [b for b in args.others.split(",") if b], deadline,
+                          args.out, args.fla_first, size, not args.no_fla_default,
+                          args.fla.split(","))
     with open(os.path.join(args.out, "gpu_rwkv7.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     log("\ncorrectness: " + ", ".join(f"{c['name']}: {'ok' if c['ok'] else 'FAIL'}"
                                       for c in results["correctness"]))
-    log(f"\nRWKV-7 B=8 T=4096 H=64 K=V=64 bf16 on {gpu}")
+    log(f"\nRWKV-7 B=8 T=4096 H*K=4096 bf16 on {gpu}")
     for row in rows:
         log(describe(row))
 

@@ -1,7 +1,7 @@
 """Each triton RWKV-7 kernel timed alone on the benchmark's shape (B=8, T=4096, H=64, K=V=64,
 bf16, model-range decays), launched straight from torch: where the fwd+bwd time goes.
 
-    python benchmarks/gpu_rwkv7_kernels.py            # every kernel, 4 and 8 warps
+    python benchmarks/gpu_rwkv7_kernels.py [--warps 4]   # every kernel, 4 and 8 warps
 
 Each (kernel, warps) runs in its own process, so one that crashes loses only its row; the
 gradient kernel's outputs are compared with those of its 4-warp launch (a miscompile shows).
@@ -46,20 +46,21 @@ def run(kernel_name, warps):
     o, ht, dh0 = empty(*shape, dtype=torch.bfloat16), empty(*h0.shape), empty(*h0.shape)
     states, dstates = empty(slots, heads, size, size), empty(chunk_slots, heads, size, size)
     u, dx = empty(*shape), empty(*shape)
-    sizes = dict(scale=1.0, HEADS=heads, K=size, V=size, BK=size, BV=size, C=chunk,
-                 PRECISION="tf32")
+    sizes = dict(scale=1.0, HEADS=heads, K=size, V=size, BK=size, BV=size, C=chunk, LEVELS=4,
+                 FLOOR=-128.0, TAME=True, TOTAL_ROWS=rows, PRECISION="tf32")
     grid = (batch * heads, 1)
 
     def forward(warps):
         rwkv7.rwkv7_forward_kernel[grid](
             *x.values(), h0, cu, index(steps // span), o, ht, states, u,
             CHUNKS_PER_STATE=chunks_per_state, SAVE=True, INVERSE_PRECISION="tf32",
+            STATE_SLOTS=slots,
             num_warps=warps, **sizes)
 
     def state_gradient(warps):
         rwkv7.rwkv7_state_gradient_kernel[grid](
             x["r"], x["w"], x["a"], x["b"], do, dht, cu, index(steps // chunk), dh0, dstates, dx,
-            INVERSE_PRECISION="tf32", num_warps=warps, **sizes)
+            INVERSE_PRECISION="tf32", CHUNK_SLOTS=chunk_slots, num_warps=warps, **sizes)
 
     slot_sequence = torch.full((slots,), -1, device=device, dtype=torch.int32)
     slot_sequence[:rows // span] = torch.arange(batch, device=device, dtype=torch.int32
@@ -71,7 +72,8 @@ def run(kernel_name, warps):
         rwkv7.rwkv7_backward_kernel[(slots, heads, 1)](
             *x.values(), do, states, u, dstates, dx, cu, index(steps // span),
             index(steps // chunk), slot_sequence, *grads[warps],
-            CHUNKS_PER_STATE=chunks_per_state, ROWS=0, num_warps=warps, **sizes)
+            CHUNKS_PER_STATE=chunks_per_state, ROWS=0, SEQUENCES=batch, CHUNK_SLOTS=chunk_slots,
+            num_warps=warps, **sizes)
 
     forward(4)
     state_gradient(4)
@@ -90,10 +92,13 @@ def run(kernel_name, warps):
 
 
 def main():
-    if len(sys.argv) == 3:
+    if len(sys.argv) == 3 and sys.argv[1] != "--warps":
         return run(sys.argv[1], int(sys.argv[2]))
+    runs = RUNS
+    if len(sys.argv) == 3:
+        runs = [(kernel, int(sys.argv[2])) for kernel, _ in RUNS[::2]]
     rows = []
-    for kernel_name, warps in RUNS:
+    for kernel_name, warps in runs:
         done = subprocess.run([sys.executable, __file__, kernel_name, str(warps)],
                               capture_output=True, text=True)
         got = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]

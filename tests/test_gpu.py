@@ -24,7 +24,9 @@ def test_kernels_compiled_and_defaults_measured():
         assert backends.unavailable_reason(name, "gpu") is None, name
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "Triton kernels would be interpreted"
     assert backends.resolve("rwkv7", None)[0] == "triton"
-    assert backends.resolve("rwkv6", None)[0] == "ffi"
+    assert backends.resolve("rwkv6", None)[0] == "triton"
+    assert backends.resolve("gated_linear_attention", None)[0] == "triton"
+    assert backends.resolve("rwkv6_step", None)[0] == "ffi"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -70,6 +70,18 @@ class Case:
     dtype: str = "float32"
     cu_seqlens: tuple = ()
     config: dict = dataclasses.field(default_factory=dict)  # KernelConfig fields to override
+    hard: str = ""  # log decays past the reference's kinds (HARD_DECAYS)
+
+
+# Log decays the chunked kernels must survive exactly (rows: [B, T, H, K]).
+HARD_DECAYS = {
+    "uniform down to -1e3": lambda rng, w: rng.uniform(-1e3, 0.0, w.shape),
+    "-1e9 and -inf tokens": lambda rng, w: np.where(
+        np.isin(np.arange(w.shape[1]), [5, 21])[None, :, None, None],
+        np.where(np.arange(w.shape[1]) == 5, -1e9, -np.inf)[None, :, None, None], w),
+    "every third -1e9": lambda rng, w: np.where(
+        (np.arange(w.shape[1]) % 3 == 0)[None, :, None, None], -1e9, w),
+}
 
 
 def check(case, seed):
@@ -80,6 +92,8 @@ def check(case, seed):
         "rwkv7", rng, batch=case.batch, steps=case.steps, heads=case.heads, key=case.key,
         value=case.value, decay=case.decay,
         state_rows=len(case.cu_seqlens) - 1 if packed else None)
+    if case.hard:
+        drawn["w"] = HARD_DECAYS[case.hard](rng, drawn["w"])
     x = {n: jnp.asarray(a, jnp.float32 if n == "initial_state" else case.dtype)
          for n, a in drawn.items()}
     x64 = {n: np.asarray(a, np.float64) for n, a in x.items()}
@@ -139,6 +153,29 @@ def test_saved_state_spacing(chunks_per_state):
 @pytest.mark.parametrize("decay", ["strong", "zero"])
 def test_decay_extremes_across_chunks(decay):
     check(Case(steps=40, decay=decay, config=SHORT_SPANS), seed=len(decay))
+
+
+@pytest.mark.parametrize("hard", sorted(HARD_DECAYS))
+def test_every_decay(hard):
+    """Exact and finite for log decays far below the model's range (the exact path)."""
+    check(Case(steps=40, hard=hard, config=SHORT_SPANS), seed=len(hard))
+
+
+@pytest.mark.parametrize("decay, hard, tame", [("model", "", True), ("strong", "", False),
+                                               ("model", "every third -1e9", False)])
+def test_path_per_call(decay, hard, tame):
+    """Model-range log decays take the tame path, strong ones the exact one; both match the
+    float64 reference (the tame path also when forced onto the exact one)."""
+    rng = np.random.default_rng(3)
+    w = reference.random_inputs("rwkv7", rng, batch=1, steps=40, heads=1, key=16, value=16,
+                                decay=decay)["w"]
+    if hard:
+        w = HARD_DECAYS[hard](rng, w)
+    assert bool(jax.jit(triton_backend.tame_path)(jnp.asarray(w, jnp.float32))) is tame
+    case = Case(steps=40, decay=decay, hard=hard, config=SHORT_SPANS)
+    check(case, seed=3)
+    if tame:
+        check(dataclasses.replace(case, config=dict(SHORT_SPANS, tame=False)), seed=3)
 
 
 def test_packed_sequences_with_initial_states_bfloat16():

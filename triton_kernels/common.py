@@ -82,3 +82,22 @@ def program(sequence, head, v_block, cu_ptr, HEADS: tl.constexpr, K: tl.constexp
     end = tl.load(cu_ptr + sequence + 1).to(tl.int64)
     return (v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end,
             (end - start + C - 1) // C)
+
+
+# ---------------------------------------------------------------------------------------------
+# Added for the RWKV-7 kernels (bounds that hold whatever a traced array holds).
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def clamped_rows(start, end, TOTAL_ROWS: tl.constexpr, C: tl.constexpr):
+    """A sequence's rows [start, end) clamped into [0, TOTAL_ROWS] with end >= start, and its
+    chunk count: invalid offsets read and write nothing out of bounds."""
+    start = tl.minimum(tl.maximum(start, 0), TOTAL_ROWS)
+    end = tl.minimum(tl.maximum(end, start), TOTAL_ROWS)
+    return start, end, (end - start + C - 1) // C
+
+
+@triton.jit
+def clamped(index, COUNT: tl.constexpr):
+    """An index into a buffer of COUNT entries, clamped into it."""
+    return tl.minimum(tl.maximum(index, 0), COUNT - 1)

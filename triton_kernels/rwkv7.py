@@ -14,9 +14,21 @@ decayed rows  a~ = a e^ge,  q~ = q e^gi,  k^ = k e^(g - gi),  b^ = b e^(g - gi):
     O  = q~ H + A_qk V + A_qb U
     H' = e^g H + k^T V + b^T U
 
-Every exponent is a difference of log decays inside one chunk: the factors of the A matrices
-are taken relative to the chunk's middle (so each stays within e^(C/2 * |w|), and C = 16 keeps
-that finite for w down to about -10), the others are at most 1.
+Every exponent is a difference of cumulative log decays inside one chunk, and every factor
+is at most 1 whatever the decays, so nothing overflows and underflow is harmless: log decays
+are raised to FLOOR (-128, where e^w is 0 in float32; the gradient of a raised element is 0)
+on load, the factors against the state are e^gi, e^ge, e^(g - gi) <= 1, and the A matrices are
+built level by level (``_level``): at level S the chunk is cut into segments of S steps and
+rows t of each odd segment meet columns i of the even segment just before it, with the factor
+split at the boundary b between them, e^(G_t - gi_b) * e^(gi_b - gi_i), each <= 1. Levels
+S = C/2, C/4, ..., 1 cover every pair i < t once; the diagonal (i = t) has no factor.
+
+Every kernel is compiled twice, on the constexpr TAME. TAME=True is for calls whose every
+chunk is tame, its log decays summing to at least -16 in every column (the caller decides on
+the device, for the whole call: every log decay >= -16 / C, which model-range decays always
+are): one product per A matrix, its factors referenced to the chunk's middle and so within
+e^(+-16) (``_middle``). TAME=False builds them level by level, exact for every decay. One
+compiled path per kernel keeps the tame one's registers those of a kernel without the other.
 
 Three kernels, so that only the two recurrences are sequential:
 
@@ -47,7 +59,7 @@ which keeps registers free and loads and stores vectorised.
 import triton
 import triton.language as tl
 
-from .common import chunk_tiles, in_range, program, row_bases, rows, state_offsets
+from .common import clamped, clamped_rows, program, row_bases, rows, state_offsets
 
 
 @triton.jit
@@ -65,34 +77,103 @@ def _inverse_unit_lower(lower, C: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _decays(w, AXIS: tl.constexpr, C: tl.constexpr):
-    """Inclusive and exclusive cumulative log decays of a chunk whose steps run along AXIS,
-    its total and its middle (the reference of the A matrices' factors)."""
-    index = tl.arange(0, C)
+def _log_decays(w_ptr, base, tile, mask, FLOOR: tl.constexpr):
+    """A chunk's log decays, raised to FLOOR (e^FLOOR is 0 in float32: no result changes, and
+    cumulative sums stay finite and precise, with no -inf - -inf)."""
+    return tl.maximum(rows(w_ptr, base, tile, mask), FLOOR)
+
+
+@triton.jit
+def _decays(w, AXIS: tl.constexpr):
+    """Inclusive and exclusive cumulative log decays of a chunk whose steps run along AXIS, its
+    total g, and g - gi (summed from the end, not subtracted: precise where gi is large)."""
     gi = tl.cumsum(w, axis=AXIS)
+    return gi, gi - w, tl.sum(w, axis=AXIS), tl.cumsum(w, axis=AXIS, reverse=True) - w
+
+
+@triton.jit
+def _level(w, S: tl.constexpr, AXIS: tl.constexpr, C: tl.constexpr):
+    """Level S of the A matrices' factors (module docstring): rows t of each odd segment of S
+    steps meet columns i of the even segment before it. Returns e^(gi_t - gi_b) and
+    e^(ge_t - gi_b) (rows) and e^(gi_b - gi_i) (columns), all <= 1 (sums of log decays within
+    a segment, never differences of large cumulative sums), and keep[t, i] for those pairs."""
     if AXIS == 0:
-        middle = tl.sum(tl.where(index[:, None] == C // 2 - 1, gi, 0.0), axis=0)[None, :]
+        segments = tl.reshape(w, [C // S, S, w.shape[1]])
+        inclusive = tl.reshape(tl.cumsum(segments, axis=1), w.shape)
+        after = tl.reshape(tl.cumsum(segments, axis=1, reverse=True), w.shape) - w
     else:
-        middle = tl.sum(tl.where(index[None, :] == C // 2 - 1, gi, 0.0), axis=1)[:, None]
-    return gi, gi - w, tl.sum(w, axis=AXIS), middle
+        segments = tl.reshape(w, [w.shape[0], C // S, S])
+        inclusive = tl.reshape(tl.cumsum(segments, axis=2), w.shape)
+        after = tl.reshape(tl.cumsum(segments, axis=2, reverse=True), w.shape) - w
+    segment = tl.arange(0, C) // S
+    keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
+    return tl.exp(inclusive), tl.exp(inclusive - w), tl.exp(after), keep
 
 
 @triton.jit
-def _lower(x, y, STRICT: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
-    """x y^T, keeping the entries below the diagonal (and on it unless STRICT)."""
+def _diagonal(values, C: tl.constexpr):
+    """A [C, C] tile with ``values`` ([C]) on its diagonal."""
     index = tl.arange(0, C)
-    if STRICT:
-        keep = index[:, None] > index[None, :]
-    else:
-        keep = index[:, None] >= index[None, :]
-    # tl.where, not a multiplication: the entries dropped may have overflowed to inf.
-    return tl.where(keep, tl.dot(x, tl.trans(y), input_precision=PRECISION), 0.0)
+    return tl.where(index[:, None] == index[None, :], values[:, None], 0.0)
 
 
 @triton.jit
-def _advance(h, k, b, v, u, gi, g_end, PRECISION: tl.constexpr):
-    """H' = e^g H + k^T V + b^T U."""
-    to_end = tl.exp(g_end[None, :] - gi)
+def _middle(gi, AXIS: tl.constexpr, C: tl.constexpr):
+    """The reference m of a tame chunk's factors (module docstring), its middle's cumulative
+    log decays: e^(gi_t - m), e^(ge_t - m) (rows) and e^(m - gi_i) (columns) are each within
+    e^(+-16)."""
+    index = tl.arange(0, C)
+    if AXIS == 0:
+        return tl.sum(tl.where(index[:, None] == C // 2 - 1, gi, 0.0), axis=0)[None, :]
+    else:
+        return tl.sum(tl.where(index[None, :] == C // 2 - 1, gi, 0.0), axis=1)[:, None]
+
+
+@triton.jit
+def _in_chunk(q, k, a, b, w, TAME: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """The A matrices of a chunk from [C, *] tiles: A_qk, A_qb (i <= t, factor e^(gi_t - gi_i))
+    and A_ak, A_ab (i < t, factor e^(ge_t - gi_i)); with the factors of a tame chunk
+    (``_middle``) if TAME, else level by level (``_level``). Those a kernel does not use are
+    not computed (dead code)."""
+    index = tl.arange(0, C)
+    if not TAME:
+        A_qk = _diagonal(tl.sum(q * k, axis=1), C)
+        A_qb = _diagonal(tl.sum(q * b, axis=1), C)
+        A_ak = tl.zeros([C, C], tl.float32)
+        A_ab = tl.zeros([C, C], tl.float32)
+        for level in tl.static_range(LEVELS):
+            row, row_strict, column, keep = _level(w, C >> (level + 1), 0, C)
+            q_f = q * row
+            a_f = a * row_strict
+            k_f = tl.trans(k * column)
+            b_f = tl.trans(b * column)
+            A_qk += tl.where(keep, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
+            A_qb += tl.where(keep, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0)
+            A_ak += tl.where(keep, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
+            A_ab += tl.where(keep, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
+    else:
+        gi = tl.cumsum(w, axis=0)
+        middle = _middle(gi, 0, C)
+        q_f = q * tl.exp(gi - middle)
+        a_f = a * tl.exp(gi - w - middle)
+        column = tl.exp(middle - gi)
+        k_f = tl.trans(k * column)
+        b_f = tl.trans(b * column)
+        # tl.where, not a multiplication: the entries dropped (i > t) are no factors of the
+        # math and may be large (up to e^16).
+        lower = index[:, None] >= index[None, :]
+        strict = index[:, None] > index[None, :]
+        A_qk = tl.where(lower, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
+        A_qb = tl.where(lower, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0)
+        A_ak = tl.where(strict, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
+        A_ab = tl.where(strict, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
+    return A_qk, A_qb, A_ak, A_ab
+
+
+@triton.jit
+def _advance(h, k, b, v, u, to_end, g_end, PRECISION: tl.constexpr):
+    """H' = e^g H + k^T V + b^T U (to_end: e^(g - gi))."""
     h = tl.dot(tl.trans(k * to_end), v, tl.exp(g_end)[:, None] * h, input_precision=PRECISION)
     return tl.dot(tl.trans(b * to_end), u, h, input_precision=PRECISION)
 
@@ -102,16 +183,20 @@ def rwkv7_forward_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, h0_ptr, cu_ptr, state_index_ptr,  # inputs
     o_ptr, ht_ptr, states_ptr, u_ptr,                                           # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
-    SAVE: tl.constexpr, PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    STATE_SLOTS: tl.constexpr,
+    CHUNKS_PER_STATE: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
+    INVERSE_PRECISION: tl.constexpr,
 ):
     """Grid (sequences * HEADS, V blocks). o [rows, HEADS, V]; ht [N, HEADS, K, V] float32;
-    if SAVE: states [slots, HEADS, K, V] float32, the state at the start of every span, and
-    u [rows, HEADS, V] float32."""
+    if SAVE: states [STATE_SLOTS, HEADS, K, V] float32, the state at the start of every span,
+    and u [rows, HEADS, V] float32."""
     sequence = tl.program_id(0) // HEADS
     head = tl.program_id(0) % HEADS
     v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
         sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, False)
+    start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
     local = state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
     first_slot = tl.load(state_index_ptr + sequence)
     h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
@@ -119,35 +204,30 @@ def rwkv7_forward_kernel(
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
         if SAVE:
             if c % CHUNKS_PER_STATE == 0:
-                saved = state_offsets(first_slot + c // CHUNKS_PER_STATE, head, HEADS, K, V,
-                                       BK, v_cols)
-                tl.store(states_ptr + saved, h, mask=state_mask)
+                slot = clamped(first_slot + c // CHUNKS_PER_STATE, STATE_SLOTS)
+                tl.store(states_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols), h,
+                         mask=state_mask)
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, False)
         q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        w = rows(w_ptr, k_base, k_tile, k_in)
+        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
         k = rows(k_ptr, k_base, k_tile, k_in)
         a = rows(a_ptr, k_base, k_tile, k_in)
         b = rows(b_ptr, k_base, k_tile, k_in)
         v = rows(v_ptr, v_base, v_tile, v_in)
-        gi, ge, g_end, middle = _decays(w, 0, C)
-        a_f = a * tl.exp(ge - middle)
-        q_f = q * tl.exp(gi - middle)
-        to_middle = tl.exp(middle - gi)
-        b_f = b * to_middle
-        k_f = k * to_middle
-        inverse = _inverse_unit_lower(_lower(a_f, b_f, True, C, PRECISION), C, INVERSE_PRECISION)
-        x = tl.dot(a * tl.exp(ge), h, tl.dot(_lower(a_f, k_f, True, C, PRECISION), v,
-                                             input_precision=PRECISION),
+        gi, ge, g_end, to_end = _decays(w, 0)
+        A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, TAME, C, LEVELS, PRECISION)
+        inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
+        x = tl.dot(a * tl.exp(ge), h, tl.dot(A_ak, v, input_precision=PRECISION),
                    input_precision=PRECISION)
         u = tl.dot(inverse, x, input_precision=PRECISION)
         if SAVE:
             tl.store(u_ptr + v_base + v_tile, u, mask=v_in)
         o = tl.dot(q * tl.exp(gi), h, input_precision=PRECISION)
-        o = tl.dot(_lower(q_f, k_f, False, C, PRECISION), v, o, input_precision=PRECISION)
-        o = tl.dot(_lower(q_f, b_f, False, C, PRECISION), u, o, input_precision=PRECISION)
+        o = tl.dot(A_qk, v, o, input_precision=PRECISION)
+        o = tl.dot(A_qb, u, o, input_precision=PRECISION)
         tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
-        h = _advance(h, k, b, v, u, gi, g_end, PRECISION)
+        h = _advance(h, k, b, v, u, tl.exp(to_end), g_end, PRECISION)
         c += 1
     tl.store(ht_ptr + local, h, mask=state_mask)
 
@@ -157,36 +237,37 @@ def rwkv7_state_gradient_kernel(
     r_ptr, w_ptr, a_ptr, b_ptr, do_ptr, dht_ptr, cu_ptr, chunk_index_ptr,  # inputs
     dh0_ptr, dstates_ptr, dx_ptr,                                         # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr,
-    INVERSE_PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    CHUNK_SLOTS: tl.constexpr,
+    PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
 ):
-    """Grid as the forward's. dh0 [N, HEADS, K, V] float32; dstates [chunk slots, HEADS, K, V]
+    """Grid as the forward's. dh0 [N, HEADS, K, V] float32; dstates [CHUNK_SLOTS, HEADS, K, V]
     float32: the gradient of the state at the end of every chunk; dx [rows, HEADS, V] float32."""
     sequence = tl.program_id(0) // HEADS
     head = tl.program_id(0) % HEADS
     v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
         sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, False)
+    start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
     local = state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
     first_slot = tl.load(chunk_index_ptr + sequence)
     dh = tl.load(dht_ptr + local, mask=state_mask, other=0.0)
     c = chunks - 1
     while c >= 0:
-        saved = state_offsets(first_slot + c, head, HEADS, K, V, BK, v_cols)
+        saved = state_offsets(clamped(first_slot + c, CHUNK_SLOTS), head, HEADS, K, V, BK, v_cols)
         tl.store(dstates_ptr + saved, dh, mask=state_mask)
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, False)
         q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        w = rows(w_ptr, k_base, k_tile, k_in)
+        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
         a = rows(a_ptr, k_base, k_tile, k_in)
         b = rows(b_ptr, k_base, k_tile, k_in)
         do = rows(do_ptr, v_base, v_tile, v_in)
-        gi, ge, g_end, middle = _decays(w, 0, C)
-        to_middle = tl.exp(middle - gi)
-        a_f = a * tl.exp(ge - middle)
-        b_f = b * to_middle
-        inverse = _inverse_unit_lower(_lower(a_f, b_f, True, C, PRECISION), C, INVERSE_PRECISION)
-        A_qb = _lower(q * tl.exp(gi - middle), b_f, False, C, PRECISION)
-        du = tl.dot(b * tl.exp(g_end[None, :] - gi), dh,
+        gi, ge, g_end, to_end = _decays(w, 0)
+        # (k is not needed here: b stands in)
+        _, A_qb, _, A_ab = _in_chunk(q, b, a, b, w, TAME, C, LEVELS, PRECISION)
+        inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
+        du = tl.dot(b * tl.exp(to_end), dh,
                     tl.dot(tl.trans(A_qb), do, input_precision=PRECISION),
                     input_precision=PRECISION)
         dx = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
@@ -199,7 +280,7 @@ def rwkv7_state_gradient_kernel(
 
 
 @triton.jit
-def _transposed_lower(x, y, STRICT: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
+def _transposed_products(x, y, STRICT: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
     """x^T y for tiles held transposed ([*, C]), keeping the entries below the diagonal (and
     on it unless STRICT)."""
     index = tl.arange(0, C)
@@ -211,13 +292,51 @@ def _transposed_lower(x, y, STRICT: tl.constexpr, C: tl.constexpr, PRECISION: tl
 
 
 @triton.jit
+def _exact_in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, dq, da, dk, db,
+                              C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """dq, da, dk, db plus their terms through the four A matrices built level by level (as
+    ``_in_chunk`` builds them), from tiles held transposed ([K, C]) and the A matrices'
+    gradients (masked)."""
+    index = tl.arange(0, C)
+    diagonal = index[:, None] == index[None, :]
+    d_qk = tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :]
+    d_qb = tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :]
+    dq += d_qk * k + d_qb * b
+    dk += d_qk * q
+    db += d_qb * q
+    for level in tl.static_range(LEVELS):
+        row, row_strict, column, keep = _level(w, C >> (level + 1), 1, C)
+        q_f = q * row
+        a_f = a * row_strict
+        k_f = k * column
+        b_f = b * column
+        kept_qk = tl.where(keep, dA_qk, 0.0)
+        kept_qb = tl.where(keep, dA_qb, 0.0)
+        kept_ak = tl.where(keep, dA_ak, 0.0)
+        kept_ab = tl.where(keep, dA_ab, 0.0)
+        dq += row * tl.dot(k_f, tl.trans(kept_qk), tl.dot(b_f, tl.trans(kept_qb),
+                                                           input_precision=PRECISION),
+                           input_precision=PRECISION)
+        da += row_strict * tl.dot(k_f, tl.trans(kept_ak), tl.dot(
+            b_f, tl.trans(kept_ab), input_precision=PRECISION), input_precision=PRECISION)
+        dk += column * tl.dot(q_f, kept_qk, tl.dot(a_f, kept_ak, input_precision=PRECISION),
+                              input_precision=PRECISION)
+        db += column * tl.dot(q_f, kept_qb, tl.dot(a_f, kept_ab, input_precision=PRECISION),
+                              input_precision=PRECISION)
+    return dq, da, dk, db
+
+
+@triton.jit
 def rwkv7_backward_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, states_ptr, u_ptr, dstates_ptr, dx_ptr,
     cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,               # inputs
     dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr,                            # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
-    ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    SEQUENCES: tl.constexpr,
+    CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr, ROWS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Grid (span slots, HEADS, V blocks). dr, dw, dk, da, db: [rows, HEADS, K], or float32
     partial sums [V blocks, ROWS, HEADS, K] when ROWS > 0 (several V blocks); dv [rows, HEADS,
@@ -233,10 +352,11 @@ def rwkv7_backward_kernel(
     v_block = tl.program_id(2)
     sequence = tl.load(slot_sequence_ptr + slot)
     used = sequence >= 0
-    sequence = tl.maximum(sequence, 0)
+    sequence = clamped(sequence, SEQUENCES)
     v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
         sequence, head, v_block, cu_ptr, HEADS, K, V, BK, BV, C, True)
-    c = (slot - tl.load(state_index_ptr + sequence)) * CHUNKS_PER_STATE
+    start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
+    c = tl.maximum((slot - tl.load(state_index_ptr + sequence)) * CHUNKS_PER_STATE, 0)
     last = tl.where(used, tl.minimum(c + CHUNKS_PER_STATE, chunks), c)
     first_chunk_slot = tl.load(chunk_index_ptr + sequence)
     h = tl.load(states_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols),
@@ -249,53 +369,74 @@ def rwkv7_backward_kernel(
         u = rows(u_ptr, v_base, v_tile, v_in)
         dx = rows(dx_ptr, v_base, v_tile, v_in)
         # The A matrices' gradients: O = q~ H + A_qk V + A_qb U and X = A_ak V + a~ H.
-        dA_qk = _transposed_lower(do, v, False, C, PRECISION)
-        dA_qb = _transposed_lower(do, u, False, C, PRECISION)
-        dA_ak = _transposed_lower(dx, v, True, C, PRECISION)
-        dA_ab = _transposed_lower(dx, u, True, C, PRECISION)
+        dA_qk = _transposed_products(do, v, False, C, PRECISION)
+        dA_qb = _transposed_products(do, u, False, C, PRECISION)
+        dA_ak = _transposed_products(dx, v, True, C, PRECISION)
+        dA_ab = _transposed_products(dx, u, True, C, PRECISION)
         q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        w = rows(w_ptr, k_base, k_tile, k_in)
+        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
         k = rows(k_ptr, k_base, k_tile, k_in)
         a = rows(a_ptr, k_base, k_tile, k_in)
         b = rows(b_ptr, k_base, k_tile, k_in)
-        gi, ge, g_end, middle = _decays(w, 1, C)
-        to_middle = tl.exp(middle - gi)
-        to_end = tl.exp(g_end[:, None] - gi)
-        k_f = k * to_middle
-        q_f = q * tl.exp(gi - middle)
-        a_f = a * tl.exp(ge - middle)
-        # dV = k^ dH + A_qk^T dO + A_ak^T dX
-        dh = tl.load(dstates_ptr + state_offsets(first_chunk_slot + c, head, HEADS, K, V, BK,
-                                                  v_cols), mask=state_mask, other=0.0)
+        gi, ge, g_end, to_end = _decays(w, 1)
+        if TAME:  # no floored decay, |gi| <= 16: the plain difference is precise, fewer registers
+            to_end = g_end[:, None] - gi
+        to_end = tl.exp(to_end)
+        if TAME:  # the factored tiles of A_qk, A_ak, kept for the gradients below
+            middle = _middle(gi, 1, C)
+            column = tl.exp(middle - gi)
+            q_f = q * tl.exp(gi - middle)
+            a_f = a * tl.exp(ge - middle)
+            k_f = k * column
+        # dV = k^ dH + A_qk^T dO + A_ak^T dX, the A matrices built as the forward builds them
+        dh = tl.load(dstates_ptr + state_offsets(clamped(first_chunk_slot + c, CHUNK_SLOTS),
+                                                  head, HEADS, K, V, BK, v_cols),
+                     mask=state_mask, other=0.0)
         dv = tl.dot(tl.trans(dh), k * to_end, input_precision=PRECISION)
-        dv = tl.dot(do, _transposed_lower(q_f, k_f, False, C, PRECISION), dv,
-                    input_precision=PRECISION)
-        dv = tl.dot(dx, _transposed_lower(a_f, k_f, True, C, PRECISION), dv,
-                    input_precision=PRECISION)
+        if TAME:  # (products inside the dots: sm_90 spills 636 B, 700 with them formed first)
+            dv = tl.dot(do, _transposed_products(q_f, k_f, False, C, PRECISION), dv,
+                        input_precision=PRECISION)
+            dv = tl.dot(dx, _transposed_products(a_f, k_f, True, C, PRECISION), dv,
+                        input_precision=PRECISION)
+        else:  # ([C, K] tiles; k stands in for b, not needed)
+            A_qk, _, A_ak, _ = _in_chunk(tl.trans(q), tl.trans(k), tl.trans(a), tl.trans(k),
+                                         tl.trans(w), False, C, LEVELS, PRECISION)
+            dv = tl.dot(do, A_qk, dv, input_precision=PRECISION)
+            dv = tl.dot(dx, A_ak, dv, input_precision=PRECISION)
         tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
         # H' = e^g H + k^T V + b^T U, with k^ = k e^(g - gi), b^ = b e^(g - gi).
         dk_state = tl.dot(dh, v, input_precision=PRECISION) * to_end
         db_state = tl.dot(dh, u, input_precision=PRECISION) * to_end
         dg_end = tl.exp(g_end) * tl.sum(h * dh, axis=1) + tl.sum(dk_state * k + db_state * b,
                                                                   axis=1)
-        # The terms of q~ H and a~ H, then the A matrices' through their factors.
-        b_f = b * to_middle
-        dq = tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi) + tl.exp(gi - middle) * tl.dot(
-            k_f, tl.trans(dA_qk), tl.dot(b_f, tl.trans(dA_qb), input_precision=PRECISION),
-            input_precision=PRECISION)
-        da = tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge) + tl.exp(ge - middle) * tl.dot(
-            k_f, tl.trans(dA_ak), tl.dot(b_f, tl.trans(dA_ab), input_precision=PRECISION),
-            input_precision=PRECISION)
-        dk = dk_state + to_middle * tl.dot(
-            q_f, dA_qk, tl.dot(a_f, dA_ak, input_precision=PRECISION), input_precision=PRECISION)
-        db = db_state + to_middle * tl.dot(
-            q_f, dA_qb, tl.dot(a_f, dA_ab, input_precision=PRECISION), input_precision=PRECISION)
+        # The terms of q~ H and a~ H, and those through the four A matrices.
+        dq = tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi)
+        da = tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
+        if TAME:
+            b_f = b * column
+            dq += tl.exp(gi - middle) * tl.dot(k_f, tl.trans(dA_qk), tl.dot(
+                b_f, tl.trans(dA_qb), input_precision=PRECISION), input_precision=PRECISION)
+            da += tl.exp(ge - middle) * tl.dot(k_f, tl.trans(dA_ak), tl.dot(
+                b_f, tl.trans(dA_ab), input_precision=PRECISION), input_precision=PRECISION)
+            dk = dk_state + column * tl.dot(q_f, dA_qk, tl.dot(a_f, dA_ak,
+                                                                input_precision=PRECISION),
+                                            input_precision=PRECISION)
+            db = db_state + column * tl.dot(q_f, dA_qb, tl.dot(a_f, dA_ab,
+                                                                input_precision=PRECISION),
+                                            input_precision=PRECISION)
+        else:
+            dq, da, dk, db = _exact_in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab,
+                                                       dq, da, dk_state, db_state, C, LEVELS,
+                                                       PRECISION)
         # In a chunk q_t enters only as q_t e^gi_t, a_t as a_t e^ge_t, and k_i, b_i as
         # x_i e^-gi_i (the e^g of k^ and b^ is in dg_end): the gradients of gi and ge are
         # q dq - k dk - b db and a da. gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t, g = gi_C.
+        # A log decay raised to FLOOR has gradient 0.
         d_ge = a * da
         dw = (tl.cumsum(q * dq - k * dk - b * db + d_ge, axis=1, reverse=True) - d_ge
               + dg_end[:, None])
+        if not TAME:  # (a tame call has no decay below FLOOR)
+            dw = tl.where(rows(w_ptr, k_base, k_tile, k_in) < FLOOR, 0.0, dw)
         if ROWS > 0:  # several V blocks: this one's partial sums of the K-side gradients
             k_base += v_block.to(tl.int64) * (ROWS * HEADS * K)
         tl.store(dr_ptr + k_base + k_tile, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)

@@ -6,8 +6,13 @@ share one code path. The forward saves the state every ``CHUNK * chunks_per_stat
 each sequence (and U, see the kernels) for the backward, whose state-gradient pass saves dH
 at every chunk's end; where each sequence's entries start in these buffers is computed on the
 device from ``cu``, and the buffers have the static size ``rows // span + N`` (an upper bound
-over all length patterns): no host sync, no recompile per length pattern. Launches go through :mod:`rwkv_jax.backends._launch` (jax-triton on GPU,
-Triton's interpreter on CPU); :func:`rwkv7` is a ``jax.custom_vjp``.
+over all length patterns): no host sync, no recompile per length pattern. The kernels clamp
+every row and slot they derive from ``cu`` into these buffers (their sizes are compile-time
+constants), so no value of ``cu`` reads or writes out of bounds. Launches go through
+:mod:`rwkv_jax.backends._launch` (jax-triton on GPU, Triton's interpreter on CPU);
+:func:`rwkv7` is a ``jax.custom_vjp``. Exact for every log decay in [-inf, 0]: each kernel is
+compiled on two paths (TAME, see the kernels), and :func:`tame_path` picks one per call on the
+device (one read of w, ``lax.cond``: no host sync); the backward takes the forward's path.
 """
 
 from __future__ import annotations
@@ -17,13 +22,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from . import _launch
+from . import LOG_DECAY_FLOOR, _launch
 
 _kernels = _launch.kernels("rwkv7")
 
-CHUNK = 16  # tokens per chunk: exponents stay finite for w down to about -10
+CHUNK = 16  # tokens per chunk
+LEVELS = CHUNK.bit_length() - 1  # of the in-chunk factors (triton_kernels/rwkv7.py)
 MAX_HEAD_SIZE = 128
+# A chunk is tame when its log decays sum to at least -TAME_SUM in every column: its A matrices'
+# middle-referenced factors stay within e^(+-TAME_SUM) (the kernels' TAME path).
+TAME_SUM = 16.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +46,9 @@ class KernelConfig:
     # Of the (I - A_ab)^-1 products; None: "ieee" for float32 inputs (their contract), else
     # "tf32" (H100, bf16: 7% faster forward, error unchanged at two digits).
     inverse_precision: str | None = None
+    # Calls whose every log decay is >= -TAME_SUM / CHUNK take the kernels' tame path (one
+    # product per A matrix); False: every call level by level (exact for every decay either way).
+    tame: bool = True
 
 
 def _pow2_at_least(n, floor=16):
@@ -65,7 +78,7 @@ def _check_head_sizes(k_size, v_size):
                              f"(32, 64 and 128 are the tuned ones); got {name} = {size}")
 
 
-_SHAPES = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "PRECISION")  # every kernel's
+_SHAPES = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "LEVELS", "FLOOR", "PRECISION")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +99,7 @@ class _Static:
         """The kernels' compile-time arguments, those named."""
         every = dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
                      BK=_pow2_at_least(self.k_size), BV=self.config.block_v, C=CHUNK,
+                     LEVELS=LEVELS, FLOOR=LOG_DECAY_FLOOR,
                      CHUNKS_PER_STATE=self.config.chunks_per_state, PRECISION=self.precision,
                      INVERSE_PRECISION=self.config.inverse_precision or (
                          "ieee" if self.precision == "tf32x3" else "tf32"))
@@ -108,12 +122,27 @@ def _slot_count(rows, sequences, span):
     return rows // span + sequences
 
 
-def _forward(static, r, w, k, v, a, b, h0, cu, save):
+def tame_path(w):
+    """Whether a call with log decays ``w`` takes the kernels' tame path: every log decay at
+    least -TAME_SUM / CHUNK (model-range ones, >= -e^-0.5, always are) makes every chunk tame
+    whatever the chunk boundaries. A traced boolean: one read of w, on the device."""
+    return jnp.min(w, initial=0.0).astype(jnp.float32) * CHUNK >= -TAME_SUM
+
+
+def _on_path(static, tame, launch):
+    """launch(TAME) on the path ``tame`` picks, on the device: each path is its own compiled
+    kernel, so neither pays the other's registers."""
+    if not static.config.tame:
+        return launch(False)
+    return lax.cond(tame, lambda: launch(True), lambda: launch(False))
+
+
+def _forward(static, r, w, k, v, a, b, h0, cu, save, tame):
     rows = r.shape[0]
     sequences = cu.shape[0] - 1
     state_shape = (sequences, static.heads, static.k_size, static.v_size)
     saved = lambda shape: jax.ShapeDtypeStruct(shape if save else (1,), jnp.float32)
-    o, ht, states, u = _launch.launch(
+    o, ht, states, u = _on_path(static, tame, lambda TAME: _launch.launch(
         _kernels.rwkv7_forward_kernel,
         (r, w, k, v, a, b, h0, cu, _first_slots(cu, static.span)[1]),
         (jax.ShapeDtypeStruct((rows, static.heads, static.v_size), v.dtype),
@@ -121,26 +150,32 @@ def _forward(static, r, w, k, v, a, b, h0, cu, save):
          saved((_slot_count(rows, sequences, static.span),) + state_shape[1:]),
          saved((rows, static.heads, static.v_size))),
         static.grid(sequences), num_warps=static.config.forward_warps,
-        num_stages=static.config.stages, SAVE=save, **static.constexprs(*_SHAPES,
-                                                                        "CHUNKS_PER_STATE",
-                                                                        "INVERSE_PRECISION"))
+        num_stages=static.config.stages, SAVE=save, TOTAL_ROWS=rows,
+        STATE_SLOTS=_slot_count(rows, sequences, static.span) if save else 1,
+        TAME=TAME, **static.constexprs(*_SHAPES, "CHUNKS_PER_STATE", "INVERSE_PRECISION")))
     return o, ht, states, u
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rwkv7(static, r, w, k, v, a, b, h0, cu):
-    o, ht, _, _ = _forward(static, r, w, k, v, a, b, h0, cu, save=False)
+    o, ht, _, _ = _forward(static, r, w, k, v, a, b, h0, cu, False, tame_path(w))
     return o, ht
 
 
 def _rwkv7_fwd(static, r, w, k, v, a, b, h0, cu):
-    o, ht, states, u = _forward(static, r, w, k, v, a, b, h0, cu, save=True)
-    return (o, ht), (r, w, k, v, a, b, states, u, cu)
+    tame = tame_path(w)
+    o, ht, states, u = _forward(static, r, w, k, v, a, b, h0, cu, True, tame)
+    return (o, ht), (r, w, k, v, a, b, states, u, cu, tame)
 
 
 def _rwkv7_bwd(static, residuals, cotangents):
-    r, w, k, v, a, b, states, u, cu = residuals
-    do, dht = cotangents
+    r, w, k, v, a, b, states, u, cu, tame = residuals
+    return _on_path(static, tame, lambda TAME: _gradients(static, TAME, r, w, k, v, a, b,
+                                                          states, u, cu, *cotangents))
+
+
+def _gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dht):
+    """Both backward passes, on the forward's path."""
     do = do.astype(v.dtype)
     rows = r.shape[0]
     sequences = cu.shape[0] - 1
@@ -154,7 +189,9 @@ def _rwkv7_bwd(static, residuals, cotangents):
          jax.ShapeDtypeStruct((_slot_count(rows, sequences, CHUNK),) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((rows, static.heads, static.v_size), jnp.float32)),
         static.grid(sequences), num_warps=static.config.forward_warps,
-        num_stages=static.config.stages, **static.constexprs(*_SHAPES, "INVERSE_PRECISION"))
+        num_stages=static.config.stages, TOTAL_ROWS=rows,
+        CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK), TAME=TAME,
+        **static.constexprs(*_SHAPES, "INVERSE_PRECISION"))
     # 2. Every input gradient, one program per (span, head, V block), all at once.
     spans, state_index = _first_slots(cu, static.span)
     slots = _slot_count(rows, sequences, static.span)
@@ -180,7 +217,8 @@ def _rwkv7_bwd(static, residuals, cotangents):
         (slots, static.heads, v_blocks), num_warps=static.config.backward_warps,
         num_stages=static.config.stages,
         ROWS=rows if v_blocks > 1 else 0,  # (0: one V block; no recompile per length)
-        **static.constexprs(*_SHAPES, "CHUNKS_PER_STATE"))
+        TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
+        TAME=TAME, **static.constexprs(*_SHAPES, "CHUNKS_PER_STATE"))
     return (reduce(dr, r), reduce(dw, w), reduce(dk, k), dv, reduce(da, a), reduce(db, b), dh0,
             None)
 
