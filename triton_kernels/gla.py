@@ -94,6 +94,20 @@ def _log_gate(ptr, off, mask, HAS: tl.constexpr, FLOOR: tl.constexpr, C: tl.cons
 
 
 @triton.jit
+def _shifted_add(sum_a, last_a, sum_b, last_b):
+    return sum_a + last_a + sum_b, last_b
+
+
+@triton.jit
+def _exclusive_cumsum(x, REVERSE: tl.constexpr):
+    """Sums of the rows before each row (after it if REVERSE), each formed without its own row:
+    an inclusive sum minus the row would cancel to rounding where the row is large and the sum
+    small (a strong gate's gradient next to a factor e^0)."""
+    before, _ = tl.associative_scan((tl.zeros_like(x), x), 0, _shifted_add, reverse=REVERSE)
+    return before
+
+
+@triton.jit
 def _pair_mask(STRICT: tl.constexpr, C: tl.constexpr):
     t = tl.arange(0, C)
     if STRICT:
@@ -300,17 +314,21 @@ def gla_backward_kernel(
         dq = (tl.sum(pairs * k[None, :, :], axis=1)
               + tl.dot(do_read, tl.trans(h), input_precision=PRECISION) * tl.exp(R))
         dk = tl.sum(pairs * q[:, None, :], axis=0)
-        # A log gate z of a factor x = y e^z has dz = x dx: dR = q dq, dA = -k dk, and
-        # k_end's exponent A_end - A_i = a_{i+1} + ... : a forward exclusive sum (not A_end
-        # minus a reverse one, which would cancel to rounding).
-        d_read = q * dq
+        # A log gate z of a factor x = y e^z has dz = x dx: dR = q dq and dA = -k dk, summed
+        # in reverse over the chunk; RWKV-6's R_t = A_t - a_t takes the sum after t, and
+        # k_end's exponent A_end - A_i = a_{i+1} + ... the sum before i. Those exclusive sums
+        # are formed directly: an inclusive sum minus the own term would cancel to rounding
+        # where that term has a factor near e^0, which swamps a strong gate's gradient (and
+        # g_gamma's sum of them).
+        if BONUS:
+            da = _exclusive_cumsum(q * dq, True) - tl.cumsum(k * dk, axis=0, reverse=True)
+        else:
+            da = tl.cumsum(q * dq - k * dk, axis=0, reverse=True)
         d_to_end = k * dk_state
-        da = (tl.cumsum(d_read - k * dk, axis=0, reverse=True) + tl.cumsum(d_to_end, axis=0)
-              - d_to_end + tl.sum(decayed_h_dh, axis=1)[None, :])
+        da += _exclusive_cumsum(d_to_end, False) + tl.sum(decayed_h_dh, axis=1)[None, :]
         dq += tl.dot(d_constant, k, input_precision=PRECISION)
         dk += dk_state + tl.dot(tl.trans(d_constant), q, input_precision=PRECISION)
-        if BONUS:  # R_t = A_t - a_t: R's sum is exclusive
-            da -= d_read
+        if BONUS:
             d_bonus = tl.sum(tl.where(diagonal, d_scores, 0.0), axis=1)[:, None]
             dq += d_bonus * u[None, :] * k
             dk += d_bonus * u[None, :] * q
@@ -319,8 +337,8 @@ def gla_backward_kernel(
         if HAS_B:
             dv_state = dv_state * tl.exp(B_end[None, :] - B)
             d_to_end = v * dv_state
-            db = (tl.cumsum(do * o - v * dv, axis=0, reverse=True) + tl.cumsum(d_to_end, axis=0)
-                  - d_to_end + tl.sum(decayed_h_dh, axis=0)[None, :])
+            db = (tl.cumsum(do * o - v * dv, axis=0, reverse=True)
+                  + _exclusive_cumsum(d_to_end, False) + tl.sum(decayed_h_dh, axis=0)[None, :])
             tl.store(db_ptr + v_off, tl.where(b_kept, db, 0.0), mask=v_in)
             dv += dv_state + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * do
         else:
