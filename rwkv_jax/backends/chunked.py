@@ -63,8 +63,8 @@ def _acc(*xs):
 
 # ------------------------------------------------------------------------------------------
 # Intra-chunk pieces. Arrays are [L, C, D]: one chunk of C tokens for each of L = B * H rows.
-# Every contraction has exactly one batch dimension: XLA:CPU 0.10.2 crashes (segfault) running
-# the gradient of a dot_general whose several batch dimensions include one of size 1.
+# No intermediate, gradients included, has rank 7: XLA:CPU 0.10.2 segfaults running a rank-7
+# multiply-reduce with a size-1 axis (B = H = 1) in its YNNPACK fusion (jax-ml/jax#40412).
 # ------------------------------------------------------------------------------------------
 
 
@@ -141,10 +141,10 @@ def _decay_to_end(log_decay):
 def _block_diagonal(blocks, n):
     """[..., L * n, sub, sub] -> [..., L, C, C] with the blocks on the diagonal."""
     *lead, rows_n, sub, _ = blocks.shape
-    rows = rows_n // n
-    blocks = blocks.reshape(*lead, rows, n, sub, 1, sub)
+    # Leading axes merged, so that the gradient stays below rank 7 (see above).
+    blocks = blocks.reshape(-1, n, sub, 1, sub)
     eye = jnp.eye(n, dtype=blocks.dtype)[:, None, :, None]                          # [n, 1, n, 1]
-    return (blocks * eye).reshape(*lead, rows, n * sub, n * sub)
+    return (blocks * eye).reshape(*lead, rows_n // n, n * sub, n * sub)
 
 
 def _diagonal_blocks(matrix, sub):
