@@ -67,6 +67,8 @@ def _sequence_cases(op, extra_inputs):
         "head_first": Case(op, base, dict(head_first=True)),
         "scale": Case(op, base, dict(scale=0.37)),
         "k32_v16": Case(op, dict(base, key=32, value=16)),
+        # Size-1 batch and head axes (a rank-7 gradient with a unit axis crashed XLA:CPU).
+        "batch1_heads1": Case(op, dict(base, batch=1, heads=1)),
         "bfloat16": Case(op, base, dtype="bfloat16"),
         "float16": Case(op, base, dtype="float16"),
         "strong_decay": Case(op, dict(base, decay="strong")),

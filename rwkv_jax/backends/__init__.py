@@ -244,7 +244,7 @@ register("native", "rwkv_jax.backends.native",
          forward_mode_ad=True)
 register("chunked", "rwkv_jax.backends.chunked",
          "chunked WY/UT-transform algorithm in jax.numpy", lambda p: None,
-         float32_tolerance=(2e-3, 2e-3))
+         float32_tolerance=(2e-3, 2e-3), forward_mode_ad=True)
 register("triton", "rwkv_jax.backends.triton",
          "chunked Triton kernels (jax-triton on GPU, Triton's interpreter on CPU)",
          lambda p: importlib.import_module("rwkv_jax.backends._launch").unavailable_reason(p),

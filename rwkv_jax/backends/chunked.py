@@ -36,10 +36,11 @@ pattern, so nothing recompiles); padding tokens are inert (zero key, value, a, b
 decay), chunks that start a segment load that segment's initial state, and final states are
 gathered at segment ends.
 
-Gradients are JAX autodiff of this code (the triangular inverse has its own VJP). The scan step
-is checkpointed: the backward stores one state per chunk and recomputes that chunk's pieces,
-never one state per step. Exponents that are identically zero are the constant 1, so that the
-log-decay gradients stay exact to rounding under strong decays (see ``_pairwise_decay``).
+Gradients are JAX autodiff of this code, reverse or forward mode (the triangular inverse has
+its own JVP). The scan step is checkpointed: the backward stores one state per chunk and
+recomputes that chunk's pieces, never one state per step. Exponents that are identically zero
+are the constant 1, so that the log-decay gradients stay exact to rounding under strong decays
+(see ``_pairwise_decay``).
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def _acc(*xs):
 
 # ------------------------------------------------------------------------------------------
 # Intra-chunk pieces. Arrays are [L, C, D]: one chunk of C tokens for each of L = B * H rows.
-# Every contraction has exactly one batch dimension: XLA:CPU 0.10.2 crashes (segfault) running
-# the gradient of a dot_general whose several batch dimensions include one of size 1.
+# No intermediate, gradients included, has rank 7: XLA:CPU 0.10.2 segfaults running a rank-7
+# multiply-reduce with a size-1 axis (B = H = 1) in its YNNPACK fusion (jax-ml/jax#40412).
 # ------------------------------------------------------------------------------------------
 
 
@@ -141,10 +142,10 @@ def _decay_to_end(log_decay):
 def _block_diagonal(blocks, n):
     """[..., L * n, sub, sub] -> [..., L, C, C] with the blocks on the diagonal."""
     *lead, rows_n, sub, _ = blocks.shape
-    rows = rows_n // n
-    blocks = blocks.reshape(*lead, rows, n, sub, 1, sub)
+    # Leading axes merged, so that the gradient stays below rank 7 (see above).
+    blocks = blocks.reshape(-1, n, sub, 1, sub)
     eye = jnp.eye(n, dtype=blocks.dtype)[:, None, :, None]                          # [n, 1, n, 1]
-    return (blocks * eye).reshape(*lead, rows, n * sub, n * sub)
+    return (blocks * eye).reshape(*lead, rows_n // n, n * sub, n * sub)
 
 
 def _diagonal_blocks(matrix, sub):
@@ -201,7 +202,7 @@ def _decayed_mix(scores, values, g_values, sub):
     return out.reshape(values.shape)
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _unit_lower_inverse(a):
     """``(I - a)^{-1}`` for strictly lower-triangular ``a`` [L, C, C]: forward substitution
     on the diagonal blocks of ``SUB_CHUNK`` rows, then blocks merged pairwise,
@@ -224,18 +225,13 @@ def _unit_lower_inverse(a):
     return inverse.reshape(count, chunk, chunk)
 
 
-def _unit_lower_inverse_forward(a):
+@_unit_lower_inverse.defjvp
+def _unit_lower_inverse_jvp(primals, tangents):
+    # d(I - a)^{-1} = T da T, da on a's strictly lower support. Linear in da, so reverse mode
+    # transposes it (da = tril(T^T dT T^T, -1)) and forward mode (jvp, hessian) works too.
+    (a,), (d_a,) = primals, tangents
     inverse = _unit_lower_inverse(a)
-    return inverse, inverse
-
-
-def _unit_lower_inverse_backward(inverse, d_inverse):
-    # d(I - a)^{-1} = T da T, so da = T^T dT T^T, kept on a's strictly lower support.
-    d_a = _transpose(inverse) @ d_inverse @ _transpose(inverse)
-    return (jnp.tril(d_a, -1),)
-
-
-_unit_lower_inverse.defvjp(_unit_lower_inverse_forward, _unit_lower_inverse_backward)
+    return inverse, inverse @ jnp.tril(d_a, -1) @ inverse
 
 
 class _Chunks(NamedTuple):
