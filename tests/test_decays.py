@@ -98,3 +98,18 @@ def test_reference_at_minus_infinity_matches_minus_1e9():
         spikes = (grads_inf["g_gamma"][0] if "g_gamma" in grads_inf else
                   grads_inf["gk" if "gk" in grads_inf else "w"][:, list(reference.SPIKE_TOKENS)])
         assert np.all(spikes == 0), variant
+
+
+@pytest.mark.parametrize("op", ["gated_linear_attention"])
+def test_summed_gate_gradient_at_model_head_size(backend, op):
+    """g_gamma's gradient sums every gate gradient of its head: under strong gates it is tiny
+    (here ~1e-7) beside terms of order 1, so a chunked kernel must form each in-chunk sum
+    without cancellation. K = 64, where such terms add up (triton once failed here: 0.23)."""
+    variant = "gla_g_gamma"
+    run = None
+    for decay in ("uniform_20", "uniform_50"):
+        op_name, inputs, options = OPS[variant]
+        case = Case(op_name, dict(inputs, batch=1, steps=STEPS, key=64, decay=DECAYS[decay]),
+                    options, "float32")
+        run = run or forward_and_gradients(case, backend)
+        check_case(backend, case, _seed(variant, decay, "k64"), run)
