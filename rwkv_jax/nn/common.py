@@ -100,6 +100,12 @@ class Step:
         else:
             state_indices = checks.shaped("state_indices", state_indices, ("B",),
                                           {"B": (batch, "tokens")}, kind=checks.integer)
+            # Known values are checked before the int32 cast (an int64 2**32 + 1 must not wrap
+            # to slot 1); the step ops check them against the pool's size.
+            values = checks.host_values(state_indices)
+            if values is not None and np.any((values < 0) | (values > np.iinfo(np.int32).max)):
+                raise ValueError(f"state_indices must be pool rows in [0, 2**31), got "
+                                 f"{values.tolist()}")
             state_indices = jnp.asarray(state_indices, jnp.int32)
         self.indices = state_indices
         self.backend = backend
