@@ -109,12 +109,32 @@ class _Static:
         return (sequences * self.heads, -(-self.v_size // self.config.block_v))
 
 
+def _sequences(batch, steps, cu_seqlens, initial_state, state_shape):
+    """The kernels' list of sequences ``cu`` (``cu_seqlens``, or ``arange(B + 1) * T`` for a plain
+    batch) and the float32 initial state of each (zeros when None)."""
+    if cu_seqlens is None:
+        cu = jnp.arange(batch + 1, dtype=jnp.int32) * steps
+    else:
+        cu = cu_seqlens.astype(jnp.int32)
+    if initial_state is None:
+        return cu, jnp.zeros((cu.shape[0] - 1,) + state_shape, jnp.float32)
+    return cu, initial_state.astype(jnp.float32)
+
+
 def _first_slots(cu, span):
     """Spans of ``span`` tokens of each sequence (the last may be partial), and the first slot
     of each sequence in a buffer of one entry per span."""
     spans = (cu[1:] - cu[:-1] + span - 1) // span
     return spans, jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(spans)[:-1]]).astype(
         jnp.int32)
+
+
+def _slot_sequences(spans, first_slot, slots):
+    """The sequence of each of ``slots`` span slots, -1 past the last span (the buffers have a
+    static size). A sequence of no span shares its first slot with the next: 'right' skips it."""
+    slot = jnp.arange(slots, dtype=jnp.int32)
+    sequence = jnp.searchsorted(first_slot, slot, side="right").astype(jnp.int32) - 1
+    return jnp.where(slot < spans.sum(), sequence, -1)
 
 
 def _slot_count(rows, sequences, span):
@@ -195,10 +215,7 @@ def _gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dht):
     # 2. Every input gradient, one program per (span, head, V block), all at once.
     spans, state_index = _first_slots(cu, static.span)
     slots = _slot_count(rows, sequences, static.span)
-    slot = jnp.arange(slots, dtype=jnp.int32)
-    # A sequence of no span shares its first slot with the next: 'right' skips it.
-    slot_sequence = jnp.searchsorted(state_index, slot, side="right").astype(jnp.int32) - 1
-    slot_sequence = jnp.where(slot < spans.sum(), slot_sequence, -1)
+    slot_sequence = _slot_sequences(spans, state_index, slots)
     v_blocks = static.grid(sequences)[1]
     # K-side gradients sum over V: with several V blocks each writes a float32 partial sum.
     if v_blocks == 1:
@@ -234,14 +251,9 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     # tf32 alone (10-bit mantissa) would miss the float32 contract; split products recover it.
     precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
     static = _Static(float(scale), heads, k_size, v_size, config, "tf32x3" if precise else "tf32")
-    if cu_seqlens is None:
-        cu = jnp.arange(batch + 1, dtype=jnp.int32) * steps
-    else:
-        cu = cu_seqlens.astype(jnp.int32)
-    if initial_state is None:
-        initial_state = jnp.zeros((cu.shape[0] - 1, heads, k_size, v_size), jnp.float32)
+    cu, initial_state = _sequences(batch, steps, cu_seqlens, initial_state, (heads, k_size, v_size))
     rows = lambda x: x.reshape(batch * steps, heads, x.shape[-1])
-    o, ht = _rwkv7(static, *map(rows, (r, w, k, v, a, b)), initial_state.astype(jnp.float32), cu)
+    o, ht = _rwkv7(static, *map(rows, (r, w, k, v, a, b)), initial_state, cu)
     return o.reshape(batch, steps, heads, v_size), ht
 
 
@@ -352,10 +364,7 @@ def _gla_bwd(static, residuals, cotangents):
     dh0, dstates, chunk_index, chunk_slots = _gla_state_gradient(static, q, a, b, do, dht, cu)
     # Every input gradient, one program per (span, head, V block), all at once.
     spans, state_index, slots = _gla_slots(cu, rows, GLA_CHUNK * static.chunks_per_state)
-    slot = jnp.arange(slots, dtype=jnp.int32)
-    # A sequence of no span shares its first slot with the next: 'right' skips it.
-    slot_sequence = jnp.searchsorted(state_index, slot, side="right").astype(jnp.int32) - 1
-    slot_sequence = jnp.where(slot < spans.sum(), slot_sequence, -1)
+    slot_sequence = _slot_sequences(spans, state_index, slots)
     partial = v_blocks > 1
     k_side = (rows, static.heads, static.k_size)
     k_grad = lambda dtype: jax.ShapeDtypeStruct(
@@ -411,15 +420,9 @@ def _gla_call(q, k, v, a, b, u, *, scale, reverse, initial_state, cu_seqlens):
     batch, steps, heads, k_size = q.shape
     v_size = v.shape[-1]
     static = _gla_static(q, k, v, a, b, u, scale, reverse)
-    if cu_seqlens is None:
-        cu = jnp.arange(batch + 1, dtype=jnp.int32) * steps
-    else:
-        cu = cu_seqlens.astype(jnp.int32)
-    if initial_state is None:
-        initial_state = jnp.zeros((cu.shape[0] - 1, heads, k_size, v_size), jnp.float32)
+    cu, initial_state = _sequences(batch, steps, cu_seqlens, initial_state, (heads, k_size, v_size))
     rows = lambda x: None if x is None else x.reshape(batch * steps, heads, x.shape[-1])
-    o, ht = _gla(static, rows(q), rows(k), rows(v), rows(a), rows(b), u,
-                 initial_state.astype(jnp.float32), cu)
+    o, ht = _gla(static, rows(q), rows(k), rows(v), rows(a), rows(b), u, initial_state, cu)
     return o.reshape(batch, steps, heads, v_size), ht
 
 
