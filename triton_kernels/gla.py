@@ -46,15 +46,14 @@ flattened inputs, clamped to [0, ROWS) in the kernel, and saved-state slots are 
 import triton
 import triton.language as tl
 
-from .common import in_range, state_offsets
+from .common import clamped_rows, in_range, state_offsets
 
 
 @triton.jit
 def _segment(sequence, cu_ptr, ROWS: tl.constexpr, C: tl.constexpr):
     """Rows [start, end) of a sequence, clamped to the arrays, and its chunk count."""
-    start = tl.minimum(tl.maximum(tl.load(cu_ptr + sequence).to(tl.int64), 0), ROWS)
-    end = tl.minimum(tl.maximum(tl.load(cu_ptr + sequence + 1).to(tl.int64), start), ROWS)
-    return start, end, (end - start + C - 1) // C
+    return clamped_rows(tl.load(cu_ptr + sequence).to(tl.int64),
+                        tl.load(cu_ptr + sequence + 1).to(tl.int64), ROWS, C)
 
 
 @triton.jit
