@@ -1,11 +1,7 @@
 #!/bin/bash
-# Runs benchmarks/gpu_rwkv7.py on a GPU machine from the repository root, with the wheels of
-# shared/tools/gpu-wheels.sh (jax-triton, fla-core) carried in .whl/. Arguments go to the script.
+# Runs benchmarks/gpu_rwkv7.py on a GPU machine from the repository root, set up by
+# benchmarks/gpu_env.sh (wheels, Triton cache). Arguments go to the script.
 set -eo pipefail
 out=${OUT:-/tmp/gpu_rwkv7}
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
-# The package build maps triton_kernels/ to rwkv_jax.triton_kernels; from the source tree, link it.
-[ -e rwkv_jax/triton_kernels ] || ln -s ../triton_kernels rwkv_jax/triton_kernels
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+source benchmarks/gpu_env.sh
 python3 benchmarks/gpu_rwkv7.py --out "$out" "$@" 2>&1 | tee "$out/stdout.log"
