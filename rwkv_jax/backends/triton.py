@@ -212,30 +212,37 @@ def _gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dht):
         num_stages=static.config.stages, TOTAL_ROWS=rows,
         CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK), TAME=TAME,
         **static.constexprs(*_SHAPES, "INVERSE_PRECISION"))
-    # 2. Every input gradient, one program per (span, head, V block), all at once.
+    # 2. Every input gradient, one program per (span, head, V block), all at once, in three
+    # kernels (none holds every tile): dv; dk, db and part of dw; dr, da and dw.
     spans, state_index = _first_slots(cu, static.span)
     slots = _slot_count(rows, sequences, static.span)
     slot_sequence = _slot_sequences(spans, state_index, slots)
     v_blocks = static.grid(sequences)[1]
     # K-side gradients sum over V: with several V blocks each writes a float32 partial sum.
+    partial = (rows, static.heads, static.k_size) if v_blocks == 1 else (
+        (v_blocks, rows, static.heads, static.k_size))
     if v_blocks == 1:
-        k_grad = lambda x: jax.ShapeDtypeStruct((rows, static.heads, static.k_size), x.dtype)
+        k_grad = lambda x: jax.ShapeDtypeStruct(partial, x.dtype)
         reduce = lambda g, x: g
     else:
-        k_grad = lambda x: jax.ShapeDtypeStruct((v_blocks, rows, static.heads, static.k_size),
-                                                jnp.float32)
+        k_grad = lambda x: jax.ShapeDtypeStruct(partial, jnp.float32)
         reduce = lambda g, x: g.sum(0).astype(x.dtype)
-    dr, dw, dk, dv, da, db = _launch.launch(
-        _kernels.rwkv7_backward_kernel,
-        (r, w, k, v, a, b, do, states, u, dstates, dx, cu, state_index, chunk_index,
-         slot_sequence),
-        (k_grad(r), k_grad(w), k_grad(k), jax.ShapeDtypeStruct(v.shape, v.dtype),
-         k_grad(a), k_grad(b)),
-        (slots, static.heads, v_blocks), num_warps=static.config.backward_warps,
-        num_stages=static.config.stages,
-        ROWS=rows if v_blocks > 1 else 0,  # (0: one V block; no recompile per length)
+    index = (cu, state_index, chunk_index, slot_sequence)
+    launch = lambda kernel, inputs, outputs, **more: _launch.launch(
+        kernel, inputs, outputs, (slots, static.heads, v_blocks),
+        num_warps=static.config.backward_warps, num_stages=static.config.stages,
         TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
-        TAME=TAME, **static.constexprs(*_SHAPES, "CHUNKS_PER_STATE"))
+        TAME=TAME, **static.constexprs(*_SHAPES, "CHUNKS_PER_STATE"), **more)
+    rows_option = rows if v_blocks > 1 else 0  # (0: one V block; no recompile per length)
+    (dv,) = launch(_kernels.rwkv7_value_gradient_kernel, (r, w, k, a, do, dstates, dx, *index),
+                   (jax.ShapeDtypeStruct(v.shape, v.dtype),))
+    dk, db, dw_part = launch(
+        _kernels.rwkv7_key_gradient_kernel, (r, w, k, v, a, b, do, u, dstates, dx, *index),
+        (k_grad(k), k_grad(b), jax.ShapeDtypeStruct(partial, jnp.float32)), ROWS=rows_option)
+    dr, dw, da = launch(
+        _kernels.rwkv7_query_gradient_kernel,
+        (r, w, k, v, a, b, do, states, u, dstates, dx, dw_part, *index),
+        (k_grad(r), k_grad(w), k_grad(a)), ROWS=rows_option)
     return (reduce(dr, r), reduce(dw, w), reduce(dk, k), dv, reduce(da, a), reduce(db, b), dh0,
             None)
 
