@@ -343,9 +343,10 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
     attempt(bench_jax, "triton, every chunk level by level", x_jax, d_out_jax, d_state_jax, ref,
             "triton", dataclasses.replace(default, tame=False), cap=90)
     if sweep:
-        variants = [dict(backward_warps=4 if default.backward_warps == 8 else 8)]
-        if size == 128:  # more V blocks: smaller state tiles, in-chunk work recomputed per block
-            variants += [dict(block_v=32), dict(block_v=32, forward_warps=4, backward_warps=4)]
+        # More V blocks: smaller state tiles, the in-chunk work recomputed per block.
+        variants = [dict(backward_warps=4 if default.backward_warps == 8 else 8), dict(block_v=32)]
+        if size == 128:
+            variants += [dict(block_v=32, forward_warps=4, backward_warps=4)]
         for change in variants:
             config = dataclasses.replace(default, **change)
             attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,
