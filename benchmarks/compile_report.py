@@ -93,6 +93,8 @@ def main():
          {n: x for n, x in gradient.items() if n != "ROWS"}),
         ("key gradient", rwkv7.rwkv7_key_gradient_kernel, gradient),
         ("query gradient", rwkv7.rwkv7_query_gradient_kernel, gradient),
+        ("tame gradient", rwkv7.rwkv7_tame_gradient_kernel,
+         {n: x for n, x in gradient.items() if n != "LEVELS"}),
     ]
     if args.family == "gla":
         kernels = gla_kernels(shapes, inputs, v_blocks, args.bonus)
@@ -102,7 +104,8 @@ def main():
     for name, kernel, constexprs in kernels:
         if args.only and name != args.only:
             continue
-        for tame, path in paths:
+        # (the fused tame gradient kernel has one path only)
+        for tame, path in paths if "TAME" in kernel.arg_names else ((None, "tame"),):
             for warps in (int(w) for w in args.warps.split(",")):
                 options = constexprs if tame is None else dict(constexprs, TAME=tame)
                 compiled = compile_for_hopper(kernel, inputs, options, warps)
