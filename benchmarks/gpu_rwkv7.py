@@ -343,10 +343,12 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
     attempt(bench_jax, "triton, every chunk level by level", x_jax, d_out_jax, d_state_jax, ref,
             "triton", dataclasses.replace(default, tame=False), cap=90)
     if sweep:
-        # More V blocks: smaller state tiles, the in-chunk work recomputed per block.
-        variants = [dict(backward_warps=4 if default.backward_warps == 8 else 8), dict(block_v=32)]
+        # The other tame-path gradient; at K=128 the sequential kernels at 4 warps (two
+        # programs per multiprocessor instead of one, with spills). Measured and not kept:
+        # gradient kernels at 8 warps, V blocks of 32 (BENCHMARKS.md, session 5).
+        variants = [dict(fused_tame_gradient=not default.fused_tame_gradient)]
         if size == 128:
-            variants += [dict(block_v=32, forward_warps=4, backward_warps=4)]
+            variants += [dict(forward_warps=4)]
         for change in variants:
             config = dataclasses.replace(default, **change)
             attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,

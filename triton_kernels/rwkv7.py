@@ -30,17 +30,20 @@ are): one product per A matrix, its factors referenced to the chunk's middle and
 e^(+-16) (``_middle``). TAME=False builds them level by level, exact for every decay. One
 compiled path per kernel keeps the tame one's registers those of a kernel without the other.
 
-Three kernels, so that only the two recurrences are sequential:
+Three phases, so that only the two recurrences are sequential:
 
 1. forward: one program per (sequence, head, block of V columns) walks its chunks in order,
    keeping H in registers; for the backward it saves H every CHUNKS_PER_STATE chunks and U.
 2. state gradient: the same grid walks the chunks in reverse carrying dH, which needs neither
    H nor U: with dU = b^ dH + A_qb^T dO and dX = (I - A_ab)^-T dU,
    dH_prev = e^g dH + q~^T dO + a~^T dX. It saves dH at the end of every chunk and dX.
-3. gradients: one program per (span of CHUNKS_PER_STATE chunks, head, V block), all at once:
-   from its saved H (advanced over the span with the saved U) and the saved dH, dX, U it
-   forms every input gradient of its chunks, with no recurrence and no inverse. Its tiles
-   are held transposed ([K, C], [V, C]; see the kernel).
+3. gradients: one program per (span of CHUNKS_PER_STATE chunks, head, V block), all at once,
+   from the saved dH, dX, U (and H, advanced over the span with the saved U, where needed):
+   every input gradient of its chunks, with no recurrence and no inverse. Three kernels, each
+   holding part of the tiles: value gradient (dv), key gradient (dk, db and their share of
+   dw) and query gradient (dr, da, dw; the one that needs H); for tame calls up to K=64 one
+   kernel does all three (``rwkv7_tame_gradient_kernel``: fewer reads, measured faster there).
+   Their tiles are held transposed ([K, C], [V, C]; see the kernels).
 
 Sequences are rows [cu[n], cu[n+1]) of the flattened [rows, heads, *] inputs (fixed-length
 batches are the special case cu = arange(B + 1) * T). ``state_index[n]`` is the first slot of
@@ -375,7 +378,7 @@ def _dh(dstates_ptr, first_chunk_slot, c, head, state_mask, v_cols, HEADS: tl.co
 
 # The gradient kernels: one program per (span slot, head, V block), all at once (see the module
 # docstring), in three kernels so that none holds every tile (one kernel held 255 registers and
-# spilled 636 B at K=V=64; these: dv 161 registers, key side 255 and query side 255 with at
+# spilled 636 B at K=V=64; these: dv 163 registers, key side 255 and query side 255 with at
 # most 4 B of spills). Their tiles are held transposed, [K, C] and [V, C], so that the products
 # with the states and with the [C, C] matrices have K or V (64 or more) rows, which Hopper's
 # warpgroup MMA takes from shared memory (fewer registers than the [C, *] orientation).
