@@ -77,7 +77,8 @@ def main():
     bf16, f32, i32 = "*bf16", "*fp32", "*i32"
     inputs = dict(r_ptr=bf16, w_ptr=bf16, k_ptr=bf16, v_ptr=bf16, a_ptr=bf16, b_ptr=bf16,
                   do_ptr=bf16, h0_ptr=f32, dht_ptr=f32, states_ptr=f32, dstates_ptr=f32,
-                  u_ptr=f32, dx_ptr=f32, dw_part_ptr=f32, ht_ptr=f32, dh0_ptr=f32, o_ptr=bf16, dv_ptr=bf16,
+                  u_ptr=f32, dx_ptr=f32, dw_part_ptr=f32, ht_ptr=f32, dh0_ptr=f32, o_ptr=bf16,
+                  dv_ptr=bf16,
                   cu_ptr=i32, state_index_ptr=i32, chunk_index_ptr=i32, slot_sequence_ptr=i32)
     k_grads = f32 if v_blocks > 1 else bf16  # float32 partial sums with several V blocks
     inputs.update({f"d{n}_ptr": k_grads for n in "rwkab"})

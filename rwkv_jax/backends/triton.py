@@ -59,13 +59,12 @@ def _pow2_at_least(n, floor=16):
 
 def default_config(k_size: int, v_size: int) -> KernelConfig:
     block_k, block_v = _pow2_at_least(k_size), _pow2_at_least(v_size)
-    # Measured on an H100 at K=V=64 (BENCHMARKS.md): every kernel is fastest with 4 warps, and
-    # the gradient kernel must keep 4: with 8, Triton 3.6 miscompiled its transposed products
-    # there (dv wrong; it was also slower, 16.0 ms against 10.7). A state every 8 chunks beats
-    # every 1, 2 or 4 (fewer saved states, and the span's walk costs little).
-    # The gradients: the tame path's in one kernel up to K=64 (18.55 ms against 20.27 in three
-    # at K=V=64), in three kernels at K=128 (49.6 ms against 65.8) and on the exact path
-    # (K=64: 35.4 against 40.5). The value-gradient kernel is wrong at 8 warps (Triton 3.6).
+    # Measured on an H100 (BENCHMARKS.md): every kernel is fastest with 4 warps at K=V=64, and
+    # the gradient kernels must keep 4: with 8, Triton 3.6 miscompiles the products of dv (wrong
+    # dv at K=64 and K=128; slower too). A state every 8 chunks beats every 1, 2 or 4 (fewer
+    # saved states, and the span's walk costs little). The tame path's gradients in one kernel
+    # up to K=64 (18.55 ms against 20.27 in three at K=V=64), in three from K=128 on (49.6
+    # against 65.8 ms), as on the exact path (K=64: 35.4 against 40.5).
     warps = 8 if block_k * block_v > 64 * 64 else 4
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=warps,
                         backward_warps=4, fused_tame_gradient=block_k <= 64)
