@@ -110,7 +110,7 @@ def gla_kernels(shapes, inputs, v_blocks, bonus):
     """GLA (key gate only, as benchmarked) or RWKV-6: the pointer types and constexprs."""
     inputs.update(q_ptr=inputs["r_ptr"], dq_ptr=inputs["dr_ptr"], da_ptr="*fp32", db_ptr="*fp32",
                   du_ptr="*fp32")
-    shapes = {n: x for n, x in shapes.items() if n not in ("LEVELS", "TOTAL_ROWS")}  # RWKV-7's
+    shapes = {n: x for n, x in shapes.items() if n != "TOTAL_ROWS"}  # RWKV-7's
     shapes = dict(shapes, ROWS=8 * 4096, HAS_A=True, HAS_B=False, BONUS=bonus, REVERSE=False,
                   FLOOR=-128.0)
     return [

@@ -267,7 +267,7 @@ from . import LOG_DECAY_FLOOR  # noqa: E402
 
 _gla_kernels = _launch.kernels("gla")
 
-GLA_CHUNK = 16  # one exact (per element) diagonal block: the pairwise factors are [C, C, K]
+GLA_CHUNK = 16  # tokens per chunk; its pairwise factors are built level by level (LEVELS)
 GLA_CHUNKS_PER_STATE = 8  # the forward saves the state every this many chunks (for the backward)
 
 
@@ -295,7 +295,8 @@ class _GlaStatic:
 
     def constexprs(self, **more):
         return dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
-                    BK=_pow2_at_least(self.k_size), BV=self.block_v, C=GLA_CHUNK, ROWS=self.rows,
+                    BK=_pow2_at_least(self.k_size), BV=self.block_v, C=GLA_CHUNK,
+                    LEVELS=GLA_CHUNK.bit_length() - 1, ROWS=self.rows,
                     HAS_A=self.has_a, HAS_B=self.has_b, BONUS=self.bonus, REVERSE=self.reverse,
                     FLOOR=LOG_DECAY_FLOOR, PRECISION=self.precision, **more)
 
