@@ -64,12 +64,13 @@ def main():
     parser.add_argument("--key", type=int, default=64)
     parser.add_argument("--value", type=int, default=64)
     parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--block-v", type=int, default=64, help="the most V columns a program takes")
     parser.add_argument("--family", choices=("rwkv7", "gla"), default="rwkv7")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
     args = parser.parse_args()
     bk = max(16, 1 << (args.key - 1).bit_length())
-    bv = min(64, max(16, 1 << (args.value - 1).bit_length()))
+    bv = min(args.block_v, max(16, 1 << (args.value - 1).bit_length()))
     v_blocks = -(-args.value // bv)
     rows, spans = 8 * 4096, 8 * 4096 // (16 * 8) + 8
     shapes = dict(scale=1.0, HEADS=64, K=args.key, V=args.value, BK=bk, BV=bv, C=16, LEVELS=4,

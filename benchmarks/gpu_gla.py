@@ -283,17 +283,16 @@ def benchmark(deadline, out_dir, with_fla, shapes, sweep):
             if row is None:
                 continue
             record(row, op, shape, out_dir)
-        for spacing in (sweep if size == 64 else ()):  # other spacings of the saved states
-            default, triton_backend.GLA_CHUNKS_PER_STATE = (triton_backend.GLA_CHUNKS_PER_STATE,
-                                                            spacing)
+        for overrides in sweep:  # other kernel settings (the backend's GLA_OVERRIDES)
+            triton_backend.GLA_OVERRIDES.update(overrides)
             try:
-                row = attempt(bench_ours, f"ours {op} {shape} spacing {spacing}", deadline, 60,
+                row = attempt(bench_ours, f"ours {op} {shape} {overrides}", deadline, 60,
                               op, x_jax, jax.dlpack.from_dlpack(d_out),
                               jax.dlpack.from_dlpack(d_state), ref)
             finally:
-                triton_backend.GLA_CHUNKS_PER_STATE = default
+                triton_backend.GLA_OVERRIDES.clear()
             if row is not None:
-                row["name"] += f" (state every {spacing} chunks)"
+                row["name"] += " " + ",".join(f"{k}={v}" for k, v in overrides.items())
                 record(row, op, shape, out_dir)
 
 
@@ -314,8 +313,9 @@ def main():
                         help="how many of the correctness checks to run (0: none)")
     parser.add_argument("--no-fla", action="store_true", help="time ours only")
     parser.add_argument("--shapes", default="0,1,2,3", help="which of SHAPES to benchmark")
-    parser.add_argument("--sweep", default="", help="e.g. '4,16': at K=64 also time ours with "
-                        "the state saved every this many chunks (default 8)")
+    parser.add_argument("--sweep", default="", help="also time ours with other settings, e.g. "
+                        "'backward_warps=4;block_v=32,backward_warps=16' (fields of the "
+                        "backend's _GlaStatic)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     open_log(os.path.join(args.out, "gpu_gla.log"))
@@ -328,7 +328,8 @@ def main():
                 seed)
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",") if i]
     benchmark(deadline, args.out, not args.no_fla, shapes,
-              [int(n) for n in args.sweep.split(",") if n])
+              [{k: int(v) for k, v in (pair.split("=") for pair in item.split(","))}
+               for item in args.sweep.split(";") if item])
     log("\ncorrectness: " + ", ".join(f"{c['name']}: {'ok' if c['ok'] else 'FAIL'}"
                                       for c in results["correctness"]))
     log(f"\nB=8 T=4096 bf16 on {gpu}")

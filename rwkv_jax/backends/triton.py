@@ -269,6 +269,9 @@ _gla_kernels = _launch.kernels("gla")
 
 GLA_CHUNK = 16  # tokens per chunk; its pairwise factors are built level by level (LEVELS)
 GLA_CHUNKS_PER_STATE = 8  # the forward saves the state every this many chunks (for the backward)
+# _GlaStatic fields -> values, to try other settings (benchmarks/gpu_gla.py --sweep) without
+# editing code.
+GLA_OVERRIDES: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,10 +413,11 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
     _check_head_sizes(k_size, v_size)
     precise = any(x is not None and x.dtype == jnp.float32 for x in (q, k, v, a, b, u))
     block_v = min(_pow2_at_least(v_size), 64)
-    return _GlaStatic(
+    static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
         chunks_per_state=GLA_CHUNKS_PER_STATE, **_gla_warps(k_size, block_v, u is not None))
+    return dataclasses.replace(static, **GLA_OVERRIDES)
 
 
 def _gla_call(q, k, v, a, b, u, *, scale, reverse, initial_state, cu_seqlens):
