@@ -267,6 +267,7 @@ SHAPES = [("rwkv6", 64, 64), ("gated_linear_attention", 64, 64),
 
 
 def benchmark(deadline, out_dir, with_fla, shapes, sweep):
+    prepared = []
     for op, heads, size in shapes:
         batch, steps = 8, 4096
         shape = f"H={heads} K=V={size}"
@@ -274,21 +275,22 @@ def benchmark(deadline, out_dir, with_fla, shapes, sweep):
         log(f"benchmark {op}: B={batch} T={steps} {shape} bf16")
         ref = float64_slice(op, x, d_out, d_state)
         x_jax = {n: jax.dlpack.from_dlpack(t) for n, t in x.items()}
-        contenders = ([("fla", bench_fla, x, d_out)] if with_fla else []) + [
-            ("ours", bench_ours, x_jax, jax.dlpack.from_dlpack(d_out))]
-        for label, fn, inputs, cotangent in contenders:
-            cap = 200 if label == "fla" else 120
-            row = attempt(fn, f"{label} {op} {shape}", deadline, cap, op, inputs, cotangent,
-                          d_state if label == "fla" else jax.dlpack.from_dlpack(d_state), ref)
-            if row is None:
-                continue
-            record(row, op, shape, out_dir)
-        for overrides in sweep:  # other kernel settings (the backend's GLA_OVERRIDES)
+        ours = (x_jax, jax.dlpack.from_dlpack(d_out), jax.dlpack.from_dlpack(d_state), ref)
+        prepared.append((op, shape, ours))
+        contenders = ([("fla", bench_fla, (x, d_out, d_state, ref))] if with_fla else []) + [
+            ("ours", bench_ours, ours)]
+        for label, fn, inputs in contenders:
+            row = attempt(fn, f"{label} {op} {shape}", deadline, 200 if label == "fla" else 120,
+                          op, *inputs)
+            if row is not None:
+                record(row, op, shape, out_dir)
+    # Other kernel settings (the backend's GLA_OVERRIDES), after every shape's defaults.
+    for overrides in sweep:
+        for op, shape, ours in prepared:
             triton_backend.GLA_OVERRIDES.update(overrides)
             try:
-                row = attempt(bench_ours, f"ours {op} {shape} {overrides}", deadline, 60,
-                              op, x_jax, jax.dlpack.from_dlpack(d_out),
-                              jax.dlpack.from_dlpack(d_state), ref)
+                row = attempt(bench_ours, f"ours {op} {shape} {overrides}", deadline, 60, op,
+                              *ours)
             finally:
                 triton_backend.GLA_OVERRIDES.clear()
             if row is not None:
