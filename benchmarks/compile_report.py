@@ -64,6 +64,7 @@ def main():
     parser.add_argument("--key", type=int, default=64)
     parser.add_argument("--value", type=int, default=64)
     parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--chunk", type=int, default=16, help="gla family: tokens per chunk")
     parser.add_argument("--block-v", type=int, default=64, help="the most V columns a program takes")
     parser.add_argument("--family", choices=("rwkv7", "gla"), default="rwkv7")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
@@ -93,7 +94,8 @@ def main():
               ROWS=rows if v_blocks > 1 else 0)),
     ]
     if args.family == "gla":
-        kernels = gla_kernels(shapes, inputs, v_blocks, args.bonus)
+        kernels = gla_kernels(dict(shapes, C=args.chunk, LEVELS=args.chunk.bit_length() - 1),
+                              inputs, v_blocks, args.bonus)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
     # RWKV-7: each kernel's two compiled paths (TAME=True for model-range decays, the exact one).
     paths = ((True, "tame"), (False, "exact")) if args.family == "rwkv7" else ((None, ""),)
