@@ -204,22 +204,26 @@ def gla_forward_kernel(
         v = _load(v_ptr, v_off, v_in)
         a, A, A_end, _ = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
         R = A - a if BONUS else A
-        scores = _scores(q, k, a, u, HAS_A, BONUS, C, LEVELS, PRECISION)
+        # The read of H, then H advanced to the chunk's end right away (fewer live tiles
+        # through the in-chunk work).
         o = tl.dot(q * tl.exp(R), h, input_precision=PRECISION)
         if HAS_B:
             b, B, B_end, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
+            v_end = v * tl.exp(B_end[None, :] - B)
+            h = h * tl.exp(B_end)[None, :]
+        else:
+            v_end = v
+        h = tl.dot(tl.trans(k * tl.exp(A_end[None, :] - A)), v_end, tl.exp(A_end)[:, None] * h,
+                   input_precision=PRECISION)
+        scores = _scores(q, k, a, u, HAS_A, BONUS, C, LEVELS, PRECISION)
+        if HAS_B:
             mixed, _ = _value_mixes(scores, v, v, b, C, LEVELS, PRECISION)
             diagonal = tl.arange(0, C)[:, None] == tl.arange(0, C)[None, :]
             o = (o * tl.exp(B) + mixed
                  + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * v)
-            v_end = v * tl.exp(B_end[None, :] - B)
-            h = h * tl.exp(B_end)[None, :]
         else:
             o = tl.dot(scores, v, o, input_precision=PRECISION)
-            v_end = v
         tl.store(o_ptr + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
-        h = tl.dot(tl.trans(k * tl.exp(A_end[None, :] - A)), v_end, tl.exp(A_end)[:, None] * h,
-                   input_precision=PRECISION)
         c += 1
     tl.store(ht_ptr + local, h, mask=state_mask)
 
@@ -333,6 +337,17 @@ def gla_backward_kernel(
         dk_state = tl.dot(v_end, tl.trans(dh), input_precision=PRECISION) * to_end
         dv_state = tl.dot(k_end, dh, input_precision=PRECISION)
         decayed_h_dh = state_decay * h * dh
+        # Its sums only (the gates' gradients through the decay of H), the read of H, and H
+        # advanced to the chunk's end (the next chunk's H) right here, so that neither dH nor
+        # k_end, v_end take registers through the in-chunk work.
+        h_dh_k = tl.sum(decayed_h_dh, axis=1)[None, :]
+        if HAS_B:
+            h_dh_v = tl.sum(decayed_h_dh, axis=0)[None, :]
+        dq = tl.dot(do_read, tl.trans(h), input_precision=PRECISION) * tl.exp(R)
+        if HAS_B:
+            o_state = tl.dot(q * tl.exp(R), h, input_precision=PRECISION) * tl.exp(B)
+        if CHUNKS_PER_STATE > 1:
+            h = tl.dot(tl.trans(k_end), v_end, state_decay * h, input_precision=PRECISION)
         # Through the scores' pairs and the read of H, with the scores, level by level as
         # _scores builds them. The pairs whose factor is e^0 whatever the gates (GLA: i = t;
         # RWKV-6: i = t - 1) are kept out of the gate gradients and added after: their terms
@@ -346,7 +361,6 @@ def gla_backward_kernel(
             scores = diagonal_tile(tl.sum(q * k, axis=1), C)
         d_constant = tl.where(constant, d_scores, 0.0)
         d_pairs = tl.where(constant, 0.0, d_scores)
-        dq = tl.dot(do_read, tl.trans(h), input_precision=PRECISION) * tl.exp(R)
         if HAS_A:
             dk = tl.zeros(k.shape, tl.float32)
             for level in tl.static_range(LEVELS):
@@ -368,7 +382,7 @@ def gla_backward_kernel(
         if HAS_B:
             # The diagonal's factor is e^0: kept out of o and dv here, and so out of dB.
             mixed, dv = _value_mixes(scores, do, v, b, C, LEVELS, PRECISION)
-            o = tl.dot(q * tl.exp(R), h, input_precision=PRECISION) * tl.exp(B) + mixed
+            o = o_state + mixed
         else:
             dv = tl.dot(tl.trans(scores), do, input_precision=PRECISION)
         # A log gate z of a factor x = y e^z has dz = x dx: dR = q dq and dA = -k dk, summed
@@ -382,7 +396,7 @@ def gla_backward_kernel(
         else:
             da = tl.cumsum(q * dq - k * dk, axis=0, reverse=True)
         d_to_end = k * dk_state
-        da += _exclusive_cumsum(d_to_end, False) + tl.sum(decayed_h_dh, axis=1)[None, :]
+        da += _exclusive_cumsum(d_to_end, False) + h_dh_k
         dq += tl.dot(d_constant, k, input_precision=PRECISION)
         dk += dk_state + tl.dot(tl.trans(d_constant), q, input_precision=PRECISION)
         if BONUS:
@@ -395,7 +409,7 @@ def gla_backward_kernel(
             dv_state = dv_state * tl.exp(B_end[None, :] - B)
             d_to_end = v * dv_state
             db = (tl.cumsum(do * o - v * dv, axis=0, reverse=True)
-                  + _exclusive_cumsum(d_to_end, False) + tl.sum(decayed_h_dh, axis=0)[None, :])
+                  + _exclusive_cumsum(d_to_end, False) + h_dh_v)
             tl.store(db_ptr + v_off, tl.where(b_kept, db, 0.0), mask=v_in)
             dv += dv_state + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * do
         else:
@@ -407,11 +421,6 @@ def gla_backward_kernel(
         tl.store(dk_ptr + k_off, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
         if HAS_A:
             tl.store(da_ptr + k_off, da, mask=k_in)
-        if CHUNKS_PER_STATE > 1:
-            if HAS_B:
-                h = h * tl.exp(B_end)[None, :]
-            h = tl.dot(tl.trans(k_end), v_end, tl.exp(A_end)[:, None] * h,
-                       input_precision=PRECISION)
         c += 1
     if BONUS:
         du_off = ((v_block * SLOTS + slot).to(tl.int64) * HEADS + head) * K + k_cols
