@@ -398,10 +398,12 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
 def _gla_warps(k_size, block_v, bonus):
-    """Measured on an H100 at B=8, T=4096, bf16 (BENCHMARKS.md): at K=V=64 GLA's forward is
-    fastest with 4 warps (4.65 ms against 7.22 with 8), RWKV-6's with 8 (7.28 against 9.16: it
-    spills with 4), the gradient kernel with 8 (19.5 ms backward against 21.0); larger tiles
-    take 8 warps everywhere."""
+    """Measured on an H100 at B=8, T=4096, bf16 (BENCHMARKS.md), with session 4's per-element
+    in-chunk pairs: at K=V=64 GLA's forward is fastest with 4 warps (4.65 ms against 7.22 with
+    8), RWKV-6's with 8 (7.28 against 9.16: it spilled with 4), the gradient kernel with 8
+    (19.5 ms backward against 21.0); larger tiles take 8 warps everywhere. With the pairs level
+    by level RWKV-6's forward spills 8 B at 4 warps: 4 is worth measuring (GLA's forward with 4
+    is 3.82 ms against RWKV-6's 5.77 with 8)."""
     small = _pow2_at_least(k_size) * block_v <= 64 * 64
     return dict(forward_warps=4 if small and not bonus else 8, backward_warps=8)
 
