@@ -117,14 +117,21 @@ def _strictly_lower(C: tl.constexpr):
 
 
 @triton.jit
+def _scores_diagonal(q, k, u, BONUS: tl.constexpr, C: tl.constexpr):
+    """The scores' diagonal as a [C, C] tile: q_t . k_t (GLA: the factor is e^0) or
+    q_t . (u k_t) (RWKV-6's bonus)."""
+    if BONUS:
+        return diagonal_tile(tl.sum(q * u[None, :] * k, axis=1), C)
+    else:
+        return diagonal_tile(tl.sum(q * k, axis=1), C)
+
+
+@triton.jit
 def _scores(q, k, a, u, HAS_A: tl.constexpr, BONUS: tl.constexpr, C: tl.constexpr,
             LEVELS: tl.constexpr, PRECISION: tl.constexpr):
     """S[t,i] = sum_k q_t k_i e^{R_t - A_i} for i < t, level by level (every factor <= 1), and
-    its diagonal: q_t . k_t (GLA: the factor is e^0) or q_t . (u k_t) (RWKV-6's bonus)."""
-    if BONUS:
-        scores = diagonal_tile(tl.sum(q * u[None, :] * k, axis=1), C)
-    else:
-        scores = diagonal_tile(tl.sum(q * k, axis=1), C)
+    its diagonal."""
+    scores = _scores_diagonal(q, k, u, BONUS, C)
     if HAS_A:
         for level in tl.static_range(LEVELS):
             row, row_strict, column, keep = level_factors(a, C >> (level + 1), 0, C)
@@ -305,6 +312,8 @@ def gla_backward_kernel(
     diagonal = t[:, None] == t[None, :]
     if BONUS:
         u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+    else:
+        u = tl.zeros([BK], tl.float32)  # unused
     du = tl.zeros([BK], tl.float32)
     while c < last:
         k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
@@ -348,17 +357,16 @@ def gla_backward_kernel(
             o_state = tl.dot(q * tl.exp(R), h, input_precision=PRECISION) * tl.exp(B)
         if CHUNKS_PER_STATE > 1:
             h = tl.dot(tl.trans(k_end), v_end, state_decay * h, input_precision=PRECISION)
-        # Through the scores' pairs and the read of H, with the scores, level by level as
-        # _scores builds them. The pairs whose factor is e^0 whatever the gates (GLA: i = t;
-        # RWKV-6: i = t - 1) are kept out of the gate gradients and added after: their terms
-        # in q dq and k dk would cancel only to rounding, which strong gates leave much larger
-        # than the gate gradient itself.
+        # Through the scores' pairs, with the scores, level by level as _scores builds them.
+        # The pairs whose factor is e^0 whatever the gates (GLA: i = t; RWKV-6: i = t - 1) are
+        # kept out of the gate gradients and added after: their terms in q dq and k dk would
+        # cancel only to rounding, which strong gates leave much larger than the gate gradient
+        # itself.
         if BONUS:
             constant = t[:, None] == t[None, :] + 1
-            scores = diagonal_tile(tl.sum(q * u[None, :] * k, axis=1), C)
         else:
             constant = diagonal
-            scores = diagonal_tile(tl.sum(q * k, axis=1), C)
+        scores = _scores_diagonal(q, k, u, BONUS, C)
         d_constant = tl.where(constant, d_scores, 0.0)
         d_pairs = tl.where(constant, 0.0, d_scores)
         if HAS_A:
