@@ -65,7 +65,8 @@ def main():
     parser.add_argument("--value", type=int, default=64)
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--chunk", type=int, default=16, help="gla family: tokens per chunk")
-    parser.add_argument("--block-v", type=int, default=64, help="the most V columns a program takes")
+    parser.add_argument("--block-v", type=int, default=64,
+                        help="the most V columns a program takes")
     parser.add_argument("--family", choices=("rwkv7", "gla"), default="rwkv7")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
