@@ -80,19 +80,25 @@ def main():
     bf16, f32, i32 = "*bf16", "*fp32", "*i32"
     inputs = dict(r_ptr=bf16, w_ptr=bf16, k_ptr=bf16, v_ptr=bf16, a_ptr=bf16, b_ptr=bf16,
                   do_ptr=bf16, h0_ptr=f32, dht_ptr=f32, states_ptr=f32, dstates_ptr=f32,
-                  u_ptr=f32, dx_ptr=f32, ht_ptr=f32, dh0_ptr=f32, o_ptr=bf16, dv_ptr=bf16,
+                  u_ptr=f32, dx_ptr=f32, dw_part_ptr=f32, ht_ptr=f32, dh0_ptr=f32, o_ptr=bf16,
+                  dv_ptr=bf16,
                   cu_ptr=i32, state_index_ptr=i32, chunk_index_ptr=i32, slot_sequence_ptr=i32)
     k_grads = f32 if v_blocks > 1 else bf16  # float32 partial sums with several V blocks
     inputs.update({f"d{n}_ptr": k_grads for n in "rwkab"})
+    gradient = dict(shapes, CHUNKS_PER_STATE=8, SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
+                    ROWS=rows if v_blocks > 1 else 0)
     kernels = [
         ("forward", rwkv7.rwkv7_forward_kernel,
          dict(shapes, CHUNKS_PER_STATE=8, SAVE=True, STATE_SLOTS=spans,
               INVERSE_PRECISION="tf32")),
         ("state gradient", rwkv7.rwkv7_state_gradient_kernel,
          dict(shapes, CHUNK_SLOTS=rows // 16 + 8, INVERSE_PRECISION="tf32")),
-        ("gradient", rwkv7.rwkv7_backward_kernel,
-         dict(shapes, CHUNKS_PER_STATE=8, SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
-              ROWS=rows if v_blocks > 1 else 0)),
+        ("value gradient", rwkv7.rwkv7_value_gradient_kernel,
+         {n: x for n, x in gradient.items() if n != "ROWS"}),
+        ("key gradient", rwkv7.rwkv7_key_gradient_kernel, gradient),
+        ("query gradient", rwkv7.rwkv7_query_gradient_kernel, gradient),
+        ("tame gradient", rwkv7.rwkv7_tame_gradient_kernel,
+         {n: x for n, x in gradient.items() if n != "LEVELS"}),
     ]
     if args.family == "gla":
         kernels = gla_kernels(dict(shapes, C=args.chunk, LEVELS=args.chunk.bit_length() - 1),
@@ -103,7 +109,8 @@ def main():
     for name, kernel, constexprs in kernels:
         if args.only and name != args.only:
             continue
-        for tame, path in paths:
+        # (the fused tame gradient kernel has one path only)
+        for tame, path in paths if "TAME" in kernel.arg_names else ((None, "tame"),):
             for warps in (int(w) for w in args.warps.split(",")):
                 options = constexprs if tame is None else dict(constexprs, TAME=tame)
                 compiled = compile_for_hopper(kernel, inputs, options, warps)

@@ -343,7 +343,12 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
     attempt(bench_jax, "triton, every chunk level by level", x_jax, d_out_jax, d_state_jax, ref,
             "triton", dataclasses.replace(default, tame=False), cap=90)
     if sweep:
-        variants = [dict(chunks_per_state=4), dict(chunks_per_state=16), dict(stages=2)]
+        # The other tame-path gradient; at K=128 the sequential kernels at 4 warps (two
+        # programs per multiprocessor instead of one, with spills). Measured and not kept:
+        # gradient kernels at 8 warps, V blocks of 32 (BENCHMARKS.md, session 5).
+        variants = [dict(fused_tame_gradient=not default.fused_tame_gradient)]
+        if size == 128:
+            variants += [dict(forward_warps=4)]
         for change in variants:
             config = dataclasses.replace(default, **change)
             attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,

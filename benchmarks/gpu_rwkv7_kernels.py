@@ -1,15 +1,17 @@
-"""Each triton RWKV-7 kernel timed alone on the benchmark's shape (B=8, T=4096, H=64, K=V=64,
-bf16, model-range decays), launched straight from torch: where the fwd+bwd time goes.
+"""Each triton RWKV-7 kernel timed alone on the benchmark's shape (B=8, T=4096, H*K=4096,
+K=V=64 or 128, bf16, model-range decays), launched straight from torch: where the fwd+bwd time
+goes.
 
-    python benchmarks/gpu_rwkv7_kernels.py [--warps 4]   # every kernel, 4 and 8 warps
+    python benchmarks/gpu_rwkv7_kernels.py [--warps 4] [--size 128]  # every kernel, 4 and 8 warps
 
 Each (kernel, warps) runs in its own process, so one that crashes loses only its row; the
-gradient kernel's outputs are compared with those of its 4-warp launch (a miscompile shows).
+gradient kernels' outputs are compared with those of their 4-warp launch (a miscompile shows).
 On CPU (Triton's interpreter) the same code runs at a toy size, as a smoke test.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -20,12 +22,15 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from triton_kernels import rwkv7  # noqa: E402
 
-RUNS = [(kernel, warps) for kernel in ("forward", "state gradient", "gradient") for warps in (4, 8)]
+KERNELS = ("forward", "state gradient", "value gradient", "key gradient", "query gradient")
 
 
-def run(kernel_name, warps):
+def run(kernel_name, warps, size):
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    batch, steps, heads, size = (8, 4096, 64, 64) if device == "cuda" else (1, 128, 2, 16)
+    batch, steps, heads = (8, 4096, 4096 // size) if device == "cuda" else (1, 128, 2)
+    size = size if device == "cuda" else 16
+    block_v = min(size, 64)
+    v_blocks = size // block_v
     chunk, chunks_per_state = 16, 8
     span, rows = chunk * chunks_per_state, batch * steps
     gen = torch.Generator(device=device).manual_seed(0)
@@ -46,9 +51,9 @@ def run(kernel_name, warps):
     o, ht, dh0 = empty(*shape, dtype=torch.bfloat16), empty(*h0.shape), empty(*h0.shape)
     states, dstates = empty(slots, heads, size, size), empty(chunk_slots, heads, size, size)
     u, dx = empty(*shape), empty(*shape)
-    sizes = dict(scale=1.0, HEADS=heads, K=size, V=size, BK=size, BV=size, C=chunk, LEVELS=4,
+    sizes = dict(scale=1.0, HEADS=heads, K=size, V=size, BK=size, BV=block_v, C=chunk, LEVELS=4,
                  FLOOR=-128.0, TAME=True, TOTAL_ROWS=rows, PRECISION="tf32")
-    grid = (batch * heads, 1)
+    grid = (batch * heads, v_blocks)
 
     def forward(warps):
         rwkv7.rwkv7_forward_kernel[grid](
@@ -65,41 +70,71 @@ def run(kernel_name, warps):
     slot_sequence = torch.full((slots,), -1, device=device, dtype=torch.int32)
     slot_sequence[:rows // span] = torch.arange(batch, device=device, dtype=torch.int32
                                                 ).repeat_interleave(steps // span)
-    grads = {w: [torch.full(shape, float("nan"), device=device, dtype=torch.bfloat16)
-                 for _ in range(6)] for w in (4, warps)}
+    # The K-side gradients: float32 partial sums per V block when there are several.
+    k_side = dict(dtype=torch.bfloat16) if v_blocks == 1 else dict(dtype=torch.float32)
+    k_shape = shape if v_blocks == 1 else (v_blocks,) + shape
+    outputs = {w: dict(dv=[torch.full(shape, float("nan"), device=device, dtype=torch.bfloat16)],
+                       key=[torch.full(k_shape, float("nan"), device=device, **k_side)
+                            for _ in range(2)] + [empty(*k_shape)],
+                       query=[torch.full(k_shape, float("nan"), device=device, **k_side)
+                              for _ in range(3)]) for w in (4, warps)}
+    gradient_grid = (slots, heads, v_blocks)
+    gradient_sizes = dict(CHUNKS_PER_STATE=chunks_per_state, SEQUENCES=batch,
+                          CHUNK_SLOTS=chunk_slots, **sizes)
+    rows_option = rows if v_blocks > 1 else 0
+    indices = (cu, index(steps // span), index(steps // chunk), slot_sequence)
 
-    def gradient(warps):
-        rwkv7.rwkv7_backward_kernel[(slots, heads, 1)](
-            *x.values(), do, states, u, dstates, dx, cu, index(steps // span),
-            index(steps // chunk), slot_sequence, *grads[warps],
-            CHUNKS_PER_STATE=chunks_per_state, ROWS=0, SEQUENCES=batch, CHUNK_SLOTS=chunk_slots,
-            num_warps=warps, **sizes)
+    def value_gradient(warps):
+        rwkv7.rwkv7_value_gradient_kernel[gradient_grid](
+            x["r"], x["w"], x["k"], x["a"], do, dstates, dx, *indices, *outputs[warps]["dv"],
+            num_warps=warps, **gradient_sizes)
+
+    def key_gradient(warps):
+        rwkv7.rwkv7_key_gradient_kernel[gradient_grid](
+            *x.values(), do, u, dstates, dx, *indices, *outputs[warps]["key"], ROWS=rows_option,
+            num_warps=warps, **gradient_sizes)
+
+    def query_gradient(warps):
+        rwkv7.rwkv7_query_gradient_kernel[gradient_grid](
+            *x.values(), do, states, u, dstates, dx, outputs[4]["key"][2], *indices,
+            *outputs[warps]["query"], ROWS=rows_option, num_warps=warps, **gradient_sizes)
 
     forward(4)
     state_gradient(4)
-    launch = {"forward": forward, "state gradient": state_gradient, "gradient": gradient}
+    launch = {"forward": forward, "state gradient": state_gradient,
+              "value gradient": value_gradient, "key gradient": key_gradient,
+              "query gradient": query_gradient}
     note = ""
-    if kernel_name == "gradient":
-        gradient(4)
-        gradient(warps)
+    if kernel_name in ("value gradient", "key gradient", "query gradient"):
+        key_gradient(4)  # (the query side reads the key side's share of dw)
+        name = {"value": "dv", "key": "key", "query": "query"}[kernel_name.split()[0]]
+        launch[kernel_name](4)
+        launch[kernel_name](warps)
         differences = [((a.float() - b.float()).norm() / b.float().norm()).item()
-                       for a, b in zip(grads[warps], grads[4])]
-        note = "  vs 4 warps: " + " ".join(f"d{n} {d:.0e}" for n, d in zip("rwkvab", differences))
+                       for a, b in zip(outputs[warps][name], outputs[4][name])]
+        note = "  vs 4 warps: " + " ".join(f"{d:.0e}" for d in differences)
     timed = lambda: launch[kernel_name](warps)
     ms = (triton.testing.do_bench(timed, warmup=50, rep=300, return_mode="median")
           if device == "cuda" else float("nan"))
-    print(f"ROW {kernel_name:15s} {warps} warps {ms:8.3f} ms{note}", flush=True)
+    print(f"ROW K={size:<3} {kernel_name:15s} {warps} warps {ms:8.3f} ms{note}", flush=True)
 
 
 def main():
-    if len(sys.argv) == 3 and sys.argv[1] != "--warps":
-        return run(sys.argv[1], int(sys.argv[2]))
-    runs = RUNS
-    if len(sys.argv) == 3:
-        runs = [(kernel, int(sys.argv[2])) for kernel, _ in RUNS[::2]]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--only", default="", help="one kernel, e.g. 'key gradient'")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    warps_list = [int(w) for w in args.warps.split(",")]
+    if args.child:
+        return run(args.only, warps_list[0], args.size)
+    runs = [(kernel, warps) for kernel in (KERNELS if not args.only else (args.only,))
+            for warps in warps_list]
     rows = []
     for kernel_name, warps in runs:
-        done = subprocess.run([sys.executable, __file__, kernel_name, str(warps)],
+        done = subprocess.run([sys.executable, __file__, "--child", "--only", kernel_name,
+                               "--warps", str(warps), "--size", str(args.size)],
                               capture_output=True, text=True)
         got = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
         rows.append(got[0] if got else f"{kernel_name:15s} {warps} warps FAILED: "

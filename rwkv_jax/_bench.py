@@ -211,6 +211,11 @@ FLA_OPS = {
     "rwkv7": ("fla.ops.rwkv7", "chunk_rwkv7", ("r", "w", "k", "v", "a", "b")),
     "rwkv6": ("fla.ops.rwkv6", "chunk_rwkv6", ("r", "k", "v", "w", "u")),
 }
+# fla's fastest RWKV-7 configuration (TF32 tensor cores, in-chunk parts stored for the backward),
+# valid only while every log decay is at least its lower bound; make_case's RWKV-7 decays are.
+FLA_RWKV7_LOWER_BOUND = -0.6065
+FLA_RWKV7_FASTEST = dict(chunk_size=64, safe_gate=True, lower_bound=FLA_RWKV7_LOWER_BOUND,
+                         disable_recompute=True)
 
 
 def fla_unavailable_reason() -> str | None:
@@ -227,8 +232,9 @@ def fla_unavailable_reason() -> str | None:
 
 
 def time_fla(case: Case, dtype_name: str, *, repeats: int, max_seconds: float) -> dict:
-    """Median ms of fla's kernel for ``case``: ``{"fwd": ms, "fwd+bwd": ms}`` (torch's CUDA
-    events around each call; the first calls compile and autotune, untimed)."""
+    """Median ms of fla's kernel for ``case`` (its fastest configuration where the inputs allow):
+    ``{"fwd": ms, "fwd+bwd": ms}`` (torch's CUDA events around each call; the first calls
+    compile and autotune, untimed)."""
     import importlib
     import torch
     module, function, names = FLA_OPS[case.op]
@@ -239,6 +245,8 @@ def time_fla(case: Case, dtype_name: str, *, repeats: int, max_seconds: float) -
     tensors = {n: (t if n == "initial_state" else t.to(dtype)).requires_grad_(True)
                for n, t in tensors.items()}
     options = dict(scale=case.options.get("scale", 1.0), output_final_state=True)
+    if case.op == "rwkv7" and arrays["w"].min() >= FLA_RWKV7_LOWER_BOUND:
+        options.update(FLA_RWKV7_FASTEST)
 
     def forward():
         return fla_op(*(tensors[n] for n in names), initial_state=tensors["initial_state"],

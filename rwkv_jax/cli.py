@@ -567,8 +567,8 @@ def _bench_sizes(args) -> list[tuple]:
     if args.plot:  # a line per backend needs several lengths
         (batch, heads, head_size), lengths = PLOT_SWEEP[platform]
         return [(batch, t, heads, head_size) for t in lengths]
-    if args.quick:
-        return [PRESETS["small"]]
+    if args.quick:  # on a GPU, a size that fills it (smaller ones time the launches)
+        return [PRESETS["small" if platform == "cpu" else "large"]]
     if platform == "cpu":
         return [PRESETS["small"], PRESETS["medium"]]
     return [PRESETS[name] for name in ("small", "medium", "large", "xl")]
@@ -725,7 +725,8 @@ def build_parser() -> argparse.ArgumentParser:
               size_help="problem size (K == V), repeatable; step ops always decode T=1 (default: "
                         "the presets small,medium on a CPU, small..xl on a GPU; with --plot a "
                         "sweep over T)",
-              quick_help=f"the small preset ({size(PRESETS['small'])}), 5 repeats, at most 3 s "
+              quick_help=f"one size: the small preset ({size(PRESETS['small'])}) on a CPU, the "
+                         f"large one ({size(PRESETS['large'])}) on a GPU; 5 repeats, at most 3 s "
                          f"per case")
     bench.add_argument("--preset", type=_names(lambda: tuple(PRESETS)), action="extend",
                        help="size presets: " + ", ".join(f"{k}={','.join(map(str, v))}"

@@ -30,17 +30,20 @@ are): one product per A matrix, its factors referenced to the chunk's middle and
 e^(+-16) (``_middle``). TAME=False builds them level by level, exact for every decay. One
 compiled path per kernel keeps the tame one's registers those of a kernel without the other.
 
-Three kernels, so that only the two recurrences are sequential:
+Three phases, so that only the two recurrences are sequential:
 
 1. forward: one program per (sequence, head, block of V columns) walks its chunks in order,
    keeping H in registers; for the backward it saves H every CHUNKS_PER_STATE chunks and U.
 2. state gradient: the same grid walks the chunks in reverse carrying dH, which needs neither
    H nor U: with dU = b^ dH + A_qb^T dO and dX = (I - A_ab)^-T dU,
    dH_prev = e^g dH + q~^T dO + a~^T dX. It saves dH at the end of every chunk and dX.
-3. gradients: one program per (span of CHUNKS_PER_STATE chunks, head, V block), all at once:
-   from its saved H (advanced over the span with the saved U) and the saved dH, dX, U it
-   forms every input gradient of its chunks, with no recurrence and no inverse. Its tiles
-   are held transposed ([K, C], [V, C]; see the kernel).
+3. gradients: one program per (span of CHUNKS_PER_STATE chunks, head, V block), all at once,
+   from the saved dH, dX, U (and H, advanced over the span with the saved U, where needed):
+   every input gradient of its chunks, with no recurrence and no inverse. Three kernels, each
+   holding part of the tiles: value gradient (dv), key gradient (dk, db and their share of
+   dw) and query gradient (dr, da, dw; the one that needs H); for tame calls up to K=64 one
+   kernel does all three (``rwkv7_tame_gradient_kernel``: fewer reads, measured faster there).
+   Their tiles are held transposed ([K, C], [V, C]; see the kernels).
 
 Sequences are rows [cu[n], cu[n+1]) of the flattened [rows, heads, *] inputs (fixed-length
 batches are the special case cu = arange(B + 1) * T). ``state_index[n]`` is the first slot of
@@ -267,75 +270,162 @@ def _transposed_products(x, y, STRICT: tl.constexpr, C: tl.constexpr, PRECISION:
 
 
 @triton.jit
-def _exact_in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab, dq, da, dk, db,
-                              C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
-    """dq, da, dk, db plus their terms through the four A matrices built level by level (as
-    ``_in_chunk`` builds them), from tiles held transposed ([K, C]) and the A matrices'
-    gradients (masked)."""
+def _exact_row_gradients(k, b, w, dA_qk, dA_qb, dA_ak, dA_ab, dq, da, C: tl.constexpr,
+                         LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """dq, da plus their terms through the four A matrices built level by level (as
+    ``_in_chunk`` builds them; q and a are their rows), from tiles held transposed ([K, C])
+    and the A matrices' gradients (masked)."""
     index = tl.arange(0, C)
     diagonal = index[:, None] == index[None, :]
-    d_qk = tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :]
-    d_qb = tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :]
-    dq += d_qk * k + d_qb * b
-    dk += d_qk * q
-    db += d_qb * q
+    dq += (tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :] * k
+           + tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :] * b)
+    for level in tl.static_range(LEVELS):
+        row, row_strict, column, keep = _level(w, C >> (level + 1), 1, C)
+        k_f = k * column
+        b_f = b * column
+        dq += row * tl.dot(k_f, tl.trans(tl.where(keep, dA_qk, 0.0)), tl.dot(
+            b_f, tl.trans(tl.where(keep, dA_qb, 0.0)), input_precision=PRECISION),
+            input_precision=PRECISION)
+        da += row_strict * tl.dot(k_f, tl.trans(tl.where(keep, dA_ak, 0.0)), tl.dot(
+            b_f, tl.trans(tl.where(keep, dA_ab, 0.0)), input_precision=PRECISION),
+            input_precision=PRECISION)
+    return dq, da
+
+
+@triton.jit
+def _exact_column_gradients(q, a, w, dA_qk, dA_qb, dA_ak, dA_ab, dk, db, C: tl.constexpr,
+                            LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """dk, db plus their terms through the A matrices built level by level (k and b are their
+    columns), as ``_exact_row_gradients``."""
+    index = tl.arange(0, C)
+    diagonal = index[:, None] == index[None, :]
+    dk += tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :] * q
+    db += tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :] * q
     for level in tl.static_range(LEVELS):
         row, row_strict, column, keep = _level(w, C >> (level + 1), 1, C)
         q_f = q * row
         a_f = a * row_strict
-        k_f = k * column
-        b_f = b * column
-        kept_qk = tl.where(keep, dA_qk, 0.0)
-        kept_qb = tl.where(keep, dA_qb, 0.0)
-        kept_ak = tl.where(keep, dA_ak, 0.0)
-        kept_ab = tl.where(keep, dA_ab, 0.0)
-        dq += row * tl.dot(k_f, tl.trans(kept_qk), tl.dot(b_f, tl.trans(kept_qb),
-                                                           input_precision=PRECISION),
-                           input_precision=PRECISION)
-        da += row_strict * tl.dot(k_f, tl.trans(kept_ak), tl.dot(
-            b_f, tl.trans(kept_ab), input_precision=PRECISION), input_precision=PRECISION)
-        dk += column * tl.dot(q_f, kept_qk, tl.dot(a_f, kept_ak, input_precision=PRECISION),
-                              input_precision=PRECISION)
-        db += column * tl.dot(q_f, kept_qb, tl.dot(a_f, kept_ab, input_precision=PRECISION),
-                              input_precision=PRECISION)
-    return dq, da, dk, db
+        dk += column * tl.dot(q_f, tl.where(keep, dA_qk, 0.0), tl.dot(
+            a_f, tl.where(keep, dA_ak, 0.0), input_precision=PRECISION),
+            input_precision=PRECISION)
+        db += column * tl.dot(q_f, tl.where(keep, dA_qb, 0.0), tl.dot(
+            a_f, tl.where(keep, dA_ab, 0.0), input_precision=PRECISION),
+            input_precision=PRECISION)
+    return dk, db
 
 
 @triton.jit
-def rwkv7_backward_kernel(
-    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, states_ptr, u_ptr, dstates_ptr, dx_ptr,
-    cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,               # inputs
-    dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr,                            # outputs
-    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
-    SEQUENCES: tl.constexpr,
-    CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr, ROWS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Grid (span slots, HEADS, V blocks). dr, dw, dk, da, db: [rows, HEADS, K], or float32
-    partial sums [V blocks, ROWS, HEADS, K] when ROWS > 0 (several V blocks); dv [rows, HEADS,
-    V]. A program's chunks: dO, dH at their end and dX give every gradient term (the products
-    of the forward are the A matrices' and the state's).
-
-    Tiles are held transposed, [K, C] and [V, C], so that the products with the states and
-    with the [C, C] matrices have K or V (64 or more) rows, which Hopper's warpgroup MMA takes
-    from shared memory: fewer registers than the [C, *] orientation of the sequential kernels
-    (measured on an H100 at B=8, T=4096, H=64, K=V=64: 13.8 -> 10.7 ms)."""
+def _span(slot_sequence_ptr, state_index_ptr, cu_ptr, HEADS: tl.constexpr, K: tl.constexpr,
+          V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+          TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr):
+    """A gradient program's span (grid: span slots, HEADS, V blocks): its sequence, tiles and
+    masks, the sequence's rows and its span's chunks [c, last) (none for an unused slot)."""
     slot = tl.program_id(0)
-    head = tl.program_id(1)
-    v_block = tl.program_id(2)
     sequence = tl.load(slot_sequence_ptr + slot)
     used = sequence >= 0
     sequence = clamped(sequence, SEQUENCES)
     v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
-        sequence, head, v_block, cu_ptr, HEADS, K, V, BK, BV, C, True)
+        sequence, tl.program_id(1), tl.program_id(2), cu_ptr, HEADS, K, V, BK, BV, C, True)
     start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
     c = tl.maximum((slot - tl.load(state_index_ptr + sequence)) * CHUNKS_PER_STATE, 0)
     last = tl.where(used, tl.minimum(c + CHUNKS_PER_STATE, chunks), c)
+    return (sequence, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end,
+            c, last)
+
+
+@triton.jit
+def _in_chunk_gradients(do, v, u, dx, PRECISION: tl.constexpr, C: tl.constexpr):
+    """The A matrices' gradients: O = q~ H + A_qk V + A_qb U and X = A_ak V + a~ H."""
+    return (_transposed_products(do, v, False, C, PRECISION),
+            _transposed_products(do, u, False, C, PRECISION),
+            _transposed_products(dx, v, True, C, PRECISION),
+            _transposed_products(dx, u, True, C, PRECISION))
+
+
+@triton.jit
+def _dh(dstates_ptr, first_chunk_slot, c, head, state_mask, v_cols, HEADS: tl.constexpr,
+        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK_SLOTS: tl.constexpr):
+    """The saved gradient of the state at the end of chunk c."""
+    return tl.load(dstates_ptr + state_offsets(clamped(first_chunk_slot + c, CHUNK_SLOTS), head,
+                                               HEADS, K, V, BK, v_cols),
+                   mask=state_mask, other=0.0)
+
+
+# The gradient kernels: one program per (span slot, head, V block), all at once (see the module
+# docstring), in three kernels so that none holds every tile (one kernel held 255 registers and
+# spilled 636 B at K=V=64; these: dv 163 registers, key side 255 and query side 255 with at
+# most 4 B of spills). Their tiles are held transposed, [K, C] and [V, C], so that the products
+# with the states and with the [C, C] matrices have K or V (64 or more) rows, which Hopper's
+# warpgroup MMA takes from shared memory (fewer registers than the [C, *] orientation).
+# Layouts: dv [rows, HEADS, V]; the K-side gradients (dr, dw, dk, da, db) [rows, HEADS, K], or
+# float32 partial sums [V blocks, ROWS, HEADS, K] when ROWS > 0 (several V blocks).
+
+@triton.jit
+def rwkv7_value_gradient_kernel(
+    r_ptr, w_ptr, k_ptr, a_ptr, do_ptr, dstates_ptr, dx_ptr,
+    cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,               # inputs
+    dv_ptr,                                                                    # output
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """dV = k^ dH + A_qk^T dO + A_ak^T dX, the A matrices built as the forward builds them."""
+    (sequence, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end,
+     c, last) = _span(slot_sequence_ptr, state_index_ptr, cu_ptr, HEADS, K, V, BK, BV, C,
+                      TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
+    head = tl.program_id(1)
     first_chunk_slot = tl.load(chunk_index_ptr + sequence)
-    h = tl.load(states_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols),
-                mask=state_mask & used, other=0.0)
+    while c < last:
+        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
+                                                HEADS, K, V, C, True)
+        do = rows(do_ptr, v_base, v_tile, v_in)
+        dx = rows(dx_ptr, v_base, v_tile, v_in)
+        q = rows(r_ptr, k_base, k_tile, k_in) * scale
+        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+        k = rows(k_ptr, k_base, k_tile, k_in)
+        a = rows(a_ptr, k_base, k_tile, k_in)
+        gi, ge, g_end, to_end = _decays(w, 1)
+        dh = _dh(dstates_ptr, first_chunk_slot, c, head, state_mask, v_cols, HEADS, K, V, BK,
+                 CHUNK_SLOTS)
+        if TAME:  # no floored decay, |gi| <= 16: the plain difference is precise, fewer registers
+            to_end = g_end[:, None] - gi
+        dv = tl.dot(tl.trans(dh), k * tl.exp(to_end), input_precision=PRECISION)
+        if TAME:  # the factored tiles of the A matrices
+            middle = _middle(gi, 1, C)
+            k_f = k * tl.exp(middle - gi)
+            dv = tl.dot(do, _transposed_products(q * tl.exp(gi - middle), k_f, False, C,
+                                                 PRECISION), dv, input_precision=PRECISION)
+            dv = tl.dot(dx, _transposed_products(a * tl.exp(ge - middle), k_f, True, C,
+                                                 PRECISION), dv, input_precision=PRECISION)
+        else:  # ([C, K] tiles; k stands in for b, not needed)
+            A_qk, _, A_ak, _ = _in_chunk(tl.trans(q), tl.trans(k), tl.trans(a), tl.trans(k),
+                                         tl.trans(w), False, C, LEVELS, PRECISION)
+            dv = tl.dot(do, A_qk, dv, input_precision=PRECISION)
+            dv = tl.dot(dx, A_ak, dv, input_precision=PRECISION)
+        tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
+        c += 1
+
+
+@triton.jit
+def rwkv7_key_gradient_kernel(
+    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dstates_ptr, dx_ptr,
+    cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,               # inputs
+    dk_ptr, db_ptr, dw_part_ptr,                                               # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
+    ROWS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dk, db (the columns of the A matrices, and k^, b^ of the state's update) and their
+    share of dw, dw_part (float32 always; ``rwkv7_query_gradient_kernel`` finishes dw)."""
+    (sequence, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end,
+     c, last) = _span(slot_sequence_ptr, state_index_ptr, cu_ptr, HEADS, K, V, BK, BV, C,
+                      TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
+    head = tl.program_id(1)
+    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
     while c < last:
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, True)
@@ -343,11 +433,7 @@ def rwkv7_backward_kernel(
         do = rows(do_ptr, v_base, v_tile, v_in)
         u = rows(u_ptr, v_base, v_tile, v_in)
         dx = rows(dx_ptr, v_base, v_tile, v_in)
-        # The A matrices' gradients: O = q~ H + A_qk V + A_qb U and X = A_ak V + a~ H.
-        dA_qk = _transposed_products(do, v, False, C, PRECISION)
-        dA_qb = _transposed_products(do, u, False, C, PRECISION)
-        dA_ak = _transposed_products(dx, v, True, C, PRECISION)
-        dA_ab = _transposed_products(dx, u, True, C, PRECISION)
+        dA_qk, dA_qb, dA_ak, dA_ab = _in_chunk_gradients(do, v, u, dx, PRECISION, C)
         q = rows(r_ptr, k_base, k_tile, k_in) * scale
         w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
         k = rows(k_ptr, k_base, k_tile, k_in)
@@ -357,42 +443,17 @@ def rwkv7_backward_kernel(
         if TAME:  # no floored decay, |gi| <= 16: the plain difference is precise, fewer registers
             to_end = g_end[:, None] - gi
         to_end = tl.exp(to_end)
-        if TAME:  # the factored tiles of A_qk, A_ak, kept for the gradients below
-            middle = _middle(gi, 1, C)
-            column = tl.exp(middle - gi)
-            q_f = q * tl.exp(gi - middle)
-            a_f = a * tl.exp(ge - middle)
-            k_f = k * column
-        # dV = k^ dH + A_qk^T dO + A_ak^T dX, the A matrices built as the forward builds them
-        dh = tl.load(dstates_ptr + state_offsets(clamped(first_chunk_slot + c, CHUNK_SLOTS),
-                                                  head, HEADS, K, V, BK, v_cols),
-                     mask=state_mask, other=0.0)
-        dv = tl.dot(tl.trans(dh), k * to_end, input_precision=PRECISION)
-        if TAME:  # (products inside the dots: sm_90 spills 636 B, 700 with them formed first)
-            dv = tl.dot(do, _transposed_products(q_f, k_f, False, C, PRECISION), dv,
-                        input_precision=PRECISION)
-            dv = tl.dot(dx, _transposed_products(a_f, k_f, True, C, PRECISION), dv,
-                        input_precision=PRECISION)
-        else:  # ([C, K] tiles; k stands in for b, not needed)
-            A_qk, _, A_ak, _ = _in_chunk(tl.trans(q), tl.trans(k), tl.trans(a), tl.trans(k),
-                                         tl.trans(w), False, C, LEVELS, PRECISION)
-            dv = tl.dot(do, A_qk, dv, input_precision=PRECISION)
-            dv = tl.dot(dx, A_ak, dv, input_precision=PRECISION)
-        tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
         # H' = e^g H + k^T V + b^T U, with k^ = k e^(g - gi), b^ = b e^(g - gi).
+        dh = _dh(dstates_ptr, first_chunk_slot, c, head, state_mask, v_cols, HEADS, K, V, BK,
+                 CHUNK_SLOTS)
         dk_state = tl.dot(dh, v, input_precision=PRECISION) * to_end
         db_state = tl.dot(dh, u, input_precision=PRECISION) * to_end
-        dg_end = tl.exp(g_end) * tl.sum(h * dh, axis=1) + tl.sum(dk_state * k + db_state * b,
-                                                                  axis=1)
-        # The terms of q~ H and a~ H, and those through the four A matrices.
-        dq = tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi)
-        da = tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
-        if TAME:
-            b_f = b * column
-            dq += tl.exp(gi - middle) * tl.dot(k_f, tl.trans(dA_qk), tl.dot(
-                b_f, tl.trans(dA_qb), input_precision=PRECISION), input_precision=PRECISION)
-            da += tl.exp(ge - middle) * tl.dot(k_f, tl.trans(dA_ak), tl.dot(
-                b_f, tl.trans(dA_ab), input_precision=PRECISION), input_precision=PRECISION)
+        dg_end = tl.sum(dk_state * k + db_state * b, axis=1)
+        if TAME:  # the factored tiles of the A matrices
+            middle = _middle(gi, 1, C)
+            q_f = q * tl.exp(gi - middle)
+            a_f = a * tl.exp(ge - middle)
+            column = tl.exp(middle - gi)
             dk = dk_state + column * tl.dot(q_f, dA_qk, tl.dot(a_f, dA_ak,
                                                                 input_precision=PRECISION),
                                             input_precision=PRECISION)
@@ -400,20 +461,169 @@ def rwkv7_backward_kernel(
                                                                 input_precision=PRECISION),
                                             input_precision=PRECISION)
         else:
-            dq, da, dk, db = _exact_in_chunk_gradients(q, k, a, b, w, dA_qk, dA_qb, dA_ak, dA_ab,
-                                                       dq, da, dk_state, db_state, C, LEVELS,
-                                                       PRECISION)
+            dk, db = _exact_column_gradients(q, a, w, dA_qk, dA_qb, dA_ak, dA_ab, dk_state,
+                                             db_state, C, LEVELS, PRECISION)
+        # k_i, b_i enter a chunk only as x_i e^-gi_i (the e^g of k^ and b^ is in dg_end): their
+        # share of the gradient of gi is -k dk - b db (dw: see the query-side kernel).
+        dw = tl.cumsum(-(k * dk + b * db), axis=1, reverse=True) + dg_end[:, None]
+        if ROWS > 0:  # several V blocks: this one's partial sums of the K-side gradients
+            k_base += tl.program_id(2).to(tl.int64) * (ROWS * HEADS * K)
+        tl.store(dk_ptr + k_base + k_tile, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
+        tl.store(db_ptr + k_base + k_tile, db.to(db_ptr.dtype.element_ty), mask=k_in)
+        tl.store(dw_part_ptr + k_base + k_tile, dw, mask=k_in)
+        c += 1
+
+
+@triton.jit
+def rwkv7_query_gradient_kernel(
+    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, states_ptr, u_ptr, dstates_ptr, dx_ptr,
+    dw_part_ptr, cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,  # inputs
+    dr_ptr, dw_ptr, da_ptr,                                                    # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    SEQUENCES: tl.constexpr,
+    CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr, ROWS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """dr, da (the rows of the A matrices, and q~ H, a~ H) and dw, finished from the key
+    side's share dw_part: the kernel that needs the state H, its saved H advanced over the
+    span with the saved U."""
+    (sequence, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end,
+     c, last) = _span(slot_sequence_ptr, state_index_ptr, cu_ptr, HEADS, K, V, BK, BV, C,
+                      TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
+    head = tl.program_id(1)
+    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
+    h = tl.load(states_ptr + state_offsets(tl.program_id(0), head, HEADS, K, V, BK, v_cols),
+                mask=state_mask & used, other=0.0)
+    while c < last:
+        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
+                                                HEADS, K, V, C, True)
+        v = rows(v_ptr, v_base, v_tile, v_in)
+        do = rows(do_ptr, v_base, v_tile, v_in)
+        u = rows(u_ptr, v_base, v_tile, v_in)
+        dx = rows(dx_ptr, v_base, v_tile, v_in)
+        dA_qk, dA_qb, dA_ak, dA_ab = _in_chunk_gradients(do, v, u, dx, PRECISION, C)
+        q = rows(r_ptr, k_base, k_tile, k_in) * scale
+        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+        k = rows(k_ptr, k_base, k_tile, k_in)
+        a = rows(a_ptr, k_base, k_tile, k_in)
+        b = rows(b_ptr, k_base, k_tile, k_in)
+        gi, ge, g_end, to_end = _decays(w, 1)
+        # The terms of q~ H and a~ H, and those through the four A matrices.
+        dq = tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi)
+        da = tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
+        if TAME:
+            middle = _middle(gi, 1, C)
+            column = tl.exp(middle - gi)
+            k_f = k * column
+            b_f = b * column
+            dq += tl.exp(gi - middle) * tl.dot(k_f, tl.trans(dA_qk), tl.dot(
+                b_f, tl.trans(dA_qb), input_precision=PRECISION), input_precision=PRECISION)
+            da += tl.exp(ge - middle) * tl.dot(k_f, tl.trans(dA_ak), tl.dot(
+                b_f, tl.trans(dA_ab), input_precision=PRECISION), input_precision=PRECISION)
+        else:
+            dq, da = _exact_row_gradients(k, b, w, dA_qk, dA_qb, dA_ak, dA_ab, dq, da, C, LEVELS,
+                                          PRECISION)
         # In a chunk q_t enters only as q_t e^gi_t, a_t as a_t e^ge_t, and k_i, b_i as
-        # x_i e^-gi_i (the e^g of k^ and b^ is in dg_end): the gradients of gi and ge are
-        # q dq - k dk - b db and a da. gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t, g = gi_C.
+        # x_i e^-gi_i (their share, -k dk - b db, and the e^g of k^ and b^ are in dw_part):
+        # the gradients of gi and ge are q dq (- k dk - b db) and a da, and e^g H adds
+        # e^g sum(H dH) to that of g. gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t, g = gi_C.
         # A log decay raised to FLOOR has gradient 0.
+        dh = _dh(dstates_ptr, first_chunk_slot, c, head, state_mask, v_cols, HEADS, K, V, BK,
+                 CHUNK_SLOTS)
+        dg_end = tl.exp(g_end) * tl.sum(h * dh, axis=1)
+        if not TAME:  # (a tame call has no decay below FLOOR)
+            floored = rows(w_ptr, k_base, k_tile, k_in) < FLOOR
+        if ROWS > 0:  # several V blocks: this one's partial sums of the K-side gradients
+            k_base += tl.program_id(2).to(tl.int64) * (ROWS * HEADS * K)
+        d_ge = a * da
+        dw = (tl.load(dw_part_ptr + k_base + k_tile, mask=k_in, other=0.0)
+              + tl.cumsum(q * dq + d_ge, axis=1, reverse=True) - d_ge + dg_end[:, None])
+        if not TAME:
+            dw = tl.where(floored, 0.0, dw)
+        tl.store(dr_ptr + k_base + k_tile, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
+        tl.store(dw_ptr + k_base + k_tile, dw.to(dw_ptr.dtype.element_ty), mask=k_in)
+        tl.store(da_ptr + k_base + k_tile, da.to(da_ptr.dtype.element_ty), mask=k_in)
+        if CHUNKS_PER_STATE > 1:
+            to_end = tl.exp(to_end)
+            h = tl.dot(k * to_end, tl.trans(v), tl.exp(g_end)[:, None] * h,
+                       input_precision=PRECISION)
+            h = tl.dot(b * to_end, tl.trans(u), h, input_precision=PRECISION)
+        c += 1
+
+
+@triton.jit
+def rwkv7_tame_gradient_kernel(
+    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, states_ptr, u_ptr, dstates_ptr, dx_ptr,
+    cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,               # inputs
+    dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr,                            # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+    TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
+    CHUNKS_PER_STATE: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The three gradient kernels above in one, for tame calls only (their TAME path): it
+    reads every input once instead of up to three times, and at K=V=64 that outweighs its
+    spills (255 registers, 636 B at 4 warps; H100, B=8, T=4096, H=64, bf16: fwd+bwd 18.55 ms,
+    20.27 with the three kernels). At K=128 its spills cost more (65.8 ms against 49.6).
+    Same arithmetic, in the same order, as the three kernels' tame paths."""
+    (sequence, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end,
+     c, last) = _span(slot_sequence_ptr, state_index_ptr, cu_ptr, HEADS, K, V, BK, BV, C,
+                      TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
+    head = tl.program_id(1)
+    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
+    h = tl.load(states_ptr + state_offsets(tl.program_id(0), head, HEADS, K, V, BK, v_cols),
+                mask=state_mask & used, other=0.0)
+    while c < last:
+        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
+                                                HEADS, K, V, C, True)
+        v = rows(v_ptr, v_base, v_tile, v_in)
+        do = rows(do_ptr, v_base, v_tile, v_in)
+        u = rows(u_ptr, v_base, v_tile, v_in)
+        dx = rows(dx_ptr, v_base, v_tile, v_in)
+        dA_qk, dA_qb, dA_ak, dA_ab = _in_chunk_gradients(do, v, u, dx, PRECISION, C)
+        q = rows(r_ptr, k_base, k_tile, k_in) * scale
+        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+        k = rows(k_ptr, k_base, k_tile, k_in)
+        a = rows(a_ptr, k_base, k_tile, k_in)
+        b = rows(b_ptr, k_base, k_tile, k_in)
+        gi, ge, g_end, _ = _decays(w, 1)
+        to_end = tl.exp(g_end[:, None] - gi)  # (|gi| <= 16: the plain difference is precise)
+        middle = _middle(gi, 1, C)
+        column = tl.exp(middle - gi)
+        q_f = q * tl.exp(gi - middle)
+        a_f = a * tl.exp(ge - middle)
+        k_f = k * column
+        dh = _dh(dstates_ptr, first_chunk_slot, c, head, state_mask, v_cols, HEADS, K, V, BK,
+                 CHUNK_SLOTS)
+        # (products inside the dots: sm_90 spills 636 B, 700 with them formed first)
+        dv = tl.dot(tl.trans(dh), k * to_end, input_precision=PRECISION)
+        dv = tl.dot(do, _transposed_products(q_f, k_f, False, C, PRECISION), dv,
+                    input_precision=PRECISION)
+        dv = tl.dot(dx, _transposed_products(a_f, k_f, True, C, PRECISION), dv,
+                    input_precision=PRECISION)
+        tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
+        dk_state = tl.dot(dh, v, input_precision=PRECISION) * to_end
+        db_state = tl.dot(dh, u, input_precision=PRECISION) * to_end
+        dg_end = tl.exp(g_end) * tl.sum(h * dh, axis=1) + tl.sum(dk_state * k + db_state * b,
+                                                                  axis=1)
+        dq = tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi)
+        da = tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
+        b_f = b * column
+        dq += tl.exp(gi - middle) * tl.dot(k_f, tl.trans(dA_qk), tl.dot(
+            b_f, tl.trans(dA_qb), input_precision=PRECISION), input_precision=PRECISION)
+        da += tl.exp(ge - middle) * tl.dot(k_f, tl.trans(dA_ak), tl.dot(
+            b_f, tl.trans(dA_ab), input_precision=PRECISION), input_precision=PRECISION)
+        dk = dk_state + column * tl.dot(q_f, dA_qk, tl.dot(a_f, dA_ak, input_precision=PRECISION),
+                                        input_precision=PRECISION)
+        db = db_state + column * tl.dot(q_f, dA_qb, tl.dot(a_f, dA_ab, input_precision=PRECISION),
+                                        input_precision=PRECISION)
         d_ge = a * da
         dw = (tl.cumsum(q * dq - k * dk - b * db + d_ge, axis=1, reverse=True) - d_ge
               + dg_end[:, None])
-        if not TAME:  # (a tame call has no decay below FLOOR)
-            dw = tl.where(rows(w_ptr, k_base, k_tile, k_in) < FLOOR, 0.0, dw)
         if ROWS > 0:  # several V blocks: this one's partial sums of the K-side gradients
-            k_base += v_block.to(tl.int64) * (ROWS * HEADS * K)
+            k_base += tl.program_id(2).to(tl.int64) * (ROWS * HEADS * K)
         tl.store(dr_ptr + k_base + k_tile, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
         tl.store(dw_ptr + k_base + k_tile, dw.to(dw_ptr.dtype.element_ty), mask=k_in)
         tl.store(dk_ptr + k_base + k_tile, dk.to(dk_ptr.dtype.element_ty), mask=k_in)

@@ -49,6 +49,8 @@ class KernelConfig:
     # Calls whose every log decay is >= -TAME_SUM / CHUNK take the kernels' tame path (one
     # product per A matrix); False: every call level by level (exact for every decay either way).
     tame: bool = True
+    # The tame path's gradients in one kernel (rwkv7_tame_gradient_kernel) rather than three.
+    fused_tame_gradient: bool = False
 
 
 def _pow2_at_least(n, floor=16):
@@ -57,13 +59,15 @@ def _pow2_at_least(n, floor=16):
 
 def default_config(k_size: int, v_size: int) -> KernelConfig:
     block_k, block_v = _pow2_at_least(k_size), _pow2_at_least(v_size)
-    # Measured on an H100 at K=V=64 (BENCHMARKS.md): every kernel is fastest with 4 warps, and
-    # the gradient kernel must keep 4: with 8, Triton 3.6 miscompiled its transposed products
-    # there (dv wrong; it was also slower, 16.0 ms against 10.7). A state every 8 chunks beats
-    # every 1, 2 or 4 (fewer saved states, and the span's walk costs little).
+    # Measured on an H100 (BENCHMARKS.md): every kernel is fastest with 4 warps at K=V=64, and
+    # the gradient kernels must keep 4: with 8, Triton 3.6 miscompiles the products of dv (wrong
+    # dv at K=64 and K=128; slower too). A state every 8 chunks beats every 1, 2 or 4 (fewer
+    # saved states, and the span's walk costs little). The tame path's gradients in one kernel
+    # up to K=64 (18.55 ms against 20.27 in three at K=V=64), in three from K=128 on (49.6
+    # against 65.8 ms), as on the exact path (K=64: 35.4 against 40.5).
     warps = 8 if block_k * block_v > 64 * 64 else 4
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=warps,
-                        backward_warps=4)
+                        backward_warps=4, fused_tame_gradient=block_k <= 64)
 
 
 # (K, V) -> KernelConfig, to try other settings (benchmarks/gpu_rwkv7.py) without editing code.
@@ -212,30 +216,48 @@ def _gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dht):
         num_stages=static.config.stages, TOTAL_ROWS=rows,
         CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK), TAME=TAME,
         **static.constexprs(*_SHAPES, "INVERSE_PRECISION"))
-    # 2. Every input gradient, one program per (span, head, V block), all at once.
+    # 2. Every input gradient, one program per (span, head, V block), all at once: in three
+    # kernels (none holds every tile: dv; dk, db and dw's share through them; dr, da and dw),
+    # or on the tame path in one (KernelConfig.fused_tame_gradient).
     spans, state_index = _first_slots(cu, static.span)
     slots = _slot_count(rows, sequences, static.span)
     slot_sequence = _slot_sequences(spans, state_index, slots)
     v_blocks = static.grid(sequences)[1]
     # K-side gradients sum over V: with several V blocks each writes a float32 partial sum.
+    partial = (rows, static.heads, static.k_size) if v_blocks == 1 else (
+        (v_blocks, rows, static.heads, static.k_size))
     if v_blocks == 1:
-        k_grad = lambda x: jax.ShapeDtypeStruct((rows, static.heads, static.k_size), x.dtype)
+        k_grad = lambda x: jax.ShapeDtypeStruct(partial, x.dtype)
         reduce = lambda g, x: g
     else:
-        k_grad = lambda x: jax.ShapeDtypeStruct((v_blocks, rows, static.heads, static.k_size),
-                                                jnp.float32)
+        k_grad = lambda x: jax.ShapeDtypeStruct(partial, jnp.float32)
         reduce = lambda g, x: g.sum(0).astype(x.dtype)
-    dr, dw, dk, dv, da, db = _launch.launch(
-        _kernels.rwkv7_backward_kernel,
-        (r, w, k, v, a, b, do, states, u, dstates, dx, cu, state_index, chunk_index,
-         slot_sequence),
-        (k_grad(r), k_grad(w), k_grad(k), jax.ShapeDtypeStruct(v.shape, v.dtype),
-         k_grad(a), k_grad(b)),
-        (slots, static.heads, v_blocks), num_warps=static.config.backward_warps,
-        num_stages=static.config.stages,
-        ROWS=rows if v_blocks > 1 else 0,  # (0: one V block; no recompile per length)
+    index = (cu, state_index, chunk_index, slot_sequence)
+    dv_shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
+    launch = lambda kernel, inputs, outputs, **more: _launch.launch(
+        kernel, inputs, outputs, (slots, static.heads, v_blocks),
+        num_warps=static.config.backward_warps, num_stages=static.config.stages,
         TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
-        TAME=TAME, **static.constexprs(*_SHAPES, "CHUNKS_PER_STATE"))
+        **static.constexprs("scale", "HEADS", "K", "V", "BK", "BV", "C", "FLOOR", "PRECISION",
+                            "CHUNKS_PER_STATE"), **more)
+    rows_option = rows if v_blocks > 1 else 0  # (0: one V block; no recompile per length)
+    if TAME and static.config.fused_tame_gradient:
+        dr, dw, dk, dv, da, db = launch(
+            _kernels.rwkv7_tame_gradient_kernel,
+            (r, w, k, v, a, b, do, states, u, dstates, dx, *index),
+            (k_grad(r), k_grad(w), k_grad(k), dv_shape, k_grad(a), k_grad(b)), ROWS=rows_option)
+    else:
+        paths = dict(TAME=TAME, LEVELS=LEVELS)
+        (dv,) = launch(_kernels.rwkv7_value_gradient_kernel,
+                       (r, w, k, a, do, dstates, dx, *index), (dv_shape,), **paths)
+        dk, db, dw_part = launch(
+            _kernels.rwkv7_key_gradient_kernel, (r, w, k, v, a, b, do, u, dstates, dx, *index),
+            (k_grad(k), k_grad(b), jax.ShapeDtypeStruct(partial, jnp.float32)),
+            ROWS=rows_option, **paths)
+        dr, dw, da = launch(
+            _kernels.rwkv7_query_gradient_kernel,
+            (r, w, k, v, a, b, do, states, u, dstates, dx, dw_part, *index),
+            (k_grad(r), k_grad(w), k_grad(a)), ROWS=rows_option, **paths)
     return (reduce(dr, r), reduce(dw, w), reduce(dk, k), dv, reduce(da, a), reduce(db, b), dh0,
             None)
 
