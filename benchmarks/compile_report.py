@@ -64,12 +64,15 @@ def main():
     parser.add_argument("--key", type=int, default=64)
     parser.add_argument("--value", type=int, default=64)
     parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--chunk", type=int, default=16, help="gla family: tokens per chunk")
+    parser.add_argument("--block-v", type=int, default=64,
+                        help="the most V columns a program takes")
     parser.add_argument("--family", choices=("rwkv7", "gla"), default="rwkv7")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
     args = parser.parse_args()
     bk = max(16, 1 << (args.key - 1).bit_length())
-    bv = min(64, max(16, 1 << (args.value - 1).bit_length()))
+    bv = min(args.block_v, max(16, 1 << (args.value - 1).bit_length()))
     v_blocks = -(-args.value // bv)
     rows, spans = 8 * 4096, 8 * 4096 // (16 * 8) + 8
     shapes = dict(scale=1.0, HEADS=64, K=args.key, V=args.value, BK=bk, BV=bv, C=16, LEVELS=4,
@@ -98,7 +101,8 @@ def main():
          {n: x for n, x in gradient.items() if n != "LEVELS"}),
     ]
     if args.family == "gla":
-        kernels = gla_kernels(shapes, inputs, v_blocks, args.bonus)
+        kernels = gla_kernels(dict(shapes, C=args.chunk, LEVELS=args.chunk.bit_length() - 1),
+                              inputs, v_blocks, args.bonus)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
     # RWKV-7: each kernel's two compiled paths (TAME=True for model-range decays, the exact one).
     paths = ((True, "tame"), (False, "exact")) if args.family == "rwkv7" else ((None, ""),)
@@ -117,7 +121,7 @@ def gla_kernels(shapes, inputs, v_blocks, bonus):
     """GLA (key gate only, as benchmarked) or RWKV-6: the pointer types and constexprs."""
     inputs.update(q_ptr=inputs["r_ptr"], dq_ptr=inputs["dr_ptr"], da_ptr="*fp32", db_ptr="*fp32",
                   du_ptr="*fp32")
-    shapes = {n: x for n, x in shapes.items() if n not in ("LEVELS", "TOTAL_ROWS")}  # RWKV-7's
+    shapes = {n: x for n, x in shapes.items() if n != "TOTAL_ROWS"}  # RWKV-7's
     shapes = dict(shapes, ROWS=8 * 4096, HAS_A=True, HAS_B=False, BONUS=bonus, REVERSE=False,
                   FLOOR=-128.0)
     return [

@@ -267,6 +267,7 @@ SHAPES = [("rwkv6", 64, 64), ("gated_linear_attention", 64, 64),
 
 
 def benchmark(deadline, out_dir, with_fla, shapes, sweep):
+    prepared = []
     for op, heads, size in shapes:
         batch, steps = 8, 4096
         shape = f"H={heads} K=V={size}"
@@ -274,26 +275,26 @@ def benchmark(deadline, out_dir, with_fla, shapes, sweep):
         log(f"benchmark {op}: B={batch} T={steps} {shape} bf16")
         ref = float64_slice(op, x, d_out, d_state)
         x_jax = {n: jax.dlpack.from_dlpack(t) for n, t in x.items()}
-        contenders = ([("fla", bench_fla, x, d_out)] if with_fla else []) + [
-            ("ours", bench_ours, x_jax, jax.dlpack.from_dlpack(d_out))]
-        for label, fn, inputs, cotangent in contenders:
-            cap = 200 if label == "fla" else 120
-            row = attempt(fn, f"{label} {op} {shape}", deadline, cap, op, inputs, cotangent,
-                          d_state if label == "fla" else jax.dlpack.from_dlpack(d_state), ref)
-            if row is None:
-                continue
-            record(row, op, shape, out_dir)
-        for spacing in (sweep if size == 64 else ()):  # other spacings of the saved states
-            default, triton_backend.GLA_CHUNKS_PER_STATE = (triton_backend.GLA_CHUNKS_PER_STATE,
-                                                            spacing)
-            try:
-                row = attempt(bench_ours, f"ours {op} {shape} spacing {spacing}", deadline, 60,
-                              op, x_jax, jax.dlpack.from_dlpack(d_out),
-                              jax.dlpack.from_dlpack(d_state), ref)
-            finally:
-                triton_backend.GLA_CHUNKS_PER_STATE = default
+        ours = (x_jax, jax.dlpack.from_dlpack(d_out), jax.dlpack.from_dlpack(d_state), ref)
+        prepared.append((op, shape, ours))
+        contenders = ([("fla", bench_fla, (x, d_out, d_state, ref))] if with_fla else []) + [
+            ("ours", bench_ours, ours)]
+        for label, fn, inputs in contenders:
+            row = attempt(fn, f"{label} {op} {shape}", deadline, 200 if label == "fla" else 120,
+                          op, *inputs)
             if row is not None:
-                row["name"] += f" (state every {spacing} chunks)"
+                record(row, op, shape, out_dir)
+    # Other kernel settings (the backend's GLA_OVERRIDES), after every shape's defaults.
+    for overrides in sweep:
+        for op, shape, ours in prepared:
+            triton_backend.GLA_OVERRIDES.update(overrides)
+            try:
+                row = attempt(bench_ours, f"ours {op} {shape} {overrides}", deadline, 60, op,
+                              *ours)
+            finally:
+                triton_backend.GLA_OVERRIDES.clear()
+            if row is not None:
+                row["name"] += " " + ",".join(f"{k}={v}" for k, v in overrides.items())
                 record(row, op, shape, out_dir)
 
 
@@ -314,8 +315,9 @@ def main():
                         help="how many of the correctness checks to run (0: none)")
     parser.add_argument("--no-fla", action="store_true", help="time ours only")
     parser.add_argument("--shapes", default="0,1,2,3", help="which of SHAPES to benchmark")
-    parser.add_argument("--sweep", default="", help="e.g. '4,16': at K=64 also time ours with "
-                        "the state saved every this many chunks (default 8)")
+    parser.add_argument("--sweep", default="", help="also time ours with other settings, e.g. "
+                        "'backward_warps=4;block_v=32,backward_warps=16' (fields of the "
+                        "backend's _GlaStatic)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     open_log(os.path.join(args.out, "gpu_gla.log"))
@@ -328,7 +330,8 @@ def main():
                 seed)
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",") if i]
     benchmark(deadline, args.out, not args.no_fla, shapes,
-              [int(n) for n in args.sweep.split(",") if n])
+              [{k: int(v) for k, v in (pair.split("=") for pair in item.split(","))}
+               for item in args.sweep.split(";") if item])
     log("\ncorrectness: " + ", ".join(f"{c['name']}: {'ok' if c['ok'] else 'FAIL'}"
                                       for c in results["correctness"]))
     log(f"\nB=8 T=4096 bf16 on {gpu}")

@@ -101,3 +101,33 @@ def clamped_rows(start, end, TOTAL_ROWS: tl.constexpr, C: tl.constexpr):
 def clamped(index, COUNT: tl.constexpr):
     """An index into a buffer of COUNT entries, clamped into it."""
     return tl.minimum(tl.maximum(index, 0), COUNT - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# In-chunk pairwise factors built level by level (RWKV-7, GLA / RWKV-6): every factor <= 1.
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def level_factors(w, S: tl.constexpr, AXIS: tl.constexpr, C: tl.constexpr):
+    """Level S of a chunk's exact pairwise factors (rwkv7.py's docstring): rows t of each odd
+    segment of S steps meet columns i of the even segment before it. Returns e^(gi_t - gi_b) and
+    e^(ge_t - gi_b) (rows) and e^(gi_b - gi_i) (columns), all <= 1 (sums of log decays within
+    a segment, never differences of large cumulative sums), and keep[t, i] for those pairs."""
+    if AXIS == 0:
+        segments = tl.reshape(w, [C // S, S, w.shape[1]])
+        inclusive = tl.reshape(tl.cumsum(segments, axis=1), w.shape)
+        after = tl.reshape(tl.cumsum(segments, axis=1, reverse=True), w.shape) - w
+    else:
+        segments = tl.reshape(w, [w.shape[0], C // S, S])
+        inclusive = tl.reshape(tl.cumsum(segments, axis=2), w.shape)
+        after = tl.reshape(tl.cumsum(segments, axis=2, reverse=True), w.shape) - w
+    segment = tl.arange(0, C) // S
+    keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
+    return tl.exp(inclusive), tl.exp(inclusive - w), tl.exp(after), keep
+
+
+@triton.jit
+def diagonal_tile(values, C: tl.constexpr):
+    """A [C, C] tile with ``values`` ([C]) on its diagonal."""
+    index = tl.arange(0, C)
+    return tl.where(index[:, None] == index[None, :], values[:, None], 0.0)

@@ -19,11 +19,14 @@ is (the value gate enters each column v on its own):
     o_t = e^{B_t} (H^T (q_t e^{R_t})) + sum_i S[t,i] v_i e^{B_t - B_i}
     H'  = (e^{A_C} e^{B_C}^T) * H + (k e^{A_C - A})^T (v e^{B_C - B})
 
-Every exponent is <= 0: S and the value-gate mix are formed per element on [C, C, K] and
-[C, C, V] tiles, masked before the exponential (C = 16 is one exact diagonal block), and
-the other factors are decays to the chunk's end or from its start. Log gates are raised to
-FLOOR on load (their exp is 0 in float32 either way; it keeps the sums finite and precise),
-and the gradient of a floored gate is 0.
+Every exponent is <= 0. S, the value-gate mix and their gradients are built level by level
+as RWKV-7's A matrices are (common.level_factors): at level s, rows t of each odd segment of s
+steps meet columns i of the even segment before it, with the factor split at the boundary b
+between them, e^{R_t - A_b} e^{A_b - A_i}, each <= 1, so each level is one tensor-core product
+of [C, K] tiles (levels s = C/2, ..., 1 cover every pair i < t once; the diagonal has the
+factor e^0). The other factors are decays to the chunk's end or from its start. Log gates are
+raised to FLOOR on load (their exp is 0 in float32 either way; it keeps the sums finite and
+precise), and the gradient of a floored gate is 0.
 
 Three kernels, as for RWKV-7: a sequential forward (H in registers; saves H every
 CHUNKS_PER_STATE chunks), a sequential reverse pass of the state gradient
@@ -46,7 +49,8 @@ flattened inputs, clamped to [0, ROWS) in the kernel, and saved-state slots are 
 import triton
 import triton.language as tl
 
-from .common import clamped_rows, in_range, state_offsets
+from .common import (clamped_rows, diagonal_tile, in_range, level_factors,
+                     state_offsets)
 
 
 @triton.jit
@@ -107,20 +111,64 @@ def _exclusive_cumsum(x, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def _pair_mask(STRICT: tl.constexpr, C: tl.constexpr):
+def _strictly_lower(C: tl.constexpr):
     t = tl.arange(0, C)
-    if STRICT:
-        return t[:, None] > t[None, :]
-    else:
-        return t[:, None] >= t[None, :]
+    return t[:, None] > t[None, :]
 
 
 @triton.jit
-def _pair_decays(rows, cols, STRICT: tl.constexpr, C: tl.constexpr):
-    """[C, C, D] factors e^{rows_t - cols_i} for the kept pairs (masked before the exp: each
-    exponent is <= 0), else 0."""
-    keep = _pair_mask(STRICT, C)[:, :, None]
-    return tl.exp(tl.where(keep, rows[:, None, :] - cols[None, :, :], float("-inf")))
+def _scores_diagonal(q, k, u, BONUS: tl.constexpr, C: tl.constexpr):
+    """The scores' diagonal as a [C, C] tile: q_t . k_t (GLA: the factor is e^0) or
+    q_t . (u k_t) (RWKV-6's bonus)."""
+    if BONUS:
+        return diagonal_tile(tl.sum(q * u[None, :] * k, axis=1), C)
+    else:
+        return diagonal_tile(tl.sum(q * k, axis=1), C)
+
+
+@triton.jit
+def _scores(q, k, a, u, HAS_A: tl.constexpr, BONUS: tl.constexpr, C: tl.constexpr,
+            LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """S[t,i] = sum_k q_t k_i e^{R_t - A_i} for i < t, level by level (every factor <= 1), and
+    its diagonal."""
+    scores = _scores_diagonal(q, k, u, BONUS, C)
+    if HAS_A:
+        for level in tl.static_range(LEVELS):
+            row, row_strict, column, keep = level_factors(a, C >> (level + 1), 0, C)
+            q_f = q * row_strict if BONUS else q * row
+            scores += tl.where(keep, tl.dot(q_f, tl.trans(k * column), input_precision=PRECISION),
+                               0.0)
+    else:
+        scores += tl.where(_strictly_lower(C), tl.dot(q, tl.trans(k), input_precision=PRECISION),
+                           0.0)
+    return scores
+
+
+@triton.jit
+def _value_mixes(pairs, x, y, b, C: tl.constexpr, LEVELS: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """With the value gate's factors e^{B_t - B_i} (level by level, each <= 1) and the pairs
+    i < t of ``pairs`` ([C, C]): sum_i pairs[t,i] y_i e^{B_t - B_i} (rows t) and
+    sum_t pairs[t,i] x_t e^{B_t - B_i} (rows i), each [C, V]; the diagonal is left out."""
+    to_rows = tl.zeros(y.shape, tl.float32)
+    to_columns = tl.zeros(x.shape, tl.float32)
+    for level in tl.static_range(LEVELS):
+        row, _, column, keep = level_factors(b, C >> (level + 1), 0, C)
+        kept = tl.where(keep, pairs, 0.0)
+        to_rows += row * tl.dot(kept, y * column, input_precision=PRECISION)
+        to_columns += column * tl.dot(tl.trans(kept), x * row, input_precision=PRECISION)
+    return to_rows, to_columns
+
+
+@triton.jit
+def _value_pairs(x, y, b, C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """sum_v x_t y_i e^{B_t - B_i} for i <= t ([C, C]; the diagonal's factor is e^0)."""
+    pairs = diagonal_tile(tl.sum(x * y, axis=1), C)
+    for level in tl.static_range(LEVELS):
+        row, _, column, keep = level_factors(b, C >> (level + 1), 0, C)
+        pairs += tl.where(keep, tl.dot(x * row, tl.trans(y * column), input_precision=PRECISION),
+                          0.0)
+    return pairs
 
 
 @triton.jit
@@ -128,7 +176,8 @@ def gla_forward_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, u_ptr, h0_ptr, cu_ptr, state_index_ptr,  # inputs
     o_ptr, ht_ptr, states_ptr,                                                  # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    ROWS: tl.constexpr,
     SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr, SAVE: tl.constexpr,
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr, REVERSE: tl.constexpr,
     FLOOR: tl.constexpr, PRECISION: tl.constexpr,
@@ -145,6 +194,8 @@ def gla_forward_kernel(
     first_slot = tl.load(state_index_ptr + sequence)
     if BONUS:
         u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+    else:
+        u = tl.zeros([BK], tl.float32)  # unused
     h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
@@ -160,24 +211,26 @@ def gla_forward_kernel(
         v = _load(v_ptr, v_off, v_in)
         a, A, A_end, _ = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
         R = A - a if BONUS else A
-        scores = tl.sum(q[:, None, :] * k[None, :, :] * _pair_decays(R, A, BONUS, C), axis=2)
-        if BONUS:
-            t = tl.arange(0, C)
-            scores += tl.where(t[:, None] == t[None, :], tl.sum(q * u[None, :] * k, axis=1)[:, None],
-                               0.0)
+        # The read of H, then H advanced to the chunk's end right away (fewer live tiles
+        # through the in-chunk work).
         o = tl.dot(q * tl.exp(R), h, input_precision=PRECISION)
         if HAS_B:
-            _, B, B_end, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
-            o = o * tl.exp(B) + tl.sum(scores[:, :, None] * v[None, :, :]
-                                       * _pair_decays(B, B, False, C), axis=1)
+            b, B, B_end, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
             v_end = v * tl.exp(B_end[None, :] - B)
             h = h * tl.exp(B_end)[None, :]
         else:
-            o = tl.dot(scores, v, o, input_precision=PRECISION)
             v_end = v
-        tl.store(o_ptr + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
         h = tl.dot(tl.trans(k * tl.exp(A_end[None, :] - A)), v_end, tl.exp(A_end)[:, None] * h,
                    input_precision=PRECISION)
+        scores = _scores(q, k, a, u, HAS_A, BONUS, C, LEVELS, PRECISION)
+        if HAS_B:
+            mixed, _ = _value_mixes(scores, v, v, b, C, LEVELS, PRECISION)
+            diagonal = tl.arange(0, C)[:, None] == tl.arange(0, C)[None, :]
+            o = (o * tl.exp(B) + mixed
+                 + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * v)
+        else:
+            o = tl.dot(scores, v, o, input_precision=PRECISION)
+        tl.store(o_ptr + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
         c += 1
     tl.store(ht_ptr + local, h, mask=state_mask)
 
@@ -187,7 +240,8 @@ def gla_state_gradient_kernel(
     q_ptr, a_ptr, b_ptr, do_ptr, dht_ptr, cu_ptr, chunk_index_ptr,  # inputs
     dh0_ptr, dstates_ptr,                                          # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    ROWS: tl.constexpr,
     SLOTS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
     REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -229,7 +283,8 @@ def gla_backward_kernel(
     cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,              # inputs
     dq_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr, du_ptr,                           # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    ROWS: tl.constexpr,
     SLOTS: tl.constexpr, CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
     PARTIAL: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
     REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
@@ -257,6 +312,8 @@ def gla_backward_kernel(
     diagonal = t[:, None] == t[None, :]
     if BONUS:
         u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+    else:
+        u = tl.zeros([BK], tl.float32)  # unused
     du = tl.zeros([BK], tl.float32)
     while c < last:
         k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
@@ -270,27 +327,16 @@ def gla_backward_kernel(
                      mask=state_mask & (chunk_slot < CHUNK_SLOTS), other=0.0)
         a, A, A_end, a_kept = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
         R = A - a if BONUS else A
-        decays = _pair_decays(R, A, BONUS, C)
-        scores = tl.sum(q[:, None, :] * k[None, :, :] * decays, axis=2)
-        if BONUS:
-            scores += tl.where(diagonal, tl.sum(q * u[None, :] * k, axis=1)[:, None], 0.0)
-        # Through the outputs: d(scores) and dv's in-chunk part (and the outputs for dB).
+        # Through the outputs: d(scores) (which needs no scores), and with a value gate dv's
+        # in-chunk part and the outputs for dB.
         if HAS_B:
             b, B, B_end, b_kept = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
-            value_decays = _pair_decays(B, B, False, C)
-            mixed = do[:, None, :] * value_decays  # [C, C, BV]: dO_t e^{B_t - B_i}
-            d_scores = tl.sum(mixed * v[None, :, :], axis=2)
-            # The diagonal's factor is e^0: kept out of dB (see the key side below).
-            off_diagonal = tl.where(diagonal, 0.0, scores)[:, :, None]
-            dv = tl.sum(off_diagonal * mixed, axis=0)
-            o = (tl.dot(q * tl.exp(R), h, input_precision=PRECISION) * tl.exp(B)
-                 + tl.sum(off_diagonal * v[None, :, :] * value_decays, axis=1))
+            d_scores = _value_pairs(do, v, b, C, LEVELS, PRECISION)
             do_read = do * tl.exp(B)
             v_end = v * tl.exp(B_end[None, :] - B)
             state_decay = tl.exp(A_end)[:, None] * tl.exp(B_end)[None, :]
         else:
             d_scores = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            dv = tl.dot(tl.trans(scores), do, input_precision=PRECISION)
             do_read = do
             v_end = v
             state_decay = tl.exp(A_end)[:, None]
@@ -300,19 +346,53 @@ def gla_backward_kernel(
         dk_state = tl.dot(v_end, tl.trans(dh), input_precision=PRECISION) * to_end
         dv_state = tl.dot(k_end, dh, input_precision=PRECISION)
         decayed_h_dh = state_decay * h * dh
-        # Through the scores' pairs and the read of H. The pairs whose factor is e^0 whatever
-        # the gates (GLA: i = t; RWKV-6: i = t - 1) are kept out of the gate gradients and
-        # added after: their terms in q dq and k dk would cancel only to rounding, which
-        # strong gates leave much larger than the gate gradient itself.
+        # Its sums only (the gates' gradients through the decay of H), the read of H, and H
+        # advanced to the chunk's end (the next chunk's H) right here, so that neither dH nor
+        # k_end, v_end take registers through the in-chunk work.
+        h_dh_k = tl.sum(decayed_h_dh, axis=1)[None, :]
+        if HAS_B:
+            h_dh_v = tl.sum(decayed_h_dh, axis=0)[None, :]
+        dq = tl.dot(do_read, tl.trans(h), input_precision=PRECISION) * tl.exp(R)
+        if HAS_B:
+            o_state = tl.dot(q * tl.exp(R), h, input_precision=PRECISION) * tl.exp(B)
+        if CHUNKS_PER_STATE > 1:
+            h = tl.dot(tl.trans(k_end), v_end, state_decay * h, input_precision=PRECISION)
+        # Through the scores' pairs, with the scores, level by level as _scores builds them.
+        # The pairs whose factor is e^0 whatever the gates (GLA: i = t; RWKV-6: i = t - 1) are
+        # kept out of the gate gradients and added after: their terms in q dq and k dk would
+        # cancel only to rounding, which strong gates leave much larger than the gate gradient
+        # itself.
         if BONUS:
             constant = t[:, None] == t[None, :] + 1
         else:
             constant = diagonal
+        scores = _scores_diagonal(q, k, u, BONUS, C)
         d_constant = tl.where(constant, d_scores, 0.0)
-        pairs = tl.where(constant, 0.0, d_scores)[:, :, None] * decays  # 0 off the kept pairs
-        dq = (tl.sum(pairs * k[None, :, :], axis=1)
-              + tl.dot(do_read, tl.trans(h), input_precision=PRECISION) * tl.exp(R))
-        dk = tl.sum(pairs * q[:, None, :], axis=0)
+        d_pairs = tl.where(constant, 0.0, d_scores)
+        if HAS_A:
+            dk = tl.zeros(k.shape, tl.float32)
+            for level in tl.static_range(LEVELS):
+                row, row_strict, column, keep = level_factors(a, C >> (level + 1), 0, C)
+                row = row_strict if BONUS else row
+                q_f = q * row
+                k_f = k * column
+                scores += tl.where(keep, tl.dot(q_f, tl.trans(k_f), input_precision=PRECISION),
+                                   0.0)
+                kept = tl.where(keep, d_pairs, 0.0)
+                dq += row * tl.dot(kept, k_f, input_precision=PRECISION)
+                dk += column * tl.dot(tl.trans(kept), q_f, input_precision=PRECISION)
+        else:
+            lower = _strictly_lower(C)
+            scores += tl.where(lower, tl.dot(q, tl.trans(k), input_precision=PRECISION), 0.0)
+            kept = tl.where(lower, d_pairs, 0.0)
+            dq += tl.dot(kept, k, input_precision=PRECISION)
+            dk = tl.dot(tl.trans(kept), q, input_precision=PRECISION)
+        if HAS_B:
+            # The diagonal's factor is e^0: kept out of o and dv here, and so out of dB.
+            mixed, dv = _value_mixes(scores, do, v, b, C, LEVELS, PRECISION)
+            o = o_state + mixed
+        else:
+            dv = tl.dot(tl.trans(scores), do, input_precision=PRECISION)
         # A log gate z of a factor x = y e^z has dz = x dx: dR = q dq and dA = -k dk, summed
         # in reverse over the chunk; RWKV-6's R_t = A_t - a_t takes the sum after t, and
         # k_end's exponent A_end - A_i = a_{i+1} + ... the sum before i. Those exclusive sums
@@ -324,7 +404,7 @@ def gla_backward_kernel(
         else:
             da = tl.cumsum(q * dq - k * dk, axis=0, reverse=True)
         d_to_end = k * dk_state
-        da += _exclusive_cumsum(d_to_end, False) + tl.sum(decayed_h_dh, axis=1)[None, :]
+        da += _exclusive_cumsum(d_to_end, False) + h_dh_k
         dq += tl.dot(d_constant, k, input_precision=PRECISION)
         dk += dk_state + tl.dot(tl.trans(d_constant), q, input_precision=PRECISION)
         if BONUS:
@@ -337,7 +417,7 @@ def gla_backward_kernel(
             dv_state = dv_state * tl.exp(B_end[None, :] - B)
             d_to_end = v * dv_state
             db = (tl.cumsum(do * o - v * dv, axis=0, reverse=True)
-                  + _exclusive_cumsum(d_to_end, False) + tl.sum(decayed_h_dh, axis=0)[None, :])
+                  + _exclusive_cumsum(d_to_end, False) + h_dh_v)
             tl.store(db_ptr + v_off, tl.where(b_kept, db, 0.0), mask=v_in)
             dv += dv_state + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * do
         else:
@@ -349,11 +429,6 @@ def gla_backward_kernel(
         tl.store(dk_ptr + k_off, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
         if HAS_A:
             tl.store(da_ptr + k_off, da, mask=k_in)
-        if CHUNKS_PER_STATE > 1:
-            if HAS_B:
-                h = h * tl.exp(B_end)[None, :]
-            h = tl.dot(tl.trans(k_end), v_end, tl.exp(A_end)[:, None] * h,
-                       input_precision=PRECISION)
         c += 1
     if BONUS:
         du_off = ((v_block * SLOTS + slot).to(tl.int64) * HEADS + head) * K + k_cols

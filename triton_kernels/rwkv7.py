@@ -62,7 +62,8 @@ which keeps registers free and loads and stores vectorised.
 import triton
 import triton.language as tl
 
-from .common import clamped, clamped_rows, program, row_bases, rows, state_offsets
+from .common import (clamped, clamped_rows, diagonal_tile as _diagonal, level_factors as _level,
+                     program, row_bases, rows, state_offsets)
 
 
 @triton.jit
@@ -92,32 +93,6 @@ def _decays(w, AXIS: tl.constexpr):
     total g, and g - gi (summed from the end, not subtracted: precise where gi is large)."""
     gi = tl.cumsum(w, axis=AXIS)
     return gi, gi - w, tl.sum(w, axis=AXIS), tl.cumsum(w, axis=AXIS, reverse=True) - w
-
-
-@triton.jit
-def _level(w, S: tl.constexpr, AXIS: tl.constexpr, C: tl.constexpr):
-    """Level S of the A matrices' factors (module docstring): rows t of each odd segment of S
-    steps meet columns i of the even segment before it. Returns e^(gi_t - gi_b) and
-    e^(ge_t - gi_b) (rows) and e^(gi_b - gi_i) (columns), all <= 1 (sums of log decays within
-    a segment, never differences of large cumulative sums), and keep[t, i] for those pairs."""
-    if AXIS == 0:
-        segments = tl.reshape(w, [C // S, S, w.shape[1]])
-        inclusive = tl.reshape(tl.cumsum(segments, axis=1), w.shape)
-        after = tl.reshape(tl.cumsum(segments, axis=1, reverse=True), w.shape) - w
-    else:
-        segments = tl.reshape(w, [w.shape[0], C // S, S])
-        inclusive = tl.reshape(tl.cumsum(segments, axis=2), w.shape)
-        after = tl.reshape(tl.cumsum(segments, axis=2, reverse=True), w.shape) - w
-    segment = tl.arange(0, C) // S
-    keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
-    return tl.exp(inclusive), tl.exp(inclusive - w), tl.exp(after), keep
-
-
-@triton.jit
-def _diagonal(values, C: tl.constexpr):
-    """A [C, C] tile with ``values`` ([C]) on its diagonal."""
-    index = tl.arange(0, C)
-    return tl.where(index[:, None] == index[None, :], values[:, None], 0.0)
 
 
 @triton.jit

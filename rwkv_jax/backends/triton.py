@@ -289,8 +289,11 @@ from . import LOG_DECAY_FLOOR  # noqa: E402
 
 _gla_kernels = _launch.kernels("gla")
 
-GLA_CHUNK = 16  # one exact (per element) diagonal block: the pairwise factors are [C, C, K]
+GLA_CHUNK = 16  # tokens per chunk; its pairwise factors are built level by level (LEVELS)
 GLA_CHUNKS_PER_STATE = 8  # the forward saves the state every this many chunks (for the backward)
+# _GlaStatic fields -> values, to try other settings (benchmarks/gpu_gla.py --sweep) without
+# editing code.
+GLA_OVERRIDES: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,7 +320,8 @@ class _GlaStatic:
 
     def constexprs(self, **more):
         return dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
-                    BK=_pow2_at_least(self.k_size), BV=self.block_v, C=GLA_CHUNK, ROWS=self.rows,
+                    BK=_pow2_at_least(self.k_size), BV=self.block_v, C=GLA_CHUNK,
+                    LEVELS=GLA_CHUNK.bit_length() - 1, ROWS=self.rows,
                     HAS_A=self.has_a, HAS_B=self.has_b, BONUS=self.bonus, REVERSE=self.reverse,
                     FLOOR=LOG_DECAY_FLOOR, PRECISION=self.precision, **more)
 
@@ -416,10 +420,12 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
 def _gla_warps(k_size, block_v, bonus):
-    """Measured on an H100 at B=8, T=4096, bf16 (BENCHMARKS.md): at K=V=64 GLA's forward is
-    fastest with 4 warps (4.65 ms against 7.22 with 8), RWKV-6's with 8 (7.28 against 9.16: it
-    spills with 4), the gradient kernel with 8 (19.5 ms backward against 21.0); larger tiles
-    take 8 warps everywhere."""
+    """Measured on an H100 at B=8, T=4096, bf16 (BENCHMARKS.md), with session 4's per-element
+    in-chunk pairs: at K=V=64 GLA's forward is fastest with 4 warps (4.65 ms against 7.22 with
+    8), RWKV-6's with 8 (7.28 against 9.16: it spilled with 4), the gradient kernel with 8
+    (19.5 ms backward against 21.0); larger tiles take 8 warps everywhere. With the pairs level
+    by level RWKV-6's forward spills 8 B at 4 warps: 4 is worth measuring (GLA's forward with 4
+    is 3.82 ms against RWKV-6's 5.77 with 8)."""
     small = _pow2_at_least(k_size) * block_v <= 64 * 64
     return dict(forward_warps=4 if small and not bonus else 8, backward_warps=8)
 
@@ -431,10 +437,11 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
     _check_head_sizes(k_size, v_size)
     precise = any(x is not None and x.dtype == jnp.float32 for x in (q, k, v, a, b, u))
     block_v = min(_pow2_at_least(v_size), 64)
-    return _GlaStatic(
+    static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
         chunks_per_state=GLA_CHUNKS_PER_STATE, **_gla_warps(k_size, block_v, u is not None))
+    return dataclasses.replace(static, **GLA_OVERRIDES)
 
 
 def _gla_call(q, k, v, a, b, u, *, scale, reverse, initial_state, cu_seqlens):
