@@ -294,7 +294,7 @@ def bench_case(case: Case, backend: str, dtype_name: str, *, repeats: int, warmu
     results = []
     for pass_name, fn, args in (("fwd", forward, xs),
                                 ("fwd+bwd", vjp_function(forward),
-                                 (xs, random_cotangents(forward, xs)))):
+                                 (xs, jax.device_put(random_cotangents(forward, xs))))):
         row = dict(_case_row(case, backend, dtype_name), **{"pass": pass_name})
         try:
             timing = time_function(fn, args, repeats=repeats, warmup=warmup, max_seconds=max_seconds)
