@@ -13,13 +13,16 @@ Exit codes: 0 all good, 1 a check failed or a benchmark case errored, 2 bad comm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
 import json
 import os
 import platform as host
+import signal
 import sys
+import threading
 from typing import Callable
 
 import jax
@@ -345,21 +348,47 @@ def run_bench(ops, backend_names, sizes, dtypes, *, repeats=20, warmup=2, max_se
         if fla else []
     results = []
     bar = tqdm(jobs + fla_jobs, desc="bench", unit="case", disable=not progress, file=sys.stderr)
-    for job in bar:
-        op, name, size, dtype_name = job if len(job) == 4 else (job[0], "fla", *job[1:])
-        bar.set_postfix_str(f"{op} {name} {','.join(map(str, size))} {dtype_name}")
-        case = make_case(op, *size)
-        if name == "fla":
-            rows = bench_fla(case, dtype_name, repeats=repeats, max_seconds=max_seconds)
-            # The same call moves the same bytes as ours (for the bandwidth plot).
-            ours = {r["pass"]: r["bytes_moved"] for r in results if "bytes_moved" in r
-                    and (r["op"], (r["B"], r["T"], r["H"], r["K"]), r["dtype"]) == job}
-            results.extend(dict(r, bytes_moved=ours[r["pass"]]) if r["pass"] in ours else r
-                           for r in rows)
-        else:
-            results.extend(bench_case(case, name, dtype_name, repeats=repeats, warmup=warmup,
-                                      max_seconds=max_seconds))
+    try:
+        for job in bar:
+            op, name, size, dtype_name = job if len(job) == 4 else (job[0], "fla", *job[1:])
+            bar.set_postfix_str(f"{op} {name} {','.join(map(str, size))} {dtype_name}")
+            _bench_job(op, name, size, dtype_name, results, repeats=repeats, warmup=warmup,
+                       max_seconds=max_seconds)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (e.g. `timeout`): keep what was measured
+        bar.close()
+        raise BenchInterrupted(results, len(jobs + fla_jobs)) from None
     return results
+
+
+class BenchInterrupted(Exception):
+    """The bench was stopped: ``results`` holds the cases measured before, of ``total``."""
+
+    def __init__(self, results: list[dict], total: int):
+        super().__init__(f"interrupted after {len({_job_key(r) for r in results})} of {total} "
+                         f"cases")
+        self.results = results
+
+
+def _job_key(row: dict) -> tuple:
+    return row["op"], row["backend"], row["B"], row["T"], row["H"], row["K"], row["dtype"]
+
+
+def _bench_job(op, name, size, dtype_name, results: list[dict], *, repeats, warmup,
+               max_seconds) -> None:
+    """Time ``op`` on backend ``name`` (or fla's kernel) at one size and dtype; append its rows
+    to ``results``."""
+    case = make_case(op, *size)
+    if name == "fla":
+        rows = bench_fla(case, dtype_name, repeats=repeats, max_seconds=max_seconds)
+        # The same call moves the same bytes as ours (for the bandwidth plot).
+        ours = {r["pass"]: r["bytes_moved"] for r in results if "bytes_moved" in r
+                and (r["op"], (r["B"], r["T"], r["H"], r["K"]), r["dtype"])
+                == (op, tuple(size), dtype_name)}
+        results.extend(dict(r, bytes_moved=ours[r["pass"]]) if r["pass"] in ours else r
+                       for r in rows)
+    else:
+        results.extend(bench_case(case, name, dtype_name, repeats=repeats, warmup=warmup,
+                                  max_seconds=max_seconds))
 
 
 def print_bench(results: list[dict]) -> None:
@@ -574,6 +603,24 @@ def _bench_sizes(args) -> list[tuple]:
     return [PRESETS[name] for name in ("small", "medium", "large", "xl")]
 
 
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (`timeout`, a job scheduler) stops the bench as Ctrl-C does, so that what it
+    measured is still printed, written and plotted (main thread only: signals go there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def bench_results(args) -> list[dict] | None:
     """The rows of ``rwkv-jax bench`` (printed, written), or None when it could not start."""
     reason = _check_requested_backends(args)
@@ -593,17 +640,24 @@ def bench_results(args) -> list[dict] | None:
     dtypes = args.dtype or (["float32"] if not on_gpu else ["bfloat16"])
     repeats = args.repeats or (5 if args.quick else 20)
     max_seconds = 3.0 if args.quick else args.max_seconds
-    results = run_bench(_selected_ops(args),
-                        lambda op: _selected_backends(args, op, timing=True),
-                        _bench_sizes(args), dtypes, repeats=repeats, warmup=args.warmup,
-                        max_seconds=max_seconds, fla=on_gpu and not args.no_fla and not fla_reason)
+    interrupted = None
+    try:
+        with _terminate_as_interrupt():
+            results = run_bench(_selected_ops(args),
+                                lambda op: _selected_backends(args, op, timing=True),
+                                _bench_sizes(args), dtypes, repeats=repeats,
+                                warmup=args.warmup, max_seconds=max_seconds,
+                                fla=on_gpu and not args.no_fla and not fla_reason)
+    except BenchInterrupted as stop:
+        interrupted, results = stop, stop.results
+        print(f"bench: {stop}; what was measured follows")
     print_bench(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(info=collect_info(), device_peak_bytes=device_peak_bytes(),
                            results=results), f, indent=1)
         print(f"wrote {args.json}")
-    if args.plot:
+    if args.plot and results:
         device = jax.devices()[0].device_kind
         plot_bench(results, args.plot,
                    device=device if on_gpu else f"a CPU ({os.cpu_count()} cores)")
@@ -612,6 +666,8 @@ def bench_results(args) -> list[dict] | None:
             path = _bandwidth_path(args.plot)
             plot_bandwidth(results, path, device=device, peak=peak_bandwidth(device))
             print(f"wrote {path}")
+    if interrupted:
+        raise SystemExit(130)  # the shell's status for an interrupted command
     return results
 
 

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 import types
@@ -132,6 +133,51 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
     assert all(backward[op] > forward[op] for op in forward)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tokens/s" in capsys.readouterr().out
+
+
+def test_interrupted_bench_keeps_what_it_measured(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM, which the bench turns into the same) during the second case: the
+    first case's rows are still printed, written and plotted, and the exit status is 130."""
+    calls = []
+
+    def bench_case(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_bench_case(*args, **kwargs)
+
+    real_bench_case = cli.bench_case
+    monkeypatch.setattr(cli, "bench_case", bench_case)
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["bench", "--size", TINY, "--op", "rwkv7,rwkv4", "--backend", "native",
+                  "--repeats", "3", "--warmup", "1", "--json", str(out_json),
+                  "--plot", str(out_png)])
+    assert stopped.value.code == 130
+    results = json.loads(out_json.read_text())["results"]
+    assert {(r["op"], r["pass"]) for r in results} == {("rwkv7", "fwd"), ("rwkv7", "fwd+bwd")}
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "interrupted after 1 of 2 cases" in out and "rwkv7" in out
+
+
+def test_sigterm_stops_the_bench_like_ctrl_c(tmp_path):
+    """A real SIGTERM (what `timeout` sends) to a running `rwkv-jax bench`."""
+    out_json = tmp_path / "bench.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rwkv_jax", "bench", "--size", TINY, "--op", "rwkv7",
+         "--backend", "native", "--repeats", "100000", "--max-seconds", "300",
+         "--json", str(out_json)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output = b""
+    while b"rwkv7 native" not in output:  # the progress bar names the case being timed
+        chunk = os.read(process.stdout.fileno(), 4096)
+        assert chunk, output.decode()
+        output += chunk
+    process.terminate()
+    output = (output + process.communicate(timeout=120)[0]).decode()
+    assert process.returncode == 130, output
+    assert "interrupted after 0 of 1 cases" in output, output
+    assert json.loads(out_json.read_text())["results"] == []
 
 
 def test_bench_times_performance_paths_only_unless_named():
