@@ -315,11 +315,12 @@ def _exact_column_gradients(q, a, w, dA_qk, dA_qb, dA_ak, dA_ab, dk, db, C: tl.c
 
 
 @triton.jit
-def _span(slot_sequence_ptr, state_index_ptr, cu_ptr, HEADS: tl.constexpr, K: tl.constexpr,
-          V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+def _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr, HEADS: tl.constexpr,
+          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
           TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr):
-    """A gradient program's span (grid: span slots, HEADS, V blocks): its sequence, tiles and
-    masks, the sequence's rows and its span's chunks [c, last) (none for an unused slot)."""
+    """A gradient program's span (grid: span slots, HEADS, V blocks): whether the slot is used,
+    its tiles and masks, the sequence's rows, its span's chunks [c, last) (none for an unused
+    slot), the head and the slot of the sequence's first chunk (for ``_dh``)."""
     slot = tl.program_id(0)
     sequence = tl.load(slot_sequence_ptr + slot)
     used = sequence >= 0
@@ -329,8 +330,8 @@ def _span(slot_sequence_ptr, state_index_ptr, cu_ptr, HEADS: tl.constexpr, K: tl
     start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
     c = tl.maximum((slot - tl.load(state_index_ptr + sequence)) * CHUNKS_PER_STATE, 0)
     last = tl.where(used, tl.minimum(c + CHUNKS_PER_STATE, chunks), c)
-    return (sequence, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end,
-            c, last)
+    return (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last,
+            tl.program_id(1), tl.load(chunk_index_ptr + sequence))
 
 
 @triton.jit
@@ -340,6 +341,28 @@ def _in_chunk_gradients(do, v, u, dx, PRECISION: tl.constexpr, C: tl.constexpr):
             _transposed_products(do, u, False, C, PRECISION),
             _transposed_products(dx, v, True, C, PRECISION),
             _transposed_products(dx, u, True, C, PRECISION))
+
+
+@triton.jit
+def _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr, first, end,
+                 head, k_tile, k_cols_in, v_tile, v_cols_in, scale, HEADS: tl.constexpr,
+                 K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """The tiles of the chunk from row ``first`` that the key-side gradient kernels read, with
+    the A matrices' gradients (the V-side loads first: their products come first)."""
+    k_base, k_in, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V,
+                                            C, True)
+    v = rows(v_ptr, v_base, v_tile, v_in)
+    do = rows(do_ptr, v_base, v_tile, v_in)
+    u = rows(u_ptr, v_base, v_tile, v_in)
+    dx = rows(dx_ptr, v_base, v_tile, v_in)
+    dA_qk, dA_qb, dA_ak, dA_ab = _in_chunk_gradients(do, v, u, dx, PRECISION, C)
+    q = rows(r_ptr, k_base, k_tile, k_in) * scale
+    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+    k = rows(k_ptr, k_base, k_tile, k_in)
+    a = rows(a_ptr, k_base, k_tile, k_in)
+    b = rows(b_ptr, k_base, k_tile, k_in)
+    return k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a, b
 
 
 @triton.jit
@@ -372,11 +395,9 @@ def rwkv7_value_gradient_kernel(
     PRECISION: tl.constexpr,
 ):
     """dV = k^ dH + A_qk^T dO + A_ak^T dX, the A matrices built as the forward builds them."""
-    (sequence, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end,
-     c, last) = _span(slot_sequence_ptr, state_index_ptr, cu_ptr, HEADS, K, V, BK, BV, C,
-                      TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
-    head = tl.program_id(1)
-    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
+    (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
+     first_chunk_slot) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr, HEADS,
+                               K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
     while c < last:
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, True)
@@ -421,24 +442,14 @@ def rwkv7_key_gradient_kernel(
 ):
     """dk, db (the columns of the A matrices, and k^, b^ of the state's update) and their
     share of dw, dw_part (float32 always; ``rwkv7_query_gradient_kernel`` finishes dw)."""
-    (sequence, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end,
-     c, last) = _span(slot_sequence_ptr, state_index_ptr, cu_ptr, HEADS, K, V, BK, BV, C,
-                      TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
-    head = tl.program_id(1)
-    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
+    (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
+     first_chunk_slot) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr, HEADS,
+                               K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
     while c < last:
-        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
-                                                HEADS, K, V, C, True)
-        v = rows(v_ptr, v_base, v_tile, v_in)
-        do = rows(do_ptr, v_base, v_tile, v_in)
-        u = rows(u_ptr, v_base, v_tile, v_in)
-        dx = rows(dx_ptr, v_base, v_tile, v_in)
-        dA_qk, dA_qb, dA_ak, dA_ab = _in_chunk_gradients(do, v, u, dx, PRECISION, C)
-        q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-        k = rows(k_ptr, k_base, k_tile, k_in)
-        a = rows(a_ptr, k_base, k_tile, k_in)
-        b = rows(b_ptr, k_base, k_tile, k_in)
+        (k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a,
+         b) = _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr,
+                           start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, scale,
+                           HEADS, K, V, C, FLOOR, PRECISION)
         gi, ge, g_end, to_end = _decays(w, 1)
         if TAME:  # no floored decay, |gi| <= 16: the plain difference is precise, fewer registers
             to_end = g_end[:, None] - gi
@@ -489,26 +500,16 @@ def rwkv7_query_gradient_kernel(
     """dr, da (the rows of the A matrices, and q~ H, a~ H) and dw, finished from the key
     side's share dw_part: the kernel that needs the state H, its saved H advanced over the
     span with the saved U."""
-    (sequence, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end,
-     c, last) = _span(slot_sequence_ptr, state_index_ptr, cu_ptr, HEADS, K, V, BK, BV, C,
-                      TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
-    head = tl.program_id(1)
-    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
+    (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
+     first_chunk_slot) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr, HEADS,
+                               K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
     h = tl.load(states_ptr + state_offsets(tl.program_id(0), head, HEADS, K, V, BK, v_cols),
                 mask=state_mask & used, other=0.0)
     while c < last:
-        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
-                                                HEADS, K, V, C, True)
-        v = rows(v_ptr, v_base, v_tile, v_in)
-        do = rows(do_ptr, v_base, v_tile, v_in)
-        u = rows(u_ptr, v_base, v_tile, v_in)
-        dx = rows(dx_ptr, v_base, v_tile, v_in)
-        dA_qk, dA_qb, dA_ak, dA_ab = _in_chunk_gradients(do, v, u, dx, PRECISION, C)
-        q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-        k = rows(k_ptr, k_base, k_tile, k_in)
-        a = rows(a_ptr, k_base, k_tile, k_in)
-        b = rows(b_ptr, k_base, k_tile, k_in)
+        (k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a,
+         b) = _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr,
+                           start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, scale,
+                           HEADS, K, V, C, FLOOR, PRECISION)
         gi, ge, g_end, to_end = _decays(w, 1)
         # The terms of q~ H and a~ H, and those through the four A matrices.
         dq = tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi)
@@ -568,26 +569,16 @@ def rwkv7_tame_gradient_kernel(
     spills (255 registers, 636 B at 4 warps; H100, B=8, T=4096, H=64, bf16: fwd+bwd 18.55 ms,
     20.27 with the three kernels). At K=128 its spills cost more (65.8 ms against 49.6).
     Same arithmetic, in the same order, as the three kernels' tame paths."""
-    (sequence, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end,
-     c, last) = _span(slot_sequence_ptr, state_index_ptr, cu_ptr, HEADS, K, V, BK, BV, C,
-                      TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
-    head = tl.program_id(1)
-    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
+    (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
+     first_chunk_slot) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr, HEADS,
+                               K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
     h = tl.load(states_ptr + state_offsets(tl.program_id(0), head, HEADS, K, V, BK, v_cols),
                 mask=state_mask & used, other=0.0)
     while c < last:
-        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
-                                                HEADS, K, V, C, True)
-        v = rows(v_ptr, v_base, v_tile, v_in)
-        do = rows(do_ptr, v_base, v_tile, v_in)
-        u = rows(u_ptr, v_base, v_tile, v_in)
-        dx = rows(dx_ptr, v_base, v_tile, v_in)
-        dA_qk, dA_qb, dA_ak, dA_ab = _in_chunk_gradients(do, v, u, dx, PRECISION, C)
-        q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-        k = rows(k_ptr, k_base, k_tile, k_in)
-        a = rows(a_ptr, k_base, k_tile, k_in)
-        b = rows(b_ptr, k_base, k_tile, k_in)
+        (k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a,
+         b) = _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr,
+                           start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, scale,
+                           HEADS, K, V, C, FLOOR, PRECISION)
         gi, ge, g_end, _ = _decays(w, 1)
         to_end = tl.exp(g_end[:, None] - gi)  # (|gi| <= 16: the plain difference is precise)
         middle = _middle(gi, 1, C)
