@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import reference  # noqa: E402
 from _log import log, open_log  # noqa: E402  (benchmarks/_log.py)
-from gpu_rwkv7 import jax_peak_bytes, time_jax  # noqa: E402
+from gpu_rwkv7 import jax_peak_bytes, time_jax, torch_peak_bytes  # noqa: E402
 from reference import relative_error  # noqa: E402
 
 import rwkv_jax  # noqa: E402
@@ -208,17 +208,8 @@ def bench_fla(op, x, d_out, d_state, ref):
     forward_ms = triton.testing.do_bench(forward, warmup=50, rep=300, return_mode="median")
     both_ms = triton.testing.do_bench(forward_backward, warmup=50, rep=500,
                                       grad_to_none=fresh, return_mode="median")
-    held = sum(t.numel() * t.element_size() for t in [*x.values(), d_out, d_state])
-    peaks = []
-    for fn in (forward_backward, forward):
-        for t in fresh:
-            t.grad = None
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated() - base + held)
+    peaks = torch_peak_bytes((forward_backward, forward), fresh,
+                             held=[*x.values(), d_out, d_state])
     return dict(name=f"fla {fla_op.__name__}", forward_ms=forward_ms, forward_backward_ms=both_ms,
                 peak_bytes=peaks[0], forward_peak_bytes=peaks[1], errors=errors,
                 compile_s=compile_s)

@@ -226,6 +226,23 @@ def bench_jax(label, x_jax, d_out, d_state, ref, backend="triton", config=None):
     return row
 
 
+def torch_peak_bytes(fns, leaves, held):
+    """Each of ``fns``' peak memory on the torch allocator, plus the tensors ``held`` (inputs
+    and cotangents), the leaves' gradients cleared before each call."""
+    held_bytes = sum(t.numel() * t.element_size() for t in held)
+    peaks = []
+    for fn in fns:
+        for t in leaves:
+            t.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base + held_bytes)
+    return peaks
+
+
 def bench_fla(label, x, d_out, d_state, ref, **options):
     import triton.testing
     from fla.ops.rwkv7 import chunk_rwkv7
@@ -249,17 +266,8 @@ def bench_fla(label, x, d_out, d_state, ref, **options):
     forward_ms = triton.testing.do_bench(forward, warmup=100, rep=500, return_mode="median")
     both_ms = triton.testing.do_bench(forward_backward, warmup=100, rep=1000,
                                       grad_to_none=fresh, return_mode="median")
-    held = sum(t.numel() * t.element_size() for t in [*x.values(), d_out, d_state])
-    peaks = []
-    for fn in (forward_backward, forward):
-        for t in fresh:
-            t.grad = None
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated() - base + held)
+    peaks = torch_peak_bytes((forward_backward, forward), fresh,
+                             held=[*x.values(), d_out, d_state])
     return dict(name=label, forward_ms=forward_ms, forward_backward_ms=both_ms,
                 peak_bytes=peaks[0], forward_peak_bytes=peaks[1], errors=errors, options=options)
 
