@@ -172,6 +172,21 @@ def _value_pairs(x, y, b, C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.c
 
 
 @triton.jit
+def _sequence_program(cu_ptr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr):
+    """A sequential pass's program (grid: sequences * HEADS, V blocks): its sequence and head,
+    state columns and mask, the sequence's rows and chunks, and its state's offsets."""
+    sequence = tl.program_id(0) // HEADS
+    head = tl.program_id(0) % HEADS
+    v_cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    k_cols = tl.arange(0, BK)
+    state_mask = in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
+    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
+    return (sequence, head, v_cols, k_cols, state_mask, start, end, chunks,
+            state_offsets(sequence, head, HEADS, K, V, BK, v_cols))
+
+
+@triton.jit
 def gla_forward_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, u_ptr, h0_ptr, cu_ptr, state_index_ptr,  # inputs
     o_ptr, ht_ptr, states_ptr,                                                  # outputs
@@ -184,13 +199,8 @@ def gla_forward_kernel(
 ):
     """Grid (sequences * HEADS, V blocks). o [rows, HEADS, V]; ht [N, HEADS, K, V] float32;
     if SAVE: states [SLOTS, HEADS, K, V] float32, the state at the start of every span."""
-    sequence = tl.program_id(0) // HEADS
-    head = tl.program_id(0) % HEADS
-    v_cols = tl.program_id(1) * BV + tl.arange(0, BV)
-    k_cols = tl.arange(0, BK)
-    state_mask = in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
-    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
-    local = state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
+    sequence, head, v_cols, k_cols, state_mask, start, end, chunks, local = _sequence_program(
+        cu_ptr, HEADS, K, V, BK, BV, C, ROWS)
     first_slot = tl.load(state_index_ptr + sequence)
     if BONUS:
         u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
@@ -247,13 +257,8 @@ def gla_state_gradient_kernel(
 ):
     """Grid as the forward's. dh0 [N, HEADS, K, V] float32; dstates [SLOTS, HEADS, K, V]
     float32: the gradient of the state at the end of every chunk."""
-    sequence = tl.program_id(0) // HEADS
-    head = tl.program_id(0) % HEADS
-    v_cols = tl.program_id(1) * BV + tl.arange(0, BV)
-    k_cols = tl.arange(0, BK)
-    state_mask = in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
-    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
-    local = state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
+    sequence, head, v_cols, k_cols, state_mask, start, end, chunks, local = _sequence_program(
+        cu_ptr, HEADS, K, V, BK, BV, C, ROWS)
     first_slot = tl.load(chunk_index_ptr + sequence)
     dh = tl.load(dht_ptr + local, mask=state_mask, other=0.0)
     c = chunks - 1
