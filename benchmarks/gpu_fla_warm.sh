@@ -1,0 +1,21 @@
+#!/bin/bash
+# Warms fla's Triton cache for the benchmark shapes, one job at a time (autotuning times kernels:
+# jobs side by side would disturb each other's choices), each job into its own cache, packed to
+# $OUT/fla-OP-SIZE.tar.xz (under the 16 MiB a returned file may have; carry them back in
+# .gpu-cache/). A job cut by the call's limit still packs what it compiled.
+#   bash benchmarks/gpu_fla_warm.sh rwkv6:64 gla:128 ...
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+[ -e rwkv_jax/triton_kernels ] || ln -s ../triton_kernels rwkv_jax/triton_kernels
+for job in "$@"; do
+    export TRITON_CACHE_DIR=/tmp/fla_cache/${job/:/-}
+    mkdir -p "$TRITON_CACHE_DIR"
+    pack() { tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 > "$OUT/fla-${job/:/-}.tar.xz"; }
+    trap 'pack; exit 143' TERM
+    # (in the background: a trapped TERM interrupts `wait` at once, not after the job)
+    python3 benchmarks/gpu_fla_warm.py "$job" 2>&1 | grep -v Warning &
+    wait $!
+    pack
+    echo "$job: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) cache, packed $(du -h "$OUT/fla-${job/:/-}.tar.xz" | cut -f1)"
+done
