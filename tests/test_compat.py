@@ -80,6 +80,15 @@ def assert_gradients(grads, ref, core, backend, shared_state=False):
         assert_close(g, expected[name], backend, "gradient")
 
 
+def _delta_rule_gradients(args, d_o, d_h, backend):
+    """The gradients of generalized_delta_rule's arguments for the cotangents d_o, d_h."""
+    def loss(args):
+        o, h = rwkv_jax.generalized_delta_rule(**args, backend=backend)
+        return jnp.sum(o * d_o) + jnp.sum(h * d_h)
+
+    return jax.grad(loss)(args)
+
+
 def test_generalized_delta_rule_matches_reference(backend):
     raw, core = raw_rwkv7_inputs(10)
     o, h = rwkv_jax.generalized_delta_rule(**raw, backend=backend)
@@ -89,12 +98,7 @@ def test_generalized_delta_rule_matches_reference(backend):
     assert_close(h, ref_h, backend)
     rng = np.random.default_rng(11)
     d_o, d_h = rng.standard_normal(ref_o.shape), rng.standard_normal(ref_h.shape)
-
-    def loss(args):
-        o, h = rwkv_jax.generalized_delta_rule(**args, backend=backend)
-        return jnp.sum(o * d_o) + jnp.sum(h * d_h)
-
-    grads = jax.grad(loss)(raw)
+    grads = _delta_rule_gradients(raw, d_o, d_h, backend)
     assert_gradients(grads, reference.gradients("rwkv7", core, d_o, d_h), core, backend)
 
 
@@ -119,12 +123,7 @@ def test_generalized_delta_rule_shared_initial_state(backend):
     assert_close(h, ref_h, backend)
     rng = np.random.default_rng(14)
     d_o, d_h = rng.standard_normal(ref_o.shape), rng.standard_normal(ref_h.shape)
-
-    def loss(args):
-        o, h = rwkv_jax.generalized_delta_rule(**args, backend=backend)
-        return jnp.sum(o * d_o) + jnp.sum(h * d_h)
-
-    grads = jax.grad(loss)(dict(raw, initial_state=shared))
+    grads = _delta_rule_gradients(dict(raw, initial_state=shared), d_o, d_h, backend)
     assert grads["initial_state"].shape == (1, H, N, N)
     assert_gradients(grads, reference.gradients("rwkv7", core, d_o, d_h), core, backend,
                      shared_state=True)
