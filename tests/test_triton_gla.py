@@ -1,6 +1,7 @@
 """The triton GLA / RWKV-6 kernels (triton_kernels/gla.py) where the shared suite does not
 reach: several V blocks per head (K-side gradients and du summed from partial sums), saved
-states every 2 chunks so that short packed sequences cross span boundaries, every GLA gate with
+states every 2 chunks so that short packed sequences cross span boundaries, forward and
+backward chunks of 16, 32 and 64 tokens (sequences shorter than a chunk, partial chunks), every GLA gate with
 reverse and packed sequences (an empty segment, partial chunks) together, strong gates across
 chunk and span boundaries. Against the float64 reference, forward and every gradient, through
 test_ops.check_case (tiny shapes: Triton's interpreter)."""
@@ -14,9 +15,15 @@ GATES = ("g", "g_gamma", "gk", "gv")
 PACKED = [0, 0, 17, 57, 70]  # empty, partial chunk, several spans of 2 chunks, short
 
 
-@pytest.fixture(autouse=True)
-def short_spans(monkeypatch):
-    monkeypatch.setattr(triton_backend, "GLA_CHUNKS_PER_STATE", 2)
+# (forward chunk, backward chunk, span): saved states every 2 chunks; a backward chunk larger
+# than the forward's (dH every 2 forward chunks), and larger than some sequences.
+CHUNKS = [(16, 16, 32), (16, 32, 64), (32, 64, 128)]
+
+
+@pytest.fixture(autouse=True, params=CHUNKS, ids=lambda c: "chunks=%d,%d,%d" % c)
+def short_spans(monkeypatch, request):
+    for name, value in zip(("GLA_CHUNK", "GLA_GRADIENT_CHUNK", "GLA_SPAN"), request.param):
+        monkeypatch.setattr(triton_backend, name, value)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
