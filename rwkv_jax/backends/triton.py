@@ -295,7 +295,7 @@ _gla_kernels = _launch.kernels("gla")
 # GLA_SPAN tokens, a multiple of both chunks.
 GLA_CHUNK = 16
 GLA_GRADIENT_CHUNK = 16
-GLA_SPAN = 128
+GLA_SPAN = 256
 # _GlaStatic fields -> values, to try other settings (benchmarks/gpu_gla.py --sweep) without
 # editing code.
 GLA_OVERRIDES: dict = {}
@@ -318,8 +318,9 @@ class _GlaStatic:
     chunk: int           # tokens per chunk of the forward
     gradient_chunk: int  # of the backward (state-gradient pass and gradient kernel)
     span: int            # the forward saves the state every this many tokens
-    forward_warps: int   # of the sequential kernels (forward, state gradient)
-    backward_warps: int  # of the parallel gradient kernel
+    forward_warps: int         # of the forward
+    state_gradient_warps: int  # of the state-gradient pass
+    backward_warps: int        # of the parallel gradient kernel
 
     def __post_init__(self):
         for chunk in (self.chunk, self.gradient_chunk):
@@ -391,7 +392,7 @@ def _gla_state_gradient(static, q, a, b, do, dht, cu):
         _present(q, a, b, do, dht.astype(jnp.float32), cu, chunk_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((chunk_slots,) + state_shape, jnp.float32)),
-        (sequences * static.heads, static.v_blocks), num_warps=static.forward_warps,
+        (sequences * static.heads, static.v_blocks), num_warps=static.state_gradient_warps,
         **static.constexprs(static.gradient_chunk, SLOTS=chunk_slots))
     return dh0, dstates, chunk_index, chunk_slots
 
@@ -434,15 +435,12 @@ def _gla_bwd(static, residuals, cotangents):
 _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
-def _gla_warps(k_size, block_v, bonus):
-    """Measured on an H100 at B=8, T=4096, bf16 (BENCHMARKS.md), with session 4's per-element
-    in-chunk pairs: at K=V=64 GLA's forward is fastest with 4 warps (4.65 ms against 7.22 with
-    8), RWKV-6's with 8 (7.28 against 9.16: it spilled with 4), the gradient kernel with 8
-    (19.5 ms backward against 21.0); larger tiles take 8 warps everywhere. With the pairs level
-    by level RWKV-6's forward spills 8 B at 4 warps: 4 is worth measuring (GLA's forward with 4
-    is 3.82 ms against RWKV-6's 5.77 with 8)."""
-    small = _pow2_at_least(k_size) * block_v <= 64 * 64
-    return dict(forward_warps=4 if small and not bonus else 8, backward_warps=8)
+def _gla_warps(k_size, block_v):
+    """Candidates for the H100 (B=8, T=4096, bf16; BENCHMARKS.md): with 8 warps RWKV-6's
+    forward at K=V=64 took 5.90 ms, with 4 (8 B of spills) 3.86, and its state-gradient pass
+    1.77 against 1.25 ms; the gradient kernel is fastest with 8 warps (255 registers, no spills
+    at K=64; 4 warps spill 240 B)."""
+    return dict(forward_warps=4, state_gradient_warps=4, backward_warps=8)
 
 
 def _gla_static(q, k, v, a, b, u, scale, reverse):
@@ -455,7 +453,7 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
     static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
-        GLA_CHUNK, GLA_GRADIENT_CHUNK, GLA_SPAN, **_gla_warps(k_size, block_v, u is not None))
+        GLA_CHUNK, GLA_GRADIENT_CHUNK, GLA_SPAN, **_gla_warps(k_size, block_v))
     return dataclasses.replace(static, **GLA_OVERRIDES)
 
 
