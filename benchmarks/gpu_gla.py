@@ -267,7 +267,7 @@ SHAPES = [("rwkv6", 64, 64), ("gated_linear_attention", 64, 64),
           ("rwkv6", 32, 128), ("gated_linear_attention", 32, 128)]
 
 
-def benchmark(deadline, out_dir, with_fla, shapes, sweep):
+def benchmark(deadline, out_dir, with_fla, shapes, sweep, lean):
     prepared = []
     for op, heads, size in shapes:
         batch, steps = 8, 4096
@@ -279,7 +279,7 @@ def benchmark(deadline, out_dir, with_fla, shapes, sweep):
         ours = (x_jax, jax.dlpack.from_dlpack(d_out), jax.dlpack.from_dlpack(d_state), ref)
         prepared.append((op, shape, ours))
         contenders = ([("fla", bench_fla, (x, d_out, d_state, ref))] if with_fla else []) + [
-            ("ours", bench_ours, ours)]
+            ("ours", bench_ours, ours + (not lean,))]
         for label, fn, inputs in contenders:
             row = attempt(fn, f"{label} {op} {shape}", deadline, 200 if label == "fla" else 120,
                           op, *inputs)
@@ -325,6 +325,8 @@ def main():
     parser.add_argument("--checks", type=int, default=len(CHECKS),
                         help="how many of the correctness checks to run (0: none)")
     parser.add_argument("--no-fla", action="store_true", help="time ours only")
+    parser.add_argument("--lean", action="store_true",
+                        help="time ours with the defaults as sweep rows are (no peaks)")
     parser.add_argument("--shapes", default="0,1,2,3", help="which of SHAPES to benchmark")
     parser.add_argument("--sweep", default="", help="also time ours with other settings, e.g. "
                         "'backward_warps=4;block_v=32,backward_warps=16@0,1' (fields of the "
@@ -342,7 +344,7 @@ def main():
                 seed)
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",") if i]
     benchmark(deadline, args.out, not args.no_fla, shapes,
-              [sweep_item(item) for item in args.sweep.split(";") if item])
+              [sweep_item(item) for item in args.sweep.split(";") if item], args.lean)
     log("\ncorrectness: " + ", ".join(f"{c['name']}: {'ok' if c['ok'] else 'FAIL'}"
                                       for c in results["correctness"]))
     log(f"\nB=8 T=4096 bf16 on {gpu}")

@@ -436,11 +436,12 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
 def _gla_warps(k_size, block_v):
-    """Candidates for the H100 (B=8, T=4096, bf16; BENCHMARKS.md): with 8 warps RWKV-6's
-    forward at K=V=64 took 5.90 ms, with 4 (8 B of spills) 3.86, and its state-gradient pass
-    1.77 against 1.25 ms; the gradient kernel is fastest with 8 warps (255 registers, no spills
-    at K=64; 4 warps spill 240 B)."""
-    return dict(forward_warps=4, state_gradient_warps=4, backward_warps=8)
+    """Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md), against 8 warps: at K=V=64
+    RWKV-6's forward 5.90 -> 3.86 ms with 4 (8 B of spills) and both ops' state-gradient pass
+    1.77 -> 1.25; at K=V=128 the forward 10.6 -> 7.6 ms (140-180 B of spills). The gradient
+    kernel with 4 warps (two programs per SM, 240 B of spills at K=64) against 8 (one, none):
+    GLA K=64 forward+backward 17.39 -> 13.43 ms."""
+    return dict(forward_warps=4, state_gradient_warps=4, backward_warps=4)
 
 
 def _gla_static(q, k, v, a, b, u, scale, reverse):
