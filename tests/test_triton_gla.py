@@ -46,3 +46,11 @@ def test_gla_strong_gates_across_spans(gate):
                 dict(gates=(gate,), batch=2, steps=70, key=16, value=48,
                      decay=("every_third", -1e9)), dict(reverse=gate == "gv"))
     check_case("triton", case, seed=3)
+
+
+@pytest.mark.parametrize("op, steps", [("gated_linear_attention", 37), ("rwkv6", 1)])
+def test_odd_and_single_step_lengths(op, steps):
+    drawn = dict(batch=2, steps=steps, key=16, value=32)
+    if op == "gated_linear_attention":
+        drawn["gates"] = GATES
+    check_case("triton", Case(op, drawn, {}), seed=steps)

@@ -31,7 +31,9 @@ precise), and the gradient of a floored gate is 0.
 Three kernels, as for RWKV-7: a sequential forward (H in registers; saves H every
 CHUNKS_PER_STATE chunks), a sequential reverse pass of the state gradient
 (dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B), saved at every chunk's end), and a
-parallel gradient kernel per (span of chunks, head, V block). Gate gradients: a log gate
+parallel gradient kernel per (span of chunks, head, V block). The backward's two kernels share
+one chunk size, which may differ from the forward's (each kernel's C): the saved states' span
+is a multiple of both (the backend's GLA_SPAN). Gate gradients: a log gate
 multiplies a factor x = y e^z, so dz = x dx; summed over the chunk's factors that gives
 dR = q dq, dA = -k dk and the per-token gradient is their reverse cumulative sum (exclusive
 for R under RWKV-6), in float32. Terms that would cancel exactly are kept out of those sums

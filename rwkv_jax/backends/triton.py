@@ -292,7 +292,12 @@ _gla_kernels = _launch.kernels("gla")
 # Tokens per chunk (its pairwise factors are built level by level, log2(chunk) levels) of the
 # forward, and of the backward's two kernels (the state-gradient pass saves dH at the end of
 # each of its chunks; the gradient kernel takes them); the forward saves the state every
-# GLA_SPAN tokens, a multiple of both chunks.
+# GLA_SPAN tokens, a multiple of both chunks. Measured on the H100 (K=V=64, bf16, B=8,
+# T=4096; BENCHMARKS.md): a backward chunk of 32 makes the state-gradient pass faster (1.25
+# -> 0.79 ms) but the gradient kernel slower (412 B of spills at 8 warps; K=128: 36.7 -> 61.2
+# ms forward+backward), 64 far slower (53 ms; thousands of bytes of spills); a forward chunk
+# of 32 is slower for GLA (3.88 -> 4.07 ms) and for RWKV-6 with 4 warps (3.93 -> 4.29). A span
+# of 256 against 128 or 512: the same times within 0.5%, 0.26 GiB less peak memory than 128.
 GLA_CHUNK = 16
 GLA_GRADIENT_CHUNK = 16
 GLA_SPAN = 256
@@ -436,12 +441,15 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
 def _gla_warps(k_size, block_v):
-    """Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md), against 8 warps: at K=V=64
-    RWKV-6's forward 5.90 -> 3.86 ms with 4 (8 B of spills) and both ops' state-gradient pass
-    1.77 -> 1.25; at K=V=128 the forward 10.6 -> 7.6 ms (140-180 B of spills). The gradient
-    kernel with 4 warps (two programs per SM, 240 B of spills at K=64) against 8 (one, none):
-    GLA K=64 forward+backward 17.39 -> 13.43 ms."""
-    return dict(forward_warps=4, state_gradient_warps=4, backward_warps=4)
+    """Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md), 4 warps against 8: at K=V=64
+    RWKV-6's forward 5.90 -> 3.87 ms (8 B of spills) and both ops' state-gradient pass 1.77 ->
+    1.25; at K=V=128 the forward 10.6 -> 7.6 ms (140-180 B of spills), the state gradient 3.2
+    -> 3.0. The gradient kernel at K=V=64 with 4 warps (two programs per SM, 240 B of spills)
+    rather than 8 (one program, none): forward+backward GLA 17.39 -> 13.23 ms, RWKV-6 18.14 ->
+    14.39. At K=128 it stays at 8 (33.8 / 36.9 ms): 4 warps spill 1860 B there and were not
+    timed (correct on the GPU, as 8 are)."""
+    small = _pow2_at_least(k_size) * block_v <= 64 * 64
+    return dict(forward_warps=4, state_gradient_warps=4, backward_warps=4 if small else 8)
 
 
 def _gla_static(q, k, v, a, b, u, scale, reverse):
