@@ -3,7 +3,7 @@
 wheel carries ptxas and cuobjdump.
 
     python benchmarks/compile_report.py [--family rwkv7|gla] [--key 64] [--value 64] [--warps 4,8]
-        [--chunk 16 --gradient-chunk 16 --span 128 --bonus]   (gla)
+        [--chunk 16 --gradient-chunk 16 --span 256 --bonus]   (gla)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
@@ -70,7 +70,7 @@ def main():
     parser.add_argument("--gradient-chunk", type=int, default=16,
                         help="gla family: tokens per chunk of the state-gradient pass and the "
                         "gradient kernel")
-    parser.add_argument("--span", type=int, default=128,
+    parser.add_argument("--span", type=int, default=256,
                         help="gla family: tokens between the forward's saved states")
     parser.add_argument("--block-v", type=int, default=64,
                         help="the most V columns a program takes")

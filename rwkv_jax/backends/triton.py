@@ -442,12 +442,12 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 
 def _gla_warps(k_size, block_v):
     """Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md), 4 warps against 8: at K=V=64
-    RWKV-6's forward 5.90 -> 3.87 ms (8 B of spills) and both ops' state-gradient pass 1.77 ->
-    1.25; at K=V=128 the forward 10.6 -> 7.6 ms (140-180 B of spills), the state gradient 3.2
-    -> 3.0. The gradient kernel at K=V=64 with 4 warps (two programs per SM, 240 B of spills)
-    rather than 8 (one program, none): forward+backward GLA 17.39 -> 13.23 ms, RWKV-6 18.14 ->
-    14.39. At K=128 it stays at 8 (33.8 / 36.9 ms): 4 warps spill 1860 B there and were not
-    timed (correct on the GPU, as 8 are)."""
+    RWKV-6's forward 5.90 -> 3.87 ms (8 B of spills) and its state-gradient pass 1.77 -> 1.25
+    (GLA's had 4 already); at K=V=128 the forward 10.6 -> 7.6 ms (140-180 B of spills), the
+    state gradient 3.2 -> 3.0. The gradient kernel at K=V=64 with 4 warps (two programs per SM,
+    240 B of spills) rather than 8 (one program, none): forward+backward GLA 17.39 -> 13.23 ms,
+    RWKV-6 18.14 -> 14.39. At K=128 it stays at 8 (33.8 / 36.9 ms): 4 warps spill 1860 B there
+    and were not timed (correct on the GPU, as 8 are)."""
     small = _pow2_at_least(k_size) * block_v <= 64 * 64
     return dict(forward_warps=4, state_gradient_warps=4, backward_warps=4 if small else 8)
 
