@@ -146,7 +146,9 @@ def slice_errors(out, state, grads, ref, heads=4):
     return errors
 
 
-def bench_ours(op, x_jax, d_out, d_state, ref):
+def bench_ours(op, x_jax, d_out, d_state, ref, full=True):
+    """Times, errors and (``full``) peak memory, the forward that saves states and the backward
+    alone; the state-gradient pass alone either way."""
     forward = jax.jit(lambda x: call(op, x))
 
     def both(x, d_out, d_state):
@@ -159,7 +161,6 @@ def bench_ours(op, x_jax, d_out, d_state, ref):
     compile_start = time.perf_counter()
     out, state, grads = jax.block_until_ready(both(x_jax, d_out, d_state))
     compile_s = time.perf_counter() - compile_start
-    _, pullback = saving(x_jax)
     # The state-gradient kernel alone (the rest of the backward is the gradient kernel).
     rows = lambda t: t.reshape(-1, *t.shape[2:])
     q, k, v = (x_jax[n] for n in NAMES[op][:3])
@@ -169,15 +170,18 @@ def bench_ours(op, x_jax, d_out, d_state, ref):
     cu = jnp.arange(q.shape[0] + 1, dtype=jnp.int32) * q.shape[1]
     state_gradient = jax.jit(lambda q, a, do, dht: triton_backend._gla_state_gradient(
         static, q, a, None, do, dht, cu)[:2])
-    return dict(name=f"rwkv_jax triton {op}", forward_ms=time_jax(forward, x_jax),
-                forward_backward_ms=time_jax(both, x_jax, d_out, d_state),
-                forward_saving_states_ms=time_jax(lambda x: saving(x)[0], x_jax),
-                backward_ms=time_jax(backward, pullback, d_out, d_state),
-                state_gradient_ms=time_jax(state_gradient, rows(q), rows(gate), rows(d_out),
-                                           d_state),
-                peak_bytes=jax_peak_bytes(both, x_jax, d_out, d_state),
-                forward_peak_bytes=jax_peak_bytes(forward, x_jax),
-                errors=slice_errors(out, state, grads, ref), compile_s=compile_s)
+    row = dict(name=f"rwkv_jax triton {op}", forward_ms=time_jax(forward, x_jax),
+               forward_backward_ms=time_jax(both, x_jax, d_out, d_state),
+               state_gradient_ms=time_jax(state_gradient, rows(q), rows(gate), rows(d_out),
+                                          d_state),
+               errors=slice_errors(out, state, grads, ref), compile_s=compile_s)
+    if full:
+        _, pullback = saving(x_jax)
+        row.update(forward_saving_states_ms=time_jax(lambda x: saving(x)[0], x_jax),
+                   backward_ms=time_jax(backward, pullback, d_out, d_state),
+                   peak_bytes=jax_peak_bytes(both, x_jax, d_out, d_state),
+                   forward_peak_bytes=jax_peak_bytes(forward, x_jax))
+    return row
 
 
 def bench_fla(op, x, d_out, d_state, ref):
@@ -218,11 +222,17 @@ def bench_fla(op, x, d_out, d_state, ref):
 def describe(row):
     errors = row["errors"]
     worst_grad = max(v for k, v in errors.items() if k.startswith("d"))
-    extra = (f" (saving {row['forward_saving_states_ms']:.2f}, bwd {row['backward_ms']:.2f} ="
-             f" state grad {row['state_gradient_ms']:.2f} + rest)" if "backward_ms" in row else "")
+    if "backward_ms" in row:
+        extra = (f" (saving {row['forward_saving_states_ms']:.2f}, bwd {row['backward_ms']:.2f}"
+                 f" = state grad {row['state_gradient_ms']:.2f} + rest)")
+    elif "state_gradient_ms" in row:
+        extra = f" (state grad {row['state_gradient_ms']:.2f})"
+    else:
+        extra = ""
+    peak = (f"  peak {row['peak_bytes'] / 2**30:5.2f} GiB (fwd "
+            f"{row['forward_peak_bytes'] / 2**30:4.2f})" if "peak_bytes" in row else "")
     return (f"{row['shape']:18s} {row['name']:36s} fwd {row['forward_ms']:6.2f} ms  fwd+bwd "
-            f"{row['forward_backward_ms']:6.2f} ms{extra}  peak "
-            f"{row['peak_bytes'] / 2**30:5.2f} GiB (fwd {row['forward_peak_bytes'] / 2**30:4.2f})"
+            f"{row['forward_backward_ms']:6.2f} ms{extra}{peak}"
             f"  err out {errors['out']:.1e} state {errors['state']:.1e} grads<= {worst_grad:.1e}")
 
 
@@ -257,7 +267,7 @@ SHAPES = [("rwkv6", 64, 64), ("gated_linear_attention", 64, 64),
           ("rwkv6", 32, 128), ("gated_linear_attention", 32, 128)]
 
 
-def benchmark(deadline, out_dir, with_fla, shapes, sweep):
+def benchmark(deadline, out_dir, with_fla, shapes, sweep, lean):
     prepared = []
     for op, heads, size in shapes:
         batch, steps = 8, 4096
@@ -269,19 +279,22 @@ def benchmark(deadline, out_dir, with_fla, shapes, sweep):
         ours = (x_jax, jax.dlpack.from_dlpack(d_out), jax.dlpack.from_dlpack(d_state), ref)
         prepared.append((op, shape, ours))
         contenders = ([("fla", bench_fla, (x, d_out, d_state, ref))] if with_fla else []) + [
-            ("ours", bench_ours, ours)]
+            ("ours", bench_ours, ours + (not lean,))]
         for label, fn, inputs in contenders:
             row = attempt(fn, f"{label} {op} {shape}", deadline, 200 if label == "fla" else 120,
                           op, *inputs)
             if row is not None:
                 record(row, op, shape, out_dir)
-    # Other kernel settings (the backend's GLA_OVERRIDES), after every shape's defaults.
-    for overrides in sweep:
-        for op, shape, ours in prepared:
+    # Other kernel settings (the backend's GLA_OVERRIDES), after every shape's defaults: times
+    # and errors only (no peaks, no backward alone).
+    for overrides, picked in sweep:
+        for index, (op, shape, ours) in enumerate(prepared):
+            if picked is not None and index not in picked:
+                continue
             triton_backend.GLA_OVERRIDES.update(overrides)
             try:
                 row = attempt(bench_ours, f"ours {op} {shape} {overrides}", deadline, 60, op,
-                              *ours)
+                              *ours, False)
             finally:
                 triton_backend.GLA_OVERRIDES.clear()
             if row is not None:
@@ -297,6 +310,13 @@ def record(row, op, shape, out_dir):
         json.dump(results, f, indent=1, default=str)
 
 
+def sweep_item(item):
+    """'a=1,b=2@0,1' -> ({'a': 1, 'b': 2}, {0, 1}); without '@': (..., None), every shape."""
+    settings, _, picked = item.partition("@")
+    overrides = {k: int(v) for k, v in (pair.split("=") for pair in settings.split(","))}
+    return overrides, ({int(i) for i in picked.split(",")} if picked else None)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=".")
@@ -305,10 +325,13 @@ def main():
     parser.add_argument("--checks", type=int, default=len(CHECKS),
                         help="how many of the correctness checks to run (0: none)")
     parser.add_argument("--no-fla", action="store_true", help="time ours only")
+    parser.add_argument("--lean", action="store_true",
+                        help="time ours with the defaults as sweep rows are (no peaks)")
     parser.add_argument("--shapes", default="0,1,2,3", help="which of SHAPES to benchmark")
     parser.add_argument("--sweep", default="", help="also time ours with other settings, e.g. "
-                        "'backward_warps=4;block_v=32,backward_warps=16' (fields of the "
-                        "backend's _GlaStatic)")
+                        "'backward_warps=4;block_v=32,backward_warps=16@0,1' (fields of the "
+                        "backend's _GlaStatic; '@' picks benchmarked shapes by their index in "
+                        "--shapes' list, all by default)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     open_log(os.path.join(args.out, "gpu_gla.log"))
@@ -321,8 +344,7 @@ def main():
                 seed)
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",") if i]
     benchmark(deadline, args.out, not args.no_fla, shapes,
-              [{k: int(v) for k, v in (pair.split("=") for pair in item.split(","))}
-               for item in args.sweep.split(";") if item])
+              [sweep_item(item) for item in args.sweep.split(";") if item], args.lean)
     log("\ncorrectness: " + ", ".join(f"{c['name']}: {'ok' if c['ok'] else 'FAIL'}"
                                       for c in results["correctness"]))
     log(f"\nB=8 T=4096 bf16 on {gpu}")

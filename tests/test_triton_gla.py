@@ -1,9 +1,11 @@
 """The triton GLA / RWKV-6 kernels (triton_kernels/gla.py) where the shared suite does not
 reach: several V blocks per head (K-side gradients and du summed from partial sums), saved
-states every 2 chunks so that short packed sequences cross span boundaries, every GLA gate with
-reverse and packed sequences (an empty segment, partial chunks) together, strong gates across
-chunk and span boundaries. Against the float64 reference, forward and every gradient, through
-test_ops.check_case (tiny shapes: Triton's interpreter)."""
+states every 2 chunks so that short packed sequences cross span boundaries, forward and
+backward chunks of 16, 32 and 64 tokens (sequences shorter than a chunk, partial chunks, odd
+T, T = 1), every GLA gate with reverse and packed sequences (an empty segment, partial chunks)
+together, strong gates across chunk and span boundaries. Against the float64 reference,
+forward and every gradient, through test_ops.check_case (tiny shapes: Triton's
+interpreter)."""
 
 import pytest
 
@@ -14,9 +16,15 @@ GATES = ("g", "g_gamma", "gk", "gv")
 PACKED = [0, 0, 17, 57, 70]  # empty, partial chunk, several spans of 2 chunks, short
 
 
-@pytest.fixture(autouse=True)
-def short_spans(monkeypatch):
-    monkeypatch.setattr(triton_backend, "GLA_CHUNKS_PER_STATE", 2)
+# (forward chunk, backward chunk, span): saved states every 2 chunks; a backward chunk larger
+# than the forward's (dH every 2 forward chunks), and larger than some sequences.
+CHUNKS = [(16, 16, 32), (16, 32, 64), (32, 64, 128)]
+
+
+@pytest.fixture(autouse=True, params=CHUNKS, ids=lambda c: "chunks=%d,%d,%d" % c)
+def short_spans(monkeypatch, request):
+    for name, value in zip(("GLA_CHUNK", "GLA_GRADIENT_CHUNK", "GLA_SPAN"), request.param):
+        monkeypatch.setattr(triton_backend, name, value)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -39,3 +47,11 @@ def test_gla_strong_gates_across_spans(gate):
                 dict(gates=(gate,), batch=2, steps=70, key=16, value=48,
                      decay=("every_third", -1e9)), dict(reverse=gate == "gv"))
     check_case("triton", case, seed=3)
+
+
+@pytest.mark.parametrize("op, steps", [("gated_linear_attention", 37), ("rwkv6", 1)])
+def test_odd_and_single_step_lengths(op, steps):
+    drawn = dict(batch=2, steps=steps, key=16, value=32)
+    if op == "gated_linear_attention":
+        drawn["gates"] = GATES
+    check_case("triton", Case(op, drawn, {}), seed=steps)

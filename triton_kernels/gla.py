@@ -31,14 +31,17 @@ precise), and the gradient of a floored gate is 0.
 Three kernels, as for RWKV-7: a sequential forward (H in registers; saves H every
 CHUNKS_PER_STATE chunks), a sequential reverse pass of the state gradient
 (dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B), saved at every chunk's end), and a
-parallel gradient kernel per (span of chunks, head, V block). Gate gradients: a log gate
-multiplies a factor x = y e^z, so dz = x dx; summed over the chunk's factors that gives
-dR = q dq, dA = -k dk and the per-token gradient is their reverse cumulative sum (exclusive
-for R under RWKV-6), in float32. Terms that would cancel exactly are kept out of those sums
-(strong gates leave the gradient far smaller than the rounding of the cancelling terms): the
-pairs whose factor is e^0 whatever the gates (GLA: i = t; RWKV-6: i = t - 1), and the decays
-to the chunk's end, summed forwards (A_end - A_i = a_{i+1} + ... + a_C) instead of as A_end
-minus a reverse sum.
+parallel gradient kernel per (span of chunks, head, V block). The backward's two kernels share
+one chunk size, which may differ from the forward's (each kernel's C): the saved states' span
+is a multiple of both (the backend's GLA_SPAN).
+
+Gate gradients: a log gate multiplies a factor x = y e^z, so dz = x dx; summed over the chunk's
+factors that gives dR = q dq, dA = -k dk and the per-token gradient is their reverse cumulative
+sum (exclusive for R under RWKV-6), in float32. Terms that would cancel exactly are kept out of
+those sums (strong gates leave the gradient far smaller than the rounding of the cancelling
+terms): the pairs whose factor is e^0 whatever the gates (GLA: i = t; RWKV-6: i = t - 1), and
+the decays to the chunk's end, summed forwards (A_end - A_i = a_{i+1} + ... + a_C) instead of
+as A_end minus a reverse sum.
 
 REVERSE runs each sequence from its last token to its first (GLA's ``reverse``): chunk c's
 position j is row ``end - 1 - (c * C + j)``. Sequences are rows [cu[n], cu[n+1]) of the

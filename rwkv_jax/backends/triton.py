@@ -289,8 +289,18 @@ from . import LOG_DECAY_FLOOR  # noqa: E402
 
 _gla_kernels = _launch.kernels("gla")
 
-GLA_CHUNK = 16  # tokens per chunk; its pairwise factors are built level by level (LEVELS)
-GLA_CHUNKS_PER_STATE = 8  # the forward saves the state every this many chunks (for the backward)
+# Tokens per chunk (its pairwise factors are built level by level, log2(chunk) levels) of the
+# forward, and of the backward's two kernels (the state-gradient pass saves dH at the end of
+# each of its chunks; the gradient kernel takes them); the forward saves the state every
+# GLA_SPAN tokens, a multiple of both chunks. Measured on the H100 (K=V=64, bf16, B=8,
+# T=4096; BENCHMARKS.md): a backward chunk of 32 makes the state-gradient pass faster (1.25
+# -> 0.79 ms) but the gradient kernel slower (412 B of spills at 8 warps; K=128: 36.7 -> 61.2
+# ms forward+backward), 64 far slower (53 ms; thousands of bytes of spills); a forward chunk
+# of 32 is slower for GLA (3.88 -> 4.07 ms) and for RWKV-6 with 4 warps (3.93 -> 4.29). A span
+# of 256 against 128 or 512: the same times within 0.5%, 0.26 GiB less peak memory than 128.
+GLA_CHUNK = 16
+GLA_GRADIENT_CHUNK = 16
+GLA_SPAN = 256
 # _GlaStatic fields -> values, to try other settings (benchmarks/gpu_gla.py --sweep) without
 # editing code.
 GLA_OVERRIDES: dict = {}
@@ -310,18 +320,27 @@ class _GlaStatic:
     reverse: bool
     precision: str  # of the float32 matrix products: "tf32x3" for float32 inputs, else "tf32"
     block_v: int
-    chunks_per_state: int
-    forward_warps: int   # of the sequential kernels (forward, state gradient)
-    backward_warps: int  # of the parallel gradient kernel
+    chunk: int           # tokens per chunk of the forward
+    gradient_chunk: int  # of the backward (state-gradient pass and gradient kernel)
+    span: int            # the forward saves the state every this many tokens
+    forward_warps: int         # of the forward
+    state_gradient_warps: int  # of the state-gradient pass
+    backward_warps: int        # of the parallel gradient kernel
+
+    def __post_init__(self):
+        for chunk in (self.chunk, self.gradient_chunk):
+            if chunk not in (16, 32, 64) or self.span % chunk:
+                raise ValueError(f"GLA chunks must be 16, 32 or 64 tokens and divide the span "
+                                 f"({self.span}); got {chunk}")
 
     @property
     def v_blocks(self):
         return -(-self.v_size // self.block_v)
 
-    def constexprs(self, **more):
+    def constexprs(self, chunk, **more):
         return dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
-                    BK=_pow2_at_least(self.k_size), BV=self.block_v, C=GLA_CHUNK,
-                    LEVELS=GLA_CHUNK.bit_length() - 1, ROWS=self.rows,
+                    BK=_pow2_at_least(self.k_size), BV=self.block_v, C=chunk,
+                    LEVELS=chunk.bit_length() - 1, ROWS=self.rows,
                     HAS_A=self.has_a, HAS_B=self.has_b, BONUS=self.bonus, REVERSE=self.reverse,
                     FLOOR=LOG_DECAY_FLOOR, PRECISION=self.precision, **more)
 
@@ -343,8 +362,7 @@ def _present(*arrays):
 
 def _gla_forward(static, q, k, v, a, b, u, h0, cu, save):
     sequences = cu.shape[0] - 1
-    span = GLA_CHUNK * static.chunks_per_state
-    _, state_index, slots = _gla_slots(cu, static.rows, span)
+    _, state_index, slots = _gla_slots(cu, static.rows, static.span)
     state_shape = (sequences, static.heads, static.k_size, static.v_size)
     o, ht, states = _launch.launch(
         _gla_kernels.gla_forward_kernel, _present(q, k, v, a, b, u, h0, cu, state_index),
@@ -352,7 +370,8 @@ def _gla_forward(static, q, k, v, a, b, u, h0, cu, save):
          jax.ShapeDtypeStruct(state_shape, jnp.float32),
          jax.ShapeDtypeStruct((slots,) + state_shape[1:] if save else (1,), jnp.float32)),
         (sequences * static.heads, static.v_blocks), num_warps=static.forward_warps,
-        **static.constexprs(SLOTS=slots, CHUNKS_PER_STATE=static.chunks_per_state, SAVE=save))
+        **static.constexprs(static.chunk, SLOTS=slots,
+                            CHUNKS_PER_STATE=static.span // static.chunk, SAVE=save))
     return o, ht, states
 
 
@@ -368,17 +387,18 @@ def _gla_fwd(static, q, k, v, a, b, u, h0, cu):
 
 
 def _gla_state_gradient(static, q, a, b, do, dht, cu):
-    """The reverse recurrence of the state gradient: dh0, and dH at the end of every chunk."""
+    """The reverse recurrence of the state gradient: dh0, and dH at the end of every chunk of
+    the gradient kernel's."""
     sequences = cu.shape[0] - 1
     state_shape = (static.heads, static.k_size, static.v_size)
-    _, chunk_index, chunk_slots = _gla_slots(cu, static.rows, GLA_CHUNK)
+    _, chunk_index, chunk_slots = _gla_slots(cu, static.rows, static.gradient_chunk)
     dh0, dstates = _launch.launch(
         _gla_kernels.gla_state_gradient_kernel,
         _present(q, a, b, do, dht.astype(jnp.float32), cu, chunk_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((chunk_slots,) + state_shape, jnp.float32)),
-        (sequences * static.heads, static.v_blocks), num_warps=static.forward_warps,
-        **static.constexprs(SLOTS=chunk_slots))
+        (sequences * static.heads, static.v_blocks), num_warps=static.state_gradient_warps,
+        **static.constexprs(static.gradient_chunk, SLOTS=chunk_slots))
     return dh0, dstates, chunk_index, chunk_slots
 
 
@@ -389,7 +409,7 @@ def _gla_bwd(static, residuals, cotangents):
     rows, v_blocks = static.rows, static.v_blocks
     dh0, dstates, chunk_index, chunk_slots = _gla_state_gradient(static, q, a, b, do, dht, cu)
     # Every input gradient, one program per (span, head, V block), all at once.
-    spans, state_index, slots = _gla_slots(cu, rows, GLA_CHUNK * static.chunks_per_state)
+    spans, state_index, slots = _gla_slots(cu, rows, static.span)
     slot_sequence = _slot_sequences(spans, state_index, slots)
     partial = v_blocks > 1
     k_side = (rows, static.heads, static.k_size)
@@ -406,8 +426,9 @@ def _gla_bwd(static, residuals, cotangents):
          jax.ShapeDtypeStruct((v_blocks, slots, static.heads, static.k_size), jnp.float32)
          if static.bonus else unused),
         (slots, static.heads, v_blocks), num_warps=static.backward_warps,
-        **static.constexprs(SLOTS=slots, CHUNK_SLOTS=chunk_slots,
-                            CHUNKS_PER_STATE=static.chunks_per_state, PARTIAL=partial))
+        **static.constexprs(static.gradient_chunk, SLOTS=slots, CHUNK_SLOTS=chunk_slots,
+                            CHUNKS_PER_STATE=static.span // static.gradient_chunk,
+                            PARTIAL=partial))
     reduce = (lambda g, x: g.sum(0).astype(x.dtype)) if partial else (lambda g, x: g)
     return (reduce(dq, q), reduce(dk, k), dv,
             reduce(da, a).astype(a.dtype) if static.has_a else None,
@@ -419,15 +440,16 @@ def _gla_bwd(static, residuals, cotangents):
 _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
-def _gla_warps(k_size, block_v, bonus):
-    """Measured on an H100 at B=8, T=4096, bf16 (BENCHMARKS.md), with session 4's per-element
-    in-chunk pairs: at K=V=64 GLA's forward is fastest with 4 warps (4.65 ms against 7.22 with
-    8), RWKV-6's with 8 (7.28 against 9.16: it spilled with 4), the gradient kernel with 8
-    (19.5 ms backward against 21.0); larger tiles take 8 warps everywhere. With the pairs level
-    by level RWKV-6's forward spills 8 B at 4 warps: 4 is worth measuring (GLA's forward with 4
-    is 3.82 ms against RWKV-6's 5.77 with 8)."""
+def _gla_warps(k_size, block_v):
+    """Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md), 4 warps against 8: at K=V=64
+    RWKV-6's forward 5.90 -> 3.87 ms (8 B of spills) and its state-gradient pass 1.77 -> 1.25
+    (GLA's had 4 already); at K=V=128 the forward 10.6 -> 7.6 ms (140-180 B of spills), the
+    state gradient 3.2 -> 3.0. The gradient kernel at K=V=64 with 4 warps (two programs per SM,
+    240 B of spills) rather than 8 (one program, none): forward+backward GLA 17.39 -> 13.23 ms,
+    RWKV-6 18.14 -> 14.39. At K=128 it stays at 8 (33.8 / 36.9 ms): 4 warps spill 1860 B there
+    and were not timed (correct on the GPU, as 8 are)."""
     small = _pow2_at_least(k_size) * block_v <= 64 * 64
-    return dict(forward_warps=4 if small and not bonus else 8, backward_warps=8)
+    return dict(forward_warps=4, state_gradient_warps=4, backward_warps=4 if small else 8)
 
 
 def _gla_static(q, k, v, a, b, u, scale, reverse):
@@ -440,7 +462,7 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
     static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
-        chunks_per_state=GLA_CHUNKS_PER_STATE, **_gla_warps(k_size, block_v, u is not None))
+        GLA_CHUNK, GLA_GRADIENT_CHUNK, GLA_SPAN, **_gla_warps(k_size, block_v))
     return dataclasses.replace(static, **GLA_OVERRIDES)
 
 
