@@ -1,8 +1,8 @@
 """The triton GLA / RWKV-6 kernels (triton_kernels/gla.py) where the shared suite does not
 reach: several V blocks per head (K-side gradients and du summed from partial sums), saved
 states every 2 chunks so that short packed sequences cross span boundaries, forward and
-backward chunks of 16, 32 and 64 tokens (sequences shorter than a chunk, partial chunks, odd
-T, T = 1), every GLA gate with reverse and packed sequences (an empty segment, partial chunks)
+backward chunks of 16, 32 and 64 tokens (packed sequences shorter than a chunk, partial chunks,
+odd T, T = 1, strong gates), every GLA gate with reverse and packed sequences (an empty segment, partial chunks)
 together, strong gates across chunk and span boundaries. Against the float64 reference,
 forward and every gradient, through test_ops.check_case (tiny shapes: Triton's
 interpreter)."""
@@ -16,15 +16,22 @@ GATES = ("g", "g_gamma", "gk", "gv")
 PACKED = [0, 0, 17, 57, 70]  # empty, partial chunk, several spans of 2 chunks, short
 
 
-# (forward chunk, backward chunk, span): saved states every 2 chunks; a backward chunk larger
-# than the forward's (dH every 2 forward chunks), and larger than some sequences.
-CHUNKS = [(16, 16, 32), (16, 32, 64), (32, 64, 128)]
-
-
-@pytest.fixture(autouse=True, params=CHUNKS, ids=lambda c: "chunks=%d,%d,%d" % c)
-def short_spans(monkeypatch, request):
-    for name, value in zip(("GLA_CHUNK", "GLA_GRADIENT_CHUNK", "GLA_SPAN"), request.param):
+def _chunks(monkeypatch, forward, backward, span):
+    for name, value in zip(("GLA_CHUNK", "GLA_GRADIENT_CHUNK", "GLA_SPAN"),
+                           (forward, backward, span)):
         monkeypatch.setattr(triton_backend, name, value)
+
+
+@pytest.fixture(autouse=True)
+def short_spans(monkeypatch):
+    _chunks(monkeypatch, 16, 16, 32)  # saved states every 2 chunks
+
+
+# (forward chunk, backward chunk, span), the backend's settings: the default chunks, a backward
+# chunk larger than the forward's (dH every 2 forward chunks), and one larger than some
+# sequences.
+CHUNKS = [(16, 16, 32), (16, 32, 64), (32, 64, 128)]
+chunk_ids = lambda c: "chunks=%d,%d,%d" % c
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -49,8 +56,23 @@ def test_gla_strong_gates_across_spans(gate):
     check_case("triton", case, seed=3)
 
 
+@pytest.mark.parametrize("chunks", CHUNKS[1:], ids=chunk_ids)
+@pytest.mark.parametrize("op", ["gated_linear_attention", "rwkv6"])
+def test_other_chunk_sizes_packed_strong_gates(monkeypatch, op, chunks):
+    _chunks(monkeypatch, *chunks)
+    drawn = dict(batch=1, steps=70, key=16, value=32, state_rows=4,
+                 decay=("every_third", -1e9))
+    options = dict(cu_seqlens=PACKED)
+    if op == "gated_linear_attention":
+        drawn["gates"] = GATES
+        options["reverse"] = True
+    check_case("triton", Case(op, drawn, options), seed=7)
+
+
+@pytest.mark.parametrize("chunks", CHUNKS, ids=chunk_ids)
 @pytest.mark.parametrize("op, steps", [("gated_linear_attention", 37), ("rwkv6", 1)])
-def test_odd_and_single_step_lengths(op, steps):
+def test_odd_and_single_step_lengths(monkeypatch, op, steps, chunks):
+    _chunks(monkeypatch, *chunks)
     drawn = dict(batch=2, steps=steps, key=16, value=32)
     if op == "gated_linear_attention":
         drawn["gates"] = GATES
