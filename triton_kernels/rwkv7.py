@@ -62,8 +62,8 @@ which keeps registers free and loads and stores vectorised.
 import triton
 import triton.language as tl
 
-from .common import (clamped, clamped_rows, diagonal_tile as _diagonal, level_factors as _level,
-                     program, row_bases, rows, state_offsets)
+from .common import (clamped, clamped_rows, diagonal_tile as _diagonal, in_range,
+                     level_factors as _level, program, row_bases, rows, state_offsets)
 
 
 @triton.jit
@@ -149,112 +149,200 @@ def _in_chunk(q, k, a, b, w, TAME: tl.constexpr, C: tl.constexpr, LEVELS: tl.con
     return A_qk, A_qb, A_ak, A_ab
 
 
-@triton.jit
-def _advance(h, k, b, v, u, to_end, g_end, PRECISION: tl.constexpr):
-    """H' = e^g H + k^T V + b^T U (to_end: e^(g - gi))."""
-    h = tl.dot(tl.trans(k * to_end), v, tl.exp(g_end)[:, None] * h, input_precision=PRECISION)
-    return tl.dot(tl.trans(b * to_end), u, h, input_precision=PRECISION)
+# A chunk's [C, C] matrices in the in-chunk buffer [chunk slots, HEADS, 4, C, C] (float32), in
+# this order: the state-gradient pass reads the first two, the forward all four.
+INVERSE, A_QB, A_AK, A_QK = (tl.constexpr(i) for i in range(4))
 
+
+@triton.jit
+def _matrix(matrices_ptr, chunk_slot, head, WHICH: tl.constexpr, HEADS: tl.constexpr,
+            C: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Pointers to one of a chunk's matrices (INVERSE, ...), or to its transpose."""
+    index = tl.arange(0, C)
+    if TRANSPOSED:
+        within = index[:, None] + index[None, :] * C
+    else:
+        within = index[:, None] * C + index[None, :]
+    return matrices_ptr + ((chunk_slot.to(tl.int64) * HEADS + head) * 4 + WHICH) * (C * C) + within
+
+
+@triton.jit
+def _load_matrix(matrices_ptr, chunk_slot, head, WHICH: tl.constexpr, HEADS: tl.constexpr,
+                 C: tl.constexpr, TRANSPOSED: tl.constexpr):
+    return tl.load(_matrix(matrices_ptr, chunk_slot, head, WHICH, HEADS, C, TRANSPOSED))
+
+
+@triton.jit
+def rwkv7_in_chunk_kernel(
+    r_ptr, w_ptr, k_ptr, a_ptr, b_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,  # inputs
+    matrices_ptr,                                                                    # output
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    C: tl.constexpr, LEVELS: tl.constexpr, FLOOR: tl.constexpr, TAME: tl.constexpr,
+    TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, PRECISION: tl.constexpr,
+    INVERSE_PRECISION: tl.constexpr,
+):
+    """Grid (chunk slots, HEADS), all at once: each chunk's (I - A_ab)^-1, A_qb, A_ak, A_qk into
+    matrices [chunk slots, HEADS, 4, C, C] float32 (``_matrix``), so that the two sequential
+    passes keep only the state recurrence and none of its V blocks rebuilds them.
+    ``chunk_sequence[s]``: the sequence of chunk slot s (-1 past the last chunk; such slots and
+    those of invalid ``cu`` values are not written, and no pass reads them)."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    sequence = tl.load(chunk_sequence_ptr + slot)
+    used = sequence >= 0
+    sequence = clamped(sequence, SEQUENCES)
+    start, end, chunks = clamped_rows(tl.load(cu_ptr + sequence).to(tl.int64),
+                                      tl.load(cu_ptr + sequence + 1).to(tl.int64), TOTAL_ROWS, C)
+    c = slot - tl.load(chunk_index_ptr + sequence)
+    used = used & (c >= 0) & (c < chunks)
+    first = start + tl.where(used, c, 0) * C
+    k_cols = tl.arange(0, BK)
+    steps = tl.arange(0, C)
+    k_tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
+    k_in = ((first + steps < end) & used)[:, None] & in_range(k_cols, K, BK)[None, :]
+    k_base = (first * HEADS + head) * K
+    q = rows(r_ptr, k_base, k_tile, k_in) * scale
+    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+    k = rows(k_ptr, k_base, k_tile, k_in)
+    a = rows(a_ptr, k_base, k_tile, k_in)
+    b = rows(b_ptr, k_base, k_tile, k_in)
+    A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, TAME, C, LEVELS, PRECISION)
+    inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
+    tl.store(_matrix(matrices_ptr, slot, head, INVERSE, HEADS, C, False), inverse, mask=used)
+    tl.store(_matrix(matrices_ptr, slot, head, A_QB, HEADS, C, False), A_qb, mask=used)
+    tl.store(_matrix(matrices_ptr, slot, head, A_AK, HEADS, C, False), A_ak, mask=used)
+    tl.store(_matrix(matrices_ptr, slot, head, A_QK, HEADS, C, False), A_qk, mask=used)
+
+
+@triton.jit
+def _transposed_state(ptr, slot, head, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BK: tl.constexpr, v_cols):
+    """Pointers to a [K, V] state's tile held transposed, [BV, BK]: a scalar base and 32-bit
+    offsets (a [BV, BK] tile of 64-bit offsets held across the loop cost 2 registers per
+    element)."""
+    k_cols = tl.arange(0, BK)
+    return (ptr + (slot.to(tl.int64) * HEADS + head) * (K * V)
+            + (v_cols[:, None] + k_cols[None, :] * V))
+
+
+# The two sequential passes hold the state and their tiles transposed (S = H^T [BV, K]; [K, C]
+# and [BV, C] tiles), so that every product has BV rows rather than C = 16: Hopper's warpgroup
+# MMA then takes its operands from shared memory, where a 16-row product holds its whole
+# [16, K] operand in every warp's registers.
 
 @triton.jit
 def rwkv7_forward_kernel(
-    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, h0_ptr, cu_ptr, state_index_ptr,  # inputs
+    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, h0_ptr, matrices_ptr, cu_ptr,    # inputs
+    state_index_ptr, chunk_index_ptr,
     o_ptr, ht_ptr, states_ptr, u_ptr,                                           # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
-    STATE_SLOTS: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+    TOTAL_ROWS: tl.constexpr, STATE_SLOTS: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
     CHUNKS_PER_STATE: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
-    INVERSE_PRECISION: tl.constexpr,
 ):
-    """Grid (sequences * HEADS, V blocks). o [rows, HEADS, V]; ht [N, HEADS, K, V] float32;
-    if SAVE: states [STATE_SLOTS, HEADS, K, V] float32, the state at the start of every span,
-    and u [rows, HEADS, V] float32."""
+    """Grid (sequences * HEADS, V blocks); matrices: ``rwkv7_in_chunk_kernel``'s, whose slots
+    ``chunk_index`` gives. o [rows, HEADS, V]; ht [N, HEADS, K, V] float32; if SAVE: states
+    [STATE_SLOTS, HEADS, K, V] float32, the state at the start of every span, and u [rows,
+    HEADS, V] float32."""
     sequence = tl.program_id(0) // HEADS
     head = tl.program_id(0) % HEADS
     v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
-        sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, False)
+        sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, True)
     start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
-    local = state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
+    state_mask = tl.trans(state_mask)
     first_slot = tl.load(state_index_ptr + sequence)
-    h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
+    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
+    s = tl.load(_transposed_state(h0_ptr, sequence, head, HEADS, K, V, BK, v_cols),
+                mask=state_mask, other=0.0)
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
         if SAVE:
             if c % CHUNKS_PER_STATE == 0:
                 slot = clamped(first_slot + c // CHUNKS_PER_STATE, STATE_SLOTS)
-                tl.store(states_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols), h,
+                tl.store(_transposed_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols), s,
                          mask=state_mask)
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
-                                                HEADS, K, V, C, False)
-        q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-        k = rows(k_ptr, k_base, k_tile, k_in)
-        a = rows(a_ptr, k_base, k_tile, k_in)
-        b = rows(b_ptr, k_base, k_tile, k_in)
+                                                HEADS, K, V, C, True)
+        chunk_slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
         v = rows(v_ptr, v_base, v_tile, v_in)
-        gi, ge, g_end, to_end = _decays(w, 0)
-        A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, TAME, C, LEVELS, PRECISION)
-        inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
-        x = tl.dot(a * tl.exp(ge), h, tl.dot(A_ak, v, input_precision=PRECISION),
+        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+        a = rows(a_ptr, k_base, k_tile, k_in)
+        gi, ge, g_end, to_end = _decays(w, 1)
+        # X = A_ak V + a~ H, U = (I - A_ab)^-1 X, O = q~ H + A_qk V + A_qb U, transposed.
+        x = tl.dot(s, a * tl.exp(ge), tl.dot(
+            v, _load_matrix(matrices_ptr, chunk_slot, head, A_AK, HEADS, C, True),
+            input_precision=PRECISION), input_precision=PRECISION)
+        u = tl.dot(x, _load_matrix(matrices_ptr, chunk_slot, head, INVERSE, HEADS, C, True),
                    input_precision=PRECISION)
-        u = tl.dot(inverse, x, input_precision=PRECISION)
         if SAVE:
             tl.store(u_ptr + v_base + v_tile, u, mask=v_in)
-        o = tl.dot(q * tl.exp(gi), h, input_precision=PRECISION)
-        o = tl.dot(A_qk, v, o, input_precision=PRECISION)
-        o = tl.dot(A_qb, u, o, input_precision=PRECISION)
+        q = rows(r_ptr, k_base, k_tile, k_in) * scale
+        o = tl.dot(s, q * tl.exp(gi), input_precision=PRECISION)
+        o = tl.dot(v, _load_matrix(matrices_ptr, chunk_slot, head, A_QK, HEADS, C, True), o,
+                   input_precision=PRECISION)
+        o = tl.dot(u, _load_matrix(matrices_ptr, chunk_slot, head, A_QB, HEADS, C, True), o,
+                   input_precision=PRECISION)
         tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
-        h = _advance(h, k, b, v, u, tl.exp(to_end), g_end, PRECISION)
+        # H' = e^g H + k^T V + b^T U, transposed.
+        to_end = tl.exp(to_end)
+        k = rows(k_ptr, k_base, k_tile, k_in)
+        s = tl.dot(v, tl.trans(k * to_end), tl.exp(g_end)[None, :] * s,
+                   input_precision=PRECISION)
+        b = rows(b_ptr, k_base, k_tile, k_in)
+        s = tl.dot(u, tl.trans(b * to_end), s, input_precision=PRECISION)
         c += 1
-    tl.store(ht_ptr + local, h, mask=state_mask)
+    tl.store(_transposed_state(ht_ptr, sequence, head, HEADS, K, V, BK, v_cols), s,
+             mask=state_mask)
 
 
 @triton.jit
 def rwkv7_state_gradient_kernel(
-    r_ptr, w_ptr, a_ptr, b_ptr, do_ptr, dht_ptr, cu_ptr, chunk_index_ptr,  # inputs
+    r_ptr, w_ptr, a_ptr, b_ptr, do_ptr, dht_ptr, matrices_ptr, cu_ptr,     # inputs
+    chunk_index_ptr,
     dh0_ptr, dstates_ptr, dx_ptr,                                         # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
-    CHUNK_SLOTS: tl.constexpr,
-    PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+    TOTAL_ROWS: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid as the forward's. dh0 [N, HEADS, K, V] float32; dstates [CHUNK_SLOTS, HEADS, K, V]
-    float32: the gradient of the state at the end of every chunk; dx [rows, HEADS, V] float32."""
+    """Grid as the forward's; matrices: ``rwkv7_in_chunk_kernel``'s. dh0 [N, HEADS, K, V]
+    float32; dstates [CHUNK_SLOTS, HEADS, K, V] float32: the gradient of the state at the end
+    of every chunk; dx [rows, HEADS, V] float32."""
     sequence = tl.program_id(0) // HEADS
     head = tl.program_id(0) % HEADS
     v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
-        sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, False)
+        sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, True)
     start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
-    local = state_offsets(sequence, head, HEADS, K, V, BK, v_cols)
+    state_mask = tl.trans(state_mask)
     first_slot = tl.load(chunk_index_ptr + sequence)
-    dh = tl.load(dht_ptr + local, mask=state_mask, other=0.0)
+    ds = tl.load(_transposed_state(dht_ptr, sequence, head, HEADS, K, V, BK, v_cols),
+                 mask=state_mask, other=0.0)  # dH^T
     c = chunks - 1
     while c >= 0:
-        saved = state_offsets(clamped(first_slot + c, CHUNK_SLOTS), head, HEADS, K, V, BK, v_cols)
-        tl.store(dstates_ptr + saved, dh, mask=state_mask)
+        chunk_slot = clamped(first_slot + c, CHUNK_SLOTS)
+        tl.store(_transposed_state(dstates_ptr, chunk_slot, head, HEADS, K, V, BK, v_cols), ds,
+                 mask=state_mask)
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
-                                                HEADS, K, V, C, False)
-        q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-        a = rows(a_ptr, k_base, k_tile, k_in)
-        b = rows(b_ptr, k_base, k_tile, k_in)
+                                                HEADS, K, V, C, True)
         do = rows(do_ptr, v_base, v_tile, v_in)
-        gi, ge, g_end, to_end = _decays(w, 0)
-        # (k is not needed here: b stands in)
-        _, A_qb, _, A_ab = _in_chunk(q, b, a, b, w, TAME, C, LEVELS, PRECISION)
-        inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
-        du = tl.dot(b * tl.exp(to_end), dh,
-                    tl.dot(tl.trans(A_qb), do, input_precision=PRECISION),
+        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+        b = rows(b_ptr, k_base, k_tile, k_in)
+        gi, ge, g_end, to_end = _decays(w, 1)
+        # dU = b^ dH + A_qb^T dO, dX = (I - A_ab)^-T dU, dH_prev = e^g dH + q~^T dO + a~^T dX,
+        # transposed.
+        du = tl.dot(ds, b * tl.exp(to_end), tl.dot(
+            do, _load_matrix(matrices_ptr, chunk_slot, head, A_QB, HEADS, C, False),
+            input_precision=PRECISION), input_precision=PRECISION)
+        dx = tl.dot(du, _load_matrix(matrices_ptr, chunk_slot, head, INVERSE, HEADS, C, False),
                     input_precision=PRECISION)
-        dx = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
         tl.store(dx_ptr + v_base + v_tile, dx, mask=v_in)
-        dh = tl.dot(tl.trans(q * tl.exp(gi)), do, tl.exp(g_end)[:, None] * dh,
+        q = rows(r_ptr, k_base, k_tile, k_in) * scale
+        ds = tl.dot(do, tl.trans(q * tl.exp(gi)), tl.exp(g_end)[None, :] * ds,
                     input_precision=PRECISION)
-        dh = tl.dot(tl.trans(a * tl.exp(ge)), dx, dh, input_precision=PRECISION)
+        a = rows(a_ptr, k_base, k_tile, k_in)
+        ds = tl.dot(dx, tl.trans(a * tl.exp(ge)), ds, input_precision=PRECISION)
         c -= 1
-    tl.store(dh0_ptr + local, dh, mask=state_mask)
+    tl.store(_transposed_state(dh0_ptr, sequence, head, HEADS, K, V, BK, v_cols), ds,
+             mask=state_mask)
 
 
 @triton.jit

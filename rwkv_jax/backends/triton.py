@@ -38,11 +38,15 @@ TAME_SUM = 16.0
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    block_v: int            # V columns per program (fewer: more programs, recomputed chunk work)
+    block_v: int            # V columns per program of the gradient kernels
     chunks_per_state: int   # the forward saves the state every this many chunks
     forward_warps: int      # of the sequential kernels (forward, state gradient)
     backward_warps: int     # of the parallel gradient kernel
     stages: int | None = None
+    # V columns per program of the two sequential passes (None: block_v). They read the
+    # in-chunk matrices from rwkv7_in_chunk_kernel, so more V blocks recompute nothing.
+    recurrence_block_v: int | None = None
+    in_chunk_warps: int = 4  # of rwkv7_in_chunk_kernel
     # Of the (I - A_ab)^-1 products; None: "ieee" for float32 inputs (their contract), else
     # "tf32" (H100, bf16: 7% faster forward, error unchanged at two digits).
     inverse_precision: str | None = None
@@ -82,7 +86,8 @@ def _check_head_sizes(k_size, v_size):
                              f"(32, 64 and 128 are the tuned ones); got {name} = {size}")
 
 
-_SHAPES = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "LEVELS", "FLOOR", "PRECISION")
+# The compile-time arguments of the two sequential passes.
+_RECURRENCE = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "FLOOR", "PRECISION")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +116,16 @@ class _Static:
 
     def grid(self, sequences):
         return (sequences * self.heads, -(-self.v_size // self.config.block_v))
+
+    @property
+    def recurrence_block_v(self):
+        return self.config.recurrence_block_v or self.config.block_v
+
+    def recurrence_launch(self, sequences):
+        """The grid, warps and compile-time arguments of the two sequential passes."""
+        return dict(grid=(sequences * self.heads, -(-self.v_size // self.recurrence_block_v)),
+                    num_warps=self.config.forward_warps, num_stages=self.config.stages,
+                    **dict(self.constexprs(*_RECURRENCE), BV=self.recurrence_block_v))
 
 
 def _sequences(batch, steps, cu_seqlens, initial_state, state_shape):
@@ -161,44 +176,64 @@ def _on_path(static, tame, launch):
     return lax.cond(tame, lambda: launch(True), lambda: launch(False))
 
 
+def _in_chunk_matrices(static, r, w, k, a, b, cu, tame):
+    """Every chunk's [C, C] matrices ((I - A_ab)^-1, A_qb, A_ak, A_qk: triton_kernels/rwkv7.py),
+    all at once, on the path ``tame`` picks: [chunk slots, heads, 4, C, C] float32, and the
+    slot of each sequence's first chunk."""
+    rows = r.shape[0]
+    sequences = cu.shape[0] - 1
+    chunks, chunk_index = _first_slots(cu, CHUNK)
+    chunk_slots = _slot_count(rows, sequences, CHUNK)
+    chunk_sequence = _slot_sequences(chunks, chunk_index, chunk_slots)
+    (matrices,) = _on_path(static, tame, lambda TAME: _launch.launch(
+        _kernels.rwkv7_in_chunk_kernel, (r, w, k, a, b, cu, chunk_index, chunk_sequence),
+        (jax.ShapeDtypeStruct((chunk_slots, static.heads, 4, CHUNK, CHUNK), jnp.float32),),
+        (chunk_slots, static.heads), num_warps=static.config.in_chunk_warps,
+        num_stages=static.config.stages, TAME=TAME, TOTAL_ROWS=rows, SEQUENCES=sequences,
+        **static.constexprs("scale", "HEADS", "K", "BK", "C", "LEVELS", "FLOOR", "PRECISION",
+                            "INVERSE_PRECISION")))
+    return matrices, chunk_index
+
+
 def _forward(static, r, w, k, v, a, b, h0, cu, save, tame):
     rows = r.shape[0]
     sequences = cu.shape[0] - 1
     state_shape = (sequences, static.heads, static.k_size, static.v_size)
     saved = lambda shape: jax.ShapeDtypeStruct(shape if save else (1,), jnp.float32)
-    o, ht, states, u = _on_path(static, tame, lambda TAME: _launch.launch(
+    matrices, chunk_index = _in_chunk_matrices(static, r, w, k, a, b, cu, tame)
+    o, ht, states, u = _launch.launch(
         _kernels.rwkv7_forward_kernel,
-        (r, w, k, v, a, b, h0, cu, _first_slots(cu, static.span)[1]),
+        (r, w, k, v, a, b, h0, matrices, cu, _first_slots(cu, static.span)[1], chunk_index),
         (jax.ShapeDtypeStruct((rows, static.heads, static.v_size), v.dtype),
          jax.ShapeDtypeStruct(state_shape, jnp.float32),
          saved((_slot_count(rows, sequences, static.span),) + state_shape[1:]),
          saved((rows, static.heads, static.v_size))),
-        static.grid(sequences), num_warps=static.config.forward_warps,
-        num_stages=static.config.stages, SAVE=save, TOTAL_ROWS=rows,
+        SAVE=save, TOTAL_ROWS=rows,
         STATE_SLOTS=_slot_count(rows, sequences, static.span) if save else 1,
-        TAME=TAME, **static.constexprs(*_SHAPES, "CHUNKS_PER_STATE", "INVERSE_PRECISION")))
-    return o, ht, states, u
+        CHUNK_SLOTS=matrices.shape[0], CHUNKS_PER_STATE=static.config.chunks_per_state,
+        **static.recurrence_launch(sequences))
+    return o, ht, states, u, matrices
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rwkv7(static, r, w, k, v, a, b, h0, cu):
-    o, ht, _, _ = _forward(static, r, w, k, v, a, b, h0, cu, False, tame_path(w))
+    o, ht, _, _, _ = _forward(static, r, w, k, v, a, b, h0, cu, False, tame_path(w))
     return o, ht
 
 
 def _rwkv7_fwd(static, r, w, k, v, a, b, h0, cu):
     tame = tame_path(w)
-    o, ht, states, u = _forward(static, r, w, k, v, a, b, h0, cu, True, tame)
-    return (o, ht), (r, w, k, v, a, b, states, u, cu, tame)
+    o, ht, states, u, matrices = _forward(static, r, w, k, v, a, b, h0, cu, True, tame)
+    return (o, ht), (r, w, k, v, a, b, states, u, matrices, cu, tame)
 
 
 def _rwkv7_bwd(static, residuals, cotangents):
-    r, w, k, v, a, b, states, u, cu, tame = residuals
+    r, w, k, v, a, b, states, u, matrices, cu, tame = residuals
     return _on_path(static, tame, lambda TAME: _gradients(static, TAME, r, w, k, v, a, b,
-                                                          states, u, cu, *cotangents))
+                                                          states, u, matrices, cu, *cotangents))
 
 
-def _gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dht):
+def _gradients(static, TAME, r, w, k, v, a, b, states, u, matrices, cu, do, dht):
     """Both backward passes, on the forward's path."""
     do = do.astype(v.dtype)
     rows = r.shape[0]
@@ -208,14 +243,12 @@ def _gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dht):
     _, chunk_index = _first_slots(cu, CHUNK)
     dh0, dstates, dx = _launch.launch(
         _kernels.rwkv7_state_gradient_kernel,
-        (r, w, a, b, do, dht.astype(jnp.float32), cu, chunk_index),
+        (r, w, a, b, do, dht.astype(jnp.float32), matrices, cu, chunk_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((_slot_count(rows, sequences, CHUNK),) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((rows, static.heads, static.v_size), jnp.float32)),
-        static.grid(sequences), num_warps=static.config.forward_warps,
-        num_stages=static.config.stages, TOTAL_ROWS=rows,
-        CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK), TAME=TAME,
-        **static.constexprs(*_SHAPES, "INVERSE_PRECISION"))
+        TOTAL_ROWS=rows, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
+        **static.recurrence_launch(sequences))
     # 2. Every input gradient, one program per (span, head, V block), all at once: in three
     # kernels (none holds every tile: dv; dk, db and dw's share through them; dr, da and dw),
     # or on the tame path in one (KernelConfig.fused_tame_gradient).
