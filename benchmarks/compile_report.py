@@ -98,7 +98,7 @@ def main():
         ("in-chunk", rwkv7.rwkv7_in_chunk_kernel,
          dict({n: shapes[n] for n in ("scale", "HEADS", "K", "BK", "C", "LEVELS", "FLOOR",
                                       "TOTAL_ROWS", "PRECISION")},
-              SEQUENCES=8, INVERSE_PRECISION="tf32")),
+              KI=min(32, bk), SEQUENCES=8, INVERSE_PRECISION="tf32")),
         ("forward", rwkv7.rwkv7_forward_kernel,
          dict(recurrence, CHUNKS_PER_STATE=8, SAVE=True, STATE_SLOTS=spans)),
         ("state gradient", rwkv7.rwkv7_state_gradient_kernel, recurrence),

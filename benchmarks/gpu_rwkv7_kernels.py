@@ -66,7 +66,8 @@ def run(kernel_name, warps, size, recurrence_block_v):
     def in_chunk(warps, tame=True):
         rwkv7.rwkv7_in_chunk_kernel[(chunk_slots, heads)](
             x["r"], x["w"], x["k"], x["a"], x["b"], cu, index(steps // chunk), chunk_sequence,
-            matrices, SEQUENCES=batch, INVERSE_PRECISION="tf32", num_warps=warps,
+            matrices, KI=min(32, size), SEQUENCES=batch, INVERSE_PRECISION="tf32",
+            num_warps=warps,
             **{n: v for n, v in sizes.items() if n not in ("V", "BV", "TAME")}, TAME=tame)
 
     def forward(warps):

@@ -62,7 +62,7 @@ which keeps registers free and loads and stores vectorised.
 import triton
 import triton.language as tl
 
-from .common import (clamped, clamped_rows, diagonal_tile as _diagonal, in_range,
+from .common import (clamped, clamped_rows, diagonal_tile as _diagonal,
                      level_factors as _level, program, row_bases, rows, state_offsets)
 
 
@@ -177,9 +177,9 @@ def rwkv7_in_chunk_kernel(
     r_ptr, w_ptr, k_ptr, a_ptr, b_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,  # inputs
     matrices_ptr,                                                                    # output
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-    C: tl.constexpr, LEVELS: tl.constexpr, FLOOR: tl.constexpr, TAME: tl.constexpr,
-    TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, PRECISION: tl.constexpr,
-    INVERSE_PRECISION: tl.constexpr,
+    KI: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr, FLOOR: tl.constexpr,
+    TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr,
+    PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
 ):
     """Grid (chunk slots, HEADS), all at once: each chunk's (I - A_ab)^-1, A_qb, A_ak, A_qk into
     matrices [chunk slots, HEADS, 4, C, C] float32 (``_matrix``), so that the two sequential
@@ -196,17 +196,32 @@ def rwkv7_in_chunk_kernel(
     c = slot - tl.load(chunk_index_ptr + sequence)
     used = used & (c >= 0) & (c < chunks)
     first = start + tl.where(used, c, 0) * C
-    k_cols = tl.arange(0, BK)
     steps = tl.arange(0, C)
-    k_tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
-    k_in = ((first + steps < end) & used)[:, None] & in_range(k_cols, K, BK)[None, :]
+    rows_in = ((first + steps < end) & used)[:, None]
     k_base = (first * HEADS + head) * K
-    q = rows(r_ptr, k_base, k_tile, k_in) * scale
-    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-    k = rows(k_ptr, k_base, k_tile, k_in)
-    a = rows(a_ptr, k_base, k_tile, k_in)
-    b = rows(b_ptr, k_base, k_tile, k_in)
-    A_qk, A_qb, A_ak, A_ab = _in_chunk(q, k, a, b, w, TAME, C, LEVELS, PRECISION)
+    # The A matrices are sums over the K columns: KI columns at a time, fewer registers.
+    A_qk = tl.zeros([C, C], tl.float32)
+    A_qb = tl.zeros([C, C], tl.float32)
+    A_ak = tl.zeros([C, C], tl.float32)
+    A_ab = tl.zeros([C, C], tl.float32)
+    for part in tl.static_range(BK // KI):
+        k_cols = part * KI + tl.arange(0, KI)
+        k_tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
+        if K % KI == 0:
+            k_in = rows_in
+        else:
+            k_in = rows_in & (k_cols < K)[None, :]
+        q = rows(r_ptr, k_base, k_tile, k_in) * scale
+        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+        k = rows(k_ptr, k_base, k_tile, k_in)
+        a = rows(a_ptr, k_base, k_tile, k_in)
+        b = rows(b_ptr, k_base, k_tile, k_in)
+        A_qk_part, A_qb_part, A_ak_part, A_ab_part = _in_chunk(q, k, a, b, w, TAME, C, LEVELS,
+                                                               PRECISION)
+        A_qk += A_qk_part
+        A_qb += A_qb_part
+        A_ak += A_ak_part
+        A_ab += A_ab_part
     inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
     tl.store(_matrix(matrices_ptr, slot, head, INVERSE, HEADS, C, False), inverse, mask=used)
     tl.store(_matrix(matrices_ptr, slot, head, A_QB, HEADS, C, False), A_qb, mask=used)

@@ -47,6 +47,10 @@ class KernelConfig:
     # in-chunk matrices from rwkv7_in_chunk_kernel, so more V blocks recompute nothing.
     recurrence_block_v: int | None = None
     in_chunk_warps: int = 4  # of rwkv7_in_chunk_kernel
+    # K columns rwkv7_in_chunk_kernel takes at a time (its A matrices are sums over K): at
+    # K=128 32 holds 154 registers on the tame path and 233 on the exact one (sm_90, 4 warps),
+    # all of K at once 254 and 255 with 316 B of spills.
+    in_chunk_block_k: int = 32
     # Of the (I - A_ab)^-1 products; None: "ieee" for float32 inputs (their contract), else
     # "tf32" (H100, bf16: 7% faster forward, error unchanged at two digits).
     inverse_precision: str | None = None
@@ -190,6 +194,7 @@ def _in_chunk_matrices(static, r, w, k, a, b, cu, tame):
         (jax.ShapeDtypeStruct((chunk_slots, static.heads, 4, CHUNK, CHUNK), jnp.float32),),
         (chunk_slots, static.heads), num_warps=static.config.in_chunk_warps,
         num_stages=static.config.stages, TAME=TAME, TOTAL_ROWS=rows, SEQUENCES=sequences,
+        KI=min(static.config.in_chunk_block_k, _pow2_at_least(static.k_size)),
         **static.constexprs("scale", "HEADS", "K", "BK", "C", "LEVELS", "FLOOR", "PRECISION",
                             "INVERSE_PRECISION")))
     return matrices, chunk_index
