@@ -23,20 +23,27 @@ rows t of each odd segment meet columns i of the even segment just before it, wi
 split at the boundary b between them, e^(G_t - gi_b) * e^(gi_b - gi_i), each <= 1. Levels
 S = C/2, C/4, ..., 1 cover every pair i < t once; the diagonal (i = t) has no factor.
 
-Every kernel is compiled twice, on the constexpr TAME. TAME=True is for calls whose every
-chunk is tame, its log decays summing to at least -16 in every column (the caller decides on
-the device, for the whole call: every log decay >= -16 / C, which model-range decays always
-are): one product per A matrix, its factors referenced to the chunk's middle and so within
-e^(+-16) (``_middle``). TAME=False builds them level by level, exact for every decay. One
-compiled path per kernel keeps the tame one's registers those of a kernel without the other.
+Every kernel that builds A matrices is compiled twice, on the constexpr TAME. TAME=True is for
+calls whose every chunk is tame, its log decays summing to at least -16 in every column (the
+caller decides on the device, for the whole call: every log decay >= -16 / C, which
+model-range decays always are): one product per A matrix, its factors referenced to the
+chunk's middle and so within e^(+-16) (``_middle``). TAME=False builds them level by level,
+exact for every decay. One compiled path per kernel keeps the tame one's registers those of a
+kernel without the other.
 
-Three phases, so that only the two recurrences are sequential:
+Four phases, so that only the two recurrences are sequential and they build nothing per chunk:
 
+0. in-chunk: one program per (chunk, head), all at once, writes the chunk's (I - A_ab)^-1,
+   A_qb, A_ak, A_qk (float32, [C, C] each: 64 floats per token and head) for both passes;
+   the only kernel of the forward with a TAME path.
 1. forward: one program per (sequence, head, block of V columns) walks its chunks in order,
-   keeping H in registers; for the backward it saves H every CHUNKS_PER_STATE chunks and U.
+   keeping H in registers: X = A_ak V + a~ H, U = (I - A_ab)^-1 X, O and H' as above, with
+   e^gi, e^ge, e^(g - gi) from one cumulative sum of w; for the backward it saves H every
+   CHUNKS_PER_STATE chunks and U.
 2. state gradient: the same grid walks the chunks in reverse carrying dH, which needs neither
    H nor U: with dU = b^ dH + A_qb^T dO and dX = (I - A_ab)^-T dU,
    dH_prev = e^g dH + q~^T dO + a~^T dX. It saves dH at the end of every chunk and dX.
+   Both passes hold the state and their tiles transposed (see the kernels).
 3. gradients: one program per (span of CHUNKS_PER_STATE chunks, head, V block), all at once,
    from the saved dH, dX, U (and H, advanced over the span with the saved U, where needed):
    every input gradient of its chunks, with no recurrence and no inverse. Three kernels, each
