@@ -75,8 +75,9 @@ from .common import (clamped, clamped_rows, diagonal_tile as _diagonal,
 
 @triton.jit
 def _inverse_unit_lower(lower, C: tl.constexpr, PRECISION: tl.constexpr):
-    """(I - lower)^-1 for a strictly lower-triangular [C, C] tile (C = 16): lower is nilpotent,
-    so the inverse is (I + L)(I + L^2)(I + L^4)(I + L^8): six matrix products."""
+    """(I - lower)^-1 for a strictly lower-triangular [C, C] tile (C = 16, or block diagonal
+    with such blocks): lower is nilpotent, L^16 = 0, so the inverse is
+    (I + L)(I + L^2)(I + L^4)(I + L^8): six matrix products."""
     index = tl.arange(0, C)
     identity = tl.where(index[:, None] == index[None, :], 1.0, 0.0)
     inverse = identity + lower
@@ -116,19 +117,20 @@ def _middle(gi, AXIS: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _in_chunk(q, k, a, b, w, TAME: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-              PRECISION: tl.constexpr):
-    """The A matrices of a chunk from [C, *] tiles: A_qk, A_qb (i <= t, factor e^(gi_t - gi_i))
-    and A_ak, A_ab (i < t, factor e^(ge_t - gi_i)); with the factors of a tame chunk
-    (``_middle``) if TAME, else level by level (``_level``). Those a kernel does not use are
-    not computed (dead code)."""
-    index = tl.arange(0, C)
+              PRECISION: tl.constexpr, ROWS: tl.constexpr):
+    """The A matrices of the chunks of C rows in [ROWS, *] tiles (ROWS a multiple of C; block
+    diagonal [ROWS, ROWS], a chunk's rows meeting only its own): A_qk, A_qb (i <= t, factor
+    e^(gi_t - gi_i)) and A_ak, A_ab (i < t, factor e^(ge_t - gi_i)); with the factors of a tame
+    chunk (``_middle``) if TAME, else level by level (``_level``: its segments of at most C/2
+    rows never straddle two chunks). Those a kernel does not use are not computed (dead code)."""
+    index = tl.arange(0, ROWS)
     if not TAME:
-        A_qk = _diagonal(tl.sum(q * k, axis=1), C)
-        A_qb = _diagonal(tl.sum(q * b, axis=1), C)
-        A_ak = tl.zeros([C, C], tl.float32)
-        A_ab = tl.zeros([C, C], tl.float32)
+        A_qk = _diagonal(tl.sum(q * k, axis=1), ROWS)
+        A_qb = _diagonal(tl.sum(q * b, axis=1), ROWS)
+        A_ak = tl.zeros([ROWS, ROWS], tl.float32)
+        A_ab = tl.zeros([ROWS, ROWS], tl.float32)
         for level in tl.static_range(LEVELS):
-            row, row_strict, column, keep = _level(w, C >> (level + 1), 0, C)
+            row, row_strict, column, keep = _level(w, C >> (level + 1), 0, ROWS)
             q_f = q * row
             a_f = a * row_strict
             k_f = tl.trans(k * column)
@@ -138,17 +140,26 @@ def _in_chunk(q, k, a, b, w, TAME: tl.constexpr, C: tl.constexpr, LEVELS: tl.con
             A_ak += tl.where(keep, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
             A_ab += tl.where(keep, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
     else:
-        gi = tl.cumsum(w, axis=0)
-        middle = _middle(gi, 0, C)
+        if ROWS == C:
+            gi = tl.cumsum(w, axis=0)
+            middle = _middle(gi, 0, C)
+        else:  # each chunk's cumulative sums and middle
+            chunks = tl.reshape(w, [ROWS // C, C, w.shape[1]])
+            gi = tl.cumsum(chunks, axis=1)
+            step = tl.arange(0, C)[None, :, None]
+            middle = tl.reshape(tl.broadcast_to(tl.sum(tl.where(step == C // 2 - 1, gi, 0.0),
+                                                       axis=1)[:, None, :], gi.shape), w.shape)
+            gi = tl.reshape(gi, w.shape)
         q_f = q * tl.exp(gi - middle)
         a_f = a * tl.exp(gi - w - middle)
         column = tl.exp(middle - gi)
         k_f = tl.trans(k * column)
         b_f = tl.trans(b * column)
-        # tl.where, not a multiplication: the entries dropped (i > t) are no factors of the
-        # math and may be large (up to e^16).
-        lower = index[:, None] >= index[None, :]
-        strict = index[:, None] > index[None, :]
+        # tl.where, not a multiplication: the entries dropped (i > t, or another chunk's) are no
+        # factors of the math and may be large (up to e^16, or overflowing across chunks).
+        same = index[:, None] // C == index[None, :] // C
+        lower = same & (index[:, None] >= index[None, :])
+        strict = same & (index[:, None] > index[None, :])
         A_qk = tl.where(lower, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
         A_qb = tl.where(lower, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0)
         A_ak = tl.where(strict, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
@@ -184,56 +195,66 @@ def rwkv7_in_chunk_kernel(
     r_ptr, w_ptr, k_ptr, a_ptr, b_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,  # inputs
     matrices_ptr,                                                                    # output
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-    KI: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr, FLOOR: tl.constexpr,
-    TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr,
-    PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
+    KI: tl.constexpr, GROUP: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+    INVERSE_PRECISION: tl.constexpr,
 ):
-    """Grid (chunk slots, HEADS), all at once: each chunk's (I - A_ab)^-1, A_qb, A_ak, A_qk into
-    matrices [chunk slots, HEADS, 4, C, C] float32 (``_matrix``), so that the two sequential
-    passes keep only the state recurrence and none of its V blocks rebuilds them.
-    ``chunk_sequence[s]``: the sequence of chunk slot s (-1 past the last chunk; such slots and
-    those of invalid ``cu`` values are not written, and no pass reads them)."""
-    slot = tl.program_id(0)
+    """Grid (chunk slots / GROUP, HEADS), all at once: the (I - A_ab)^-1, A_qb, A_ak, A_qk of
+    GROUP consecutive chunk slots into matrices [CHUNK_SLOTS, HEADS, 4, C, C] float32
+    (``_matrix``), so that the two sequential passes keep only the state recurrence and none of
+    its V blocks rebuilds them. The GROUP chunks (of any sequences) are one [GROUP * C, *] tile
+    and their matrices one block-diagonal product each: GROUP times fewer (larger) products and
+    synchronisations per chunk. ``chunk_sequence[s]``: the sequence of chunk slot s (-1 past the
+    last chunk; such slots and those of invalid ``cu`` values are not written, and no pass
+    reads them)."""
+    ROWS: tl.constexpr = GROUP * C
     head = tl.program_id(1)
-    sequence = tl.load(chunk_sequence_ptr + slot)
-    used = sequence >= 0
+    rows_of = tl.arange(0, ROWS)
+    slot = tl.program_id(0) * GROUP + rows_of // C  # each row's chunk slot
+    used = slot < CHUNK_SLOTS
+    sequence = tl.load(chunk_sequence_ptr + slot, mask=used, other=-1)
+    used = used & (sequence >= 0)
     sequence = clamped(sequence, SEQUENCES)
     start, end, chunks = clamped_rows(tl.load(cu_ptr + sequence).to(tl.int64),
                                       tl.load(cu_ptr + sequence + 1).to(tl.int64), TOTAL_ROWS, C)
     c = slot - tl.load(chunk_index_ptr + sequence)
     used = used & (c >= 0) & (c < chunks)
-    first = start + tl.where(used, c, 0) * C
-    steps = tl.arange(0, C)
-    rows_in = ((first + steps < end) & used)[:, None]
-    k_base = (first * HEADS + head) * K
+    row = start + tl.where(used, c, 0) * C + rows_of % C
+    rows_in = (used & (row < end))[:, None]
+    k_base = ((row * HEADS + head) * K)[:, None]
     # The A matrices are sums over the K columns: KI columns at a time, fewer registers.
-    A_qk = tl.zeros([C, C], tl.float32)
-    A_qb = tl.zeros([C, C], tl.float32)
-    A_ak = tl.zeros([C, C], tl.float32)
-    A_ab = tl.zeros([C, C], tl.float32)
+    A_qk = tl.zeros([ROWS, ROWS], tl.float32)
+    A_qb = tl.zeros([ROWS, ROWS], tl.float32)
+    A_ak = tl.zeros([ROWS, ROWS], tl.float32)
+    A_ab = tl.zeros([ROWS, ROWS], tl.float32)
     for part in tl.static_range(BK // KI):
         k_cols = part * KI + tl.arange(0, KI)
-        k_tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
         if K % KI == 0:
             k_in = rows_in
         else:
             k_in = rows_in & (k_cols < K)[None, :]
-        q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-        k = rows(k_ptr, k_base, k_tile, k_in)
-        a = rows(a_ptr, k_base, k_tile, k_in)
-        b = rows(b_ptr, k_base, k_tile, k_in)
+        q = rows(r_ptr, k_base, k_cols[None, :], k_in) * scale
+        w = _log_decays(w_ptr, k_base, k_cols[None, :], k_in, FLOOR)
+        k = rows(k_ptr, k_base, k_cols[None, :], k_in)
+        a = rows(a_ptr, k_base, k_cols[None, :], k_in)
+        b = rows(b_ptr, k_base, k_cols[None, :], k_in)
         A_qk_part, A_qb_part, A_ak_part, A_ab_part = _in_chunk(q, k, a, b, w, TAME, C, LEVELS,
-                                                               PRECISION)
+                                                               PRECISION, ROWS)
         A_qk += A_qk_part
         A_qb += A_qb_part
         A_ak += A_ak_part
         A_ab += A_ab_part
-    inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
-    tl.store(_matrix(matrices_ptr, slot, head, INVERSE, HEADS, C, False), inverse, mask=used)
-    tl.store(_matrix(matrices_ptr, slot, head, A_QB, HEADS, C, False), A_qb, mask=used)
-    tl.store(_matrix(matrices_ptr, slot, head, A_AK, HEADS, C, False), A_ak, mask=used)
-    tl.store(_matrix(matrices_ptr, slot, head, A_QK, HEADS, C, False), A_qk, mask=used)
+    # (block diagonal, strictly lower blocks of C: (I + L)(I + L^2)(I + L^4)(I + L^8) is exact)
+    inverse = _inverse_unit_lower(A_ab, ROWS, INVERSE_PRECISION)
+    # Each chunk's diagonal block to its slot's matrices.
+    block = (slot[:, None] == slot[None, :]) & used[:, None]
+    within = (rows_of % C)[:, None] * C + (rows_of % C)[None, :]
+    first = (slot.to(tl.int64) * HEADS + head)[:, None] * 4
+    tl.store(matrices_ptr + (first + INVERSE) * (C * C) + within, inverse, mask=block)
+    tl.store(matrices_ptr + (first + A_QB) * (C * C) + within, A_qb, mask=block)
+    tl.store(matrices_ptr + (first + A_AK) * (C * C) + within, A_ak, mask=block)
+    tl.store(matrices_ptr + (first + A_QK) * (C * C) + within, A_qk, mask=block)
 
 
 @triton.jit
@@ -532,7 +553,7 @@ def rwkv7_value_gradient_kernel(
                                                  PRECISION), dv, input_precision=PRECISION)
         else:  # ([C, K] tiles; k stands in for b, not needed)
             A_qk, _, A_ak, _ = _in_chunk(tl.trans(q), tl.trans(k), tl.trans(a), tl.trans(k),
-                                         tl.trans(w), False, C, LEVELS, PRECISION)
+                                         tl.trans(w), False, C, LEVELS, PRECISION, C)
             dv = tl.dot(do, A_qk, dv, input_precision=PRECISION)
             dv = tl.dot(dx, A_ak, dv, input_precision=PRECISION)
         tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)

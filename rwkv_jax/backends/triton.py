@@ -51,6 +51,8 @@ class KernelConfig:
     # K=128 32 holds 154 registers on the tame path and 233 on the exact one (sm_90, 4 warps),
     # all of K at once 254 and 255 with 316 B of spills.
     in_chunk_block_k: int = 32
+    # Chunks per program of rwkv7_in_chunk_kernel (one block-diagonal product per matrix).
+    in_chunk_group: int = 1
     # Of the (I - A_ab)^-1 products; None: "ieee" for float32 inputs (their contract), else
     # "tf32" (H100, bf16: 7% faster forward, error unchanged at two digits).
     inverse_precision: str | None = None
@@ -192,9 +194,11 @@ def _in_chunk_matrices(static, r, w, k, a, b, cu, tame):
     (matrices,) = _on_path(static, tame, lambda TAME: _launch.launch(
         _kernels.rwkv7_in_chunk_kernel, (r, w, k, a, b, cu, chunk_index, chunk_sequence),
         (jax.ShapeDtypeStruct((chunk_slots, static.heads, 4, CHUNK, CHUNK), jnp.float32),),
-        (chunk_slots, static.heads), num_warps=static.config.in_chunk_warps,
-        num_stages=static.config.stages, TAME=TAME, TOTAL_ROWS=rows, SEQUENCES=sequences,
+        (-(-chunk_slots // static.config.in_chunk_group), static.heads),
+        num_warps=static.config.in_chunk_warps, num_stages=static.config.stages, TAME=TAME,
+        TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots,
         KI=min(static.config.in_chunk_block_k, _pow2_at_least(static.k_size)),
+        GROUP=static.config.in_chunk_group,
         **static.constexprs("scale", "HEADS", "K", "BK", "C", "LEVELS", "FLOOR", "PRECISION",
                             "INVERSE_PRECISION")))
     return matrices, chunk_index
