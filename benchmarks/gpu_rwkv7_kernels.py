@@ -63,12 +63,14 @@ def run(kernel_name, warps, size, recurrence_block_v):
                       BV=recurrence_block_v, CHUNK_SLOTS=chunk_slots)
     grid = (batch * heads, size // recurrence_block_v)
 
-    def in_chunk(warps, tame=True):
-        rwkv7.rwkv7_in_chunk_kernel[(chunk_slots, heads)](
+    def in_chunk(warps, tame=True, group=4):
+        options = dict(GROUP=group) if tame else dict(LEVELS=4)
+        kernel = rwkv7.rwkv7_tame_in_chunk_kernel if tame else rwkv7.rwkv7_in_chunk_kernel
+        kernel[(-(-chunk_slots // (group if tame else 1)), heads)](
             x["r"], x["w"], x["k"], x["a"], x["b"], cu, index(steps // chunk), chunk_sequence,
-            matrices, KI=min(32, size), SEQUENCES=batch, INVERSE_PRECISION="tf32",
-            num_warps=warps,
-            **{n: v for n, v in sizes.items() if n not in ("V", "BV", "TAME")}, TAME=tame)
+            matrices, KI=min(32, size), SEQUENCES=batch, CHUNK_SLOTS=chunk_slots,
+            INVERSE_PRECISION="tf32", num_warps=warps, **options,
+            **{n: v for n, v in sizes.items() if n not in ("V", "BV", "TAME", "LEVELS")})
 
     def forward(warps):
         rwkv7.rwkv7_forward_kernel[grid](

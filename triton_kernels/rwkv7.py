@@ -43,7 +43,6 @@ Four phases, so that only the two recurrences are sequential and they build noth
 2. state gradient: the same grid walks the chunks in reverse carrying dH, which needs neither
    H nor U: with dU = b^ dH + A_qb^T dO and dX = (I - A_ab)^-T dU,
    dH_prev = e^g dH + q~^T dO + a~^T dX. It saves dH at the end of every chunk and dX.
-   Both passes hold the state and their tiles transposed (see the kernels).
 3. gradients: one program per (span of CHUNKS_PER_STATE chunks, head, V block), all at once,
    from the saved dH, dX, U (and H, advanced over the span with the saved U, where needed):
    every input gradient of its chunks, with no recurrence and no inverse. Three kernels, each
@@ -69,17 +68,18 @@ which keeps registers free and loads and stores vectorised.
 import triton
 import triton.language as tl
 
-from .common import (clamped, clamped_rows, diagonal_tile as _diagonal,
-                     level_factors as _level, program, row_bases, rows, state_offsets)
+from .common import (clamped, clamped_rows, level_factors as _level, level_pairs, program,
+                     row_bases, rows, state_offsets)
 
 
 @triton.jit
 def _inverse_unit_lower(lower, C: tl.constexpr, PRECISION: tl.constexpr):
-    """(I - lower)^-1 for a strictly lower-triangular [C, C] tile (C = 16, or block diagonal
-    with such blocks): lower is nilpotent, L^16 = 0, so the inverse is
-    (I + L)(I + L^2)(I + L^4)(I + L^8): six matrix products."""
+    """(I - lower)^-1 for a strictly lower-triangular [C, C] tile (C = 16), or [G, C, C] tiles:
+    lower is nilpotent, so the inverse is (I + L)(I + L^2)(I + L^4)(I + L^8): six products."""
     index = tl.arange(0, C)
     identity = tl.where(index[:, None] == index[None, :], 1.0, 0.0)
+    if len(lower.shape) == 3:
+        identity = identity[None, :, :]
     inverse = identity + lower
     power = lower
     for _ in tl.static_range(3):
@@ -116,55 +116,50 @@ def _middle(gi, AXIS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _in_chunk(q, k, a, b, w, TAME: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-              PRECISION: tl.constexpr, ROWS: tl.constexpr):
-    """The A matrices of the chunks of C rows in [ROWS, *] tiles (ROWS a multiple of C; block
-    diagonal [ROWS, ROWS], a chunk's rows meeting only its own): A_qk, A_qb (i <= t, factor
-    e^(gi_t - gi_i)) and A_ak, A_ab (i < t, factor e^(ge_t - gi_i)); with the factors of a tame
-    chunk (``_middle``) if TAME, else level by level (``_level``: its segments of at most C/2
-    rows never straddle two chunks). Those a kernel does not use are not computed (dead code)."""
-    index = tl.arange(0, ROWS)
-    if not TAME:
-        A_qk = _diagonal(tl.sum(q * k, axis=1), ROWS)
-        A_qb = _diagonal(tl.sum(q * b, axis=1), ROWS)
-        A_ak = tl.zeros([ROWS, ROWS], tl.float32)
-        A_ab = tl.zeros([ROWS, ROWS], tl.float32)
-        for level in tl.static_range(LEVELS):
-            row, row_strict, column, keep = _level(w, C >> (level + 1), 0, ROWS)
-            q_f = q * row
-            a_f = a * row_strict
-            k_f = tl.trans(k * column)
-            b_f = tl.trans(b * column)
-            A_qk += tl.where(keep, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
-            A_qb += tl.where(keep, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0)
-            A_ak += tl.where(keep, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
-            A_ab += tl.where(keep, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
-    else:
-        if ROWS == C:
-            gi = tl.cumsum(w, axis=0)
-            middle = _middle(gi, 0, C)
-        else:  # each chunk's cumulative sums and middle
-            chunks = tl.reshape(w, [ROWS // C, C, w.shape[1]])
-            gi = tl.cumsum(chunks, axis=1)
-            step = tl.arange(0, C)[None, :, None]
-            middle = tl.reshape(tl.broadcast_to(tl.sum(tl.where(step == C // 2 - 1, gi, 0.0),
-                                                       axis=1)[:, None, :], gi.shape), w.shape)
-            gi = tl.reshape(gi, w.shape)
-        q_f = q * tl.exp(gi - middle)
-        a_f = a * tl.exp(gi - w - middle)
-        column = tl.exp(middle - gi)
+def _in_chunk(q, k, a, b, w, C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """The A matrices of a chunk from [C, *] tiles, level by level (``_level``; exact for every
+    decay): A_qk, A_qb (i <= t, factor e^(gi_t - gi_i)) and A_ak, A_ab (i < t, factor
+    e^(ge_t - gi_i)). Those a kernel does not use are not computed (dead code)."""
+    index = tl.arange(0, C)
+    diagonal = index[:, None] == index[None, :]
+    A_qk = tl.where(diagonal, tl.sum(q * k, axis=1)[:, None], 0.0)
+    A_qb = tl.where(diagonal, tl.sum(q * b, axis=1)[:, None], 0.0)
+    A_ak = tl.zeros([C, C], tl.float32)
+    A_ab = tl.zeros([C, C], tl.float32)
+    for level in tl.static_range(LEVELS):
+        row, row_strict, column, keep = _level(w, C >> (level + 1), 0, C)
+        q_f = q * row
+        a_f = a * row_strict
         k_f = tl.trans(k * column)
         b_f = tl.trans(b * column)
-        # tl.where, not a multiplication: the entries dropped (i > t, or another chunk's) are no
-        # factors of the math and may be large (up to e^16, or overflowing across chunks).
-        same = index[:, None] // C == index[None, :] // C
-        lower = same & (index[:, None] >= index[None, :])
-        strict = same & (index[:, None] > index[None, :])
-        A_qk = tl.where(lower, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
-        A_qb = tl.where(lower, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0)
-        A_ak = tl.where(strict, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
-        A_ab = tl.where(strict, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
+        A_qk += tl.where(keep, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0)
+        A_qb += tl.where(keep, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0)
+        A_ak += tl.where(keep, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0)
+        A_ab += tl.where(keep, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0)
     return A_qk, A_qb, A_ak, A_ab
+
+
+@triton.jit
+def _tame_chunks(q, k, a, b, w, C: tl.constexpr, PRECISION: tl.constexpr):
+    """The A matrices of G tame chunks from [G, C, *] tiles, [G, C, C] each (batched products,
+    one chunk per batch entry), with their factors referenced to each chunk's middle
+    (``_middle``): one product per matrix."""
+    index = tl.arange(0, C)
+    gi = tl.cumsum(w, axis=1)
+    middle = tl.sum(tl.where(index[None, :, None] == C // 2 - 1, gi, 0.0), axis=1)[:, None, :]
+    q_f = q * tl.exp(gi - middle)
+    a_f = a * tl.exp(gi - w - middle)
+    column = tl.exp(middle - gi)
+    k_f = tl.permute(k * column, (0, 2, 1))
+    b_f = tl.permute(b * column, (0, 2, 1))
+    # tl.where, not a multiplication: the entries dropped (i > t) are no factors of the math
+    # and may be large (up to e^16).
+    lower = (index[:, None] >= index[None, :])[None, :, :]
+    strict = (index[:, None] > index[None, :])[None, :, :]
+    return (tl.where(lower, tl.dot(q_f, k_f, input_precision=PRECISION), 0.0),
+            tl.where(lower, tl.dot(q_f, b_f, input_precision=PRECISION), 0.0),
+            tl.where(strict, tl.dot(a_f, k_f, input_precision=PRECISION), 0.0),
+            tl.where(strict, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0))
 
 
 # A chunk's [C, C] matrices in the in-chunk buffer [chunk slots, HEADS, 4, C, C] (float32), in
@@ -191,27 +186,9 @@ def _load_matrix(matrices_ptr, chunk_slot, head, WHICH: tl.constexpr, HEADS: tl.
 
 
 @triton.jit
-def rwkv7_in_chunk_kernel(
-    r_ptr, w_ptr, k_ptr, a_ptr, b_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,  # inputs
-    matrices_ptr,                                                                    # output
-    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-    KI: tl.constexpr, GROUP: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
-    SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
-    INVERSE_PRECISION: tl.constexpr,
-):
-    """Grid (chunk slots / GROUP, HEADS), all at once: the (I - A_ab)^-1, A_qb, A_ak, A_qk of
-    GROUP consecutive chunk slots into matrices [CHUNK_SLOTS, HEADS, 4, C, C] float32
-    (``_matrix``), so that the two sequential passes keep only the state recurrence and none of
-    its V blocks rebuilds them. The GROUP chunks (of any sequences) are one [GROUP * C, *] tile
-    and their matrices one block-diagonal product each: GROUP times fewer (larger) products and
-    synchronisations per chunk. ``chunk_sequence[s]``: the sequence of chunk slot s (-1 past the
-    last chunk; such slots and those of invalid ``cu`` values are not written, and no pass
-    reads them)."""
-    ROWS: tl.constexpr = GROUP * C
-    head = tl.program_id(1)
-    rows_of = tl.arange(0, ROWS)
-    slot = tl.program_id(0) * GROUP + rows_of // C  # each row's chunk slot
+def _chunk_rows(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C: tl.constexpr,
+                TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr):
+    """For chunk slots [G]: whether each is a chunk, its first row and its sequence's end."""
     used = slot < CHUNK_SLOTS
     sequence = tl.load(chunk_sequence_ptr + slot, mask=used, other=-1)
     used = used & (sequence >= 0)
@@ -220,58 +197,130 @@ def rwkv7_in_chunk_kernel(
                                       tl.load(cu_ptr + sequence + 1).to(tl.int64), TOTAL_ROWS, C)
     c = slot - tl.load(chunk_index_ptr + sequence)
     used = used & (c >= 0) & (c < chunks)
-    row = start + tl.where(used, c, 0) * C + rows_of % C
-    rows_in = (used & (row < end))[:, None]
-    k_base = ((row * HEADS + head) * K)[:, None]
-    # The A matrices are sums over the K columns: KI columns at a time, fewer registers.
-    A_qk = tl.zeros([ROWS, ROWS], tl.float32)
-    A_qb = tl.zeros([ROWS, ROWS], tl.float32)
-    A_ak = tl.zeros([ROWS, ROWS], tl.float32)
-    A_ab = tl.zeros([ROWS, ROWS], tl.float32)
+    return used, start + tl.where(used, c, 0) * C, end
+
+
+@triton.jit
+def _store_matrices(matrices_ptr, slot, used, head, inverse, A_qb, A_ak, A_qk,
+                    HEADS: tl.constexpr, C: tl.constexpr):
+    """A chunk's four matrices ([C, C]; or G chunks', [G, C, C], slot and used [G])."""
+    index = tl.arange(0, C)
+    within = index[:, None] * C + index[None, :]
+    first = (slot.to(tl.int64) * HEADS + head) * 4
+    if len(inverse.shape) == 3:
+        within = within[None, :, :]
+        first = first[:, None, None]
+        used = used[:, None, None]
+    tl.store(matrices_ptr + (first + INVERSE) * (C * C) + within, inverse, mask=used)
+    tl.store(matrices_ptr + (first + A_QB) * (C * C) + within, A_qb, mask=used)
+    tl.store(matrices_ptr + (first + A_AK) * (C * C) + within, A_ak, mask=used)
+    tl.store(matrices_ptr + (first + A_QK) * (C * C) + within, A_qk, mask=used)
+
+
+# The in-chunk matrices of every chunk, all at once, so that the two sequential passes keep only
+# the state recurrence and none of their V blocks rebuilds them: (I - A_ab)^-1, A_qb, A_ak, A_qk
+# into matrices [CHUNK_SLOTS, HEADS, 4, C, C] float32 (``_matrix``). Both kernels sum the A
+# matrices over the K columns KI at a time (fewer registers). ``chunk_sequence[s]``: the
+# sequence of chunk slot s (-1 past the last chunk; such slots and those of invalid ``cu``
+# values are not written, and no pass reads them).
+
+@triton.jit
+def rwkv7_tame_in_chunk_kernel(
+    r_ptr, w_ptr, k_ptr, a_ptr, b_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,  # inputs
+    matrices_ptr,                                                                    # output
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    KI: tl.constexpr, GROUP: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+    TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
+    PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
+):
+    """Tame calls (the TAME path). Grid (chunk slots / GROUP, HEADS): GROUP consecutive chunk
+    slots (of any sequences) per program as [GROUP, C, *] tiles and batched products, GROUP
+    times fewer instructions and synchronisations per chunk than one chunk per program."""
+    head = tl.program_id(1)
+    slot = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
+    used, first, end = _chunk_rows(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
+                                   TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    row = first[:, None] + tl.arange(0, C)[None, :]
+    rows_in = (used[:, None] & (row < end[:, None]))[:, :, None]
+    k_base = ((row * HEADS + head) * K)[:, :, None]
+    A_qk = tl.zeros([GROUP, C, C], tl.float32)
+    A_qb = tl.zeros([GROUP, C, C], tl.float32)
+    A_ak = tl.zeros([GROUP, C, C], tl.float32)
+    A_ab = tl.zeros([GROUP, C, C], tl.float32)
+    for part in tl.static_range(BK // KI):
+        k_cols = part * KI + tl.arange(0, KI)
+        if K % KI == 0:
+            k_in = rows_in
+        else:
+            k_in = rows_in & (k_cols < K)[None, None, :]
+        k_cols = k_cols[None, None, :]
+        A_qk_part, A_qb_part, A_ak_part, A_ab_part = _tame_chunks(
+            rows(r_ptr, k_base, k_cols, k_in) * scale, rows(k_ptr, k_base, k_cols, k_in),
+            rows(a_ptr, k_base, k_cols, k_in), rows(b_ptr, k_base, k_cols, k_in),
+            _log_decays(w_ptr, k_base, k_cols, k_in, FLOOR), C, PRECISION)
+        A_qk += A_qk_part
+        A_qb += A_qb_part
+        A_ak += A_ak_part
+        A_ab += A_ab_part
+    _store_matrices(matrices_ptr, slot, used, head, _inverse_unit_lower(A_ab, C,
+                    INVERSE_PRECISION), A_qb, A_ak, A_qk, HEADS, C)
+
+
+@triton.jit
+def rwkv7_in_chunk_kernel(
+    r_ptr, w_ptr, k_ptr, a_ptr, b_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,  # inputs
+    matrices_ptr,                                                                    # output
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    KI: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr, FLOOR: tl.constexpr,
+    TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
+    PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
+):
+    """Every call (the exact path, level by level). Grid (chunk slots, HEADS): one chunk per
+    program ([C, *] tiles: batched, the level-by-level build spills)."""
+    head = tl.program_id(1)
+    slot = tl.program_id(0)
+    used, first, end = _chunk_rows(slot + tl.arange(0, 1), cu_ptr, chunk_index_ptr,
+                                   chunk_sequence_ptr, C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    used = tl.sum(used.to(tl.int32), axis=0) > 0  # (scalars: one chunk)
+    first = tl.sum(first, axis=0)
+    steps = tl.arange(0, C)
+    rows_in = ((first + steps < tl.sum(end, axis=0)) & used)[:, None]
+    k_base = (first * HEADS + head) * K
+    A_qk = tl.zeros([C, C], tl.float32)
+    A_qb = tl.zeros([C, C], tl.float32)
+    A_ak = tl.zeros([C, C], tl.float32)
+    A_ab = tl.zeros([C, C], tl.float32)
     for part in tl.static_range(BK // KI):
         k_cols = part * KI + tl.arange(0, KI)
         if K % KI == 0:
             k_in = rows_in
         else:
             k_in = rows_in & (k_cols < K)[None, :]
-        q = rows(r_ptr, k_base, k_cols[None, :], k_in) * scale
-        w = _log_decays(w_ptr, k_base, k_cols[None, :], k_in, FLOOR)
-        k = rows(k_ptr, k_base, k_cols[None, :], k_in)
-        a = rows(a_ptr, k_base, k_cols[None, :], k_in)
-        b = rows(b_ptr, k_base, k_cols[None, :], k_in)
-        A_qk_part, A_qb_part, A_ak_part, A_ab_part = _in_chunk(q, k, a, b, w, TAME, C, LEVELS,
-                                                               PRECISION, ROWS)
+        k_tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
+        A_qk_part, A_qb_part, A_ak_part, A_ab_part = _in_chunk(
+            rows(r_ptr, k_base, k_tile, k_in) * scale, rows(k_ptr, k_base, k_tile, k_in),
+            rows(a_ptr, k_base, k_tile, k_in), rows(b_ptr, k_base, k_tile, k_in),
+            _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), C, LEVELS, PRECISION)
         A_qk += A_qk_part
         A_qb += A_qb_part
         A_ak += A_ak_part
         A_ab += A_ab_part
-    # (block diagonal, strictly lower blocks of C: (I + L)(I + L^2)(I + L^4)(I + L^8) is exact)
-    inverse = _inverse_unit_lower(A_ab, ROWS, INVERSE_PRECISION)
-    # Each chunk's diagonal block to its slot's matrices.
-    block = (slot[:, None] == slot[None, :]) & used[:, None]
-    within = (rows_of % C)[:, None] * C + (rows_of % C)[None, :]
-    first = (slot.to(tl.int64) * HEADS + head)[:, None] * 4
-    tl.store(matrices_ptr + (first + INVERSE) * (C * C) + within, inverse, mask=block)
-    tl.store(matrices_ptr + (first + A_QB) * (C * C) + within, A_qb, mask=block)
-    tl.store(matrices_ptr + (first + A_AK) * (C * C) + within, A_ak, mask=block)
-    tl.store(matrices_ptr + (first + A_QK) * (C * C) + within, A_qk, mask=block)
+    _store_matrices(matrices_ptr, slot, used, head, _inverse_unit_lower(
+        A_ab, C, INVERSE_PRECISION), A_qb, A_ak, A_qk, HEADS, C)
 
 
 @triton.jit
-def _transposed_state(ptr, slot, head, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BK: tl.constexpr, v_cols):
-    """Pointers to a [K, V] state's tile held transposed, [BV, BK]: a scalar base and 32-bit
-    offsets (a [BV, BK] tile of 64-bit offsets held across the loop cost 2 registers per
-    element)."""
-    k_cols = tl.arange(0, BK)
+def _state(ptr, slot, head, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+           BK: tl.constexpr, v_cols):
+    """Pointers to a [K, V] state's [BK, BV] tile: a scalar base and 32-bit offsets (a tile of
+    64-bit offsets held across the loop costs 2 registers per element)."""
+    k_rows = tl.arange(0, BK)
     return (ptr + (slot.to(tl.int64) * HEADS + head) * (K * V)
-            + (v_cols[:, None] + k_cols[None, :] * V))
+            + (k_rows[:, None] * V + v_cols[None, :]))
 
 
-# The two sequential passes hold the state and their tiles transposed (S = H^T [BV, K]; [K, C]
-# and [BV, C] tiles), so that every product has BV rows rather than C = 16: Hopper's warpgroup
-# MMA then takes its operands from shared memory, where a 16-row product holds its whole
-# [16, K] operand in every warp's registers.
+# The two sequential passes load every tile and matrix of a chunk first, so that their loads
+# are in flight together rather than each before its product.
 
 @triton.jit
 def rwkv7_forward_kernel(
@@ -290,52 +339,49 @@ def rwkv7_forward_kernel(
     sequence = tl.program_id(0) // HEADS
     head = tl.program_id(0) % HEADS
     v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
-        sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, True)
+        sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, False)
     start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
-    state_mask = tl.trans(state_mask)
     first_slot = tl.load(state_index_ptr + sequence)
     first_chunk_slot = tl.load(chunk_index_ptr + sequence)
-    s = tl.load(_transposed_state(h0_ptr, sequence, head, HEADS, K, V, BK, v_cols),
-                mask=state_mask, other=0.0)
+    h = tl.load(_state(h0_ptr, sequence, head, HEADS, K, V, BK, v_cols), mask=state_mask,
+                other=0.0)
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
         if SAVE:
             if c % CHUNKS_PER_STATE == 0:
                 slot = clamped(first_slot + c // CHUNKS_PER_STATE, STATE_SLOTS)
-                tl.store(_transposed_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols), s,
+                tl.store(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols), h,
                          mask=state_mask)
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
-                                                HEADS, K, V, C, True)
+                                                HEADS, K, V, C, False)
         chunk_slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
         v = rows(v_ptr, v_base, v_tile, v_in)
         w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
         a = rows(a_ptr, k_base, k_tile, k_in)
-        gi, ge, g_end, to_end = _decays(w, 1)
-        # X = A_ak V + a~ H, U = (I - A_ab)^-1 X, O = q~ H + A_qk V + A_qb U, transposed.
-        x = tl.dot(s, a * tl.exp(ge), tl.dot(
-            v, _load_matrix(matrices_ptr, chunk_slot, head, A_AK, HEADS, C, True),
-            input_precision=PRECISION), input_precision=PRECISION)
-        u = tl.dot(x, _load_matrix(matrices_ptr, chunk_slot, head, INVERSE, HEADS, C, True),
+        q = rows(r_ptr, k_base, k_tile, k_in) * scale
+        k = rows(k_ptr, k_base, k_tile, k_in)
+        b = rows(b_ptr, k_base, k_tile, k_in)
+        A_ak = _load_matrix(matrices_ptr, chunk_slot, head, A_AK, HEADS, C, False)
+        inverse = _load_matrix(matrices_ptr, chunk_slot, head, INVERSE, HEADS, C, False)
+        A_qk = _load_matrix(matrices_ptr, chunk_slot, head, A_QK, HEADS, C, False)
+        A_qb = _load_matrix(matrices_ptr, chunk_slot, head, A_QB, HEADS, C, False)
+        gi, ge, g_end, to_end = _decays(w, 0)
+        # X = A_ak V + a~ H, U = (I - A_ab)^-1 X, O = q~ H + A_qk V + A_qb U.
+        x = tl.dot(a * tl.exp(ge), h, tl.dot(A_ak, v, input_precision=PRECISION),
                    input_precision=PRECISION)
+        u = tl.dot(inverse, x, input_precision=PRECISION)
         if SAVE:
             tl.store(u_ptr + v_base + v_tile, u, mask=v_in)
-        q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        o = tl.dot(s, q * tl.exp(gi), input_precision=PRECISION)
-        o = tl.dot(v, _load_matrix(matrices_ptr, chunk_slot, head, A_QK, HEADS, C, True), o,
-                   input_precision=PRECISION)
-        o = tl.dot(u, _load_matrix(matrices_ptr, chunk_slot, head, A_QB, HEADS, C, True), o,
-                   input_precision=PRECISION)
+        o = tl.dot(q * tl.exp(gi), h, input_precision=PRECISION)
+        o = tl.dot(A_qk, v, o, input_precision=PRECISION)
+        o = tl.dot(A_qb, u, o, input_precision=PRECISION)
         tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
-        # H' = e^g H + k^T V + b^T U, transposed.
+        # H' = e^g H + k^T V + b^T U.
         to_end = tl.exp(to_end)
-        k = rows(k_ptr, k_base, k_tile, k_in)
-        s = tl.dot(v, tl.trans(k * to_end), tl.exp(g_end)[None, :] * s,
-                   input_precision=PRECISION)
-        b = rows(b_ptr, k_base, k_tile, k_in)
-        s = tl.dot(u, tl.trans(b * to_end), s, input_precision=PRECISION)
+        h = tl.dot(tl.trans(k * to_end), v, tl.exp(g_end)[:, None] * h, input_precision=PRECISION)
+        h = tl.dot(tl.trans(b * to_end), u, h, input_precision=PRECISION)
         c += 1
-    tl.store(_transposed_state(ht_ptr, sequence, head, HEADS, K, V, BK, v_cols), s,
-             mask=state_mask)
+    tl.store(_state(ht_ptr, sequence, head, HEADS, K, V, BK, v_cols), h, mask=state_mask)
 
 
 @triton.jit
@@ -353,39 +399,36 @@ def rwkv7_state_gradient_kernel(
     sequence = tl.program_id(0) // HEADS
     head = tl.program_id(0) % HEADS
     v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
-        sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, True)
+        sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, False)
     start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
-    state_mask = tl.trans(state_mask)
     first_slot = tl.load(chunk_index_ptr + sequence)
-    ds = tl.load(_transposed_state(dht_ptr, sequence, head, HEADS, K, V, BK, v_cols),
-                 mask=state_mask, other=0.0)  # dH^T
+    dh = tl.load(_state(dht_ptr, sequence, head, HEADS, K, V, BK, v_cols), mask=state_mask,
+                 other=0.0)
     c = chunks - 1
     while c >= 0:
         chunk_slot = clamped(first_slot + c, CHUNK_SLOTS)
-        tl.store(_transposed_state(dstates_ptr, chunk_slot, head, HEADS, K, V, BK, v_cols), ds,
+        tl.store(_state(dstates_ptr, chunk_slot, head, HEADS, K, V, BK, v_cols), dh,
                  mask=state_mask)
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
-                                                HEADS, K, V, C, True)
+                                                HEADS, K, V, C, False)
         do = rows(do_ptr, v_base, v_tile, v_in)
         w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
         b = rows(b_ptr, k_base, k_tile, k_in)
-        gi, ge, g_end, to_end = _decays(w, 1)
-        # dU = b^ dH + A_qb^T dO, dX = (I - A_ab)^-T dU, dH_prev = e^g dH + q~^T dO + a~^T dX,
-        # transposed.
-        du = tl.dot(ds, b * tl.exp(to_end), tl.dot(
-            do, _load_matrix(matrices_ptr, chunk_slot, head, A_QB, HEADS, C, False),
-            input_precision=PRECISION), input_precision=PRECISION)
-        dx = tl.dot(du, _load_matrix(matrices_ptr, chunk_slot, head, INVERSE, HEADS, C, False),
-                    input_precision=PRECISION)
-        tl.store(dx_ptr + v_base + v_tile, dx, mask=v_in)
         q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        ds = tl.dot(do, tl.trans(q * tl.exp(gi)), tl.exp(g_end)[None, :] * ds,
-                    input_precision=PRECISION)
         a = rows(a_ptr, k_base, k_tile, k_in)
-        ds = tl.dot(dx, tl.trans(a * tl.exp(ge)), ds, input_precision=PRECISION)
+        A_qb_t = _load_matrix(matrices_ptr, chunk_slot, head, A_QB, HEADS, C, True)
+        inverse_t = _load_matrix(matrices_ptr, chunk_slot, head, INVERSE, HEADS, C, True)
+        gi, ge, g_end, to_end = _decays(w, 0)
+        # dU = b^ dH + A_qb^T dO, dX = (I - A_ab)^-T dU, dH_prev = e^g dH + q~^T dO + a~^T dX.
+        du = tl.dot(b * tl.exp(to_end), dh, tl.dot(A_qb_t, do, input_precision=PRECISION),
+                    input_precision=PRECISION)
+        dx = tl.dot(inverse_t, du, input_precision=PRECISION)
+        tl.store(dx_ptr + v_base + v_tile, dx, mask=v_in)
+        dh = tl.dot(tl.trans(q * tl.exp(gi)), do, tl.exp(g_end)[:, None] * dh,
+                    input_precision=PRECISION)
+        dh = tl.dot(tl.trans(a * tl.exp(ge)), dx, dh, input_precision=PRECISION)
         c -= 1
-    tl.store(_transposed_state(dh0_ptr, sequence, head, HEADS, K, V, BK, v_cols), ds,
-             mask=state_mask)
+    tl.store(_state(dh0_ptr, sequence, head, HEADS, K, V, BK, v_cols), dh, mask=state_mask)
 
 
 @triton.jit
@@ -553,7 +596,7 @@ def rwkv7_value_gradient_kernel(
                                                  PRECISION), dv, input_precision=PRECISION)
         else:  # ([C, K] tiles; k stands in for b, not needed)
             A_qk, _, A_ak, _ = _in_chunk(tl.trans(q), tl.trans(k), tl.trans(a), tl.trans(k),
-                                         tl.trans(w), False, C, LEVELS, PRECISION, C)
+                                         tl.trans(w), C, LEVELS, PRECISION)
             dv = tl.dot(do, A_qk, dv, input_precision=PRECISION)
             dv = tl.dot(dx, A_ak, dv, input_precision=PRECISION)
         tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)

@@ -47,12 +47,10 @@ class KernelConfig:
     # in-chunk matrices from rwkv7_in_chunk_kernel, so more V blocks recompute nothing.
     recurrence_block_v: int | None = None
     in_chunk_warps: int = 4  # of rwkv7_in_chunk_kernel
-    # K columns rwkv7_in_chunk_kernel takes at a time (its A matrices are sums over K): at
-    # K=128 32 holds 154 registers on the tame path and 233 on the exact one (sm_90, 4 warps),
-    # all of K at once 254 and 255 with 316 B of spills.
+    # Chunks per program of rwkv7_tame_in_chunk_kernel ([G, C, *] tiles, batched products),
+    # and the K columns both in-chunk kernels take at a time (their A matrices are sums over K).
+    in_chunk_group: int = 4
     in_chunk_block_k: int = 32
-    # Chunks per program of rwkv7_in_chunk_kernel (one block-diagonal product per matrix).
-    in_chunk_group: int = 1
     # Of the (I - A_ab)^-1 products; None: "ieee" for float32 inputs (their contract), else
     # "tf32" (H100, bf16: 7% faster forward, error unchanged at two digits).
     inverse_precision: str | None = None
@@ -75,8 +73,7 @@ def default_config(k_size: int, v_size: int) -> KernelConfig:
     # saved states, and the span's walk costs little). The tame path's gradients in one kernel
     # up to K=64 (18.55 ms against 20.27 in three at K=V=64), in three from K=128 on (49.6
     # against 65.8 ms), as on the exact path (K=64: 35.4 against 40.5).
-    warps = 8 if block_k * block_v > 64 * 64 else 4
-    return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=warps,
+    return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
                         backward_warps=4, fused_tame_gradient=block_k <= 64)
 
 
@@ -191,16 +188,19 @@ def _in_chunk_matrices(static, r, w, k, a, b, cu, tame):
     chunks, chunk_index = _first_slots(cu, CHUNK)
     chunk_slots = _slot_count(rows, sequences, CHUNK)
     chunk_sequence = _slot_sequences(chunks, chunk_index, chunk_slots)
+    inputs = (r, w, k, a, b, cu, chunk_index, chunk_sequence)
+    matrices = jax.ShapeDtypeStruct((chunk_slots, static.heads, 4, CHUNK, CHUNK), jnp.float32)
+    common = dict(num_warps=static.config.in_chunk_warps, num_stages=static.config.stages,
+                  TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots,
+                  KI=min(static.config.in_chunk_block_k, _pow2_at_least(static.k_size)),
+                  **static.constexprs("scale", "HEADS", "K", "BK", "C", "FLOOR", "PRECISION",
+                                      "INVERSE_PRECISION"))
+    group = static.config.in_chunk_group
     (matrices,) = _on_path(static, tame, lambda TAME: _launch.launch(
-        _kernels.rwkv7_in_chunk_kernel, (r, w, k, a, b, cu, chunk_index, chunk_sequence),
-        (jax.ShapeDtypeStruct((chunk_slots, static.heads, 4, CHUNK, CHUNK), jnp.float32),),
-        (-(-chunk_slots // static.config.in_chunk_group), static.heads),
-        num_warps=static.config.in_chunk_warps, num_stages=static.config.stages, TAME=TAME,
-        TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots,
-        KI=min(static.config.in_chunk_block_k, _pow2_at_least(static.k_size)),
-        GROUP=static.config.in_chunk_group,
-        **static.constexprs("scale", "HEADS", "K", "BK", "C", "LEVELS", "FLOOR", "PRECISION",
-                            "INVERSE_PRECISION")))
+        _kernels.rwkv7_tame_in_chunk_kernel, inputs, (matrices,),
+        (-(-chunk_slots // group), static.heads), GROUP=group, **common) if TAME else
+        _launch.launch(_kernels.rwkv7_in_chunk_kernel, inputs, (matrices,),
+                       (chunk_slots, static.heads), LEVELS=LEVELS, **common))
     return matrices, chunk_index
 
 
