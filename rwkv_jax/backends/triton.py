@@ -34,6 +34,9 @@ MAX_HEAD_SIZE = 128
 # A chunk is tame when its log decays sum to at least -TAME_SUM in every column: its A matrices'
 # middle-referenced factors stay within e^(+-TAME_SUM) (the kernels' TAME path).
 TAME_SUM = 16.0
+# K columns at a time of the exact path's in-chunk kernel: at K=128 228 registers and no spills
+# (sm_90, 4 warps); all 128 at once spilled 316 B. H100, B=8, T=4096, bf16: 5.0 ms (K=128).
+EXACT_BLOCK_K = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +51,11 @@ class KernelConfig:
     recurrence_block_v: int | None = None
     in_chunk_warps: int = 4  # of rwkv7_in_chunk_kernel
     # Chunks per program of rwkv7_tame_in_chunk_kernel ([G, C, *] tiles, batched products),
-    # and the K columns both in-chunk kernels take at a time (their A matrices are sums over K).
+    # and the K columns it takes at a time (its A matrices are sums over K). H100, B=8,
+    # T=4096, bf16, 4 warps: K=64 0.99 ms (32 columns: 1.11), K=128 1.09 (1.19); one chunk per
+    # program 1.60 at both. The exact path's kernel takes EXACT_BLOCK_K.
     in_chunk_group: int = 4
-    in_chunk_block_k: int = 32
+    in_chunk_block_k: int = 64
     # Of the (I - A_ab)^-1 products; None: "ieee" for float32 inputs (their contract), else
     # "tf32" (H100, bf16: 7% faster forward, error unchanged at two digits).
     inverse_precision: str | None = None
@@ -192,15 +197,16 @@ def _in_chunk_matrices(static, r, w, k, a, b, cu, tame):
     matrices = jax.ShapeDtypeStruct((chunk_slots, static.heads, 4, CHUNK, CHUNK), jnp.float32)
     common = dict(num_warps=static.config.in_chunk_warps, num_stages=static.config.stages,
                   TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots,
-                  KI=min(static.config.in_chunk_block_k, _pow2_at_least(static.k_size)),
                   **static.constexprs("scale", "HEADS", "K", "BK", "C", "FLOOR", "PRECISION",
                                       "INVERSE_PRECISION"))
+    block_k = lambda most: min(most, _pow2_at_least(static.k_size))
     group = static.config.in_chunk_group
     (matrices,) = _on_path(static, tame, lambda TAME: _launch.launch(
         _kernels.rwkv7_tame_in_chunk_kernel, inputs, (matrices,),
-        (-(-chunk_slots // group), static.heads), GROUP=group, **common) if TAME else
-        _launch.launch(_kernels.rwkv7_in_chunk_kernel, inputs, (matrices,),
-                       (chunk_slots, static.heads), LEVELS=LEVELS, **common))
+        (-(-chunk_slots // group), static.heads), GROUP=group,
+        KI=block_k(static.config.in_chunk_block_k), **common) if TAME else _launch.launch(
+        _kernels.rwkv7_in_chunk_kernel, inputs, (matrices,), (chunk_slots, static.heads),
+        LEVELS=LEVELS, KI=block_k(EXACT_BLOCK_K), **common))
     return matrices, chunk_index
 
 
