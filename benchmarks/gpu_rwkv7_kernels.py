@@ -68,7 +68,7 @@ def run(kernel_name, warps, size, recurrence_block_v):
         kernel = rwkv7.rwkv7_tame_in_chunk_kernel if tame else rwkv7.rwkv7_in_chunk_kernel
         kernel[(-(-chunk_slots // (group if tame else 1)), heads)](
             x["r"], x["w"], x["k"], x["a"], x["b"], cu, index(steps // chunk), chunk_sequence,
-            matrices, KI=min(32, size), SEQUENCES=batch, CHUNK_SLOTS=chunk_slots,
+            matrices, KI=min(64 if tame else 32, size), SEQUENCES=batch, CHUNK_SLOTS=chunk_slots,
             INVERSE_PRECISION="tf32", num_warps=warps, **options,
             **{n: v for n, v in sizes.items() if n not in ("V", "BV", "TAME", "LEVELS")})
 
