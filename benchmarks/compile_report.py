@@ -82,7 +82,7 @@ def main():
                   FLOOR=-128.0, TOTAL_ROWS=rows, PRECISION="tf32")
     in_chunk = dict({n: shapes[n] for n in ("scale", "HEADS", "K", "BK", "C", "FLOOR",
                                             "TOTAL_ROWS", "PRECISION")},
-                    KI=min(32, bk), SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
+                    SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
                     INVERSE_PRECISION="tf32")
     recurrence = dict({n: x for n, x in shapes.items() if n != "LEVELS"},
                       BV=min(args.recurrence_block_v or bv, bv * v_blocks),
@@ -99,8 +99,9 @@ def main():
     gradient = dict(shapes, CHUNKS_PER_STATE=8, SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
                     ROWS=rows if v_blocks > 1 else 0)
     kernels = [
-        ("tame in-chunk", rwkv7.rwkv7_tame_in_chunk_kernel, dict(in_chunk, GROUP=4)),
-        ("in-chunk", rwkv7.rwkv7_in_chunk_kernel, dict(in_chunk, LEVELS=4)),
+        ("tame in-chunk", rwkv7.rwkv7_tame_in_chunk_kernel,
+         dict(in_chunk, GROUP=4, KI=min(64, bk))),
+        ("in-chunk", rwkv7.rwkv7_in_chunk_kernel, dict(in_chunk, LEVELS=4, KI=min(32, bk))),
         ("forward", rwkv7.rwkv7_forward_kernel,
          dict(recurrence, CHUNKS_PER_STATE=8, SAVE=True, STATE_SLOTS=spans)),
         ("state gradient", rwkv7.rwkv7_state_gradient_kernel, recurrence),

@@ -170,13 +170,19 @@ INVERSE, A_QB, A_AK, A_QK = (tl.constexpr(i) for i in range(4))
 @triton.jit
 def _matrix(matrices_ptr, chunk_slot, head, WHICH: tl.constexpr, HEADS: tl.constexpr,
             C: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Pointers to one of a chunk's matrices (INVERSE, ...), or to its transpose."""
+    """Pointers to one of a chunk's matrices (INVERSE, ...), [C, C], or to its transpose; or
+    to those of chunk slots [G], [G, C, C]."""
     index = tl.arange(0, C)
     if TRANSPOSED:
         within = index[:, None] + index[None, :] * C
     else:
         within = index[:, None] * C + index[None, :]
-    return matrices_ptr + ((chunk_slot.to(tl.int64) * HEADS + head) * 4 + WHICH) * (C * C) + within
+    first = ((chunk_slot.to(tl.int64) * HEADS + head) * 4 + WHICH) * (C * C)
+    if len(first.shape) == 1:
+        pointers = matrices_ptr + first[:, None, None] + within[None, :, :]
+    else:
+        pointers = matrices_ptr + first + within
+    return pointers
 
 
 @triton.jit
@@ -204,17 +210,12 @@ def _chunk_rows(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C: tl.constex
 def _store_matrices(matrices_ptr, slot, used, head, inverse, A_qb, A_ak, A_qk,
                     HEADS: tl.constexpr, C: tl.constexpr):
     """A chunk's four matrices ([C, C]; or G chunks', [G, C, C], slot and used [G])."""
-    index = tl.arange(0, C)
-    within = index[:, None] * C + index[None, :]
-    first = (slot.to(tl.int64) * HEADS + head) * 4
     if len(inverse.shape) == 3:
-        within = within[None, :, :]
-        first = first[:, None, None]
         used = used[:, None, None]
-    tl.store(matrices_ptr + (first + INVERSE) * (C * C) + within, inverse, mask=used)
-    tl.store(matrices_ptr + (first + A_QB) * (C * C) + within, A_qb, mask=used)
-    tl.store(matrices_ptr + (first + A_AK) * (C * C) + within, A_ak, mask=used)
-    tl.store(matrices_ptr + (first + A_QK) * (C * C) + within, A_qk, mask=used)
+    tl.store(_matrix(matrices_ptr, slot, head, INVERSE, HEADS, C, False), inverse, mask=used)
+    tl.store(_matrix(matrices_ptr, slot, head, A_QB, HEADS, C, False), A_qb, mask=used)
+    tl.store(_matrix(matrices_ptr, slot, head, A_AK, HEADS, C, False), A_ak, mask=used)
+    tl.store(_matrix(matrices_ptr, slot, head, A_QK, HEADS, C, False), A_qk, mask=used)
 
 
 # The in-chunk matrices of every chunk, all at once, so that the two sequential passes keep only
