@@ -249,27 +249,36 @@ def _rwkv7_fwd(static, r, w, k, v, a, b, h0, cu):
 
 def _rwkv7_bwd(static, residuals, cotangents):
     r, w, k, v, a, b, states, u, matrices, cu, tame = residuals
-    return _on_path(static, tame, lambda TAME: _gradients(static, TAME, r, w, k, v, a, b,
-                                                          states, u, matrices, cu, *cotangents))
-
-
-def _gradients(static, TAME, r, w, k, v, a, b, states, u, matrices, cu, do, dht):
-    """Both backward passes, on the forward's path."""
+    do, dht = cotangents
     do = do.astype(v.dtype)
+    dh0, dstates, dx = _state_gradient(static, r, w, a, b, matrices, cu, do, dht)
+    return _on_path(static, tame, lambda TAME: _gradients(
+        static, TAME, r, w, k, v, a, b, states, u, cu, do, dh0, dstates, dx))
+
+
+def _state_gradient(static, r, w, a, b, matrices, cu, do, dht):
+    """The reverse recurrence of the state gradient: dh0, dH at the end of every chunk, and dX
+    (one path; outside the backward's lax.cond, so that the in-chunk matrices are freed before
+    the gradient kernels run)."""
     rows = r.shape[0]
     sequences = cu.shape[0] - 1
     state_shape = (static.heads, static.k_size, static.v_size)
-    # 1. The reverse recurrence of the state gradient: dH at the end of every chunk, and dX.
-    _, chunk_index = _first_slots(cu, CHUNK)
-    dh0, dstates, dx = _launch.launch(
+    return _launch.launch(
         _kernels.rwkv7_state_gradient_kernel,
-        (r, w, a, b, do, dht.astype(jnp.float32), matrices, cu, chunk_index),
+        (r, w, a, b, do, dht.astype(jnp.float32), matrices, cu, _first_slots(cu, CHUNK)[1]),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((_slot_count(rows, sequences, CHUNK),) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((rows, static.heads, static.v_size), jnp.float32)),
         TOTAL_ROWS=rows, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
         **static.recurrence_launch(sequences))
-    # 2. Every input gradient, one program per (span, head, V block), all at once: in three
+
+
+def _gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dh0, dstates, dx):
+    """Every input gradient, on the forward's path."""
+    rows = r.shape[0]
+    sequences = cu.shape[0] - 1
+    _, chunk_index = _first_slots(cu, CHUNK)
+    # One program per (span, head, V block), all at once: in three
     # kernels (none holds every tile: dv; dk, db and dw's share through them; dr, da and dw),
     # or on the tame path in one (KernelConfig.fused_tame_gradient).
     spans, state_index = _first_slots(cu, static.span)
