@@ -340,7 +340,7 @@ def rwkv7_forward_kernel(
     TOTAL_ROWS: tl.constexpr, STATE_SLOTS: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
     CHUNKS_PER_STATE: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (sequences * HEADS, V blocks); matrices: ``rwkv7_in_chunk_kernel``'s, whose slots
+    """Grid (sequences * HEADS, V blocks); matrices: the in-chunk kernels', whose slots
     ``chunk_index`` gives. o [rows, HEADS, V]; ht [N, HEADS, K, V] float32; if SAVE: states
     [STATE_SLOTS, HEADS, K, V] float32, the state at the start of every span, and u [rows,
     HEADS, V] float32."""
@@ -401,7 +401,7 @@ def rwkv7_state_gradient_kernel(
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
     TOTAL_ROWS: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid as the forward's; matrices: ``rwkv7_in_chunk_kernel``'s. dh0 [N, HEADS, K, V]
+    """Grid as the forward's; matrices: the in-chunk kernels'. dh0 [N, HEADS, K, V]
     float32; dstates [CHUNK_SLOTS, HEADS, K, V] float32: the gradient of the state at the end
     of every chunk; dx [rows, HEADS, V] float32."""
     sequence = tl.program_id(0) // HEADS
