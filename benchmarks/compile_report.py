@@ -74,6 +74,9 @@ def main():
                         help="gla family: tokens between the forward's saved states")
     parser.add_argument("--block-v", type=int, default=64,
                         help="the most V columns a program takes")
+    parser.add_argument("--recurrence-block-v", type=int, default=0,
+                        help="rwkv7: V columns per program of the sequential passes (0: "
+                             "--block-v)")
     parser.add_argument("--family", choices=("rwkv7", "gla"), default="rwkv7")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
@@ -84,22 +87,31 @@ def main():
     rows, spans = 8 * 4096, 8 * 4096 // (16 * 8) + 8
     shapes = dict(scale=1.0, HEADS=64, K=args.key, V=args.value, BK=bk, BV=bv, C=16, LEVELS=4,
                   FLOOR=-128.0, TOTAL_ROWS=rows, PRECISION="tf32")
+    in_chunk = dict({n: shapes[n] for n in ("scale", "HEADS", "K", "BK", "C", "FLOOR",
+                                            "TOTAL_ROWS", "PRECISION")},
+                    SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
+                    INVERSE_PRECISION="tf32")
+    recurrence = dict({n: x for n, x in shapes.items() if n != "LEVELS"},
+                      BV=min(args.recurrence_block_v or bv, bv * v_blocks),
+                      CHUNK_SLOTS=rows // 16 + 8)
     bf16, f32, i32 = "*bf16", "*fp32", "*i32"
     inputs = dict(r_ptr=bf16, w_ptr=bf16, k_ptr=bf16, v_ptr=bf16, a_ptr=bf16, b_ptr=bf16,
                   do_ptr=bf16, h0_ptr=f32, dht_ptr=f32, states_ptr=f32, dstates_ptr=f32,
                   u_ptr=f32, dx_ptr=f32, dw_part_ptr=f32, ht_ptr=f32, dh0_ptr=f32, o_ptr=bf16,
                   dv_ptr=bf16,
-                  cu_ptr=i32, state_index_ptr=i32, chunk_index_ptr=i32, slot_sequence_ptr=i32)
+                  matrices_ptr=f32, cu_ptr=i32, state_index_ptr=i32, chunk_index_ptr=i32,
+                  slot_sequence_ptr=i32, chunk_sequence_ptr=i32)
     k_grads = f32 if v_blocks > 1 else bf16  # float32 partial sums with several V blocks
     inputs.update({f"d{n}_ptr": k_grads for n in "rwkab"})
     gradient = dict(shapes, CHUNKS_PER_STATE=8, SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
                     ROWS=rows if v_blocks > 1 else 0)
     kernels = [
+        ("tame in-chunk", rwkv7.rwkv7_tame_in_chunk_kernel,
+         dict(in_chunk, GROUP=4, KI=min(64, bk))),
+        ("in-chunk", rwkv7.rwkv7_in_chunk_kernel, dict(in_chunk, LEVELS=4, KI=min(32, bk))),
         ("forward", rwkv7.rwkv7_forward_kernel,
-         dict(shapes, CHUNKS_PER_STATE=8, SAVE=True, STATE_SLOTS=spans,
-              INVERSE_PRECISION="tf32")),
-        ("state gradient", rwkv7.rwkv7_state_gradient_kernel,
-         dict(shapes, CHUNK_SLOTS=rows // 16 + 8, INVERSE_PRECISION="tf32")),
+         dict(recurrence, CHUNKS_PER_STATE=8, SAVE=True, STATE_SLOTS=spans)),
+        ("state gradient", rwkv7.rwkv7_state_gradient_kernel, recurrence),
         ("value gradient", rwkv7.rwkv7_value_gradient_kernel,
          {n: x for n, x in gradient.items() if n != "ROWS"}),
         ("key gradient", rwkv7.rwkv7_key_gradient_kernel, gradient),
@@ -116,8 +128,8 @@ def main():
     for name, kernel, constexprs in kernels:
         if args.only and name != args.only:
             continue
-        # (the fused tame gradient kernel has one path only)
-        for tame, path in paths if "TAME" in kernel.arg_names else ((None, "tame"),):
+        # (the sequential passes and the fused tame gradient kernel have one path only)
+        for tame, path in paths if "TAME" in kernel.arg_names else ((None, "both"),):
             for warps in (int(w) for w in args.warps.split(",")):
                 options = constexprs if tame is None else dict(constexprs, TAME=tame)
                 compiled = compile_for_hopper(kernel, inputs, options, warps)

@@ -351,12 +351,10 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
     attempt(bench_jax, "triton, every chunk level by level", x_jax, d_out_jax, d_state_jax, ref,
             "triton", dataclasses.replace(default, tame=False), cap=90)
     if sweep:
-        # The other tame-path gradient; at K=128 the sequential kernels at 4 warps (two
-        # programs per multiprocessor instead of one, with spills). Measured and not kept:
-        # gradient kernels at 8 warps, V blocks of 32 (BENCHMARKS.md, session 5).
-        variants = [dict(fused_tame_gradient=not default.fused_tame_gradient)]
-        if size == 128:
-            variants += [dict(forward_warps=4)]
+        # The sequential passes with the other warp count and with V blocks of 32 (more
+        # programs; nothing recomputed since the in-chunk kernel). Measured and not kept: the
+        # other tame-path gradient, gradient kernels at 8 warps (BENCHMARKS.md, session 5).
+        variants = [dict(forward_warps=12 - default.forward_warps), dict(recurrence_block_v=32)]
         for change in variants:
             config = dataclasses.replace(default, **change)
             attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,

@@ -22,14 +22,16 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from triton_kernels import rwkv7  # noqa: E402
 
-KERNELS = ("forward", "state gradient", "value gradient", "key gradient", "query gradient")
+KERNELS = ("in-chunk", "in-chunk exact", "forward", "state gradient", "value gradient",
+           "key gradient", "query gradient")
 
 
-def run(kernel_name, warps, size):
+def run(kernel_name, warps, size, recurrence_block_v):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch, steps, heads = (8, 4096, 4096 // size) if device == "cuda" else (1, 128, 2)
     size = size if device == "cuda" else 16
     block_v = min(size, 64)
+    recurrence_block_v = min(recurrence_block_v or block_v, size)
     v_blocks = size // block_v
     chunk, chunks_per_state = 16, 8
     span, rows = chunk * chunks_per_state, batch * steps
@@ -48,24 +50,38 @@ def run(kernel_name, warps, size):
     cu = index(steps)
     cu = torch.cat([cu, cu.new_tensor([rows])])
     slots, chunk_slots = rows // span + batch, rows // chunk + batch
+    chunk_sequence = torch.full((chunk_slots,), -1, device=device, dtype=torch.int32)
+    chunk_sequence[:rows // chunk] = torch.arange(batch, device=device, dtype=torch.int32
+                                                  ).repeat_interleave(steps // chunk)
+    matrices = torch.zeros(chunk_slots, heads, 4, chunk, chunk, device=device)
     o, ht, dh0 = empty(*shape, dtype=torch.bfloat16), empty(*h0.shape), empty(*h0.shape)
     states, dstates = empty(slots, heads, size, size), empty(chunk_slots, heads, size, size)
     u, dx = empty(*shape), empty(*shape)
     sizes = dict(scale=1.0, HEADS=heads, K=size, V=size, BK=size, BV=block_v, C=chunk, LEVELS=4,
                  FLOOR=-128.0, TAME=True, TOTAL_ROWS=rows, PRECISION="tf32")
-    grid = (batch * heads, v_blocks)
+    recurrence = dict({n: v for n, v in sizes.items() if n not in ("LEVELS", "TAME")},
+                      BV=recurrence_block_v, CHUNK_SLOTS=chunk_slots)
+    grid = (batch * heads, size // recurrence_block_v)
+
+    def in_chunk(warps, tame=True, group=4):
+        options = dict(GROUP=group) if tame else dict(LEVELS=4)
+        kernel = rwkv7.rwkv7_tame_in_chunk_kernel if tame else rwkv7.rwkv7_in_chunk_kernel
+        kernel[(-(-chunk_slots // (group if tame else 1)), heads)](
+            x["r"], x["w"], x["k"], x["a"], x["b"], cu, index(steps // chunk), chunk_sequence,
+            matrices, KI=min(64 if tame else 32, size), SEQUENCES=batch, CHUNK_SLOTS=chunk_slots,
+            INVERSE_PRECISION="tf32", num_warps=warps, **options,
+            **{n: v for n, v in sizes.items() if n not in ("V", "BV", "TAME", "LEVELS")})
 
     def forward(warps):
         rwkv7.rwkv7_forward_kernel[grid](
-            *x.values(), h0, cu, index(steps // span), o, ht, states, u,
-            CHUNKS_PER_STATE=chunks_per_state, SAVE=True, INVERSE_PRECISION="tf32",
-            STATE_SLOTS=slots,
-            num_warps=warps, **sizes)
+            *x.values(), h0, matrices, cu, index(steps // span), index(steps // chunk), o, ht,
+            states, u, CHUNKS_PER_STATE=chunks_per_state, SAVE=True, STATE_SLOTS=slots,
+            num_warps=warps, **recurrence)
 
     def state_gradient(warps):
         rwkv7.rwkv7_state_gradient_kernel[grid](
-            x["r"], x["w"], x["a"], x["b"], do, dht, cu, index(steps // chunk), dh0, dstates, dx,
-            INVERSE_PRECISION="tf32", CHUNK_SLOTS=chunk_slots, num_warps=warps, **sizes)
+            x["r"], x["w"], x["a"], x["b"], do, dht, matrices, cu, index(steps // chunk), dh0,
+            dstates, dx, num_warps=warps, **recurrence)
 
     slot_sequence = torch.full((slots,), -1, device=device, dtype=torch.int32)
     slot_sequence[:rows // span] = torch.arange(batch, device=device, dtype=torch.int32
@@ -99,9 +115,11 @@ def run(kernel_name, warps, size):
             *x.values(), do, states, u, dstates, dx, outputs[4]["key"][2], *indices,
             *outputs[warps]["query"], ROWS=rows_option, num_warps=warps, **gradient_sizes)
 
+    in_chunk(4)
     forward(4)
     state_gradient(4)
-    launch = {"forward": forward, "state gradient": state_gradient,
+    launch = {"in-chunk": in_chunk, "in-chunk exact": lambda warps: in_chunk(warps, False),
+              "forward": forward, "state gradient": state_gradient,
               "value gradient": value_gradient, "key gradient": key_gradient,
               "query gradient": query_gradient}
     note = ""
@@ -124,17 +142,20 @@ def main():
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--only", default="", help="one kernel, e.g. 'key gradient'")
+    parser.add_argument("--recurrence-block-v", type=int, default=0,
+                        help="V columns per program of the sequential passes (0: as the rest)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     warps_list = [int(w) for w in args.warps.split(",")]
     if args.child:
-        return run(args.only, warps_list[0], args.size)
+        return run(args.only, warps_list[0], args.size, args.recurrence_block_v)
     runs = [(kernel, warps) for kernel in (KERNELS if not args.only else (args.only,))
             for warps in warps_list]
     rows = []
     for kernel_name, warps in runs:
         done = subprocess.run([sys.executable, __file__, "--child", "--only", kernel_name,
-                               "--warps", str(warps), "--size", str(args.size)],
+                               "--warps", str(warps), "--size", str(args.size),
+                               "--recurrence-block-v", str(args.recurrence_block_v)],
                               capture_output=True, text=True)
         got = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
         rows.append(got[0] if got else f"{kernel_name:15s} {warps} warps FAILED: "

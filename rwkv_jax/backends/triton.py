@@ -2,17 +2,20 @@
 
 The kernels see the batch flattened to rows ``[B * T, H, *]`` and one list of sequences,
 ``cu`` (``cu_seqlens``, or ``arange(B + 1) * T`` for a plain batch), so packed and plain inputs
-share one code path. The forward saves the state every ``CHUNK * chunks_per_state`` tokens of
-each sequence (and U, see the kernels) for the backward, whose state-gradient pass saves dH
-at every chunk's end; where each sequence's entries start in these buffers is computed on the
+share one code path. Every chunk's in-chunk matrices are computed once, all at once, and read
+by the forward and (kept for it) the state-gradient pass. The forward saves the state every
+``CHUNK * chunks_per_state`` tokens of each sequence (and U, see the kernels) for the backward,
+whose state-gradient pass saves dH at every chunk's end; where each sequence's entries start
+in these buffers (and the in-chunk matrices' buffer) is computed on the
 device from ``cu``, and the buffers have the static size ``rows // span + N`` (an upper bound
 over all length patterns): no host sync, no recompile per length pattern. The kernels clamp
 every row and slot they derive from ``cu`` into these buffers (their sizes are compile-time
 constants), so no value of ``cu`` reads or writes out of bounds. Launches go through
 :mod:`rwkv_jax.backends._launch` (jax-triton on GPU, Triton's interpreter on CPU);
-:func:`rwkv7` is a ``jax.custom_vjp``. Exact for every log decay in [-inf, 0]: each kernel is
-compiled on two paths (TAME, see the kernels), and :func:`tame_path` picks one per call on the
-device (one read of w, ``lax.cond``: no host sync); the backward takes the forward's path.
+:func:`rwkv7` is a ``jax.custom_vjp``. Exact for every log decay in [-inf, 0]: the kernels that
+build in-chunk matrices have two paths (tame and exact, see the kernels), and :func:`tame_path`
+picks one per call on the device (one read of w, ``lax.cond``: no host sync); the backward
+takes the forward's path. The two sequential passes have one path.
 """
 
 from __future__ import annotations
@@ -34,15 +37,28 @@ MAX_HEAD_SIZE = 128
 # A chunk is tame when its log decays sum to at least -TAME_SUM in every column: its A matrices'
 # middle-referenced factors stay within e^(+-TAME_SUM) (the kernels' TAME path).
 TAME_SUM = 16.0
+# K columns at a time of the exact path's in-chunk kernel: at K=128 228 registers and no spills
+# (sm_90, 4 warps); all 128 at once spilled 316 B. H100, B=8, T=4096, bf16: 5.0 ms (K=128).
+EXACT_BLOCK_K = 32
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    block_v: int            # V columns per program (fewer: more programs, recomputed chunk work)
+    block_v: int            # V columns per program of the gradient kernels
     chunks_per_state: int   # the forward saves the state every this many chunks
-    forward_warps: int      # of the sequential kernels (forward, state gradient)
+    forward_warps: int      # of the sequential passes (forward, state gradient)
     backward_warps: int     # of the parallel gradient kernel
     stages: int | None = None
+    # V columns per program of the two sequential passes (None: block_v). They read the
+    # in-chunk matrices from rwkv7_in_chunk_kernel, so more V blocks recompute nothing.
+    recurrence_block_v: int | None = None
+    in_chunk_warps: int = 4  # of rwkv7_in_chunk_kernel
+    # Chunks per program of rwkv7_tame_in_chunk_kernel ([G, C, *] tiles, batched products),
+    # and the K columns it takes at a time (its A matrices are sums over K). H100, B=8,
+    # T=4096, bf16, 4 warps: K=64 0.99 ms (32 columns: 1.11), K=128 1.09 (1.19); one chunk per
+    # program 1.60 at both. The exact path's kernel takes EXACT_BLOCK_K.
+    in_chunk_group: int = 4
+    in_chunk_block_k: int = 64
     # Of the (I - A_ab)^-1 products; None: "ieee" for float32 inputs (their contract), else
     # "tf32" (H100, bf16: 7% faster forward, error unchanged at two digits).
     inverse_precision: str | None = None
@@ -64,9 +80,10 @@ def default_config(k_size: int, v_size: int) -> KernelConfig:
     # dv at K=64 and K=128; slower too). A state every 8 chunks beats every 1, 2 or 4 (fewer
     # saved states, and the span's walk costs little). The tame path's gradients in one kernel
     # up to K=64 (18.55 ms against 20.27 in three at K=V=64), in three from K=128 on (49.6
-    # against 65.8 ms), as on the exact path (K=64: 35.4 against 40.5).
-    warps = 8 if block_k * block_v > 64 * 64 else 4
-    return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=warps,
+    # against 65.8 ms), as on the exact path (K=64: 35.4 against 40.5). The sequential passes
+    # (which read the in-chunk matrices) at 4 warps at every head size (K=128: forward 5.29 ms,
+    # state gradient 4.85, against 8.78 and 8.39 with 8 warps; V blocks of 32: 9.60 and 8.29).
+    return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
                         backward_warps=4, fused_tame_gradient=block_k <= 64)
 
 
@@ -82,7 +99,8 @@ def _check_head_sizes(k_size, v_size):
                              f"(32, 64 and 128 are the tuned ones); got {name} = {size}")
 
 
-_SHAPES = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "LEVELS", "FLOOR", "PRECISION")
+# The compile-time arguments of the two sequential passes.
+_RECURRENCE = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "FLOOR", "PRECISION")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +129,16 @@ class _Static:
 
     def grid(self, sequences):
         return (sequences * self.heads, -(-self.v_size // self.config.block_v))
+
+    @property
+    def recurrence_block_v(self):
+        return self.config.recurrence_block_v or self.config.block_v
+
+    def recurrence_launch(self, sequences):
+        """The grid, warps and compile-time arguments of the two sequential passes."""
+        return dict(grid=(sequences * self.heads, -(-self.v_size // self.recurrence_block_v)),
+                    num_warps=self.config.forward_warps, num_stages=self.config.stages,
+                    **dict(self.constexprs(*_RECURRENCE), BV=self.recurrence_block_v))
 
 
 def _sequences(batch, steps, cu_seqlens, initial_state, state_shape):
@@ -161,62 +189,96 @@ def _on_path(static, tame, launch):
     return lax.cond(tame, lambda: launch(True), lambda: launch(False))
 
 
+def _in_chunk_matrices(static, r, w, k, a, b, cu, tame):
+    """Every chunk's [C, C] matrices ((I - A_ab)^-1, A_qb, A_ak, A_qk: triton_kernels/rwkv7.py),
+    all at once, on the path ``tame`` picks: [chunk slots, heads, 4, C, C] float32, and the
+    slot of each sequence's first chunk."""
+    rows = r.shape[0]
+    sequences = cu.shape[0] - 1
+    chunks, chunk_index = _first_slots(cu, CHUNK)
+    chunk_slots = _slot_count(rows, sequences, CHUNK)
+    chunk_sequence = _slot_sequences(chunks, chunk_index, chunk_slots)
+    inputs = (r, w, k, a, b, cu, chunk_index, chunk_sequence)
+    matrices = jax.ShapeDtypeStruct((chunk_slots, static.heads, 4, CHUNK, CHUNK), jnp.float32)
+    common = dict(num_warps=static.config.in_chunk_warps, num_stages=static.config.stages,
+                  TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots,
+                  **static.constexprs("scale", "HEADS", "K", "BK", "C", "FLOOR", "PRECISION",
+                                      "INVERSE_PRECISION"))
+    block_k = lambda most: min(most, _pow2_at_least(static.k_size))
+    group = static.config.in_chunk_group
+    (matrices,) = _on_path(static, tame, lambda TAME: _launch.launch(
+        _kernels.rwkv7_tame_in_chunk_kernel, inputs, (matrices,),
+        (-(-chunk_slots // group), static.heads), GROUP=group,
+        KI=block_k(static.config.in_chunk_block_k), **common) if TAME else _launch.launch(
+        _kernels.rwkv7_in_chunk_kernel, inputs, (matrices,), (chunk_slots, static.heads),
+        LEVELS=LEVELS, KI=block_k(EXACT_BLOCK_K), **common))
+    return matrices, chunk_index
+
+
 def _forward(static, r, w, k, v, a, b, h0, cu, save, tame):
     rows = r.shape[0]
     sequences = cu.shape[0] - 1
     state_shape = (sequences, static.heads, static.k_size, static.v_size)
     saved = lambda shape: jax.ShapeDtypeStruct(shape if save else (1,), jnp.float32)
-    o, ht, states, u = _on_path(static, tame, lambda TAME: _launch.launch(
+    matrices, chunk_index = _in_chunk_matrices(static, r, w, k, a, b, cu, tame)
+    o, ht, states, u = _launch.launch(
         _kernels.rwkv7_forward_kernel,
-        (r, w, k, v, a, b, h0, cu, _first_slots(cu, static.span)[1]),
+        (r, w, k, v, a, b, h0, matrices, cu, _first_slots(cu, static.span)[1], chunk_index),
         (jax.ShapeDtypeStruct((rows, static.heads, static.v_size), v.dtype),
          jax.ShapeDtypeStruct(state_shape, jnp.float32),
          saved((_slot_count(rows, sequences, static.span),) + state_shape[1:]),
          saved((rows, static.heads, static.v_size))),
-        static.grid(sequences), num_warps=static.config.forward_warps,
-        num_stages=static.config.stages, SAVE=save, TOTAL_ROWS=rows,
+        SAVE=save, TOTAL_ROWS=rows,
         STATE_SLOTS=_slot_count(rows, sequences, static.span) if save else 1,
-        TAME=TAME, **static.constexprs(*_SHAPES, "CHUNKS_PER_STATE", "INVERSE_PRECISION")))
-    return o, ht, states, u
+        CHUNK_SLOTS=matrices.shape[0], CHUNKS_PER_STATE=static.config.chunks_per_state,
+        **static.recurrence_launch(sequences))
+    return o, ht, states, u, matrices
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rwkv7(static, r, w, k, v, a, b, h0, cu):
-    o, ht, _, _ = _forward(static, r, w, k, v, a, b, h0, cu, False, tame_path(w))
+    o, ht, _, _, _ = _forward(static, r, w, k, v, a, b, h0, cu, False, tame_path(w))
     return o, ht
 
 
 def _rwkv7_fwd(static, r, w, k, v, a, b, h0, cu):
     tame = tame_path(w)
-    o, ht, states, u = _forward(static, r, w, k, v, a, b, h0, cu, True, tame)
-    return (o, ht), (r, w, k, v, a, b, states, u, cu, tame)
+    o, ht, states, u, matrices = _forward(static, r, w, k, v, a, b, h0, cu, True, tame)
+    return (o, ht), (r, w, k, v, a, b, states, u, matrices, cu, tame)
 
 
 def _rwkv7_bwd(static, residuals, cotangents):
-    r, w, k, v, a, b, states, u, cu, tame = residuals
-    return _on_path(static, tame, lambda TAME: _gradients(static, TAME, r, w, k, v, a, b,
-                                                          states, u, cu, *cotangents))
-
-
-def _gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dht):
-    """Both backward passes, on the forward's path."""
+    r, w, k, v, a, b, states, u, matrices, cu, tame = residuals
+    do, dht = cotangents
     do = do.astype(v.dtype)
+    dh0, dstates, dx = _state_gradient(static, r, w, a, b, matrices, cu, do, dht)
+    return _on_path(static, tame, lambda TAME: _gradients(
+        static, TAME, r, w, k, v, a, b, states, u, cu, do, dh0, dstates, dx))
+
+
+def _state_gradient(static, r, w, a, b, matrices, cu, do, dht):
+    """The reverse recurrence of the state gradient: dh0, dH at the end of every chunk, and dX
+    (one path; outside the backward's lax.cond, so that the in-chunk matrices are freed before
+    the gradient kernels run)."""
     rows = r.shape[0]
     sequences = cu.shape[0] - 1
     state_shape = (static.heads, static.k_size, static.v_size)
-    # 1. The reverse recurrence of the state gradient: dH at the end of every chunk, and dX.
-    _, chunk_index = _first_slots(cu, CHUNK)
-    dh0, dstates, dx = _launch.launch(
+    return _launch.launch(
         _kernels.rwkv7_state_gradient_kernel,
-        (r, w, a, b, do, dht.astype(jnp.float32), cu, chunk_index),
+        (r, w, a, b, do, dht.astype(jnp.float32), matrices, cu, _first_slots(cu, CHUNK)[1]),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((_slot_count(rows, sequences, CHUNK),) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((rows, static.heads, static.v_size), jnp.float32)),
-        static.grid(sequences), num_warps=static.config.forward_warps,
-        num_stages=static.config.stages, TOTAL_ROWS=rows,
-        CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK), TAME=TAME,
-        **static.constexprs(*_SHAPES, "INVERSE_PRECISION"))
-    # 2. Every input gradient, one program per (span, head, V block), all at once: in three
+        TOTAL_ROWS=rows, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
+        **static.recurrence_launch(sequences))
+
+
+def _gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dh0, dstates, dx):
+    """Every input gradient, on the forward's path."""
+    rows = r.shape[0]
+    sequences = cu.shape[0] - 1
+    _, chunk_index = _first_slots(cu, CHUNK)
+    # One program per (span, head, V block), all at once: in three
     # kernels (none holds every tile: dv; dk, db and dw's share through them; dr, da and dw),
     # or on the tame path in one (KernelConfig.fused_tame_gradient).
     spans, state_index = _first_slots(cu, static.span)
