@@ -121,14 +121,9 @@ def level_factors(w, S: tl.constexpr, AXIS: tl.constexpr, C: tl.constexpr):
         segments = tl.reshape(w, [w.shape[0], C // S, S])
         inclusive = tl.reshape(tl.cumsum(segments, axis=2), w.shape)
         after = tl.reshape(tl.cumsum(segments, axis=2, reverse=True), w.shape) - w
-    return tl.exp(inclusive), tl.exp(inclusive - w), tl.exp(after), level_pairs(S, C)
-
-
-@triton.jit
-def level_pairs(S: tl.constexpr, C: tl.constexpr):
-    """[C, C]: the pairs (t, i) of level S (``level_factors``)."""
     segment = tl.arange(0, C) // S
-    return (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
+    keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
+    return tl.exp(inclusive), tl.exp(inclusive - w), tl.exp(after), keep
 
 
 @triton.jit

@@ -70,8 +70,8 @@ which keeps registers free and loads and stores vectorised.
 import triton
 import triton.language as tl
 
-from .common import (clamped, clamped_rows, level_factors as _level, level_pairs, program,
-                     row_bases, rows, state_offsets)
+from .common import (clamped, clamped_rows, diagonal_tile as _diagonal, level_factors as _level,
+                     program, row_bases, rows, state_offsets)
 
 
 @triton.jit
@@ -122,10 +122,8 @@ def _in_chunk(q, k, a, b, w, C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: t
     """The A matrices of a chunk from [C, *] tiles, level by level (``_level``; exact for every
     decay): A_qk, A_qb (i <= t, factor e^(gi_t - gi_i)) and A_ak, A_ab (i < t, factor
     e^(ge_t - gi_i)). Those a kernel does not use are not computed (dead code)."""
-    index = tl.arange(0, C)
-    diagonal = index[:, None] == index[None, :]
-    A_qk = tl.where(diagonal, tl.sum(q * k, axis=1)[:, None], 0.0)
-    A_qb = tl.where(diagonal, tl.sum(q * b, axis=1)[:, None], 0.0)
+    A_qk = _diagonal(tl.sum(q * k, axis=1), C)
+    A_qb = _diagonal(tl.sum(q * b, axis=1), C)
     A_ak = tl.zeros([C, C], tl.float32)
     A_ab = tl.zeros([C, C], tl.float32)
     for level in tl.static_range(LEVELS):
@@ -209,9 +207,11 @@ def _chunk_rows(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C: tl.constex
 
 
 @triton.jit
-def _store_matrices(matrices_ptr, slot, used, head, inverse, A_qb, A_ak, A_qk,
-                    HEADS: tl.constexpr, C: tl.constexpr):
-    """A chunk's four matrices ([C, C]; or G chunks', [G, C, C], slot and used [G])."""
+def _store_matrices(matrices_ptr, slot, used, head, A_qk, A_qb, A_ak, A_ab,
+                    HEADS: tl.constexpr, C: tl.constexpr, INVERSE_PRECISION: tl.constexpr):
+    """A chunk's four matrices, (I - A_ab)^-1 in place of A_ab ([C, C]; or G chunks',
+    [G, C, C], slot and used [G])."""
+    inverse = _inverse_unit_lower(A_ab, C, INVERSE_PRECISION)
     if len(inverse.shape) == 3:
         used = used[:, None, None]
     tl.store(_matrix(matrices_ptr, slot, head, INVERSE, HEADS, C, False), inverse, mask=used)
@@ -265,8 +265,8 @@ def rwkv7_tame_in_chunk_kernel(
         A_qb += A_qb_part
         A_ak += A_ak_part
         A_ab += A_ab_part
-    _store_matrices(matrices_ptr, slot, used, head, _inverse_unit_lower(A_ab, C,
-                    INVERSE_PRECISION), A_qb, A_ak, A_qk, HEADS, C)
+    _store_matrices(matrices_ptr, slot, used, head, A_qk, A_qb, A_ak, A_ab, HEADS, C,
+                    INVERSE_PRECISION)
 
 
 @triton.jit
@@ -308,8 +308,8 @@ def rwkv7_in_chunk_kernel(
         A_qb += A_qb_part
         A_ak += A_ak_part
         A_ab += A_ab_part
-    _store_matrices(matrices_ptr, slot, used, head, _inverse_unit_lower(
-        A_ab, C, INVERSE_PRECISION), A_qb, A_ak, A_qk, HEADS, C)
+    _store_matrices(matrices_ptr, slot, used, head, A_qk, A_qb, A_ak, A_ab, HEADS, C,
+                    INVERSE_PRECISION)
 
 
 @triton.jit
