@@ -5,14 +5,13 @@
 # .gpu-cache/). A job cut by the call's limit still packs what it compiled.
 #   bash benchmarks/gpu_fla_warm.sh rwkv6:64 gla:128 ...
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
-[ -e rwkv_jax/triton_kernels ] || ln -s ../triton_kernels rwkv_jax/triton_kernels
+source benchmarks/gpu_env.sh  # the wheels and the import path, as for every GPU script
+trap - EXIT  # (not its one shared cache: each job here has its own)
+pack() { tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 > "$OUT/fla-${job/:/-}.tar.xz"; }
+trap 'pack; exit 143' TERM
 for job in "$@"; do
     export TRITON_CACHE_DIR=/tmp/fla_cache/${job/:/-}
     mkdir -p "$TRITON_CACHE_DIR"
-    pack() { tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 > "$OUT/fla-${job/:/-}.tar.xz"; }
-    trap 'pack; exit 143' TERM
     # (in the background: a trapped TERM interrupts `wait` at once, not after the job)
     python3 benchmarks/gpu_fla_warm.py "$job" 2>&1 | grep -v Warning &
     wait $!

@@ -354,7 +354,8 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
         # The sequential passes with the other warp count and with V blocks of 32 (more
         # programs; nothing recomputed since the in-chunk kernel). Measured and not kept: the
         # other tame-path gradient, gradient kernels at 8 warps (BENCHMARKS.md, session 5).
-        variants = [dict(forward_warps=12 - default.forward_warps), dict(recurrence_block_v=32)]
+        other_warps = 8 if default.forward_warps == 4 else 4
+        variants = [dict(forward_warps=other_warps), dict(recurrence_block_v=32)]
         for change in variants:
             config = dataclasses.replace(default, **change)
             attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,

@@ -50,9 +50,9 @@ class KernelConfig:
     backward_warps: int     # of the parallel gradient kernel
     stages: int | None = None
     # V columns per program of the two sequential passes (None: block_v). They read the
-    # in-chunk matrices from rwkv7_in_chunk_kernel, so more V blocks recompute nothing.
+    # in-chunk matrices of the in-chunk kernels, so more V blocks recompute nothing.
     recurrence_block_v: int | None = None
-    in_chunk_warps: int = 4  # of rwkv7_in_chunk_kernel
+    in_chunk_warps: int = 4  # of the two in-chunk kernels
     # Chunks per program of rwkv7_tame_in_chunk_kernel ([G, C, *] tiles, batched products),
     # and the K columns it takes at a time (its A matrices are sums over K). H100, B=8,
     # T=4096, bf16, 4 warps: K=64 0.99 ms (32 columns: 1.11), K=128 1.09 (1.19); one chunk per
