@@ -2,10 +2,10 @@
 reach: several V blocks per head (K-side gradients and du summed from partial sums), saved
 states every 2 chunks so that short packed sequences cross span boundaries, forward and
 backward chunks of 16, 32 and 64 tokens (packed sequences shorter than a chunk, partial chunks,
-odd T, T = 1, strong gates), every GLA gate with reverse and packed sequences (an empty segment, partial chunks)
-together, strong gates across chunk and span boundaries. Against the float64 reference,
-forward and every gradient, through test_ops.check_case (tiny shapes: Triton's
-interpreter)."""
+odd T, T = 1, strong gates), every GLA gate with reverse and packed sequences (an empty
+segment, partial chunks) together, strong gates across chunk and span boundaries. Against the
+float64 reference, forward and every gradient, through test_ops.check_case (tiny shapes:
+Triton's interpreter)."""
 
 import pytest
 
@@ -22,16 +22,16 @@ def _chunks(monkeypatch, forward, backward, span):
         monkeypatch.setattr(triton_backend, name, value)
 
 
-@pytest.fixture(autouse=True)
-def short_spans(monkeypatch):
-    _chunks(monkeypatch, 16, 16, 32)  # saved states every 2 chunks
-
-
-# (forward chunk, backward chunk, span), the backend's settings: the default chunks, a backward
-# chunk larger than the forward's (dH every 2 forward chunks), and one larger than some
-# sequences.
+# (forward chunk, backward chunk, span), the backend's settings: the default chunks with saved
+# states every 2 chunks (every test's), a backward chunk larger than the forward's (dH every 2
+# forward chunks), and one larger than some sequences.
 CHUNKS = [(16, 16, 32), (16, 32, 64), (32, 64, 128)]
 chunk_ids = lambda c: "chunks=%d,%d,%d" % c
+
+
+@pytest.fixture(autouse=True)
+def short_spans(monkeypatch):
+    _chunks(monkeypatch, *CHUNKS[0])
 
 
 @pytest.mark.parametrize("reverse", [False, True])
