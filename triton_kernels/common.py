@@ -88,6 +88,12 @@ def program(sequence, head, v_block, cu_ptr, HEADS: tl.constexpr, K: tl.constexp
 # Added for the RWKV-7 kernels (bounds that hold whatever a traced array holds).
 # ---------------------------------------------------------------------------------------------
 
+# The sequential passes (RWKV-7's two, GLA's forward) issue the next chunk's loads before the
+# current chunk's products up to this BK; beyond it the carried tiles spill (sm_90, 4 warps:
+# benchmarks/compile_report.py). GLA's state-gradient pass, with registers to spare, at every BK.
+PREFETCH_UP_TO = tl.constexpr(64)
+
+
 @triton.jit
 def clamped_rows(start, end, TOTAL_ROWS: tl.constexpr, C: tl.constexpr):
     """A sequence's rows [start, end) clamped into [0, TOTAL_ROWS] with end >= start, and its
