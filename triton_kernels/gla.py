@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from .common import (PREFETCH_UP_TO, clamped_rows, diagonal_tile, in_range, level_factors,
-                     state_offsets)
+                     state_offsets, stored)
 
 
 @triton.jit
@@ -86,21 +86,14 @@ def _chunk(c, start, end, head, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
 
 @triton.jit
 def _load(ptr, off, mask):
-    return tl.load(ptr + off, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _raw(ptr, off, mask):
-    """A tile as stored (bfloat16 stays so while it is carried to the next chunk: half the
-    registers of float32)."""
-    return tl.load(ptr + off, mask=mask, other=0.0)
+    return stored(ptr, off, mask).to(tl.float32)
 
 
 @triton.jit
 def _raw_gate(ptr, off, mask, HAS: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
     """A chunk's log gates as stored, or zeros without that gate."""
     if HAS:
-        raw = _raw(ptr, off, mask)
+        raw = stored(ptr, off, mask)
     else:
         raw = tl.zeros([C, BLOCK], tl.float32)
     return raw
@@ -131,7 +124,7 @@ def _state_gradient_chunk(c, start, end, head, v_cols, q_ptr, a_ptr, b_ptr, do_p
     sequence, as those of chunk -1, read as zeros)."""
     k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
                                       REVERSE)
-    return (_raw(q_ptr, k_off, k_in), _raw(do_ptr, v_off, v_in),
+    return (stored(q_ptr, k_off, k_in), stored(do_ptr, v_off, v_in),
             _raw_gate(a_ptr, k_off, k_in, HAS_A, C, BK),
             _raw_gate(b_ptr, v_off, v_in, HAS_B, C, BV))
 
@@ -145,7 +138,7 @@ def _forward_chunk(c, start, end, head, v_cols, q_ptr, k_ptr, v_ptr, a_ptr, b_pt
     sequence's end read as zeros)."""
     k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
                                       REVERSE)
-    return (_raw(q_ptr, k_off, k_in), _raw(k_ptr, k_off, k_in), _raw(v_ptr, v_off, v_in),
+    return (stored(q_ptr, k_off, k_in), stored(k_ptr, k_off, k_in), stored(v_ptr, v_off, v_in),
             _raw_gate(a_ptr, k_off, k_in, HAS_A, C, BK),
             _raw_gate(b_ptr, v_off, v_in, HAS_B, C, BV))
 

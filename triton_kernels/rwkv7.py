@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from .common import (PREFETCH_UP_TO, clamped, clamped_rows, level_factors as _level, level_pairs,
-                     program, row_bases, rows, state_offsets)
+                     program, row_bases, rows, state_offsets, stored)
 
 
 @triton.jit
@@ -329,13 +329,6 @@ def _chunk_bases(c, chunks, start, end, head, k_cols_in, v_cols_in, HEADS: tl.co
 
 
 @triton.jit
-def _raw(ptr, base, tile, mask):
-    """A tile as stored (bfloat16 stays so while it is carried to the next chunk: half the
-    registers of float32)."""
-    return tl.load(ptr + base + tile, mask=mask, other=0.0)
-
-
-@triton.jit
 def _load_matrix(matrices_ptr, chunk_slot, inside, head, WHICH: tl.constexpr,
                  HEADS: tl.constexpr, C: tl.constexpr, TRANSPOSED: tl.constexpr):
     """One of a chunk's matrices, zeros unless ``inside`` (a prefetch past the sequence)."""
@@ -351,11 +344,11 @@ def _forward_chunk(c, chunks, start, end, first_chunk_slot, r_ptr, w_ptr, k_ptr,
     """The forward's loads of chunk c: v, w, a, r, k, b as stored and A_ak, (I - A_ab)^-1,
     A_qk, A_qb (zeros past the last chunk)."""
     k_base, k_in, v_base, v_in, inside = _chunk_bases(c, chunks, start, end, head, k_cols_in,
-                                                        v_cols_in, HEADS, K, V, C)
+                                                      v_cols_in, HEADS, K, V, C)
     slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
-    return (_raw(v_ptr, v_base, v_tile, v_in), _raw(w_ptr, k_base, k_tile, k_in),
-            _raw(a_ptr, k_base, k_tile, k_in), _raw(r_ptr, k_base, k_tile, k_in),
-            _raw(k_ptr, k_base, k_tile, k_in), _raw(b_ptr, k_base, k_tile, k_in),
+    return (stored(v_ptr + v_base, v_tile, v_in), stored(w_ptr + k_base, k_tile, k_in),
+            stored(a_ptr + k_base, k_tile, k_in), stored(r_ptr + k_base, k_tile, k_in),
+            stored(k_ptr + k_base, k_tile, k_in), stored(b_ptr + k_base, k_tile, k_in),
             _load_matrix(matrices_ptr, slot, inside, head, A_AK, HEADS, C, False),
             _load_matrix(matrices_ptr, slot, inside, head, INVERSE, HEADS, C, False),
             _load_matrix(matrices_ptr, slot, inside, head, A_QK, HEADS, C, False),
@@ -370,26 +363,26 @@ def _state_gradient_chunk(c, chunks, start, end, first_chunk_slot, r_ptr, w_ptr,
     """The state gradient's loads of chunk c: dO, w, b, r, a as stored and A_qb^T,
     (I - A_ab)^-T (zeros before the first chunk)."""
     k_base, k_in, v_base, v_in, inside = _chunk_bases(c, chunks, start, end, head, k_cols_in,
-                                                        v_cols_in, HEADS, K, V, C)
+                                                      v_cols_in, HEADS, K, V, C)
     slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
-    return (_raw(do_ptr, v_base, v_tile, v_in), _raw(w_ptr, k_base, k_tile, k_in),
-            _raw(b_ptr, k_base, k_tile, k_in), _raw(r_ptr, k_base, k_tile, k_in),
-            _raw(a_ptr, k_base, k_tile, k_in),
+    return (stored(do_ptr + v_base, v_tile, v_in), stored(w_ptr + k_base, k_tile, k_in),
+            stored(b_ptr + k_base, k_tile, k_in), stored(r_ptr + k_base, k_tile, k_in),
+            stored(a_ptr + k_base, k_tile, k_in),
             _load_matrix(matrices_ptr, slot, inside, head, A_QB, HEADS, C, True),
             _load_matrix(matrices_ptr, slot, inside, head, INVERSE, HEADS, C, True))
 
 
-# The two sequential passes load every tile and matrix of a chunk first, so that their loads
-# are in flight together rather than each before its product (H100, B=8, T=4096, bf16, 4 warps:
-# forward 3.86 -> 2.59 ms at K=64 and 5.37 -> 4.48 at K=128, state gradient 3.45 -> 2.57 and
-# 4.91 -> 4.29). Up to BK = PREFETCH_UP_TO they go further: the next chunk's loads (c + 1, or
-# c - 1 in the reverse pass) are issued at the start of chunk c (``_forward_chunk``,
-# ``_state_gradient_chunk``; carried as stored, bfloat16 in half the registers of float32) so
-# that their latency overlaps chunk c's products; not yet timed (sm_90, 4 warps, K=64: forward 255 registers, no spills, as before; state gradient 226,
-# was 210). Their tiles are [C, *]: held transposed ([K, C], [V, C], the state [V, K]) so
-# that the products have V rows (Hopper's warpgroup MMA) they measured slower (K=128 forward
-# 6.57 ms against 5.29, state gradient 6.09 against 4.85, loads not first), and at 8 warps the
-# transposed forward failed with an illegal memory access (Triton 3.6).
+# The two sequential passes load every tile and matrix of a chunk first, so that their loads are in
+# flight together rather than each before its product (H100, B=8, T=4096, bf16, 4 warps: forward
+# 3.86 -> 2.59 ms at K=64 and 5.37 -> 4.48 at K=128, state gradient 3.45 -> 2.57 and 4.91 -> 4.29).
+# Up to BK = PREFETCH_UP_TO they go further: the next chunk's loads (c + 1, or c - 1 in the reverse
+# pass) are issued at the start of chunk c (``_forward_chunk``, ``_state_gradient_chunk``; carried
+# as stored, bfloat16 in half the registers of float32) so that their latency overlaps chunk c's
+# products. Not yet timed; sm_90, 4 warps, K=64: forward 255 registers and no spills, as before,
+# state gradient 226 (was 210). Their tiles are [C, *]: held transposed ([K, C], [V, C], the state
+# [V, K]) so that the products have V rows (Hopper's warpgroup MMA) they measured slower (K=128
+# forward 6.57 ms against 5.29, state gradient 6.09 against 4.85, loads not first), and at 8 warps
+# the transposed forward failed with an illegal memory access (Triton 3.6).
 
 @triton.jit
 def rwkv7_forward_kernel(
@@ -427,7 +420,7 @@ def rwkv7_forward_kernel(
                 tl.store(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols), h,
                          mask=state_mask)
         _, _, v_base, v_in, _ = _chunk_bases(c, chunks, start, end, head, k_cols_in, v_cols_in,
-                                               HEADS, K, V, C)
+                                             HEADS, K, V, C)
         if BK <= PREFETCH_UP_TO:
             v, w, a, q, k, b, A_ak, inverse, A_qk, A_qb = (v_next, w_next, a_next, r_next, k_next,
                                                            b_next, A_ak_next, inverse_next,
@@ -498,7 +491,7 @@ def rwkv7_state_gradient_kernel(
         tl.store(_state(dstates_ptr, chunk_slot, head, HEADS, K, V, BK, v_cols), dh,
                  mask=state_mask)
         _, _, v_base, v_in, _ = _chunk_bases(c, chunks, start, end, head, k_cols_in, v_cols_in,
-                                               HEADS, K, V, C)
+                                             HEADS, K, V, C)
         if BK <= PREFETCH_UP_TO:
             do, w, b, q, a, A_qb_t, inverse_t = (do_next, w_next, b_next, r_next, a_next,
                                                  A_qb_t_next, inverse_t_next)
