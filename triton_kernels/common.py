@@ -10,6 +10,11 @@ loads and stores vectorised.
 import triton
 import triton.language as tl
 
+# The sequential passes (RWKV-7's two, GLA's forward) issue the next chunk's loads before the
+# current chunk's products up to this BK; beyond it the carried tiles spill (sm_90, 4 warps:
+# benchmarks/compile_report.py). GLA's state-gradient pass, with registers to spare, at every BK.
+PREFETCH_UP_TO = tl.constexpr(64)
+
 
 @triton.jit
 def in_range(cols, SIZE: tl.constexpr, BLOCK: tl.constexpr):
@@ -40,8 +45,15 @@ def chunk_tiles(v_cols, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
 
 
 @triton.jit
+def stored(ptr, offsets, mask):
+    """A tile as stored, zeros where masked (bfloat16 stays so while a sequential pass carries
+    it to the next chunk: half the registers of float32)."""
+    return tl.load(ptr + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
 def rows(ptr, base, tile, mask):
-    return tl.load(ptr + base + tile, mask=mask, other=0.0).to(tl.float32)
+    return stored(ptr + base, tile, mask).to(tl.float32)
 
 
 @triton.jit

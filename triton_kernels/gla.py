@@ -31,9 +31,12 @@ precise), and the gradient of a floored gate is 0.
 Three kernels, as for RWKV-7: a sequential forward (H in registers; saves H every
 CHUNKS_PER_STATE chunks), a sequential reverse pass of the state gradient
 (dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B), saved at every chunk's end), and a
-parallel gradient kernel per (span of chunks, head, V block). The backward's two kernels share
-one chunk size, which may differ from the forward's (each kernel's C): the saved states' span
-is a multiple of both (the backend's GLA_SPAN).
+parallel gradient kernel per (span of chunks, head, V block). The two sequential passes issue
+the next chunk's loads before the current chunk's products (the forward up to BK =
+PREFETCH_UP_TO, where its registers allow), so that their latency overlaps the products: Triton
+pipelines no ``while`` loop. The backward's two kernels share one chunk size, which may differ
+from the forward's (each kernel's C): the saved states' span is a multiple of both (the
+backend's GLA_SPAN).
 
 Gate gradients: a log gate multiplies a factor x = y e^z, so dz = x dx; summed over the chunk's
 factors that gives dR = q dq, dA = -k dk and the per-token gradient is their reverse cumulative
@@ -52,8 +55,8 @@ flattened inputs, clamped to [0, ROWS) in the kernel, and saved-state slots are 
 import triton
 import triton.language as tl
 
-from .common import (clamped_rows, diagonal_tile, in_range, level_factors,
-                     state_offsets)
+from .common import (PREFETCH_UP_TO, clamped_rows, diagonal_tile, in_range, level_factors,
+                     state_offsets, stored)
 
 
 @triton.jit
@@ -73,7 +76,7 @@ def _chunk(c, start, end, head, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
         row = end - 1 - position
     else:
         row = start + position
-    inside = (position < end - start)[:, None]
+    inside = ((position >= 0) & (position < end - start))[:, None]  # (c = -1: a prefetch)
     k_cols = tl.arange(0, BK)
     k_off = (row[:, None] * HEADS + head) * K + k_cols[None, :]
     v_off = (row[:, None] * HEADS + head) * V + v_cols[None, :]
@@ -83,20 +86,61 @@ def _chunk(c, start, end, head, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
 
 @triton.jit
 def _load(ptr, off, mask):
-    return tl.load(ptr + off, mask=mask, other=0.0).to(tl.float32)
+    return stored(ptr, off, mask).to(tl.float32)
+
+
+@triton.jit
+def _raw_gate(ptr, off, mask, HAS: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
+    """A chunk's log gates as stored, or zeros without that gate."""
+    if HAS:
+        raw = stored(ptr, off, mask)
+    else:
+        raw = tl.zeros([C, BLOCK], tl.float32)
+    return raw
+
+
+@triton.jit
+def _gate_sums(raw, FLOOR: tl.constexpr):
+    """Log gates raised to FLOOR, their cumulative sums and total, and where the floor applied
+    (there the gradient is 0)."""
+    raw = raw.to(tl.float32)
+    gate = tl.maximum(raw, FLOOR)
+    return gate, tl.cumsum(gate, axis=0), tl.sum(gate, axis=0), raw >= FLOOR
 
 
 @triton.jit
 def _log_gate(ptr, off, mask, HAS: tl.constexpr, FLOOR: tl.constexpr, C: tl.constexpr,
               BLOCK: tl.constexpr):
-    """A chunk's log gates raised to FLOOR, their cumulative sums and total, and where the
-    floor applied (there the gradient is 0)."""
-    if HAS:
-        raw = _load(ptr, off, mask)
-    else:
-        raw = tl.zeros([C, BLOCK], tl.float32)
-    gate = tl.maximum(raw, FLOOR)
-    return gate, tl.cumsum(gate, axis=0), tl.sum(gate, axis=0), raw >= FLOOR
+    """A chunk's log gates (``_gate_sums``)."""
+    return _gate_sums(_raw_gate(ptr, off, mask, HAS, C, BLOCK), FLOOR)
+
+
+@triton.jit
+def _state_gradient_chunk(c, start, end, head, v_cols, q_ptr, a_ptr, b_ptr, do_ptr,
+                          HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                          HAS_A: tl.constexpr, HAS_B: tl.constexpr, REVERSE: tl.constexpr):
+    """The state gradient's loads of chunk c as stored: q, dO and the gates (rows outside the
+    sequence, as those of chunk -1, read as zeros)."""
+    k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
+                                      REVERSE)
+    return (stored(q_ptr, k_off, k_in), stored(do_ptr, v_off, v_in),
+            _raw_gate(a_ptr, k_off, k_in, HAS_A, C, BK),
+            _raw_gate(b_ptr, v_off, v_in, HAS_B, C, BV))
+
+
+@triton.jit
+def _forward_chunk(c, start, end, head, v_cols, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                   HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, C: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
+                   REVERSE: tl.constexpr):
+    """The forward's loads of chunk c as stored: q, k, v and the gates (rows past the
+    sequence's end read as zeros)."""
+    k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
+                                      REVERSE)
+    return (stored(q_ptr, k_off, k_in), stored(k_ptr, k_off, k_in), stored(v_ptr, v_off, v_in),
+            _raw_gate(a_ptr, k_off, k_in, HAS_A, C, BK),
+            _raw_gate(b_ptr, v_off, v_in, HAS_B, C, BV))
 
 
 @triton.jit
@@ -210,6 +254,10 @@ def gla_forward_kernel(
     else:
         u = tl.zeros([BK], tl.float32)  # unused
     h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
+    if BK <= PREFETCH_UP_TO:  # chunk c + 1's loads issued before chunk c's products
+        q_next, k_next, v_next, a_next, b_next = _forward_chunk(
+            0, start, end, head, v_cols, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, HEADS, K, V, BK, BV,
+            C, HAS_A, HAS_B, REVERSE)
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
         if SAVE:
@@ -217,18 +265,26 @@ def gla_forward_kernel(
                 slot = first_slot + c // CHUNKS_PER_STATE
                 tl.store(states_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols), h,
                          mask=state_mask & (slot < SLOTS))
-        k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
-                                          REVERSE)
-        q = _load(q_ptr, k_off, k_in) * scale
-        k = _load(k_ptr, k_off, k_in)
-        v = _load(v_ptr, v_off, v_in)
-        a, A, A_end, _ = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
+        _, _, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C, REVERSE)
+        if BK <= PREFETCH_UP_TO:
+            q, k, v, a_raw, b_raw = q_next, k_next, v_next, a_next, b_next
+            q_next, k_next, v_next, a_next, b_next = _forward_chunk(
+                c + 1, start, end, head, v_cols, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, HEADS, K, V,
+                BK, BV, C, HAS_A, HAS_B, REVERSE)
+        else:
+            q, k, v, a_raw, b_raw = _forward_chunk(c, start, end, head, v_cols, q_ptr, k_ptr,
+                                                   v_ptr, a_ptr, b_ptr, HEADS, K, V, BK, BV, C,
+                                                   HAS_A, HAS_B, REVERSE)
+        q = q.to(tl.float32) * scale
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        a, A, A_end, _ = _gate_sums(a_raw, FLOOR)
         R = A - a if BONUS else A
         # The read of H, then H advanced to the chunk's end right away (fewer live tiles
         # through the in-chunk work).
         o = tl.dot(q * tl.exp(R), h, input_precision=PRECISION)
         if HAS_B:
-            b, B, B_end, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
+            b, B, B_end, _ = _gate_sums(b_raw, FLOOR)
             v_end = v * tl.exp(B_end[None, :] - B)
             h = h * tl.exp(B_end)[None, :]
         else:
@@ -265,18 +321,24 @@ def gla_state_gradient_kernel(
     first_slot = tl.load(chunk_index_ptr + sequence)
     dh = tl.load(dht_ptr + local, mask=state_mask, other=0.0)
     c = chunks - 1
+    # Chunk c - 1's loads issued before chunk c's products (at every BK: few registers here).
+    q_next, do_next, a_next, b_next = _state_gradient_chunk(
+        c, start, end, head, v_cols, q_ptr, a_ptr, b_ptr, do_ptr, HEADS, K, V, BK, BV, C, HAS_A,
+        HAS_B, REVERSE)
     while c >= 0:
         slot = first_slot + c
         tl.store(dstates_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols), dh,
                  mask=state_mask & (slot < SLOTS))
-        k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
-                                          REVERSE)
-        q = _load(q_ptr, k_off, k_in) * scale
-        do = _load(do_ptr, v_off, v_in)
-        a, A, A_end, _ = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
+        q, do, a_raw, b_raw = q_next, do_next, a_next, b_next
+        q_next, do_next, a_next, b_next = _state_gradient_chunk(
+            c - 1, start, end, head, v_cols, q_ptr, a_ptr, b_ptr, do_ptr, HEADS, K, V, BK, BV, C,
+            HAS_A, HAS_B, REVERSE)
+        q = q.to(tl.float32) * scale
+        do = do.to(tl.float32)
+        a, A, A_end, _ = _gate_sums(a_raw, FLOOR)
         R = A - a if BONUS else A
         if HAS_B:
-            _, B, B_end, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
+            _, B, B_end, _ = _gate_sums(b_raw, FLOOR)
             do = do * tl.exp(B)
             dh = dh * tl.exp(B_end)[None, :]
         dh = tl.dot(tl.trans(q * tl.exp(R)), do, tl.exp(A_end)[:, None] * dh,

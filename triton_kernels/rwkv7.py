@@ -70,8 +70,8 @@ which keeps registers free and loads and stores vectorised.
 import triton
 import triton.language as tl
 
-from .common import (clamped, clamped_rows, diagonal_tile as _diagonal, level_factors as _level,
-                     program, row_bases, rows, state_offsets)
+from .common import (PREFETCH_UP_TO, clamped, clamped_rows, diagonal_tile as _diagonal,
+                     level_factors as _level, program, row_bases, rows, state_offsets, stored)
 
 
 @triton.jit
@@ -183,12 +183,6 @@ def _matrix(matrices_ptr, chunk_slot, head, WHICH: tl.constexpr, HEADS: tl.const
     else:
         pointers = matrices_ptr + first + within
     return pointers
-
-
-@triton.jit
-def _load_matrix(matrices_ptr, chunk_slot, head, WHICH: tl.constexpr, HEADS: tl.constexpr,
-                 C: tl.constexpr, TRANSPOSED: tl.constexpr):
-    return tl.load(_matrix(matrices_ptr, chunk_slot, head, WHICH, HEADS, C, TRANSPOSED))
 
 
 @triton.jit
@@ -322,13 +316,73 @@ def _state(ptr, slot, head, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexp
             + (k_rows[:, None] * V + v_cols[None, :]))
 
 
-# The two sequential passes load every tile and matrix of a chunk first, so that their loads
-# are in flight together rather than each before its product (H100, B=8, T=4096, bf16, 4 warps:
-# forward 3.86 -> 2.59 ms at K=64 and 5.37 -> 4.48 at K=128, state gradient 3.45 -> 2.57 and
-# 4.91 -> 4.29). Their tiles are [C, *]: held transposed ([K, C], [V, C], the state [V, K]) so
-# that the products have V rows (Hopper's warpgroup MMA) they measured slower (K=128 forward
-# 6.57 ms against 5.29, state gradient 6.09 against 4.85, loads not first), and at 8 warps the
-# transposed forward failed with an illegal memory access (Triton 3.6).
+@triton.jit
+def _chunk_bases(c, chunks, start, end, head, k_cols_in, v_cols_in, HEADS: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
+    """Chunk c's row bases and masks (``row_bases``), and whether it is one of the sequence's
+    chunks: a prefetch past either end (c = chunks, or -1) masks every row out."""
+    inside = (c >= 0) & (c < chunks)
+    first = start + c * C
+    k_base, k_in, v_base, v_in = row_bases(first, tl.where(inside, end, first), head, k_cols_in,
+                                            v_cols_in, HEADS, K, V, C, False)
+    return k_base, k_in, v_base, v_in, inside
+
+
+@triton.jit
+def _load_matrix(matrices_ptr, chunk_slot, inside, head, WHICH: tl.constexpr,
+                 HEADS: tl.constexpr, C: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """One of a chunk's matrices, zeros unless ``inside`` (a prefetch past the sequence)."""
+    return tl.load(_matrix(matrices_ptr, chunk_slot, head, WHICH, HEADS, C, TRANSPOSED),
+                   mask=inside, other=0.0)
+
+
+@triton.jit
+def _forward_chunk(c, chunks, start, end, first_chunk_slot, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr,
+                   b_ptr, matrices_ptr, head, k_tile, k_cols_in, v_tile, v_cols_in,
+                   HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                   CHUNK_SLOTS: tl.constexpr):
+    """The forward's loads of chunk c: v, w, a, r, k, b as stored and A_ak, (I - A_ab)^-1,
+    A_qk, A_qb (zeros past the last chunk)."""
+    k_base, k_in, v_base, v_in, inside = _chunk_bases(c, chunks, start, end, head, k_cols_in,
+                                                      v_cols_in, HEADS, K, V, C)
+    slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
+    return (stored(v_ptr + v_base, v_tile, v_in), stored(w_ptr + k_base, k_tile, k_in),
+            stored(a_ptr + k_base, k_tile, k_in), stored(r_ptr + k_base, k_tile, k_in),
+            stored(k_ptr + k_base, k_tile, k_in), stored(b_ptr + k_base, k_tile, k_in),
+            _load_matrix(matrices_ptr, slot, inside, head, A_AK, HEADS, C, False),
+            _load_matrix(matrices_ptr, slot, inside, head, INVERSE, HEADS, C, False),
+            _load_matrix(matrices_ptr, slot, inside, head, A_QK, HEADS, C, False),
+            _load_matrix(matrices_ptr, slot, inside, head, A_QB, HEADS, C, False))
+
+
+@triton.jit
+def _state_gradient_chunk(c, chunks, start, end, first_chunk_slot, r_ptr, w_ptr, a_ptr, b_ptr,
+                          do_ptr, matrices_ptr, head, k_tile, k_cols_in, v_tile, v_cols_in,
+                          HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          C: tl.constexpr, CHUNK_SLOTS: tl.constexpr):
+    """The state gradient's loads of chunk c: dO, w, b, r, a as stored and A_qb^T,
+    (I - A_ab)^-T (zeros before the first chunk)."""
+    k_base, k_in, v_base, v_in, inside = _chunk_bases(c, chunks, start, end, head, k_cols_in,
+                                                      v_cols_in, HEADS, K, V, C)
+    slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
+    return (stored(do_ptr + v_base, v_tile, v_in), stored(w_ptr + k_base, k_tile, k_in),
+            stored(b_ptr + k_base, k_tile, k_in), stored(r_ptr + k_base, k_tile, k_in),
+            stored(a_ptr + k_base, k_tile, k_in),
+            _load_matrix(matrices_ptr, slot, inside, head, A_QB, HEADS, C, True),
+            _load_matrix(matrices_ptr, slot, inside, head, INVERSE, HEADS, C, True))
+
+
+# The two sequential passes load every tile and matrix of a chunk first, so that their loads are in
+# flight together rather than each before its product (H100, B=8, T=4096, bf16, 4 warps: forward
+# 3.86 -> 2.59 ms at K=64 and 5.37 -> 4.48 at K=128, state gradient 3.45 -> 2.57 and 4.91 -> 4.29).
+# Up to BK = PREFETCH_UP_TO they go further: the next chunk's loads (c + 1, or c - 1 in the reverse
+# pass) are issued at the start of chunk c (``_forward_chunk``, ``_state_gradient_chunk``; carried
+# as stored, bfloat16 in half the registers of float32) so that their latency overlaps chunk c's
+# products. Not yet timed; sm_90, 4 warps, K=64: forward 255 registers and no spills, as before,
+# state gradient 226 (was 210). Their tiles are [C, *]: held transposed ([K, C], [V, C], the state
+# [V, K]) so that the products have V rows (Hopper's warpgroup MMA) they measured slower (K=128
+# forward 6.57 ms against 5.29, state gradient 6.09 against 4.85, loads not first), and at 8 warps
+# the transposed forward failed with an illegal memory access (Triton 3.6).
 
 @triton.jit
 def rwkv7_forward_kernel(
@@ -353,6 +407,11 @@ def rwkv7_forward_kernel(
     first_chunk_slot = tl.load(chunk_index_ptr + sequence)
     h = tl.load(_state(h0_ptr, sequence, head, HEADS, K, V, BK, v_cols), mask=state_mask,
                 other=0.0)
+    if BK <= PREFETCH_UP_TO:
+        v_next, w_next, a_next, r_next, k_next, b_next, A_ak_next, inverse_next, A_qk_next, \
+            A_qb_next = _forward_chunk(0, chunks, start, end, first_chunk_slot, r_ptr, w_ptr,
+                                       k_ptr, v_ptr, a_ptr, b_ptr, matrices_ptr, head, k_tile,
+                                       k_cols_in, v_tile, v_cols_in, HEADS, K, V, C, CHUNK_SLOTS)
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
         if SAVE:
@@ -360,19 +419,28 @@ def rwkv7_forward_kernel(
                 slot = clamped(first_slot + c // CHUNKS_PER_STATE, STATE_SLOTS)
                 tl.store(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols), h,
                          mask=state_mask)
-        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
-                                                HEADS, K, V, C, False)
-        chunk_slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
-        v = rows(v_ptr, v_base, v_tile, v_in)
-        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-        a = rows(a_ptr, k_base, k_tile, k_in)
-        q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        k = rows(k_ptr, k_base, k_tile, k_in)
-        b = rows(b_ptr, k_base, k_tile, k_in)
-        A_ak = _load_matrix(matrices_ptr, chunk_slot, head, A_AK, HEADS, C, False)
-        inverse = _load_matrix(matrices_ptr, chunk_slot, head, INVERSE, HEADS, C, False)
-        A_qk = _load_matrix(matrices_ptr, chunk_slot, head, A_QK, HEADS, C, False)
-        A_qb = _load_matrix(matrices_ptr, chunk_slot, head, A_QB, HEADS, C, False)
+        _, _, v_base, v_in, _ = _chunk_bases(c, chunks, start, end, head, k_cols_in, v_cols_in,
+                                             HEADS, K, V, C)
+        if BK <= PREFETCH_UP_TO:
+            v, w, a, q, k, b, A_ak, inverse, A_qk, A_qb = (v_next, w_next, a_next, r_next, k_next,
+                                                           b_next, A_ak_next, inverse_next,
+                                                           A_qk_next, A_qb_next)
+            v_next, w_next, a_next, r_next, k_next, b_next, A_ak_next, inverse_next, \
+                A_qk_next, A_qb_next = _forward_chunk(
+                    c + 1, chunks, start, end, first_chunk_slot, r_ptr, w_ptr, k_ptr, v_ptr,
+                    a_ptr, b_ptr, matrices_ptr, head, k_tile, k_cols_in, v_tile, v_cols_in,
+                    HEADS, K, V, C, CHUNK_SLOTS)
+        else:
+            v, w, a, q, k, b, A_ak, inverse, A_qk, A_qb = _forward_chunk(
+                c, chunks, start, end, first_chunk_slot, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr,
+                b_ptr, matrices_ptr, head, k_tile, k_cols_in, v_tile, v_cols_in, HEADS, K, V, C,
+                CHUNK_SLOTS)
+        v = v.to(tl.float32)
+        w = tl.maximum(w.to(tl.float32), FLOOR)
+        a = a.to(tl.float32)
+        q = q.to(tl.float32) * scale
+        k = k.to(tl.float32)
+        b = b.to(tl.float32)
         gi, ge, g_end, to_end = _decays(w, 0)
         # X = A_ak V + a~ H, U = (I - A_ab)^-1 X, O = q~ H + A_qk V + A_qb U.
         x = tl.dot(a * tl.exp(ge), h, tl.dot(A_ak, v, input_precision=PRECISION),
@@ -413,19 +481,34 @@ def rwkv7_state_gradient_kernel(
     dh = tl.load(_state(dht_ptr, sequence, head, HEADS, K, V, BK, v_cols), mask=state_mask,
                  other=0.0)
     c = chunks - 1
+    if BK <= PREFETCH_UP_TO:
+        do_next, w_next, b_next, r_next, a_next, A_qb_t_next, inverse_t_next = \
+            _state_gradient_chunk(c, chunks, start, end, first_slot, r_ptr, w_ptr, a_ptr, b_ptr,
+                                  do_ptr, matrices_ptr, head, k_tile, k_cols_in, v_tile,
+                                  v_cols_in, HEADS, K, V, C, CHUNK_SLOTS)
     while c >= 0:
         chunk_slot = clamped(first_slot + c, CHUNK_SLOTS)
         tl.store(_state(dstates_ptr, chunk_slot, head, HEADS, K, V, BK, v_cols), dh,
                  mask=state_mask)
-        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
-                                                HEADS, K, V, C, False)
-        do = rows(do_ptr, v_base, v_tile, v_in)
-        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-        b = rows(b_ptr, k_base, k_tile, k_in)
-        q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        a = rows(a_ptr, k_base, k_tile, k_in)
-        A_qb_t = _load_matrix(matrices_ptr, chunk_slot, head, A_QB, HEADS, C, True)
-        inverse_t = _load_matrix(matrices_ptr, chunk_slot, head, INVERSE, HEADS, C, True)
+        _, _, v_base, v_in, _ = _chunk_bases(c, chunks, start, end, head, k_cols_in, v_cols_in,
+                                             HEADS, K, V, C)
+        if BK <= PREFETCH_UP_TO:
+            do, w, b, q, a, A_qb_t, inverse_t = (do_next, w_next, b_next, r_next, a_next,
+                                                 A_qb_t_next, inverse_t_next)
+            do_next, w_next, b_next, r_next, a_next, A_qb_t_next, inverse_t_next = \
+                _state_gradient_chunk(c - 1, chunks, start, end, first_slot, r_ptr, w_ptr, a_ptr,
+                                      b_ptr, do_ptr, matrices_ptr, head, k_tile, k_cols_in,
+                                      v_tile, v_cols_in, HEADS, K, V, C, CHUNK_SLOTS)
+        else:
+            do, w, b, q, a, A_qb_t, inverse_t = _state_gradient_chunk(
+                c, chunks, start, end, first_slot, r_ptr, w_ptr, a_ptr, b_ptr, do_ptr,
+                matrices_ptr, head, k_tile, k_cols_in, v_tile, v_cols_in, HEADS, K, V, C,
+                CHUNK_SLOTS)
+        do = do.to(tl.float32)
+        w = tl.maximum(w.to(tl.float32), FLOOR)
+        b = b.to(tl.float32)
+        q = q.to(tl.float32) * scale
+        a = a.to(tl.float32)
         gi, ge, g_end, to_end = _decays(w, 0)
         # dU = b^ dH + A_qb^T dO, dX = (I - A_ab)^-T dU, dH_prev = e^g dH + q~^T dO + a~^T dX.
         du = tl.dot(b * tl.exp(to_end), dh, tl.dot(A_qb_t, do, input_precision=PRECISION),
