@@ -12,6 +12,9 @@ trap 'pack; exit 143' TERM
 for job in "$@"; do
     export TRITON_CACHE_DIR=/tmp/fla_cache/${job/:/-}
     mkdir -p "$TRITON_CACHE_DIR"
+    # a carried partial pack of this job goes on from where it was cut
+    carried=.gpu-cache/fla-${job/:/-}.tar.xz
+    [ -f "$carried" ] && tar -xJf "$carried" -C "$TRITON_CACHE_DIR"
     # (in the background: a trapped TERM interrupts `wait` at once, not after the job)
     python3 benchmarks/gpu_fla_warm.py "$job" 2>&1 | grep -v Warning &
     wait $!
