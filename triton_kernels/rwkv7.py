@@ -702,6 +702,9 @@ def rwkv7_query_gradient_kernel(
                                                          v_cols),
                 mask=state_mask & used, other=0.0)
     while c < last:
+        # e^g H adds e^g sum(H dH) to the gradient of g (first: dH's tile is then dead).
+        h_dh = tl.sum(h * _dh(dstates_ptr, clamped(first_chunk_slot + c, CHUNK_SLOTS), head,
+                              state_mask, v_cols, k_first, HEADS, K, V, BK), axis=1)
         (k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a,
          b) = _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr,
                            start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, k_first,
@@ -711,6 +714,11 @@ def rwkv7_query_gradient_kernel(
         # The terms of q~ H and a~ H, and those through the four A matrices.
         dq = tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi)
         da = tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
+        if CHUNKS_PER_STATE > 1:  # H at the next chunk's start (then V and U are dead)
+            to_end = tl.exp(to_end)
+            h = tl.dot(k * to_end, tl.trans(v), tl.exp(g_end)[:, None] * h,
+                       input_precision=PRECISION)
+            h = tl.dot(b * to_end, tl.trans(u), h, input_precision=PRECISION)
         if TAME:
             middle = _middle(gi, 1, C)
             column = tl.exp(middle - gi)
@@ -728,9 +736,7 @@ def rwkv7_query_gradient_kernel(
         # the gradients of gi and ge are q dq (- k dk - b db) and a da, and e^g H adds
         # e^g sum(H dH) to that of g. gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t, g = gi_C.
         # A log decay raised to FLOOR has gradient 0.
-        dh = _dh(dstates_ptr, clamped(first_chunk_slot + c, CHUNK_SLOTS), head, state_mask,
-                 v_cols, k_first, HEADS, K, V, BK)
-        dg_end = tl.exp(g_end) * tl.sum(h * dh, axis=1)
+        dg_end = tl.exp(g_end) * h_dh
         if not TAME:  # (a tame call has no decay below FLOOR)
             floored = rows(w_ptr, k_base, k_tile, k_in) < FLOOR
         k_base = _partial(k_base, ROWS, HEADS, K, K_BLOCKS)
@@ -742,11 +748,6 @@ def rwkv7_query_gradient_kernel(
         tl.store(dr_ptr + k_base + k_tile, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
         tl.store(dw_ptr + k_base + k_tile, dw.to(dw_ptr.dtype.element_ty), mask=k_in)
         tl.store(da_ptr + k_base + k_tile, da.to(da_ptr.dtype.element_ty), mask=k_in)
-        if CHUNKS_PER_STATE > 1:
-            to_end = tl.exp(to_end)
-            h = tl.dot(k * to_end, tl.trans(v), tl.exp(g_end)[:, None] * h,
-                       input_precision=PRECISION)
-            h = tl.dot(b * to_end, tl.trans(u), h, input_precision=PRECISION)
         c += 1
 
 
