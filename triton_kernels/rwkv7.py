@@ -801,6 +801,10 @@ def rwkv7_tame_gradient_kernel(
                                                                   axis=1)
         dq = tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi)
         da = tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
+        if CHUNKS_PER_STATE > 1:  # H at the next chunk's start (then V and U are dead)
+            h = tl.dot(k * to_end, tl.trans(v), tl.exp(g_end)[:, None] * h,
+                       input_precision=PRECISION)
+            h = tl.dot(b * to_end, tl.trans(u), h, input_precision=PRECISION)
         b_f = b * column
         dq += tl.exp(gi - middle) * tl.dot(k_f, tl.trans(dA_qk), tl.dot(
             b_f, tl.trans(dA_qb), input_precision=PRECISION), input_precision=PRECISION)
@@ -819,8 +823,4 @@ def rwkv7_tame_gradient_kernel(
         tl.store(dk_ptr + k_base + k_tile, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
         tl.store(da_ptr + k_base + k_tile, da.to(da_ptr.dtype.element_ty), mask=k_in)
         tl.store(db_ptr + k_base + k_tile, db.to(db_ptr.dtype.element_ty), mask=k_in)
-        if CHUNKS_PER_STATE > 1:
-            h = tl.dot(k * to_end, tl.trans(v), tl.exp(g_end)[:, None] * h,
-                       input_precision=PRECISION)
-            h = tl.dot(b * to_end, tl.trans(u), h, input_precision=PRECISION)
         c += 1
