@@ -355,6 +355,8 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
         # programs; nothing recomputed since the in-chunk kernel). Measured and not kept: the
         # other tame-path gradient, gradient kernels at 8 warps (BENCHMARKS.md, session 5).
         variants = [dict(forward_warps=12 - default.forward_warps), dict(recurrence_block_v=32)]
+        if default.gradient_block_k:  # the key and query gradient kernels on every K row
+            variants.append(dict(gradient_block_k=None))
         for change in variants:
             config = dataclasses.replace(default, **change)
             attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,
