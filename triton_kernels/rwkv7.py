@@ -579,10 +579,11 @@ def _dh(dstates_ptr, chunk_slot, head, state_mask, v_cols, k_first, HEADS: tl.co
 # The gradient kernels: one program per (span slot, head, V block), all at once (see the module
 # docstring), in three kernels so that none holds every tile (one kernel held 255 registers and
 # spilled 636 B at K=V=64; these, sm_90, 4 warps, tame / exact: dv 96 registers, key side 255
-# with 0 / 244 B of spills, query side 255 with 4 / 488 B; at K=V=128, BV=64: dv 201, key side
-# on blocks of 64 K rows 0 / 120 B, query side 56 / 588 B). Their tiles are held transposed, [K, C] and [V, C], so that the products
-# with the states and with the [C, C] matrices have K or V (64 or more) rows, which Hopper's
-# warpgroup MMA takes from shared memory (fewer registers than the [C, *] orientation).
+# with 0 / 244 B of spills, query side 255 with 0 / 420 B; at K=V=128, BV=64: dv 124 (in
+# pieces of 64 K rows), key side on blocks of 64 K rows 0 / 120 B, query side 0 / 464 B). Their
+# tiles are held transposed, [K, C] and [V, C], so that the products with the states and with
+# the [C, C] matrices have K or V (64 or more) rows, which Hopper's warpgroup MMA takes from
+# shared memory (fewer registers than the [C, *] orientation; blocks of 32 K rows lose it).
 # Layouts: dv [rows, HEADS, V]; the K-side gradients (dr, dw, dk, da, db) [rows, HEADS, K], or
 # float32 partial sums [V blocks, ROWS, HEADS, K] when ROWS > 0 (several V blocks).
 
@@ -594,7 +595,7 @@ def rwkv7_value_gradient_kernel(
     HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    K_PIECES: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dV = k^ dH + A_qk^T dO + A_ak^T dX, with the forward's A matrices (matrices: the
     in-chunk kernels', whose slots are those of dstates): one path for every decay, and none of
@@ -612,12 +613,14 @@ def rwkv7_value_gradient_kernel(
         dx = rows(dx_ptr, v_base, v_tile, v_in)
         A_qk = _load_matrix(matrices_ptr, chunk_slot, head, A_QK, HEADS, C, False)
         A_ak = _load_matrix(matrices_ptr, chunk_slot, head, A_AK, HEADS, C, False)
-        k = rows(k_ptr, k_base, k_tile, k_in)
-        to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 1)[3]
-        dh = _dh(dstates_ptr, chunk_slot, head, state_mask, v_cols, 0, HEADS, K, V, BK)
-        dv = tl.dot(tl.trans(dh), k * tl.exp(to_end), input_precision=PRECISION)
-        dv = tl.dot(do, A_qk, dv, input_precision=PRECISION)
-        dv = tl.dot(dx, A_ak, dv, input_precision=PRECISION)
+        dv = tl.dot(dx, A_ak, tl.dot(do, A_qk, input_precision=PRECISION),
+                    input_precision=PRECISION)
+        for piece in tl.static_range(K_PIECES):  # BK rows of K at a time: dH's tile is halved
+            k_first = piece * BK
+            k = rows(k_ptr, k_base + k_first, k_tile, k_in)
+            to_end = _decays(_log_decays(w_ptr, k_base + k_first, k_tile, k_in, FLOOR), 1)[3]
+            dh = _dh(dstates_ptr, chunk_slot, head, state_mask, v_cols, k_first, HEADS, K, V, BK)
+            dv = tl.dot(tl.trans(dh), k * tl.exp(to_end), dv, input_precision=PRECISION)
         tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
         c += 1
 
