@@ -352,10 +352,13 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
             "triton", dataclasses.replace(default, tame=False), cap=90)
     if sweep:
         # The sequential passes with the other warp count and with V blocks of 32 (more
-        # programs; nothing recomputed since the in-chunk kernel). Measured and not kept: the
-        # other tame-path gradient, gradient kernels at 8 warps (BENCHMARKS.md, session 5).
-        variants = [dict(forward_warps=12 - default.forward_warps), dict(recurrence_block_v=32)]
-        if default.gradient_block_k:  # the key and query gradient kernels on every K row
+        # programs; nothing recomputed since the in-chunk kernel); the other tame-path gradient
+        # (re-measure: the value kernel no longer rebuilds A_qk, A_ak); at K=128 the key and
+        # query gradient kernels on every K row. Measured and not kept: gradient kernels at 8
+        # warps (BENCHMARKS.md, session 5).
+        variants = [dict(forward_warps=12 - default.forward_warps), dict(recurrence_block_v=32),
+                    dict(fused_tame_gradient=not default.fused_tame_gradient)]
+        if default.gradient_block_k:
             variants.append(dict(gradient_block_k=None))
         for change in variants:
             config = dataclasses.replace(default, **change)
