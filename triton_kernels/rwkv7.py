@@ -459,10 +459,6 @@ def _exact_row_gradients(k, b, w, dA_qk, dA_qb, dA_ak, dA_ab, dq, da, C: tl.cons
     """dq, da plus their terms through the four A matrices built level by level (as
     ``_in_chunk`` builds them; q and a are their rows), from tiles held transposed ([K, C])
     and the A matrices' gradients (masked)."""
-    index = tl.arange(0, C)
-    diagonal = index[:, None] == index[None, :]
-    dq += (tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :] * k
-           + tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :] * b)
     for level in tl.static_range(LEVELS):
         row, row_strict, column, keep = _level(w, C >> (level + 1), 1, C)
         k_f = k * column
@@ -473,6 +469,10 @@ def _exact_row_gradients(k, b, w, dA_qk, dA_qb, dA_ak, dA_ab, dq, da, C: tl.cons
         da += row_strict * tl.dot(k_f, tl.trans(tl.where(keep, dA_ak, 0.0)), tl.dot(
             b_f, tl.trans(tl.where(keep, dA_ab, 0.0)), input_precision=PRECISION),
             input_precision=PRECISION)
+    index = tl.arange(0, C)
+    diagonal = index[:, None] == index[None, :]
+    dq += (tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :] * k
+           + tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :] * b)
     return dq, da
 
 
@@ -579,8 +579,8 @@ def _dh(dstates_ptr, chunk_slot, head, state_mask, v_cols, k_first, HEADS: tl.co
 # The gradient kernels: one program per (span slot, head, V block), all at once (see the module
 # docstring), in three kernels so that none holds every tile (one kernel held 255 registers and
 # spilled 636 B at K=V=64; these, sm_90, 4 warps, tame / exact: dv 96 registers, key side 255
-# with 0 / 244 B of spills, query side 255 with 0 / 420 B; at K=V=128, BV=64: dv 124 (in
-# pieces of 64 K rows), key side on blocks of 64 K rows 0 / 120 B, query side 0 / 464 B). Their
+# with 0 / 244 B of spills, query side 255 with 0 / 380 B; at K=V=128, BV=64: dv 124 (in
+# pieces of 64 K rows), key side on blocks of 64 K rows 0 / 120 B, query side 0 / 452 B). Their
 # tiles are held transposed, [K, C] and [V, C], so that the products with the states and with
 # the [C, C] matrices have K or V (64 or more) rows, which Hopper's warpgroup MMA takes from
 # shared memory (fewer registers than the [C, *] orientation; blocks of 32 K rows lose it).
