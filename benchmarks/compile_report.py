@@ -123,7 +123,7 @@ def main():
         ("key gradient", rwkv7.rwkv7_key_gradient_kernel, k_side),
         ("query gradient", rwkv7.rwkv7_query_gradient_kernel, k_side),
         ("tame gradient", rwkv7.rwkv7_tame_gradient_kernel,
-         {n: x for n, x in gradient.items() if n != "LEVELS"}),
+         {n: x for n, x in k_side.items() if n != "LEVELS"}),
     ]
     if args.family == "gla":
         kernels = gla_kernels(shapes, inputs, v_blocks, args.bonus, args.chunk,

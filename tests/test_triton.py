@@ -197,14 +197,16 @@ def test_head_sizes_and_v_blocks(key, value, block_v, fused):
                config=dict(block_v=block_v, fused_tame_gradient=fused)), seed=key + value)
 
 
-@pytest.mark.parametrize("decay, hard", [("model", ""), ("strong", ""),
-                                         ("model", "-1e9 and -inf tokens")])
-def test_key_blocks_of_the_gradient_kernels(decay, hard):
-    """The key and query gradient kernels in blocks of K rows, with several V blocks, on both
-    paths (model-range decays: tame; the others exact), packed with an empty segment."""
+@pytest.mark.parametrize("decay, hard, fused", [
+    ("model", "", False), ("model", "", True), ("strong", "", False),
+    ("model", "-1e9 and -inf tokens", False)])
+def test_key_blocks_of_the_gradient_kernels(decay, hard, fused):
+    """The K-side gradient kernels in blocks of K rows, with several V blocks, on both paths
+    (model-range decays: tame, in two kernels or one; the others exact), packed with an empty
+    segment."""
     check(Case(steps=40, heads=2, key=32, value=32, decay=decay, hard=hard,
                cu_seqlens=(0, 23, 23, 40),
-               config=dict(SHORT_SPANS, block_v=16, fused_tame_gradient=False,
+               config=dict(SHORT_SPANS, block_v=16, fused_tame_gradient=fused,
                            gradient_block_k=16)), seed=11)
 
 

@@ -50,10 +50,10 @@ Four phases, so that only the two recurrences are sequential and they build noth
    every input gradient of its chunks, with no recurrence and no inverse. Three kernels, each
    holding part of the tiles: value gradient (dv, one path: it reads A_qk and A_ak from the
    in-chunk buffer), key gradient (dk, db and their share of dw) and query gradient (dr, da,
-   dw; the one that needs H), the last two optionally on blocks of K rows (K_BLOCKS: all their
-   K-side work is per K row); for tame calls up to K=64 one kernel does all three
-   (``rwkv7_tame_gradient_kernel``: fewer reads, measured faster there). Their tiles are held
-   transposed ([K, C], [V, C]; see the kernels).
+   dw; the one that needs H), the last two on blocks of K rows where configured (K_BLOCKS:
+   all their K-side work is per K row); for tame calls up to K=64 one kernel does the last
+   two (``rwkv7_tame_gradient_kernel``: fewer reads). Their tiles are held transposed
+   ([K, C], [V, C]; see the kernels).
 
 Sequences are rows [cu[n], cu[n+1]) of the flattened [rows, heads, *] inputs (fixed-length
 batches are the special case cu = arange(B + 1) * T). ``state_index[n]`` is the first slot of
@@ -580,7 +580,8 @@ def _dh(dstates_ptr, chunk_slot, head, state_mask, v_cols, k_first, HEADS: tl.co
 # docstring), in three kernels so that none holds every tile (one kernel held 255 registers and
 # spilled 636 B at K=V=64; these, sm_90, 4 warps, tame / exact: dv 96 registers, key side 255
 # with 0 / 244 B of spills, query side 255 with 0 / 380 B; at K=V=128, BV=64: dv 124 (in
-# pieces of 64 K rows), key side on blocks of 64 K rows 0 / 120 B, query side 0 / 452 B). Their
+# pieces of 64 K rows), key side on blocks of 64 K rows 0 / 120 B, query side 0 / 452 B; the
+# fused tame K-side kernel 352 B at K=64, 360 B on blocks at K=128). Their
 # tiles are held transposed, [K, C] and [V, C], so that the products with the states and with
 # the [C, C] matrices have K or V (64 or more) rows, which Hopper's warpgroup MMA takes from
 # shared memory (fewer registers than the [C, *] orientation; blocks of 32 K rows lose it).
@@ -758,21 +759,23 @@ def rwkv7_query_gradient_kernel(
 def rwkv7_tame_gradient_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, states_ptr, u_ptr, dstates_ptr, dx_ptr,
     cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,               # inputs
-    dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr,                            # outputs
+    dr_ptr, dw_ptr, dk_ptr, da_ptr, db_ptr,                                    # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
     TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
-    CHUNKS_PER_STATE: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNKS_PER_STATE: tl.constexpr, ROWS: tl.constexpr, K_BLOCKS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """The three gradient kernels above in one, for tame calls only (their TAME path): it
-    reads every input once instead of up to three times, and at K=V=64 that outweighs its
-    spills (255 registers, 636 B at 4 warps; H100, B=8, T=4096, H=64, bf16: fwd+bwd 18.55 ms,
-    20.27 with the three kernels). At K=128 its spills cost more (65.8 ms against 49.6).
-    Same arithmetic, in the same order, as the three kernels' tame paths."""
+    """The key and query gradient kernels in one, for tame calls only (their TAME path): it
+    reads the inputs and dH once instead of twice. With dV in it too (before the value kernel
+    read the forward's A matrices) it measured faster than three kernels at K=V=64 despite
+    636 B of spills (H100, B=8, T=4096, H=64, bf16: fwd+bwd 18.55 ms against 20.27), slower at
+    K=128 (65.8 ms against 49.6, 2636 B). Same arithmetic, in the same order, as the two
+    kernels' tame paths."""
     (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
      first_chunk_slot, k_first) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr,
                                         cu_ptr, HEADS, K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES,
-                                        CHUNKS_PER_STATE, 1)
+                                        CHUNKS_PER_STATE, K_BLOCKS)
     h = tl.load(states_ptr + k_first * V + state_offsets(tl.program_id(0), head, HEADS, K, V, BK,
                                                          v_cols),
                 mask=state_mask & used, other=0.0)
@@ -784,20 +787,8 @@ def rwkv7_tame_gradient_kernel(
                            HEADS, K, V, C, FLOOR, PRECISION)
         gi, ge, g_end, _ = _decays(w, 1)
         to_end = tl.exp(g_end[:, None] - gi)  # (|gi| <= 16: the plain difference is precise)
-        middle = _middle(gi, 1, C)
-        column = tl.exp(middle - gi)
-        q_f = q * tl.exp(gi - middle)
-        a_f = a * tl.exp(ge - middle)
-        k_f = k * column
         dh = _dh(dstates_ptr, clamped(first_chunk_slot + c, CHUNK_SLOTS), head, state_mask,
                  v_cols, k_first, HEADS, K, V, BK)
-        # (products inside the dots: sm_90 spills 636 B, 700 with them formed first)
-        dv = tl.dot(tl.trans(dh), k * to_end, input_precision=PRECISION)
-        dv = tl.dot(do, _transposed_products(q_f, k_f, False, C, PRECISION), dv,
-                    input_precision=PRECISION)
-        dv = tl.dot(dx, _transposed_products(a_f, k_f, True, C, PRECISION), dv,
-                    input_precision=PRECISION)
-        tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
         dk_state = tl.dot(dh, v, input_precision=PRECISION) * to_end
         db_state = tl.dot(dh, u, input_precision=PRECISION) * to_end
         dg_end = tl.exp(g_end) * tl.sum(h * dh, axis=1) + tl.sum(dk_state * k + db_state * b,
@@ -808,6 +799,11 @@ def rwkv7_tame_gradient_kernel(
             h = tl.dot(k * to_end, tl.trans(v), tl.exp(g_end)[:, None] * h,
                        input_precision=PRECISION)
             h = tl.dot(b * to_end, tl.trans(u), h, input_precision=PRECISION)
+        middle = _middle(gi, 1, C)
+        column = tl.exp(middle - gi)
+        q_f = q * tl.exp(gi - middle)
+        a_f = a * tl.exp(ge - middle)
+        k_f = k * column
         b_f = b * column
         dq += tl.exp(gi - middle) * tl.dot(k_f, tl.trans(dA_qk), tl.dot(
             b_f, tl.trans(dA_qb), input_precision=PRECISION), input_precision=PRECISION)
@@ -820,7 +816,7 @@ def rwkv7_tame_gradient_kernel(
         d_ge = a * da
         dw = (tl.cumsum(q * dq - k * dk - b * db + d_ge, axis=1, reverse=True) - d_ge
               + dg_end[:, None])
-        k_base = _partial(k_base, ROWS, HEADS, K, 1)
+        k_base = _partial(k_base, ROWS, HEADS, K, K_BLOCKS)
         tl.store(dr_ptr + k_base + k_tile, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
         tl.store(dw_ptr + k_base + k_tile, dw.to(dw_ptr.dtype.element_ty), mask=k_in)
         tl.store(dk_ptr + k_base + k_tile, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
