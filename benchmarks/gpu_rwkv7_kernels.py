@@ -109,8 +109,8 @@ def run(kernel_name, warps, size, recurrence_block_v, gradient_block_k):
         rwkv7.rwkv7_value_gradient_kernel[gradient_grid](
             x["w"], x["k"], do, dstates, dx, matrices, *indices, *outputs[warps]["dv"],
             num_warps=warps, K_PIECES=size // min(size, 64),
-            **dict({n: v for n, v in gradient_sizes.items() if n not in ("scale", "LEVELS", "TAME")},
-                   BK=min(size, 64)))
+            **dict({n: v for n, v in gradient_sizes.items()
+                    if n not in ("scale", "LEVELS", "TAME")}, BK=min(size, 64)))
 
     def key_gradient(warps):
         rwkv7.rwkv7_key_gradient_kernel[k_side_grid](

@@ -507,7 +507,7 @@ def _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr, HEADS: tl
     slot is used, its tiles and masks, the sequence's rows, its span's chunks [c, last) (none
     for an unused slot), the head, the slot of the sequence's first chunk (for ``_dh``) and
     the first K row of its block (K_BLOCKS > 1: K = K_BLOCKS * BK; the K-side tiles and states
-    are its BK rows, added to their bases: see ``_k_block``)."""
+    are its BK rows, added to their bases)."""
     slot = tl.program_id(0)
     sequence = tl.load(slot_sequence_ptr + slot)
     used = sequence >= 0

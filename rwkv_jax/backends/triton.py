@@ -68,9 +68,9 @@ class KernelConfig:
     # The tame path's K-side gradients in one kernel (rwkv7_tame_gradient_kernel) rather than
     # two (dv has its own kernel either way).
     fused_tame_gradient: bool = False
-    # K rows per program of the key and query gradient kernels (None: all; else a power of two
-    # dividing K): their K-side tiles and states are per K row, so blocks of K need fewer
-    # registers at the cost of reading the V-side tiles once per block.
+    # K rows per program of the K-side gradient kernels (key, query, fused; None: all; else a
+    # power of two dividing K): their K-side tiles and states are per K row, so blocks of K
+    # need fewer registers at the cost of reading the V-side tiles once per block.
     gradient_block_k: int | None = None
 
 
@@ -87,11 +87,11 @@ def default_config(k_size: int, v_size: int) -> KernelConfig:
     # up to K=64 (18.55 ms against 20.27 in three at K=V=64), in three from K=128 on (49.6
     # against 65.8 ms), as on the exact path (K=64: 35.4 against 40.5): measured with dv in
     # the one kernel; dv has its own kernel now (the K-side kernel spills 352 B instead of 636
-    # at K=64; not yet timed). The sequential passes
-    # (which read the in-chunk matrices) at 4 warps at every head size (K=128: forward 5.29 ms,
-    # state gradient 4.85, against 8.78 and 8.39 with 8 warps; V blocks of 32: 9.60 and 8.29).
-    # The key and query gradient kernels in blocks of 64 K rows at K=128 (sm_90, 4 warps, tame /
-    # exact spills: key 176 / 764 B -> 0 / 120, query 1060 / 2364 -> 0 / 452; not yet timed).
+    # at K=64; not yet timed). The sequential passes (which read the in-chunk matrices) at 4
+    # warps at every head size (K=128: forward 5.29 ms, state gradient 4.85, against 8.78 and
+    # 8.39 with 8 warps; V blocks of 32: 9.60 and 8.29). The K-side gradient kernels on blocks
+    # of 64 K rows at K=128 (sm_90, 4 warps, tame / exact spills: key 176 / 764 B -> 0 / 120,
+    # query 1060 / 2364 -> 0 / 452; not yet timed).
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
                         backward_warps=4, fused_tame_gradient=block_k <= 64,
                         gradient_block_k=64 if block_k == 128 else None)
