@@ -770,8 +770,8 @@ def rwkv7_tame_gradient_kernel(
     reads the inputs and dH once instead of twice. With dV in it too (before the value kernel
     read the forward's A matrices) it measured faster than three kernels at K=V=64 despite
     636 B of spills (H100, B=8, T=4096, H=64, bf16: fwd+bwd 18.55 ms against 20.27), slower at
-    K=128 (65.8 ms against 49.6, 2636 B). Same arithmetic, in the same order, as the two
-    kernels' tame paths."""
+    K=128 (65.8 ms against 49.6, 2636 B). Same arithmetic as the two kernels' tame paths (on
+    the same K blocks)."""
     (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
      first_chunk_slot, k_first) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr,
                                         cu_ptr, HEADS, K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES,
