@@ -77,6 +77,9 @@ def main():
     parser.add_argument("--recurrence-block-v", type=int, default=0,
                         help="rwkv7: V columns per program of the sequential passes (0: "
                              "--block-v)")
+    parser.add_argument("--gradient-block-k", type=int, default=0,
+                        help="rwkv7: K rows per program of the key and query gradient kernels "
+                             "(0: default_config's, 64 at K=128, else all)")
     parser.add_argument("--family", choices=("rwkv7", "gla"), default="rwkv7")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
@@ -105,6 +108,8 @@ def main():
     inputs.update({f"d{n}_ptr": k_grads for n in "rwkab"})
     gradient = dict(shapes, CHUNKS_PER_STATE=8, SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
                     ROWS=rows if v_blocks > 1 else 0)
+    block_k = args.gradient_block_k or (64 if bk == 128 else bk)
+    k_side = dict(gradient, BK=block_k, K_BLOCKS=bk // block_k)
     kernels = [
         ("tame in-chunk", rwkv7.rwkv7_tame_in_chunk_kernel,
          dict(in_chunk, GROUP=4, KI=min(64, bk))),
@@ -113,11 +118,12 @@ def main():
          dict(recurrence, CHUNKS_PER_STATE=8, SAVE=True, STATE_SLOTS=spans)),
         ("state gradient", rwkv7.rwkv7_state_gradient_kernel, recurrence),
         ("value gradient", rwkv7.rwkv7_value_gradient_kernel,
-         {n: x for n, x in gradient.items() if n != "ROWS"}),
-        ("key gradient", rwkv7.rwkv7_key_gradient_kernel, gradient),
-        ("query gradient", rwkv7.rwkv7_query_gradient_kernel, gradient),
+         dict({n: x for n, x in gradient.items() if n not in ("ROWS", "scale", "LEVELS")},
+              BK=min(bk, 64), K_PIECES=-(-bk // 64))),
+        ("key gradient", rwkv7.rwkv7_key_gradient_kernel, k_side),
+        ("query gradient", rwkv7.rwkv7_query_gradient_kernel, k_side),
         ("tame gradient", rwkv7.rwkv7_tame_gradient_kernel,
-         {n: x for n, x in gradient.items() if n != "LEVELS"}),
+         {n: x for n, x in k_side.items() if n != "LEVELS"}),
     ]
     if args.family == "gla":
         kernels = gla_kernels(shapes, inputs, v_blocks, args.bonus, args.chunk,

@@ -351,11 +351,13 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
     attempt(bench_jax, "triton, every chunk level by level", x_jax, d_out_jax, d_state_jax, ref,
             "triton", dataclasses.replace(default, tame=False), cap=90)
     if sweep:
-        # The sequential passes with the other warp count and with V blocks of 32 (more
-        # programs; nothing recomputed since the in-chunk kernel). Measured and not kept: the
-        # other tame-path gradient, gradient kernels at 8 warps (BENCHMARKS.md, session 5).
-        other_warps = 8 if default.forward_warps == 4 else 4
-        variants = [dict(forward_warps=other_warps), dict(recurrence_block_v=32)]
+        # The other tame-path gradient (the value kernel no longer rebuilds A_qk, A_ak) and, at
+        # K=128, the key and query gradient kernels on every K row. Measured and not kept:
+        # gradient kernels at 8 warps (session 5); the sequential passes at 8 warps or with V
+        # blocks of 32 (session 6; BENCHMARKS.md).
+        variants = [dict(fused_tame_gradient=not default.fused_tame_gradient)]
+        if default.gradient_block_k:
+            variants.append(dict(gradient_block_k=None))
         for change in variants:
             config = dataclasses.replace(default, **change)
             attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,

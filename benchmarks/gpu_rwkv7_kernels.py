@@ -26,7 +26,7 @@ KERNELS = ("in-chunk", "in-chunk exact", "forward", "state gradient", "value gra
            "key gradient", "query gradient")
 
 
-def run(kernel_name, warps, size, recurrence_block_v):
+def run(kernel_name, warps, size, recurrence_block_v, gradient_block_k):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch, steps, heads = (8, 4096, 4096 // size) if device == "cuda" else (1, 128, 2)
     size = size if device == "cuda" else 16
@@ -97,23 +97,30 @@ def run(kernel_name, warps, size, recurrence_block_v):
     gradient_grid = (slots, heads, v_blocks)
     gradient_sizes = dict(CHUNKS_PER_STATE=chunks_per_state, SEQUENCES=batch,
                           CHUNK_SLOTS=chunk_slots, **sizes)
+    # The key and query kernels on blocks of K rows (default_config's: 64 at K=128).
+    block_k = gradient_block_k or (64 if size == 128 else size)
+    k_blocks = size // block_k
+    k_side_sizes = dict(gradient_sizes, BK=block_k, K_BLOCKS=k_blocks)
+    k_side_grid = (slots, heads, v_blocks * k_blocks)
     rows_option = rows if v_blocks > 1 else 0
     indices = (cu, index(steps // span), index(steps // chunk), slot_sequence)
 
     def value_gradient(warps):
         rwkv7.rwkv7_value_gradient_kernel[gradient_grid](
-            x["r"], x["w"], x["k"], x["a"], do, dstates, dx, *indices, *outputs[warps]["dv"],
-            num_warps=warps, **gradient_sizes)
+            x["w"], x["k"], do, dstates, dx, matrices, *indices, *outputs[warps]["dv"],
+            num_warps=warps, K_PIECES=size // min(size, 64),
+            **dict({n: v for n, v in gradient_sizes.items()
+                    if n not in ("scale", "LEVELS", "TAME")}, BK=min(size, 64)))
 
     def key_gradient(warps):
-        rwkv7.rwkv7_key_gradient_kernel[gradient_grid](
+        rwkv7.rwkv7_key_gradient_kernel[k_side_grid](
             *x.values(), do, u, dstates, dx, *indices, *outputs[warps]["key"], ROWS=rows_option,
-            num_warps=warps, **gradient_sizes)
+            num_warps=warps, **k_side_sizes)
 
     def query_gradient(warps):
-        rwkv7.rwkv7_query_gradient_kernel[gradient_grid](
+        rwkv7.rwkv7_query_gradient_kernel[k_side_grid](
             *x.values(), do, states, u, dstates, dx, outputs[4]["key"][2], *indices,
-            *outputs[warps]["query"], ROWS=rows_option, num_warps=warps, **gradient_sizes)
+            *outputs[warps]["query"], ROWS=rows_option, num_warps=warps, **k_side_sizes)
 
     in_chunk(4)
     forward(4)
@@ -144,18 +151,23 @@ def main():
     parser.add_argument("--only", default="", help="one kernel, e.g. 'key gradient'")
     parser.add_argument("--recurrence-block-v", type=int, default=0,
                         help="V columns per program of the sequential passes (0: as the rest)")
+    parser.add_argument("--gradient-block-k", type=int, default=0,
+                        help="K rows per program of the key and query gradient kernels (0: "
+                             "default_config's, 64 at K=128, else all)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     warps_list = [int(w) for w in args.warps.split(",")]
     if args.child:
-        return run(args.only, warps_list[0], args.size, args.recurrence_block_v)
+        return run(args.only, warps_list[0], args.size, args.recurrence_block_v,
+                   args.gradient_block_k)
     runs = [(kernel, warps) for kernel in (KERNELS if not args.only else (args.only,))
             for warps in warps_list]
     rows = []
     for kernel_name, warps in runs:
         done = subprocess.run([sys.executable, __file__, "--child", "--only", kernel_name,
                                "--warps", str(warps), "--size", str(args.size),
-                               "--recurrence-block-v", str(args.recurrence_block_v)],
+                               "--recurrence-block-v", str(args.recurrence_block_v),
+                               "--gradient-block-k", str(args.gradient_block_k)],
                               capture_output=True, text=True)
         got = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
         rows.append(got[0] if got else f"{kernel_name:15s} {warps} warps FAILED: "

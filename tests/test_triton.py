@@ -192,9 +192,22 @@ def test_packed_sequences_with_initial_states_bfloat16():
     (32, 32, 16, True), (32, 32, 16, False), (128, 64, 64, False), (16, 48, 32, True)])
 def test_head_sizes_and_v_blocks(key, value, block_v, fused):
     """Several V blocks per head (their K-side partial gradients are summed); padded sizes;
-    the tame path's gradients in one kernel or three."""
+    the tame path's gradients in one kernel or three (at K=128 in blocks of 64 K rows)."""
     check(Case(steps=20, heads=2, key=key, value=value,
                config=dict(block_v=block_v, fused_tame_gradient=fused)), seed=key + value)
+
+
+@pytest.mark.parametrize("decay, hard, fused", [
+    ("model", "", False), ("model", "", True), ("strong", "", False),
+    ("model", "-1e9 and -inf tokens", False)])
+def test_key_blocks_of_the_gradient_kernels(decay, hard, fused):
+    """The K-side gradient kernels in blocks of K rows, with several V blocks, on both paths
+    (model-range decays: tame, in two kernels or one; the others exact), packed with an empty
+    segment."""
+    check(Case(steps=40, heads=2, key=32, value=32, decay=decay, hard=hard,
+               cu_seqlens=(0, 23, 23, 40),
+               config=dict(SHORT_SPANS, block_v=16, fused_tame_gradient=fused,
+                           gradient_block_k=16)), seed=11)
 
 
 def test_head_size_above_limit_is_refused():

@@ -48,10 +48,12 @@ Four phases, so that only the two recurrences are sequential and they build noth
 3. gradients: one program per (span of CHUNKS_PER_STATE chunks, head, V block), all at once,
    from the saved dH, dX, U (and H, advanced over the span with the saved U, where needed):
    every input gradient of its chunks, with no recurrence and no inverse. Three kernels, each
-   holding part of the tiles: value gradient (dv), key gradient (dk, db and their share of
-   dw) and query gradient (dr, da, dw; the one that needs H); for tame calls up to K=64 one
-   kernel does all three (``rwkv7_tame_gradient_kernel``: fewer reads, measured faster there).
-   Their tiles are held transposed ([K, C], [V, C]; see the kernels).
+   holding part of the tiles: value gradient (dv, one path: it reads A_qk and A_ak from the
+   in-chunk buffer), key gradient (dk, db and their share of dw) and query gradient (dr, da,
+   dw; the one that needs H), the last two on blocks of K rows where configured (K_BLOCKS:
+   all their K-side work is per K row); for tame calls up to K=64 one kernel does the last
+   two (``rwkv7_tame_gradient_kernel``: fewer reads). Their tiles are held transposed
+   ([K, C], [V, C]; see the kernels).
 
 Sequences are rows [cu[n], cu[n+1]) of the flattened [rows, heads, *] inputs (fixed-length
 batches are the special case cu = arange(B + 1) * T). ``state_index[n]`` is the first slot of
@@ -540,10 +542,6 @@ def _exact_row_gradients(k, b, w, dA_qk, dA_qb, dA_ak, dA_ab, dq, da, C: tl.cons
     """dq, da plus their terms through the four A matrices built level by level (as
     ``_in_chunk`` builds them; q and a are their rows), from tiles held transposed ([K, C])
     and the A matrices' gradients (masked)."""
-    index = tl.arange(0, C)
-    diagonal = index[:, None] == index[None, :]
-    dq += (tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :] * k
-           + tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :] * b)
     for level in tl.static_range(LEVELS):
         row, row_strict, column, keep = _level(w, C >> (level + 1), 1, C)
         k_f = k * column
@@ -554,6 +552,10 @@ def _exact_row_gradients(k, b, w, dA_qk, dA_qb, dA_ak, dA_ab, dq, da, C: tl.cons
         da += row_strict * tl.dot(k_f, tl.trans(tl.where(keep, dA_ak, 0.0)), tl.dot(
             b_f, tl.trans(tl.where(keep, dA_ab, 0.0)), input_precision=PRECISION),
             input_precision=PRECISION)
+    index = tl.arange(0, C)
+    diagonal = index[:, None] == index[None, :]
+    dq += (tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1)[None, :] * k
+           + tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1)[None, :] * b)
     return dq, da
 
 
@@ -582,21 +584,26 @@ def _exact_column_gradients(q, a, w, dA_qk, dA_qb, dA_ak, dA_ab, dk, db, C: tl.c
 @triton.jit
 def _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr, HEADS: tl.constexpr,
           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-          TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr):
-    """A gradient program's span (grid: span slots, HEADS, V blocks): whether the slot is used,
-    its tiles and masks, the sequence's rows, its span's chunks [c, last) (none for an unused
-    slot), the head and the slot of the sequence's first chunk (for ``_dh``)."""
+          TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
+          K_BLOCKS: tl.constexpr):
+    """A gradient program's span (grid: span slots, HEADS, V blocks * K_BLOCKS): whether the
+    slot is used, its tiles and masks, the sequence's rows, its span's chunks [c, last) (none
+    for an unused slot), the head, the slot of the sequence's first chunk (for ``_dh``) and
+    the first K row of its block (K_BLOCKS > 1: K = K_BLOCKS * BK; the K-side tiles and states
+    are its BK rows, added to their bases)."""
     slot = tl.program_id(0)
     sequence = tl.load(slot_sequence_ptr + slot)
     used = sequence >= 0
     sequence = clamped(sequence, SEQUENCES)
     v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
-        sequence, tl.program_id(1), tl.program_id(2), cu_ptr, HEADS, K, V, BK, BV, C, True)
+        sequence, tl.program_id(1), tl.program_id(2) // K_BLOCKS, cu_ptr, HEADS, K, V, BK, BV, C,
+        True)
     start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
     c = tl.maximum((slot - tl.load(state_index_ptr + sequence)) * CHUNKS_PER_STATE, 0)
     last = tl.where(used, tl.minimum(c + CHUNKS_PER_STATE, chunks), c)
     return (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last,
-            tl.program_id(1), tl.load(chunk_index_ptr + sequence))
+            tl.program_id(1), tl.load(chunk_index_ptr + sequence),
+            (tl.program_id(2) % K_BLOCKS) * BK)
 
 
 @triton.jit
@@ -610,13 +617,15 @@ def _in_chunk_gradients(do, v, u, dx, PRECISION: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr, first, end,
-                 head, k_tile, k_cols_in, v_tile, v_cols_in, scale, HEADS: tl.constexpr,
+                 head, k_tile, k_cols_in, v_tile, v_cols_in, k_first, scale, HEADS: tl.constexpr,
                  K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
                  PRECISION: tl.constexpr):
     """The tiles of the chunk from row ``first`` that the key-side gradient kernels read, with
-    the A matrices' gradients (the V-side loads first: their products come first)."""
+    the A matrices' gradients (the V-side loads first: their products come first); the K-side
+    tiles are the K rows from k_first."""
     k_base, k_in, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V,
                                             C, True)
+    k_base += k_first
     v = rows(v_ptr, v_base, v_tile, v_in)
     do = rows(do_ptr, v_base, v_tile, v_in)
     u = rows(u_ptr, v_base, v_tile, v_in)
@@ -631,65 +640,71 @@ def _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr
 
 
 @triton.jit
-def _dh(dstates_ptr, first_chunk_slot, c, head, state_mask, v_cols, HEADS: tl.constexpr,
-        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK_SLOTS: tl.constexpr):
-    """The saved gradient of the state at the end of chunk c."""
-    return tl.load(dstates_ptr + state_offsets(clamped(first_chunk_slot + c, CHUNK_SLOTS), head,
-                                               HEADS, K, V, BK, v_cols),
+def _partial(k_base, ROWS: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr,
+             K_BLOCKS: tl.constexpr):
+    """Where a program writes its chunk's K-side gradients: with several V blocks (ROWS > 0),
+    its V block's float32 partial sums [V blocks, ROWS, HEADS, K]."""
+    if ROWS > 0:
+        k_base += (tl.program_id(2) // K_BLOCKS).to(tl.int64) * (ROWS * HEADS * K)
+    return k_base
+
+
+@triton.jit
+def _dh(dstates_ptr, chunk_slot, head, state_mask, v_cols, k_first, HEADS: tl.constexpr,
+        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr):
+    """The saved gradient of the state at the end of the chunk in chunk_slot (its K rows from
+    k_first)."""
+    return tl.load(dstates_ptr + k_first * V + state_offsets(chunk_slot, head, HEADS, K, V, BK,
+                                                             v_cols),
                    mask=state_mask, other=0.0)
 
 
 # The gradient kernels: one program per (span slot, head, V block), all at once (see the module
 # docstring), in three kernels so that none holds every tile (one kernel held 255 registers and
-# spilled 636 B at K=V=64; these: dv 163 registers, key side 255 and query side 255 with at
-# most 4 B of spills). Their tiles are held transposed, [K, C] and [V, C], so that the products
-# with the states and with the [C, C] matrices have K or V (64 or more) rows, which Hopper's
-# warpgroup MMA takes from shared memory (fewer registers than the [C, *] orientation).
+# spilled 636 B at K=V=64; these, sm_90, 4 warps, tame / exact: dv 96 registers, key side 255
+# with 0 / 244 B of spills, query side 255 with 0 / 380 B; at K=V=128, BV=64: dv 124 (in
+# pieces of 64 K rows), key side on blocks of 64 K rows 0 / 120 B, query side 0 / 452 B; the
+# fused tame K-side kernel 352 B at K=64, 360 B on blocks at K=128). Their
+# tiles are held transposed, [K, C] and [V, C], so that the products with the states and with
+# the [C, C] matrices have K or V (64 or more) rows, which Hopper's warpgroup MMA takes from
+# shared memory (fewer registers than the [C, *] orientation; blocks of 32 K rows lose it).
 # Layouts: dv [rows, HEADS, V]; the K-side gradients (dr, dw, dk, da, db) [rows, HEADS, K], or
 # float32 partial sums [V blocks, ROWS, HEADS, K] when ROWS > 0 (several V blocks).
 
 @triton.jit
 def rwkv7_value_gradient_kernel(
-    r_ptr, w_ptr, k_ptr, a_ptr, do_ptr, dstates_ptr, dx_ptr,
+    w_ptr, k_ptr, do_ptr, dstates_ptr, dx_ptr, matrices_ptr,
     cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,               # inputs
     dv_ptr,                                                                    # output
-    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    K_PIECES: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """dV = k^ dH + A_qk^T dO + A_ak^T dX, the A matrices built as the forward builds them."""
+    """dV = k^ dH + A_qk^T dO + A_ak^T dX, with the forward's A matrices (matrices: the
+    in-chunk kernels', whose slots are those of dstates): one path for every decay, and none of
+    the r, a tiles or products that rebuilding them took (K=V=128, BV=64, 4 warps: 255
+    registers and 512 B of spills on the exact path before)."""
     (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
-     first_chunk_slot) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr, HEADS,
-                               K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
+     first_chunk_slot, _) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr,
+                                  HEADS, K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE,
+                                  1)
     while c < last:
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, True)
+        chunk_slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
         do = rows(do_ptr, v_base, v_tile, v_in)
         dx = rows(dx_ptr, v_base, v_tile, v_in)
-        q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-        k = rows(k_ptr, k_base, k_tile, k_in)
-        a = rows(a_ptr, k_base, k_tile, k_in)
-        gi, ge, g_end, to_end = _decays(w, 1)
-        dh = _dh(dstates_ptr, first_chunk_slot, c, head, state_mask, v_cols, HEADS, K, V, BK,
-                 CHUNK_SLOTS)
-        if TAME:  # no floored decay, |gi| <= 16: the plain difference is precise, fewer registers
-            to_end = g_end[:, None] - gi
-        dv = tl.dot(tl.trans(dh), k * tl.exp(to_end), input_precision=PRECISION)
-        if TAME:  # the factored tiles of the A matrices
-            middle = _middle(gi, 1, C)
-            k_f = k * tl.exp(middle - gi)
-            dv = tl.dot(do, _transposed_products(q * tl.exp(gi - middle), k_f, False, C,
-                                                 PRECISION), dv, input_precision=PRECISION)
-            dv = tl.dot(dx, _transposed_products(a * tl.exp(ge - middle), k_f, True, C,
-                                                 PRECISION), dv, input_precision=PRECISION)
-        else:  # ([C, K] tiles; k stands in for b, not needed)
-            A_qk, _, A_ak, _ = _in_chunk(tl.trans(q), tl.trans(k), tl.trans(a), tl.trans(k),
-                                         tl.trans(w), C, LEVELS, PRECISION)
-            dv = tl.dot(do, A_qk, dv, input_precision=PRECISION)
-            dv = tl.dot(dx, A_ak, dv, input_precision=PRECISION)
+        A_qk = _load_matrix(matrices_ptr, chunk_slot, head, A_QK, HEADS, C, False)
+        A_ak = _load_matrix(matrices_ptr, chunk_slot, head, A_AK, HEADS, C, False)
+        dv = tl.dot(dx, A_ak, tl.dot(do, A_qk, input_precision=PRECISION),
+                    input_precision=PRECISION)
+        for piece in tl.static_range(K_PIECES):  # BK rows of K at a time: dH's tile is halved
+            k_first = piece * BK
+            k = rows(k_ptr, k_base + k_first, k_tile, k_in)
+            to_end = _decays(_log_decays(w_ptr, k_base + k_first, k_tile, k_in, FLOOR), 1)[3]
+            dh = _dh(dstates_ptr, chunk_slot, head, state_mask, v_cols, k_first, HEADS, K, V, BK)
+            dv = tl.dot(tl.trans(dh), k * tl.exp(to_end), dv, input_precision=PRECISION)
         tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
         c += 1
 
@@ -703,25 +718,27 @@ def rwkv7_key_gradient_kernel(
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
     FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
-    ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    ROWS: tl.constexpr, K_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dk, db (the columns of the A matrices, and k^, b^ of the state's update) and their
     share of dw, dw_part (float32 always; ``rwkv7_query_gradient_kernel`` finishes dw)."""
     (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
-     first_chunk_slot) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr, HEADS,
-                               K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
+     first_chunk_slot, k_first) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr,
+                                        cu_ptr, HEADS, K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES,
+                                        CHUNKS_PER_STATE, K_BLOCKS)
     while c < last:
         (k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a,
          b) = _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr,
-                           start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, scale,
+                           start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, k_first,
+                           scale,
                            HEADS, K, V, C, FLOOR, PRECISION)
         gi, ge, g_end, to_end = _decays(w, 1)
         if TAME:  # no floored decay, |gi| <= 16: the plain difference is precise, fewer registers
             to_end = g_end[:, None] - gi
         to_end = tl.exp(to_end)
         # H' = e^g H + k^T V + b^T U, with k^ = k e^(g - gi), b^ = b e^(g - gi).
-        dh = _dh(dstates_ptr, first_chunk_slot, c, head, state_mask, v_cols, HEADS, K, V, BK,
-                 CHUNK_SLOTS)
+        dh = _dh(dstates_ptr, clamped(first_chunk_slot + c, CHUNK_SLOTS), head, state_mask,
+                 v_cols, k_first, HEADS, K, V, BK)
         dk_state = tl.dot(dh, v, input_precision=PRECISION) * to_end
         db_state = tl.dot(dh, u, input_precision=PRECISION) * to_end
         dg_end = tl.sum(dk_state * k + db_state * b, axis=1)
@@ -742,8 +759,7 @@ def rwkv7_key_gradient_kernel(
         # k_i, b_i enter a chunk only as x_i e^-gi_i (the e^g of k^ and b^ is in dg_end): their
         # share of the gradient of gi is -k dk - b db (dw: see the query-side kernel).
         dw = tl.cumsum(-(k * dk + b * db), axis=1, reverse=True) + dg_end[:, None]
-        if ROWS > 0:  # several V blocks: this one's partial sums of the K-side gradients
-            k_base += tl.program_id(2).to(tl.int64) * (ROWS * HEADS * K)
+        k_base = _partial(k_base, ROWS, HEADS, K, K_BLOCKS)
         tl.store(dk_ptr + k_base + k_tile, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
         tl.store(db_ptr + k_base + k_tile, db.to(db_ptr.dtype.element_ty), mask=k_in)
         tl.store(dw_part_ptr + k_base + k_tile, dw, mask=k_in)
@@ -760,25 +776,36 @@ def rwkv7_query_gradient_kernel(
     FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     SEQUENCES: tl.constexpr,
     CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr, ROWS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    K_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dr, da (the rows of the A matrices, and q~ H, a~ H) and dw, finished from the key
     side's share dw_part: the kernel that needs the state H, its saved H advanced over the
     span with the saved U."""
     (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
-     first_chunk_slot) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr, HEADS,
-                               K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
-    h = tl.load(states_ptr + state_offsets(tl.program_id(0), head, HEADS, K, V, BK, v_cols),
+     first_chunk_slot, k_first) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr,
+                                        cu_ptr, HEADS, K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES,
+                                        CHUNKS_PER_STATE, K_BLOCKS)
+    h = tl.load(states_ptr + k_first * V + state_offsets(tl.program_id(0), head, HEADS, K, V, BK,
+                                                         v_cols),
                 mask=state_mask & used, other=0.0)
     while c < last:
+        # e^g H adds e^g sum(H dH) to the gradient of g (first: dH's tile is then dead).
+        h_dh = tl.sum(h * _dh(dstates_ptr, clamped(first_chunk_slot + c, CHUNK_SLOTS), head,
+                              state_mask, v_cols, k_first, HEADS, K, V, BK), axis=1)
         (k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a,
          b) = _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr,
-                           start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, scale,
+                           start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, k_first,
+                           scale,
                            HEADS, K, V, C, FLOOR, PRECISION)
         gi, ge, g_end, to_end = _decays(w, 1)
         # The terms of q~ H and a~ H, and those through the four A matrices.
         dq = tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi)
         da = tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
+        if CHUNKS_PER_STATE > 1:  # H at the next chunk's start (then V and U are dead)
+            to_end = tl.exp(to_end)
+            h = tl.dot(k * to_end, tl.trans(v), tl.exp(g_end)[:, None] * h,
+                       input_precision=PRECISION)
+            h = tl.dot(b * to_end, tl.trans(u), h, input_precision=PRECISION)
         if TAME:
             middle = _middle(gi, 1, C)
             column = tl.exp(middle - gi)
@@ -796,13 +823,10 @@ def rwkv7_query_gradient_kernel(
         # the gradients of gi and ge are q dq (- k dk - b db) and a da, and e^g H adds
         # e^g sum(H dH) to that of g. gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t, g = gi_C.
         # A log decay raised to FLOOR has gradient 0.
-        dh = _dh(dstates_ptr, first_chunk_slot, c, head, state_mask, v_cols, HEADS, K, V, BK,
-                 CHUNK_SLOTS)
-        dg_end = tl.exp(g_end) * tl.sum(h * dh, axis=1)
+        dg_end = tl.exp(g_end) * h_dh
         if not TAME:  # (a tame call has no decay below FLOOR)
             floored = rows(w_ptr, k_base, k_tile, k_in) < FLOOR
-        if ROWS > 0:  # several V blocks: this one's partial sums of the K-side gradients
-            k_base += tl.program_id(2).to(tl.int64) * (ROWS * HEADS * K)
+        k_base = _partial(k_base, ROWS, HEADS, K, K_BLOCKS)
         d_ge = a * da
         dw = (tl.load(dw_part_ptr + k_base + k_tile, mask=k_in, other=0.0)
               + tl.cumsum(q * dq + d_ge, axis=1, reverse=True) - d_ge + dg_end[:, None])
@@ -811,11 +835,6 @@ def rwkv7_query_gradient_kernel(
         tl.store(dr_ptr + k_base + k_tile, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
         tl.store(dw_ptr + k_base + k_tile, dw.to(dw_ptr.dtype.element_ty), mask=k_in)
         tl.store(da_ptr + k_base + k_tile, da.to(da_ptr.dtype.element_ty), mask=k_in)
-        if CHUNKS_PER_STATE > 1:
-            to_end = tl.exp(to_end)
-            h = tl.dot(k * to_end, tl.trans(v), tl.exp(g_end)[:, None] * h,
-                       input_precision=PRECISION)
-            h = tl.dot(b * to_end, tl.trans(u), h, input_precision=PRECISION)
         c += 1
 
 
@@ -823,49 +842,51 @@ def rwkv7_query_gradient_kernel(
 def rwkv7_tame_gradient_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, states_ptr, u_ptr, dstates_ptr, dx_ptr,
     cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,               # inputs
-    dr_ptr, dw_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr,                            # outputs
+    dr_ptr, dw_ptr, dk_ptr, da_ptr, db_ptr,                                    # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
     TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
-    CHUNKS_PER_STATE: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNKS_PER_STATE: tl.constexpr, ROWS: tl.constexpr, K_BLOCKS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """The three gradient kernels above in one, for tame calls only (their TAME path): it
-    reads every input once instead of up to three times, and at K=V=64 that outweighs its
-    spills (255 registers, 636 B at 4 warps; H100, B=8, T=4096, H=64, bf16: fwd+bwd 18.55 ms,
-    20.27 with the three kernels). At K=128 its spills cost more (65.8 ms against 49.6).
-    Same arithmetic, in the same order, as the three kernels' tame paths."""
+    """The key and query gradient kernels in one, for tame calls only (their TAME path): it
+    reads the inputs and dH once instead of twice. With dV in it too (before the value kernel
+    read the forward's A matrices) it measured faster than three kernels at K=V=64 despite
+    636 B of spills (H100, B=8, T=4096, H=64, bf16: fwd+bwd 18.55 ms against 20.27), slower at
+    K=128 (65.8 ms against 49.6, 2636 B). Same arithmetic as the two kernels' tame paths (on
+    the same K blocks)."""
     (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
-     first_chunk_slot) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr, HEADS,
-                               K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE)
-    h = tl.load(states_ptr + state_offsets(tl.program_id(0), head, HEADS, K, V, BK, v_cols),
+     first_chunk_slot, k_first) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr,
+                                        cu_ptr, HEADS, K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES,
+                                        CHUNKS_PER_STATE, K_BLOCKS)
+    h = tl.load(states_ptr + k_first * V + state_offsets(tl.program_id(0), head, HEADS, K, V, BK,
+                                                         v_cols),
                 mask=state_mask & used, other=0.0)
     while c < last:
         (k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a,
          b) = _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr,
-                           start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, scale,
+                           start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, k_first,
+                           scale,
                            HEADS, K, V, C, FLOOR, PRECISION)
         gi, ge, g_end, _ = _decays(w, 1)
         to_end = tl.exp(g_end[:, None] - gi)  # (|gi| <= 16: the plain difference is precise)
-        middle = _middle(gi, 1, C)
-        column = tl.exp(middle - gi)
-        q_f = q * tl.exp(gi - middle)
-        a_f = a * tl.exp(ge - middle)
-        k_f = k * column
-        dh = _dh(dstates_ptr, first_chunk_slot, c, head, state_mask, v_cols, HEADS, K, V, BK,
-                 CHUNK_SLOTS)
-        # (products inside the dots: sm_90 spills 636 B, 700 with them formed first)
-        dv = tl.dot(tl.trans(dh), k * to_end, input_precision=PRECISION)
-        dv = tl.dot(do, _transposed_products(q_f, k_f, False, C, PRECISION), dv,
-                    input_precision=PRECISION)
-        dv = tl.dot(dx, _transposed_products(a_f, k_f, True, C, PRECISION), dv,
-                    input_precision=PRECISION)
-        tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
+        dh = _dh(dstates_ptr, clamped(first_chunk_slot + c, CHUNK_SLOTS), head, state_mask,
+                 v_cols, k_first, HEADS, K, V, BK)
         dk_state = tl.dot(dh, v, input_precision=PRECISION) * to_end
         db_state = tl.dot(dh, u, input_precision=PRECISION) * to_end
         dg_end = tl.exp(g_end) * tl.sum(h * dh, axis=1) + tl.sum(dk_state * k + db_state * b,
                                                                   axis=1)
         dq = tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi)
         da = tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
+        if CHUNKS_PER_STATE > 1:  # H at the next chunk's start (then V and U are dead)
+            h = tl.dot(k * to_end, tl.trans(v), tl.exp(g_end)[:, None] * h,
+                       input_precision=PRECISION)
+            h = tl.dot(b * to_end, tl.trans(u), h, input_precision=PRECISION)
+        middle = _middle(gi, 1, C)
+        column = tl.exp(middle - gi)
+        q_f = q * tl.exp(gi - middle)
+        a_f = a * tl.exp(ge - middle)
+        k_f = k * column
         b_f = b * column
         dq += tl.exp(gi - middle) * tl.dot(k_f, tl.trans(dA_qk), tl.dot(
             b_f, tl.trans(dA_qb), input_precision=PRECISION), input_precision=PRECISION)
@@ -878,15 +899,10 @@ def rwkv7_tame_gradient_kernel(
         d_ge = a * da
         dw = (tl.cumsum(q * dq - k * dk - b * db + d_ge, axis=1, reverse=True) - d_ge
               + dg_end[:, None])
-        if ROWS > 0:  # several V blocks: this one's partial sums of the K-side gradients
-            k_base += tl.program_id(2).to(tl.int64) * (ROWS * HEADS * K)
+        k_base = _partial(k_base, ROWS, HEADS, K, K_BLOCKS)
         tl.store(dr_ptr + k_base + k_tile, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
         tl.store(dw_ptr + k_base + k_tile, dw.to(dw_ptr.dtype.element_ty), mask=k_in)
         tl.store(dk_ptr + k_base + k_tile, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
         tl.store(da_ptr + k_base + k_tile, da.to(da_ptr.dtype.element_ty), mask=k_in)
         tl.store(db_ptr + k_base + k_tile, db.to(db_ptr.dtype.element_ty), mask=k_in)
-        if CHUNKS_PER_STATE > 1:
-            h = tl.dot(k * to_end, tl.trans(v), tl.exp(g_end)[:, None] * h,
-                       input_precision=PRECISION)
-            h = tl.dot(b * to_end, tl.trans(u), h, input_precision=PRECISION)
         c += 1

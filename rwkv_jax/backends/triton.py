@@ -65,8 +65,13 @@ class KernelConfig:
     # Calls whose every log decay is >= -TAME_SUM / CHUNK take the kernels' tame path (one
     # product per A matrix); False: every call level by level (exact for every decay either way).
     tame: bool = True
-    # The tame path's gradients in one kernel (rwkv7_tame_gradient_kernel) rather than three.
+    # The tame path's K-side gradients in one kernel (rwkv7_tame_gradient_kernel) rather than
+    # two (dv has its own kernel either way).
     fused_tame_gradient: bool = False
+    # K rows per program of the K-side gradient kernels (key, query, fused; None: all; else a
+    # power of two dividing K): their K-side tiles and states are per K row, so blocks of K
+    # need fewer registers at the cost of reading the V-side tiles once per block.
+    gradient_block_k: int | None = None
 
 
 def _pow2_at_least(n, floor=16):
@@ -80,11 +85,16 @@ def default_config(k_size: int, v_size: int) -> KernelConfig:
     # dv at K=64 and K=128; slower too). A state every 8 chunks beats every 1, 2 or 4 (fewer
     # saved states, and the span's walk costs little). The tame path's gradients in one kernel
     # up to K=64 (18.55 ms against 20.27 in three at K=V=64), in three from K=128 on (49.6
-    # against 65.8 ms), as on the exact path (K=64: 35.4 against 40.5). The sequential passes
-    # (which read the in-chunk matrices) at 4 warps at every head size (K=128: forward 5.29 ms,
-    # state gradient 4.85, against 8.78 and 8.39 with 8 warps; V blocks of 32: 9.60 and 8.29).
+    # against 65.8 ms), as on the exact path (K=64: 35.4 against 40.5): measured with dv in
+    # the one kernel; dv has its own kernel now (the K-side kernel spills 352 B instead of 636
+    # at K=64; not yet timed). The sequential passes (which read the in-chunk matrices) at 4
+    # warps at every head size (K=128: forward 5.29 ms, state gradient 4.85, against 8.78 and
+    # 8.39 with 8 warps; V blocks of 32: 9.60 and 8.29). The K-side gradient kernels on blocks
+    # of 64 K rows at K=128 (sm_90, 4 warps, tame / exact spills: key 176 / 764 B -> 0 / 120,
+    # query 1060 / 2364 -> 0 / 452; not yet timed).
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
-                        backward_warps=4, fused_tame_gradient=block_k <= 64)
+                        backward_warps=4, fused_tame_gradient=block_k <= 64,
+                        gradient_block_k=64 if block_k == 128 else None)
 
 
 # (K, V) -> KernelConfig, to try other settings (benchmarks/gpu_rwkv7.py) without editing code.
@@ -252,8 +262,12 @@ def _rwkv7_bwd(static, residuals, cotangents):
     do, dht = cotangents
     do = do.astype(v.dtype)
     dh0, dstates, dx = _state_gradient(static, r, w, a, b, matrices, cu, do, dht)
-    return _on_path(static, tame, lambda TAME: _gradients(
-        static, TAME, r, w, k, v, a, b, states, u, cu, do, dh0, dstates, dx))
+    # dV reads the forward's A matrices (one path): outside the lax.cond, so that they are freed
+    # before the K-side kernels.
+    dv = _value_gradient(static, w, k, do, dstates, dx, matrices, cu)
+    dr, dw, dk, da, db = _on_path(static, tame, lambda TAME: _k_side_gradients(
+        static, TAME, r, w, k, v, a, b, states, u, cu, do, dstates, dx))
+    return dr, dw, dk, dv, da, db, dh0, None
 
 
 def _state_gradient(static, r, w, a, b, matrices, cu, do, dht):
@@ -273,18 +287,41 @@ def _state_gradient(static, r, w, a, b, matrices, cu, do, dht):
         **static.recurrence_launch(sequences))
 
 
-def _gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dh0, dstates, dx):
-    """Every input gradient, on the forward's path."""
-    rows = r.shape[0]
+def _gradient_launch(static, cu, rows):
+    """What every gradient kernel launches with (one program per span, head and V block, all
+    at once): its span slots, their index inputs, and the common options."""
     sequences = cu.shape[0] - 1
     _, chunk_index = _first_slots(cu, CHUNK)
-    # One program per (span, head, V block), all at once: in three
-    # kernels (none holds every tile: dv; dk, db and dw's share through them; dr, da and dw),
-    # or on the tame path in one (KernelConfig.fused_tame_gradient).
     spans, state_index = _first_slots(cu, static.span)
     slots = _slot_count(rows, sequences, static.span)
-    slot_sequence = _slot_sequences(spans, state_index, slots)
-    v_blocks = static.grid(sequences)[1]
+    index = (cu, state_index, chunk_index, _slot_sequences(spans, state_index, slots))
+    options = dict(
+        num_warps=static.config.backward_warps, num_stages=static.config.stages,
+        TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
+        **static.constexprs("HEADS", "K", "V", "BK", "BV", "C", "FLOOR", "PRECISION",
+                            "CHUNKS_PER_STATE"))
+    return (slots, static.heads, static.grid(sequences)[1]), index, options
+
+
+def _value_gradient(static, w, k, do, dstates, dx, matrices, cu):
+    """dv (rwkv7_value_gradient_kernel: one path, the forward's A matrices), summed over K in
+    pieces of 64 rows where they tile K (K=128: 124 registers and 20 KB of shared memory
+    against 201 and 46 KB in one piece; sm_90, 4 warps)."""
+    grid, index, options = _gradient_launch(static, cu, w.shape[0])
+    pieces = options["BK"] // 64 if static.k_size % 64 == 0 else 1
+    (dv,) = _launch.launch(_kernels.rwkv7_value_gradient_kernel,
+                           (w, k, do, dstates, dx, matrices, *index),
+                           (jax.ShapeDtypeStruct(do.shape, do.dtype),), grid,
+                           **dict(options, BK=options["BK"] // pieces, K_PIECES=pieces))
+    return dv
+
+
+def _k_side_gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dstates, dx):
+    """dr, dw, dk, da, db, on the forward's path: in two kernels (none holds every tile: dk, db
+    and dw's share through them; dr, da and dw), or on the tame path in one
+    (KernelConfig.fused_tame_gradient); on blocks of K rows (KernelConfig.gradient_block_k)."""
+    rows = r.shape[0]
+    (slots, heads, v_blocks), index, options = _gradient_launch(static, cu, rows)
     # K-side gradients sum over V: with several V blocks each writes a float32 partial sum.
     partial = (rows, static.heads, static.k_size) if v_blocks == 1 else (
         (v_blocks, rows, static.heads, static.k_size))
@@ -294,34 +331,29 @@ def _gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dh0, dstates, 
     else:
         k_grad = lambda x: jax.ShapeDtypeStruct(partial, jnp.float32)
         reduce = lambda g, x: g.sum(0).astype(x.dtype)
-    index = (cu, state_index, chunk_index, slot_sequence)
-    dv_shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
-    launch = lambda kernel, inputs, outputs, **more: _launch.launch(
-        kernel, inputs, outputs, (slots, static.heads, v_blocks),
-        num_warps=static.config.backward_warps, num_stages=static.config.stages,
-        TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
-        **static.constexprs("scale", "HEADS", "K", "V", "BK", "BV", "C", "FLOOR", "PRECISION",
-                            "CHUNKS_PER_STATE"), **more)
-    rows_option = rows if v_blocks > 1 else 0  # (0: one V block; no recompile per length)
+    block_k = static.config.gradient_block_k or options["BK"]
+    if options["BK"] % block_k or (block_k < options["BK"] and static.k_size % block_k):
+        raise ValueError(f"KernelConfig.gradient_block_k must divide K = {static.k_size} "
+                         f"(a power of two); got {block_k}")
+    # (ROWS=0: one V block; no recompile per length)
+    k_side = dict(options, scale=static.scale, ROWS=rows if v_blocks > 1 else 0, BK=block_k,
+                  K_BLOCKS=options["BK"] // block_k)
+    grid = (slots, heads, v_blocks * k_side["K_BLOCKS"])
     if TAME and static.config.fused_tame_gradient:
-        dr, dw, dk, dv, da, db = launch(
+        dr, dw, dk, da, db = _launch.launch(
             _kernels.rwkv7_tame_gradient_kernel,
             (r, w, k, v, a, b, do, states, u, dstates, dx, *index),
-            (k_grad(r), k_grad(w), k_grad(k), dv_shape, k_grad(a), k_grad(b)), ROWS=rows_option)
+            (k_grad(r), k_grad(w), k_grad(k), k_grad(a), k_grad(b)), grid, **k_side)
     else:
-        paths = dict(TAME=TAME, LEVELS=LEVELS)
-        (dv,) = launch(_kernels.rwkv7_value_gradient_kernel,
-                       (r, w, k, a, do, dstates, dx, *index), (dv_shape,), **paths)
-        dk, db, dw_part = launch(
+        k_side = dict(k_side, TAME=TAME, LEVELS=LEVELS)
+        dk, db, dw_part = _launch.launch(
             _kernels.rwkv7_key_gradient_kernel, (r, w, k, v, a, b, do, u, dstates, dx, *index),
-            (k_grad(k), k_grad(b), jax.ShapeDtypeStruct(partial, jnp.float32)),
-            ROWS=rows_option, **paths)
-        dr, dw, da = launch(
+            (k_grad(k), k_grad(b), jax.ShapeDtypeStruct(partial, jnp.float32)), grid, **k_side)
+        dr, dw, da = _launch.launch(
             _kernels.rwkv7_query_gradient_kernel,
             (r, w, k, v, a, b, do, states, u, dstates, dx, dw_part, *index),
-            (k_grad(r), k_grad(w), k_grad(a)), ROWS=rows_option, **paths)
-    return (reduce(dr, r), reduce(dw, w), reduce(dk, k), dv, reduce(da, a), reduce(db, b), dh0,
-            None)
+            (k_grad(r), k_grad(w), k_grad(a)), grid, **k_side)
+    return reduce(dr, r), reduce(dw, w), reduce(dk, k), reduce(da, a), reduce(db, b)
 
 
 _rwkv7.defvjp(_rwkv7_fwd, _rwkv7_bwd)
