@@ -695,8 +695,8 @@ def rwkv7_value_gradient_kernel(
         chunk_slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
         do = rows(do_ptr, v_base, v_tile, v_in)
         dx = rows(dx_ptr, v_base, v_tile, v_in)
-        A_qk = _load_matrix(matrices_ptr, chunk_slot, head, A_QK, HEADS, C, False)
-        A_ak = _load_matrix(matrices_ptr, chunk_slot, head, A_AK, HEADS, C, False)
+        A_qk = _load_matrix(matrices_ptr, chunk_slot, used, head, A_QK, HEADS, C, False)
+        A_ak = _load_matrix(matrices_ptr, chunk_slot, used, head, A_AK, HEADS, C, False)
         dv = tl.dot(dx, A_ak, tl.dot(do, A_qk, input_precision=PRECISION),
                     input_precision=PRECISION)
         for piece in tl.static_range(K_PIECES):  # BK rows of K at a time: dH's tile is halved
