@@ -176,7 +176,7 @@ def test_path_per_call(decay, hard, tame):
     check(case, seed=3)
     if tame:
         check(dataclasses.replace(case, config=dict(SHORT_SPANS, tame=False)), seed=3)
-        # its gradients in three kernels (the default from K=128 on) as well as in one
+        # its K-side gradients in two kernels as well as in one (the default)
         fused = triton_backend.default_config(16, 16).fused_tame_gradient
         check(dataclasses.replace(case, config=dict(SHORT_SPANS, fused_tame_gradient=not fused)),
               seed=3)
@@ -189,10 +189,10 @@ def test_packed_sequences_with_initial_states_bfloat16():
 
 
 @pytest.mark.parametrize("key, value, block_v, fused", [
-    (32, 32, 16, True), (32, 32, 16, False), (128, 64, 64, False), (16, 48, 32, True)])
+    (32, 32, 16, True), (32, 32, 16, False), (128, 64, 64, True), (16, 48, 32, True)])
 def test_head_sizes_and_v_blocks(key, value, block_v, fused):
     """Several V blocks per head (their K-side partial gradients are summed); padded sizes;
-    the tame path's gradients in one kernel or three (at K=128 in blocks of 64 K rows)."""
+    the tame path's K-side gradients in one kernel or two (at K=128 in blocks of 64 K rows)."""
     check(Case(steps=20, heads=2, key=key, value=value,
                config=dict(block_v=block_v, fused_tame_gradient=fused)), seed=key + value)
 

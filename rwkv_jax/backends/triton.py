@@ -83,17 +83,14 @@ def default_config(k_size: int, v_size: int) -> KernelConfig:
     # Measured on an H100 (BENCHMARKS.md): every kernel is fastest with 4 warps at K=V=64, and
     # the gradient kernels must keep 4: with 8, Triton 3.6 miscompiles the products of dv (wrong
     # dv at K=64 and K=128; slower too). A state every 8 chunks beats every 1, 2 or 4 (fewer
-    # saved states, and the span's walk costs little). The tame path's gradients in one kernel
-    # up to K=64 (18.55 ms against 20.27 in three at K=V=64), in three from K=128 on (49.6
-    # against 65.8 ms), as on the exact path (K=64: 35.4 against 40.5): measured with dv in
-    # the one kernel; dv has its own kernel now (the K-side kernel spills 352 B instead of 636
-    # at K=64; not yet timed). The sequential passes (which read the in-chunk matrices) at 4
-    # warps at every head size (K=128: forward 5.29 ms, state gradient 4.85, against 8.78 and
-    # 8.39 with 8 warps; V blocks of 32: 9.60 and 8.29). The K-side gradient kernels on blocks
-    # of 64 K rows at K=128 (sm_90, 4 warps, tame / exact spills: key 176 / 764 B -> 0 / 120,
-    # query 1060 / 2364 -> 0 / 452; not yet timed).
+    # saved states, and the span's walk costs little). The sequential passes (which read the
+    # in-chunk matrices) at 4 warps at every head size (K=128: forward 5.29 ms, state gradient
+    # 4.85, against 8.78 and 8.39 with 8 warps; V blocks of 32: 9.60 and 8.29). dv in its own
+    # kernel and the tame path's K-side gradients in one kernel at every head size, on blocks
+    # of 64 K rows at K=128 (session 7, B=8 T=4096 bf16 forward+backward: K=64 15.53 ms against
+    # 18.14 in two K-side kernels; K=128 32.87 against 36.85, and 36.60 without K blocks).
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
-                        backward_warps=4, fused_tame_gradient=block_k <= 64,
+                        backward_warps=4, fused_tame_gradient=True,
                         gradient_block_k=64 if block_k == 128 else None)
 
 
