@@ -134,8 +134,9 @@ def correctness(count):
 # 2. Benchmark against fla.
 # ----------------------------------------------------------------------------------------------
 
-def model_inputs(batch, steps, heads, size, seed=0):
-    """RWKV-7 inputs as a model makes them, on the GPU in bf16 (torch), plus cotangents."""
+def model_inputs(batch, steps, heads, size, seed=0, states=None):
+    """RWKV-7 inputs as a model makes them, on the GPU in bf16 (torch), plus cotangents (of
+    ``states`` final states: one per sequence, ``batch`` by default)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     normal = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)
     shape = (batch, steps, heads, size)
@@ -145,25 +146,30 @@ def model_inputs(batch, steps, heads, size, seed=0):
              v=normal(*shape), a=-kk, b=kk * torch.sigmoid(normal(*shape)))
     x = {n: t.to(torch.bfloat16).contiguous() for n, t in x.items()}
     d_out = normal(*shape).to(torch.bfloat16)
-    d_state = normal(batch, heads, size, size)
+    d_state = normal(states or batch, heads, size, size)
     return x, d_out, d_state
 
 
-def float64_slice(x, d_out, d_state, heads=4):
-    """The float64 reference on batch 0 and the first ``heads`` heads (all steps)."""
+def float64_slice(x, d_out, d_state, heads=4, cu_seqlens=None):
+    """The float64 reference on batch 0 and the first ``heads`` heads (all steps; with
+    ``cu_seqlens`` every sequence's final state)."""
     pick = lambda t: t[:1, :, :heads].double().cpu().numpy()
     x64 = {n: pick(t) for n, t in x.items()}
-    out, state = reference.forward("rwkv7", x64)
+    options = {} if cu_seqlens is None else dict(cu_seqlens=cu_seqlens)
+    out, state = reference.forward("rwkv7", x64, **options)
     grads = reference.gradients("rwkv7", x64, pick(d_out),
-                                d_state[:1, :heads].double().cpu().numpy())
+                                d_state[:state.shape[0], :heads].double().cpu().numpy(),
+                                **options)
     return out, state, grads
 
 
-def slice_errors(out, state, grads, ref, heads=4):
+def slice_errors(out, state, grads, ref):
     ref_out, ref_state, ref_grads = ref
+    heads = ref_out.shape[2]
     pick = lambda a: np.asarray(a, np.float64)[:1, :, :heads]
     errors = {"out": relative_error(pick(out), ref_out),
-              "state": relative_error(np.asarray(state, np.float64)[:1, :heads], ref_state)}
+              "state": relative_error(np.asarray(state, np.float64)[:ref_state.shape[0], :heads],
+                                      ref_state)}
     if grads is not None:
         errors.update({f"d{n}": relative_error(pick(grads[n]), ref_grads[n]) for n in NAMES})
     return errors
@@ -192,7 +198,8 @@ def jax_peak_bytes(fn, *args):
             + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
 
 
-def bench_jax(label, x_jax, d_out, d_state, ref, backend="triton", config=None):
+def bench_jax(label, x_jax, d_out, d_state, ref, backend="triton", config=None,
+              cu_seqlens=None):
     """One rwkv_jax backend: times, peak memory, errors; for triton also the forward that
     saves states for the backward (the backward alone is the difference)."""
     size = x_jax["k"].shape[-1]
@@ -200,7 +207,8 @@ def bench_jax(label, x_jax, d_out, d_state, ref, backend="triton", config=None):
         triton_backend.CONFIG_OVERRIDES[(size, size)] = config
     try:
         def op(x):
-            return rwkv_jax.rwkv7(*(x[n] for n in NAMES), backend=backend)
+            return rwkv_jax.rwkv7(*(x[n] for n in NAMES), backend=backend,
+                                  cu_seqlens=cu_seqlens)
 
         def both(x, d_out, d_state):
             (out, state), pullback = jax.vjp(op, x)
@@ -243,10 +251,12 @@ def torch_peak_bytes(fns, leaves, held):
     return peaks
 
 
-def bench_fla(label, x, d_out, d_state, ref, **options):
+def bench_fla(label, x, d_out, d_state, ref, cu_seqlens=None, **options):
     import triton.testing
     from fla.ops.rwkv7 import chunk_rwkv7
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+    if cu_seqlens is not None:
+        options = dict(options, cu_seqlens=torch.tensor(cu_seqlens, device="cuda"))
 
     def forward():
         with torch.no_grad():
@@ -291,6 +301,67 @@ def _alarm(signum, frame):
     raise _OutOfTime()
 
 
+def _attempt(rows, prefix, deadline, out_dir, fn, *args, cap=240, **kwargs):
+    """Run one contender within ``cap`` seconds and the run's deadline; its row (named with
+    ``prefix``) goes to ``rows`` and the JSON file."""
+    allowed = int(min(cap, deadline - time.time()))
+    if allowed < 20:
+        log(f"  {args[0]}: not run, out of time")
+        return None
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(allowed)
+    try:
+        row = fn(*args, **kwargs)
+    except _OutOfTime:
+        log(f"  {args[0]}: did not finish within {allowed} s")
+        return None
+    except Exception as err:  # one failing contender must not hide the others
+        log(f"  {args[0]}: FAILED {type(err).__name__}: {str(err)[:400]}")
+        return None
+    finally:
+        signal.alarm(0)
+    row["name"] = f"{prefix} {row['name']}"
+    log("  " + describe(row))
+    rows.append(row)
+    with open(os.path.join(out_dir, "gpu_rwkv7.json"), "w") as f:  # kept up to date
+        json.dump(dict(results, benchmark=results["benchmark"] + rows), f, indent=1, default=str)
+    return row
+
+
+# Issue 13's other layouts (K=V=64, bf16, model-range decays): one long sequence, and 16
+# packed sequences of random lengths (some odd) in 32768 tokens.
+LAYOUTS = {"long": dict(steps=65536, heads=32, sequences=1),
+           "packed": dict(steps=32768, heads=64, sequences=16)}
+
+
+def benchmark_layout(name, deadline, out_dir, fla_configs=("disable_recompute",)):
+    """Ours beside fla's fastest configuration(s) on one of LAYOUTS (batch 1; float64 errors
+    on the first 2 heads)."""
+    steps, heads, sequences = (LAYOUTS[name][k] for k in ("steps", "heads", "sequences"))
+    cu_seqlens = None
+    if sequences > 1:
+        cuts = np.random.default_rng(0).choice(np.arange(1, steps), sequences - 1, replace=False)
+        cu_seqlens = [0, *sorted(int(c) for c in cuts), steps]
+    x, d_out, d_state = model_inputs(1, steps, heads, 64, states=sequences)
+    log(f"benchmark {name}: B=1 T={steps} H={heads} K=V=64 bf16, "
+        f"{sequences} sequence(s){'' if cu_seqlens is None else f', cu_seqlens {cu_seqlens}'}")
+    ref = float64_slice(x, d_out, d_state, heads=2, cu_seqlens=cu_seqlens)
+    x_jax = {n: jax.dlpack.from_dlpack(t) for n, t in x.items()}
+    rows = []
+    fastest = dict(chunk_size=64, safe_gate=True, lower_bound=LOWER_BOUND)
+    for config in fla_configs:
+        label = "fla fastest" + (", disable_recompute" if config == "disable_recompute" else "")
+        _attempt(rows, name, deadline, out_dir, bench_fla, label, x, d_out, d_state, ref,
+                 cu_seqlens=cu_seqlens, disable_recompute=config == "disable_recompute",
+                 cap=240, **fastest)
+    _attempt(rows, name, deadline, out_dir, bench_jax, "rwkv_jax triton (default config)",
+             x_jax, jax.dlpack.from_dlpack(d_out), jax.dlpack.from_dlpack(d_state), ref,
+             cu_seqlens=None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32),
+             cap=120)
+    results["benchmark"] = results["benchmark"] + rows
+    return rows
+
+
 def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_default=True,
               fla_configs=("disable_recompute", "safe")):
     batch, steps, heads = 8, 4096, 64 * 64 // size
@@ -307,30 +378,7 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
     rows = []
 
     def attempt(fn, *args, cap=240, **kwargs):
-        """Run one contender within ``cap`` seconds and the run's deadline."""
-        allowed = int(min(cap, deadline - time.time()))
-        if allowed < 20:
-            log(f"  {args[0]}: not run, out of time")
-            return None
-        signal.signal(signal.SIGALRM, _alarm)
-        signal.alarm(allowed)
-        try:
-            row = fn(*args, **kwargs)
-        except _OutOfTime:
-            log(f"  {args[0]}: did not finish within {allowed} s")
-            return None
-        except Exception as err:  # one failing contender must not hide the others
-            log(f"  {args[0]}: FAILED {type(err).__name__}: {str(err)[:400]}")
-            return None
-        finally:
-            signal.alarm(0)
-        row["name"] = f"K={size} {row['name']}"
-        log("  " + describe(row))
-        rows.append(row)
-        with open(os.path.join(out_dir, "gpu_rwkv7.json"), "w") as f:  # kept up to date
-            json.dump(dict(results, benchmark=results["benchmark"] + rows), f, indent=1,
-                      default=str)
-        return row
+        return _attempt(rows, f"K={size}", deadline, out_dir, fn, *args, cap=cap, **kwargs)
 
     ours = lambda: attempt(bench_jax, "rwkv_jax triton (default config)", x_jax, d_out_jax,
                            d_state_jax, ref)
@@ -387,6 +435,8 @@ def main():
                         help="head sizes to benchmark (H = 4096 / size), e.g. 64,128")
     parser.add_argument("--no-fla-default", action="store_true",
                         help="skip fla's default configuration (minutes of autotuning)")
+    parser.add_argument("--layouts", default="",
+                        help="also time these of LAYOUTS beside fla's fastest, e.g. long,packed")
     parser.add_argument("--fla", default="disable_recompute,safe",
                         help="fla's fastest configuration with disable_recompute=True and/or "
                              "without (each compiles for about 2 minutes)")
@@ -403,6 +453,8 @@ def main():
         rows += benchmark(args.sweep, [b for b in args.others.split(",") if b], deadline,
                           args.out, args.fla_first, size, not args.no_fla_default,
                           args.fla.split(","))
+    for name in (x for x in args.layouts.split(",") if x):
+        rows += benchmark_layout(name, deadline, args.out, [c for c in args.fla.split(",") if c])
     with open(os.path.join(args.out, "gpu_rwkv7.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     log("\ncorrectness: " + ", ".join(f"{c['name']}: {'ok' if c['ok'] else 'FAIL'}"
