@@ -334,9 +334,10 @@ LAYOUTS = {"long": dict(steps=65536, heads=32, sequences=1),
            "packed": dict(steps=32768, heads=64, sequences=16)}
 
 
-def benchmark_layout(name, deadline, out_dir, fla_configs=("disable_recompute",)):
+def benchmark_layout(name, deadline, out_dir, fla_configs=("disable_recompute",), sweep=False):
     """Ours beside fla's fastest configuration(s) on one of LAYOUTS (batch 1; float64 errors
-    on the first 2 heads)."""
+    on the first 2 heads); with ``sweep`` also the sequential passes on narrower V blocks (few
+    sequences fill few multiprocessors: 32 programs at H=32)."""
     steps, heads, sequences = (LAYOUTS[name][k] for k in ("steps", "heads", "sequences"))
     cu_seqlens = None
     if sequences > 1:
@@ -354,10 +355,15 @@ def benchmark_layout(name, deadline, out_dir, fla_configs=("disable_recompute",)
         _attempt(rows, name, deadline, out_dir, bench_fla, label, x, d_out, d_state, ref,
                  cu_seqlens=cu_seqlens, disable_recompute=config == "disable_recompute",
                  cap=240, **fastest)
+    ours = (x_jax, jax.dlpack.from_dlpack(d_out), jax.dlpack.from_dlpack(d_state), ref)
+    cu_jax = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
     _attempt(rows, name, deadline, out_dir, bench_jax, "rwkv_jax triton (default config)",
-             x_jax, jax.dlpack.from_dlpack(d_out), jax.dlpack.from_dlpack(d_state), ref,
-             cu_seqlens=None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32),
-             cap=120)
+             *ours, cu_seqlens=cu_jax, cap=120)
+    default = triton_backend.default_config(64, 64)
+    for block_v in (32, 16) if sweep else ():
+        _attempt(rows, name, deadline, out_dir, bench_jax, f"triton recurrence_block_v={block_v}",
+                 *ours, "triton", dataclasses.replace(default, recurrence_block_v=block_v),
+                 cu_seqlens=cu_jax, cap=60)
     results["benchmark"] = results["benchmark"] + rows
     return rows
 
@@ -454,7 +460,8 @@ def main():
                           args.out, args.fla_first, size, not args.no_fla_default,
                           args.fla.split(","))
     for name in (x for x in args.layouts.split(",") if x):
-        rows += benchmark_layout(name, deadline, args.out, [c for c in args.fla.split(",") if c])
+        rows += benchmark_layout(name, deadline, args.out, [c for c in args.fla.split(",") if c],
+                                 args.sweep)
     with open(os.path.join(args.out, "gpu_rwkv7.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     log("\ncorrectness: " + ", ".join(f"{c['name']}: {'ok' if c['ok'] else 'FAIL'}"
