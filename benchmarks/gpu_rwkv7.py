@@ -455,7 +455,7 @@ def main():
     results["gpu"] = gpu
     correctness(args.checks)
     rows = []
-    for size in (int(x) for x in args.sizes.split(",")):
+    for size in (int(x) for x in args.sizes.split(",") if x):
         rows += benchmark(args.sweep, [b for b in args.others.split(",") if b], deadline,
                           args.out, args.fla_first, size, not args.no_fla_default,
                           args.fla.split(","))
