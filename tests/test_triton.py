@@ -210,6 +210,15 @@ def test_key_blocks_of_the_gradient_kernels(decay, hard, fused):
                            gradient_block_k=16)), seed=11)
 
 
+def test_few_sequences_take_narrow_v_blocks():
+    """Fewer sequence-heads than multiprocessors: the sequential passes on V blocks of 32 (two
+    per head here), packed with an empty segment."""
+    assert triton_backend.default_config(64, 64, 32).recurrence_block_v == 32
+    assert triton_backend.default_config(64, 64, 512).recurrence_block_v is None
+    check(Case(steps=40, key=64, value=64, cu_seqlens=(0, 0, 23, 40),
+               config=dict(SHORT_SPANS, recurrence_block_v=32)), seed=13)
+
+
 def test_head_size_above_limit_is_refused():
     x = jnp.ones((1, 4, 1, 256), jnp.float32)
     with pytest.raises(ValueError, match="K .*= 256"):

@@ -78,7 +78,17 @@ def _pow2_at_least(n, floor=16):
     return max(floor, 1 << (n - 1).bit_length())
 
 
-def default_config(k_size: int, v_size: int) -> KernelConfig:
+# Programs of the sequential passes below which they take V blocks of 32: fewer programs than
+# an H100 has multiprocessors (132). H100, one sequence of 65536 tokens, H=32, K=V=64, bf16
+# (32 programs): forward+backward 33.05 ms with V blocks of 64, 29.52 with 32, 29.38 with 16;
+# at B=8, T=4096 (512 programs at K=64) blocks of 32 are slower (K=128 forward 9.60 against
+# 5.29 ms).
+FEW_RECURRENCE_PROGRAMS = 132
+
+
+def default_config(k_size: int, v_size: int, streams: int = FEW_RECURRENCE_PROGRAMS
+                   ) -> KernelConfig:
+    """The measured configuration for head sizes K, V and ``streams`` = sequences x heads."""
     block_k, block_v = _pow2_at_least(k_size), _pow2_at_least(v_size)
     # Measured on an H100 (BENCHMARKS.md): every kernel is fastest with 4 warps at K=V=64, and
     # the gradient kernels must keep 4: with 8, Triton 3.6 miscompiles the products of dv (wrong
@@ -89,9 +99,11 @@ def default_config(k_size: int, v_size: int) -> KernelConfig:
     # kernel and the tame path's K-side gradients in one kernel at every head size, on blocks
     # of 64 K rows at K=128 (session 7, B=8 T=4096 bf16 forward+backward: K=64 15.53 ms against
     # 18.14 in two K-side kernels; K=128 32.87 against 36.85, and 36.60 without K blocks).
+    few = streams * -(-v_size // 64) < FEW_RECURRENCE_PROGRAMS and block_v >= 64
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
                         backward_warps=4, fused_tame_gradient=True,
-                        gradient_block_k=64 if block_k == 128 else None)
+                        gradient_block_k=64 if block_k == 128 else None,
+                        recurrence_block_v=32 if few else None)
 
 
 # (K, V) -> KernelConfig, to try other settings (benchmarks/gpu_rwkv7.py) without editing code.
@@ -360,11 +372,12 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     batch, steps, heads, k_size = r.shape
     v_size = v.shape[-1]
     _check_head_sizes(k_size, v_size)
-    config = CONFIG_OVERRIDES.get((k_size, v_size)) or default_config(k_size, v_size)
+    cu, initial_state = _sequences(batch, steps, cu_seqlens, initial_state, (heads, k_size, v_size))
+    config = (CONFIG_OVERRIDES.get((k_size, v_size))
+              or default_config(k_size, v_size, (cu.shape[0] - 1) * heads))
     # tf32 alone (10-bit mantissa) would miss the float32 contract; split products recover it.
     precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
     static = _Static(float(scale), heads, k_size, v_size, config, "tf32x3" if precise else "tf32")
-    cu, initial_state = _sequences(batch, steps, cu_seqlens, initial_state, (heads, k_size, v_size))
     rows = lambda x: x.reshape(batch * steps, heads, x.shape[-1])
     o, ht = _rwkv7(static, *map(rows, (r, w, k, v, a, b)), initial_state, cu)
     return o.reshape(batch, steps, heads, v_size), ht
