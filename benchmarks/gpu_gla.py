@@ -24,7 +24,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares 
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -37,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import reference  # noqa: E402
 from _log import log, open_log  # noqa: E402  (benchmarks/_log.py)
-from gpu_rwkv7 import jax_peak_bytes, time_jax, torch_peak_bytes  # noqa: E402
+from gpu_rwkv7 import jax_peak_bytes, time_jax, torch_peak_bytes, within  # noqa: E402
 from reference import relative_error  # noqa: E402
 
 import rwkv_jax  # noqa: E402
@@ -236,33 +235,6 @@ def describe(row):
             f"  err out {errors['out']:.1e} state {errors['state']:.1e} grads<= {worst_grad:.1e}")
 
 
-class _OutOfTime(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise _OutOfTime()
-
-
-def attempt(fn, label, deadline, cap, *args):
-    """One contender within ``cap`` seconds and the run's deadline; a failure is logged."""
-    allowed = int(min(cap, deadline - time.time()))
-    if allowed < 15:
-        log(f"  {label}: not run, out of time")
-        return None
-    signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(allowed)
-    try:
-        return fn(*args)
-    except _OutOfTime:
-        log(f"  {label}: did not finish within {allowed} s")
-    except Exception as err:  # one failing contender must not hide the others
-        log(f"  {label}: FAILED {type(err).__name__}: {str(err)[:400]}")
-    finally:
-        signal.alarm(0)
-    return None
-
-
 SHAPES = [("rwkv6", 64, 64), ("gated_linear_attention", 64, 64),
           ("rwkv6", 32, 128), ("gated_linear_attention", 32, 128)]
 
@@ -281,8 +253,8 @@ def benchmark(deadline, out_dir, with_fla, shapes, sweep, lean):
         contenders = ([("fla", bench_fla, (x, d_out, d_state, ref))] if with_fla else []) + [
             ("ours", bench_ours, ours + (not lean,))]
         for label, fn, inputs in contenders:
-            row = attempt(fn, f"{label} {op} {shape}", deadline, 200 if label == "fla" else 120,
-                          op, *inputs)
+            row = within(f"{label} {op} {shape}", deadline, 200 if label == "fla" else 120, fn,
+                         op, *inputs)
             if row is not None:
                 record(row, op, shape, out_dir)
     # Other kernel settings (the backend's GLA_OVERRIDES), after every shape's defaults: times
@@ -293,8 +265,8 @@ def benchmark(deadline, out_dir, with_fla, shapes, sweep, lean):
                 continue
             triton_backend.GLA_OVERRIDES.update(overrides)
             try:
-                row = attempt(bench_ours, f"ours {op} {shape} {overrides}", deadline, 60, op,
-                              *ours, False)
+                row = within(f"ours {op} {shape} {overrides}", deadline, 60, bench_ours, op,
+                             *ours, False)
             finally:
                 triton_backend.GLA_OVERRIDES.clear()
             if row is not None:
@@ -340,8 +312,8 @@ def main():
     log(f"GPU {gpu}; jax {jax.__version__} ({jax.devices()[0]}), torch {torch.__version__}")
     results["gpu"] = gpu
     for seed, (name, op, dtype, key, value, drawn, options) in enumerate(CHECKS[:args.checks]):
-        attempt(check, name, deadline, 120, name, op, dtype, key, value, dict(drawn), options,
-                seed)
+        within(name, deadline, 120, check, name, op, dtype, key, value, dict(drawn), options,
+               seed)
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",") if i]
     benchmark(deadline, args.out, not args.no_fla, shapes,
               [sweep_item(item) for item in args.sweep.split(";") if item], args.lean)

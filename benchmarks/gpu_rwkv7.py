@@ -301,25 +301,33 @@ def _alarm(signum, frame):
     raise _OutOfTime()
 
 
-def _attempt(rows, prefix, deadline, out_dir, fn, *args, cap=240, **kwargs):
-    """Run one contender within ``cap`` seconds and the run's deadline; its row (named with
-    ``prefix``) goes to ``rows`` and the JSON file."""
+def within(label, deadline, cap, fn, *args, **kwargs):
+    """fn(*args, **kwargs) within ``cap`` seconds and the run's deadline; None (and a line in
+    the log) when there is no time left for it, it runs out of time or it fails: one failing
+    contender must not hide the others."""
     allowed = int(min(cap, deadline - time.time()))
     if allowed < 20:
-        log(f"  {args[0]}: not run, out of time")
+        log(f"  {label}: not run, out of time")
         return None
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(allowed)
     try:
-        row = fn(*args, **kwargs)
+        return fn(*args, **kwargs)
     except _OutOfTime:
-        log(f"  {args[0]}: did not finish within {allowed} s")
-        return None
-    except Exception as err:  # one failing contender must not hide the others
-        log(f"  {args[0]}: FAILED {type(err).__name__}: {str(err)[:400]}")
-        return None
+        log(f"  {label}: did not finish within {allowed} s")
+    except Exception as err:
+        log(f"  {label}: FAILED {type(err).__name__}: {str(err)[:400]}")
     finally:
         signal.alarm(0)
+    return None
+
+
+def _attempt(rows, prefix, deadline, out_dir, fn, *args, cap=240, **kwargs):
+    """One contender's row (``within``), named with ``prefix``, into ``rows`` and the JSON
+    file."""
+    row = within(args[0], deadline, cap, fn, *args, **kwargs)
+    if row is None:
+        return None
     row["name"] = f"{prefix} {row['name']}"
     log("  " + describe(row))
     rows.append(row)
