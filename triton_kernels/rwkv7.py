@@ -51,8 +51,8 @@ Four phases, so that only the two recurrences are sequential and they build noth
    holding part of the tiles: value gradient (dv, one path: it reads A_qk and A_ak from the
    in-chunk buffer), key gradient (dk, db and their share of dw) and query gradient (dr, da,
    dw; the one that needs H), the last two on blocks of K rows where configured (K_BLOCKS:
-   all their K-side work is per K row); for tame calls up to K=64 one kernel does the last
-   two (``rwkv7_tame_gradient_kernel``: fewer reads). Their tiles are held transposed
+   all their K-side work is per K row); for tame calls one kernel does the last two by
+   default (``rwkv7_tame_gradient_kernel``: fewer reads). Their tiles are held transposed
    ([K, C], [V, C]; see the kernels).
 
 Sequences are rows [cu[n], cu[n+1]) of the flattened [rows, heads, *] inputs (fixed-length
@@ -853,8 +853,10 @@ def rwkv7_tame_gradient_kernel(
     reads the inputs and dH once instead of twice. With dV in it too (before the value kernel
     read the forward's A matrices) it measured faster than three kernels at K=V=64 despite
     636 B of spills (H100, B=8, T=4096, H=64, bf16: fwd+bwd 18.55 ms against 20.27), slower at
-    K=128 (65.8 ms against 49.6, 2636 B). Same arithmetic as the two kernels' tame paths (on
-    the same K blocks)."""
+    K=128 (65.8 ms against 49.6, 2636 B). Without dV and on blocks of 64 K rows it is faster
+    at both (session 7: K=64 15.53 ms against 18.14 in two kernels, K=128 32.87 against
+    36.85): the default. Same arithmetic as the two kernels' tame paths (on the same K
+    blocks)."""
     (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
      first_chunk_slot, k_first) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr,
                                         cu_ptr, HEADS, K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES,
