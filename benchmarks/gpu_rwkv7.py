@@ -344,8 +344,8 @@ LAYOUTS = {"long": dict(steps=65536, heads=32, sequences=1),
 
 def benchmark_layout(name, deadline, out_dir, fla_configs=("disable_recompute",), sweep=False):
     """Ours beside fla's fastest configuration(s) on one of LAYOUTS (batch 1; float64 errors
-    on the first 2 heads); with ``sweep`` also the sequential passes on narrower V blocks (few
-    sequences fill few multiprocessors: 32 programs at H=32)."""
+    on the first 2 heads); with ``sweep`` also the sequential passes on other V blocks (few
+    sequences fill few multiprocessors: the default takes 32 below FEW_RECURRENCE_PROGRAMS)."""
     steps, heads, sequences = (LAYOUTS[name][k] for k in ("steps", "heads", "sequences"))
     cu_seqlens = None
     if sequences > 1:
@@ -368,7 +368,7 @@ def benchmark_layout(name, deadline, out_dir, fla_configs=("disable_recompute",)
     _attempt(rows, name, deadline, out_dir, bench_jax, "rwkv_jax triton (default config)",
              *ours, cu_seqlens=cu_jax, cap=120)
     default = triton_backend.default_config(64, 64)
-    for block_v in (32, 16) if sweep else ():
+    for block_v in (64, 16) if sweep else ():
         _attempt(rows, name, deadline, out_dir, bench_jax, f"triton recurrence_block_v={block_v}",
                  *ours, "triton", dataclasses.replace(default, recurrence_block_v=block_v),
                  cu_seqlens=cu_jax, cap=60)
