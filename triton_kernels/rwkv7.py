@@ -732,8 +732,7 @@ def rwkv7_key_gradient_kernel(
         (k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a,
          b) = _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr,
                            start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, k_first,
-                           scale,
-                           HEADS, K, V, C, FLOOR, PRECISION)
+                           scale, HEADS, K, V, C, FLOOR, PRECISION)
         gi, ge, g_end, to_end = _decays(w, 1)
         if TAME:  # no floored decay, |gi| <= 16: the plain difference is precise, fewer registers
             to_end = g_end[:, None] - gi
@@ -797,8 +796,7 @@ def rwkv7_query_gradient_kernel(
         (k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a,
          b) = _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr,
                            start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, k_first,
-                           scale,
-                           HEADS, K, V, C, FLOOR, PRECISION)
+                           scale, HEADS, K, V, C, FLOOR, PRECISION)
         gi, ge, g_end, to_end = _decays(w, 1)
         # The terms of q~ H and a~ H, and those through the four A matrices.
         dq = tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi)
@@ -870,8 +868,7 @@ def rwkv7_tame_gradient_kernel(
         (k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a,
          b) = _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr,
                            start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, k_first,
-                           scale,
-                           HEADS, K, V, C, FLOOR, PRECISION)
+                           scale, HEADS, K, V, C, FLOOR, PRECISION)
         gi, ge, g_end, _ = _decays(w, 1)
         to_end = tl.exp(g_end[:, None] - gi)  # (|gi| <= 16: the plain difference is precise)
         dh = _dh(dstates_ptr, clamped(first_chunk_slot + c, CHUNK_SLOTS), head, state_mask,
