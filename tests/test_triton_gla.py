@@ -16,17 +16,16 @@ GATES = ("g", "g_gamma", "gk", "gv")
 PACKED = [0, 0, 17, 57, 70]  # empty, partial chunk, several spans of 2 chunks, short
 
 
-def _chunks(monkeypatch, forward, backward, span):
-    for name, value in zip(("GLA_CHUNK", "GLA_GRADIENT_CHUNK", "GLA_SPAN"),
-                           (forward, backward, span)):
+def _chunks(monkeypatch, backward, span):
+    for name, value in zip(("GLA_GRADIENT_CHUNK", "GLA_SPAN"), (backward, span)):
         monkeypatch.setattr(triton_backend, name, value)
 
 
-# (forward chunk, backward chunk, span), the backend's settings: the default chunks with saved
-# states every 2 chunks (every test's), a backward chunk larger than the forward's (dH every 2
-# forward chunks), and one larger than some sequences.
-CHUNKS = [(16, 16, 32), (16, 32, 64), (32, 64, 128)]
-chunk_ids = lambda c: "chunks=%d,%d,%d" % c
+# (backward chunk, span: the forward's chunk), the backend's settings: spans of 2 backward
+# chunks, shorter than the default span so that short sequences cross several (every test's),
+# and the default span with backward chunks of 32 and of the whole span.
+CHUNKS = [(16, 32), (32, 64), (64, 64)]
+chunk_ids = lambda c: "chunks=%d,%d" % c
 
 
 @pytest.fixture(autouse=True)

@@ -55,8 +55,8 @@ flattened inputs, clamped to [0, ROWS) in the kernel, and saved-state slots are 
 import triton
 import triton.language as tl
 
-from .common import (PREFETCH_UP_TO, clamped_rows, diagonal_tile, in_range, level_factors,
-                     state_offsets, stored)
+from .common import (clamped_rows, diagonal_tile, in_range, level_factors, state_offsets,
+                     stored)
 
 
 @triton.jit
@@ -67,21 +67,38 @@ def _segment(sequence, cu_ptr, ROWS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _chunk(c, start, end, head, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
+def _tiles(c, start, end, head, k_cols, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
            REVERSE: tl.constexpr):
-    """Offsets and masks of chunk c's [C, K] and [C, V] tiles, in processing order."""
+    """Offsets and masks of chunk c's [C, BK] and [C, BV] tiles (columns k_cols, v_cols), in
+    processing order."""
     position = c * C + tl.arange(0, C)
     if REVERSE:
         row = end - 1 - position
     else:
         row = start + position
     inside = ((position >= 0) & (position < end - start))[:, None]  # (c = -1: a prefetch)
-    k_cols = tl.arange(0, BK)
     k_off = (row[:, None] * HEADS + head) * K + k_cols[None, :]
     v_off = (row[:, None] * HEADS + head) * V + v_cols[None, :]
     return (k_off, inside & in_range(k_cols, K, BK)[None, :],
             v_off, inside & in_range(v_cols, V, BV)[None, :])
+
+
+@triton.jit
+def _chunk(c, start, end, head, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
+           V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+           REVERSE: tl.constexpr):
+    """``_tiles`` of all K columns (BK >= K)."""
+    return _tiles(c, start, end, head, tl.arange(0, BK), v_cols, HEADS, K, V, BK, BV, C,
+                  REVERSE)
+
+
+@triton.jit
+def _state_block(slot, head, k_cols, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr):
+    """Offsets of the block (k_cols, v_cols) of a [slots, HEADS, K, V] state buffer."""
+    return ((slot.to(tl.int64) * HEADS + head) * (K * V) + k_cols[:, None] * V
+            + v_cols[None, :])
 
 
 @triton.jit
@@ -130,17 +147,25 @@ def _state_gradient_chunk(c, start, end, head, v_cols, q_ptr, a_ptr, b_ptr, do_p
 
 
 @triton.jit
-def _forward_chunk(c, start, end, head, v_cols, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
-                   HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, C: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
-                   REVERSE: tl.constexpr):
-    """The forward's loads of chunk c as stored: q, k, v and the gates (rows past the
+def _state_chunk(c, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr, b_ptr,
+                 HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, C: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
+                 REVERSE: tl.constexpr):
+    """The state pass's loads of chunk c as stored: k, v and the gates (rows past the
     sequence's end read as zeros)."""
-    k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
-                                      REVERSE)
-    return (stored(q_ptr, k_off, k_in), stored(k_ptr, k_off, k_in), stored(v_ptr, v_off, v_in),
+    k_off, k_in, v_off, v_in = _tiles(c, start, end, head, k_cols, v_cols, HEADS, K, V, BK, BV,
+                                      C, REVERSE)
+    return (stored(k_ptr, k_off, k_in), stored(v_ptr, v_off, v_in),
             _raw_gate(a_ptr, k_off, k_in, HAS_A, C, BK),
             _raw_gate(b_ptr, v_off, v_in, HAS_B, C, BV))
+
+
+@triton.jit
+def _to_end(raw, FLOOR: tl.constexpr):
+    """Of a chunk's stored log gates: e^{G_end - G_i} (the gates after i, summed in reverse:
+    no difference of large cumulative sums) and e^{G_end}, all <= 1."""
+    gate = tl.maximum(raw.to(tl.float32), FLOOR)
+    return tl.exp(tl.cumsum(gate, axis=0, reverse=True) - gate), tl.exp(tl.sum(gate, axis=0))
 
 
 @triton.jit
@@ -234,74 +259,110 @@ def _sequence_program(cu_ptr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.conste
 
 
 @triton.jit
-def gla_forward_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, u_ptr, h0_ptr, cu_ptr, state_index_ptr,  # inputs
-    o_ptr, ht_ptr, states_ptr,                                                  # outputs
-    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    ROWS: tl.constexpr,
-    SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr, SAVE: tl.constexpr,
-    HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr, REVERSE: tl.constexpr,
-    FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+def gla_state_kernel(
+    k_ptr, v_ptr, a_ptr, b_ptr, h0_ptr, cu_ptr, state_index_ptr,  # inputs
+    ht_ptr, states_ptr,                                          # outputs
+    HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr, SLOTS: tl.constexpr,
+    HAS_A: tl.constexpr, HAS_B: tl.constexpr, REVERSE: tl.constexpr, FLOOR: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Grid (sequences * HEADS, V blocks). o [rows, HEADS, V]; ht [N, HEADS, K, V] float32;
-    if SAVE: states [SLOTS, HEADS, K, V] float32, the state at the start of every span."""
-    sequence, head, v_cols, k_cols, state_mask, start, end, chunks, local = _sequence_program(
-        cu_ptr, HEADS, K, V, BK, BV, C, ROWS)
+    """Grid (sequences * HEADS, K blocks, V blocks): the state pass. states [SLOTS, HEADS, K, V]
+    float32, the state at the start of every chunk; ht [N, HEADS, K, V] float32. A state block
+    advances on its own K rows, so K is split into blocks as V is (more programs)."""
+    sequence = tl.program_id(0) // HEADS
+    head = tl.program_id(0) % HEADS
+    k_cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    state_mask = in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
+    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
+    local = _state_block(sequence, head, k_cols, v_cols, HEADS, K, V)
     first_slot = tl.load(state_index_ptr + sequence)
-    if BONUS:
-        u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
-    else:
-        u = tl.zeros([BK], tl.float32)  # unused
     h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
-    if BK <= PREFETCH_UP_TO:  # chunk c + 1's loads issued before chunk c's products
-        q_next, k_next, v_next, a_next, b_next = _forward_chunk(
-            0, start, end, head, v_cols, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, HEADS, K, V, BK, BV,
-            C, HAS_A, HAS_B, REVERSE)
+    # Chunk c + 1's loads issued before chunk c's product (Triton pipelines no ``while``).
+    k_next, v_next, a_next, b_next = _state_chunk(
+        0, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr, b_ptr, HEADS, K, V, BK, BV, C,
+        HAS_A, HAS_B, REVERSE)
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
-        if SAVE:
-            if c % CHUNKS_PER_STATE == 0:
-                slot = first_slot + c // CHUNKS_PER_STATE
-                tl.store(states_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols), h,
-                         mask=state_mask & (slot < SLOTS))
-        _, _, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C, REVERSE)
-        if BK <= PREFETCH_UP_TO:
-            q, k, v, a_raw, b_raw = q_next, k_next, v_next, a_next, b_next
-            q_next, k_next, v_next, a_next, b_next = _forward_chunk(
-                c + 1, start, end, head, v_cols, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, HEADS, K, V,
-                BK, BV, C, HAS_A, HAS_B, REVERSE)
-        else:
-            q, k, v, a_raw, b_raw = _forward_chunk(c, start, end, head, v_cols, q_ptr, k_ptr,
-                                                   v_ptr, a_ptr, b_ptr, HEADS, K, V, BK, BV, C,
-                                                   HAS_A, HAS_B, REVERSE)
-        q = q.to(tl.float32) * scale
+        slot = first_slot + c
+        tl.store(states_ptr + _state_block(slot, head, k_cols, v_cols, HEADS, K, V), h,
+                 mask=state_mask & (slot < SLOTS))
+        k, v, a_raw, b_raw = k_next, v_next, a_next, b_next
+        k_next, v_next, a_next, b_next = _state_chunk(
+            c + 1, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr, b_ptr, HEADS, K, V, BK,
+            BV, C, HAS_A, HAS_B, REVERSE)
+        # H' = (e^{A_end} e^{B_end}^T) * H + (k e^{A_end - A})^T (v e^{B_end - B})
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-        a, A, A_end, _ = _gate_sums(a_raw, FLOOR)
-        R = A - a if BONUS else A
-        # The read of H, then H advanced to the chunk's end right away (fewer live tiles
-        # through the in-chunk work).
-        o = tl.dot(q * tl.exp(R), h, input_precision=PRECISION)
+        if HAS_A:
+            k_to_end, a_decay = _to_end(a_raw, FLOOR)
+            k = k * k_to_end
+            h = h * a_decay[:, None]
         if HAS_B:
-            b, B, B_end, _ = _gate_sums(b_raw, FLOOR)
-            v_end = v * tl.exp(B_end[None, :] - B)
-            h = h * tl.exp(B_end)[None, :]
-        else:
-            v_end = v
-        h = tl.dot(tl.trans(k * tl.exp(A_end[None, :] - A)), v_end, tl.exp(A_end)[:, None] * h,
-                   input_precision=PRECISION)
-        scores = _scores(q, k, a, u, HAS_A, BONUS, C, LEVELS, PRECISION)
-        if HAS_B:
-            mixed, _ = _value_mixes(scores, v, v, b, C, LEVELS, PRECISION)
-            diagonal = tl.arange(0, C)[:, None] == tl.arange(0, C)[None, :]
-            o = (o * tl.exp(B) + mixed
-                 + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * v)
-        else:
-            o = tl.dot(scores, v, o, input_precision=PRECISION)
-        tl.store(o_ptr + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
+            v_to_end, b_decay = _to_end(b_raw, FLOOR)
+            v = v * v_to_end
+            h = h * b_decay[None, :]
+        h = tl.dot(tl.trans(k), v, h, input_precision=PRECISION)
         c += 1
     tl.store(ht_ptr + local, h, mask=state_mask)
+
+
+@triton.jit
+def gla_output_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, u_ptr, states_ptr, cu_ptr, state_index_ptr,
+    slot_sequence_ptr,  # inputs
+    o_ptr,              # output
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    ROWS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
+    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (SLOTS, HEADS, V blocks): the outputs of one chunk (a slot of ``states``, the state
+    at its start), all C tokens at once, no chain between chunks. The read of H and the scores
+    sum over K in blocks of BK, so no [C, K] tile outlives its block. o [rows, HEADS, V]."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    sequence = tl.load(slot_sequence_ptr + slot)
+    used = sequence >= 0
+    sequence = tl.maximum(sequence, 0)
+    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
+    # An unused slot takes the chunk past its sequence's end: it reads and writes nothing.
+    c = tl.where(used, slot - tl.load(state_index_ptr + sequence), chunks)
+    _, _, v_off, v_in = _tiles(c, start, end, head, tl.arange(0, BK), v_cols, HEADS, K, V, BK,
+                               BV, C, REVERSE)
+    o = tl.zeros([C, BV], tl.float32)
+    scores = tl.zeros([C, C], tl.float32)
+    for block in tl.static_range(triton.cdiv(K, BK)):
+        k_cols = block * BK + tl.arange(0, BK)
+        k_off, k_in, _, _ = _tiles(c, start, end, head, k_cols, v_cols, HEADS, K, V, BK, BV, C,
+                                   REVERSE)
+        h = tl.load(states_ptr + _state_block(slot, head, k_cols, v_cols, HEADS, K, V),
+                    mask=(in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
+                          & used), other=0.0)
+        q = _load(q_ptr, k_off, k_in) * scale
+        k = _load(k_ptr, k_off, k_in)
+        a, A, _, _ = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
+        if BONUS:
+            u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+            R = A - a
+        else:
+            u = tl.zeros([BK], tl.float32)  # unused
+            R = A
+        q_read = q * tl.exp(R) if HAS_A else q
+        o = tl.dot(q_read, h, o, input_precision=PRECISION)
+        scores += _scores(q, k, a, u, HAS_A, BONUS, C, LEVELS, PRECISION)
+    v = _load(v_ptr, v_off, v_in)
+    if HAS_B:
+        b, B, _, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
+        mixed, _ = _value_mixes(scores, v, v, b, C, LEVELS, PRECISION)
+        diagonal = tl.arange(0, C)[:, None] == tl.arange(0, C)[None, :]
+        o = (o * tl.exp(B) + mixed
+             + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * v)
+    else:
+        o = tl.dot(scores, v, o, input_precision=PRECISION)
+    tl.store(o_ptr + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
 
 
 @triton.jit

@@ -351,18 +351,16 @@ from . import LOG_DECAY_FLOOR  # noqa: E402
 
 _gla_kernels = _launch.kernels("gla")
 
-# Tokens per chunk (its pairwise factors are built level by level, log2(chunk) levels) of the
-# forward, and of the backward's two kernels (the state-gradient pass saves dH at the end of
-# each of its chunks; the gradient kernel takes them); the forward saves the state every
-# GLA_SPAN tokens, a multiple of both chunks. Measured on the H100 (K=V=64, bf16, B=8,
-# T=4096; BENCHMARKS.md): a backward chunk of 32 makes the state-gradient pass faster (1.25
-# -> 0.79 ms) but the gradient kernel slower (412 B of spills at 8 warps; K=128: 36.7 -> 61.2
-# ms forward+backward), 64 far slower (53 ms; thousands of bytes of spills); a forward chunk
-# of 32 is slower for GLA (3.88 -> 4.07 ms) and for RWKV-6 with 4 warps (3.93 -> 4.29). A span
-# of 256 against 128 or 512: the same times within 0.5%, 0.26 GiB less peak memory than 128.
-GLA_CHUNK = 16
+# The forward: a sequential state pass over chunks of GLA_SPAN tokens that saves the state at
+# the start of each (the ``states`` buffer), and a kernel parallel over those chunks for the
+# outputs (its pairwise factors built level by level, log2(GLA_SPAN) levels). The backward's two
+# kernels take chunks of GLA_GRADIENT_CHUNK tokens (the state-gradient pass saves dH at the end
+# of each; the gradient kernel takes them), a divisor of the span. Measured on the H100 (K=V=64,
+# bf16, B=8, T=4096; BENCHMARKS.md): a backward chunk of 32 makes the state-gradient pass faster
+# (1.25 -> 0.79 ms) but the gradient kernel slower (412 B of spills at 8 warps; K=128: 36.7 ->
+# 61.2 ms forward+backward), 64 far slower (53 ms; thousands of bytes of spills).
 GLA_GRADIENT_CHUNK = 16
-GLA_SPAN = 256
+GLA_SPAN = 64
 # _GlaStatic fields -> values, to try other settings (benchmarks/gpu_gla.py --sweep) without
 # editing code.
 GLA_OVERRIDES: dict = {}
@@ -382,15 +380,15 @@ class _GlaStatic:
     reverse: bool
     precision: str  # of the float32 matrix products: "tf32x3" for float32 inputs, else "tf32"
     block_v: int
-    chunk: int           # tokens per chunk of the forward
-    gradient_chunk: int  # of the backward (state-gradient pass and gradient kernel)
-    span: int            # the forward saves the state every this many tokens
-    forward_warps: int         # of the forward
+    gradient_chunk: int  # tokens per chunk of the backward (state-gradient pass, gradient kernel)
+    span: int            # tokens per chunk of the forward, which saves the state at each start
+    state_warps: int           # of the forward's state pass
+    output_warps: int          # of the forward's output kernel
     state_gradient_warps: int  # of the state-gradient pass
     backward_warps: int        # of the parallel gradient kernel
 
     def __post_init__(self):
-        for chunk in (self.chunk, self.gradient_chunk):
+        for chunk in (self.span, self.gradient_chunk):
             if chunk not in (16, 32, 64) or self.span % chunk:
                 raise ValueError(f"GLA chunks must be 16, 32 or 64 tokens and divide the span "
                                  f"({self.span}); got {chunk}")
@@ -399,12 +397,17 @@ class _GlaStatic:
     def v_blocks(self):
         return -(-self.v_size // self.block_v)
 
+    @property
+    def block_k(self):
+        """K columns per program of the forward's kernels (the state pass splits K as V)."""
+        return min(_pow2_at_least(self.k_size), 64)
+
     def constexprs(self, chunk, **more):
-        return dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
+        return {**dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
                     BK=_pow2_at_least(self.k_size), BV=self.block_v, C=chunk,
                     LEVELS=chunk.bit_length() - 1, ROWS=self.rows,
                     HAS_A=self.has_a, HAS_B=self.has_b, BONUS=self.bonus, REVERSE=self.reverse,
-                    FLOOR=LOG_DECAY_FLOOR, PRECISION=self.precision, **more)
+                    FLOOR=LOG_DECAY_FLOOR, PRECISION=self.precision), **more}
 
 
 def _gla_slots(cu, rows, span):
@@ -422,29 +425,38 @@ def _present(*arrays):
     return tuple(jnp.zeros((1,), jnp.float32) if x is None else x for x in arrays)
 
 
-def _gla_forward(static, q, k, v, a, b, u, h0, cu, save):
+def _gla_forward(static, q, k, v, a, b, u, h0, cu):
+    """The state pass (the state at the start of every chunk of the span), then every chunk's
+    outputs from its state, in parallel."""
     sequences = cu.shape[0] - 1
-    _, state_index, slots = _gla_slots(cu, static.rows, static.span)
-    state_shape = (sequences, static.heads, static.k_size, static.v_size)
-    o, ht, states = _launch.launch(
-        _gla_kernels.gla_forward_kernel, _present(q, k, v, a, b, u, h0, cu, state_index),
-        (jax.ShapeDtypeStruct(v.shape, v.dtype),
-         jax.ShapeDtypeStruct(state_shape, jnp.float32),
-         jax.ShapeDtypeStruct((slots,) + state_shape[1:] if save else (1,), jnp.float32)),
-        (sequences * static.heads, static.v_blocks), num_warps=static.forward_warps,
-        **static.constexprs(static.chunk, SLOTS=slots,
-                            CHUNKS_PER_STATE=static.span // static.chunk, SAVE=save))
+    spans, state_index, slots = _gla_slots(cu, static.rows, static.span)
+    state_shape = (static.heads, static.k_size, static.v_size)
+    k_blocks = -(-static.k_size // static.block_k)
+    constexprs = static.constexprs(static.span, BK=static.block_k)
+    unused = ("scale", "LEVELS", "BONUS")
+    ht, states = _launch.launch(
+        _gla_kernels.gla_state_kernel, _present(k, v, a, b, h0, cu, state_index),
+        (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
+         jax.ShapeDtypeStruct((slots,) + state_shape, jnp.float32)),
+        (sequences * static.heads, k_blocks, static.v_blocks), num_warps=static.state_warps,
+        SLOTS=slots, **{n: x for n, x in constexprs.items() if n not in unused})
+    (o,) = _launch.launch(
+        _gla_kernels.gla_output_kernel,
+        _present(q, k, v, a, b, u, states, cu, state_index,
+                 _slot_sequences(spans, state_index, slots)),
+        (jax.ShapeDtypeStruct(v.shape, v.dtype),),
+        (slots, static.heads, static.v_blocks), num_warps=static.output_warps, **constexprs)
     return o, ht, states
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gla(static, q, k, v, a, b, u, h0, cu):
-    o, ht, _ = _gla_forward(static, q, k, v, a, b, u, h0, cu, save=False)
+    o, ht, _ = _gla_forward(static, q, k, v, a, b, u, h0, cu)
     return o, ht
 
 
 def _gla_fwd(static, q, k, v, a, b, u, h0, cu):
-    o, ht, states = _gla_forward(static, q, k, v, a, b, u, h0, cu, save=True)
+    o, ht, states = _gla_forward(static, q, k, v, a, b, u, h0, cu)
     return (o, ht), (q, k, v, a, b, u, states, cu)
 
 
@@ -511,7 +523,8 @@ def _gla_warps(k_size, block_v):
     RWKV-6 18.14 -> 14.39. At K=128 it stays at 8 (33.8 / 36.9 ms): 4 warps spill 1860 B there
     and were not timed (correct on the GPU, as 8 are)."""
     small = _pow2_at_least(k_size) * block_v <= 64 * 64
-    return dict(forward_warps=4, state_gradient_warps=4, backward_warps=4 if small else 8)
+    return dict(state_warps=4, output_warps=4, state_gradient_warps=4,
+                backward_warps=4 if small else 8)
 
 
 def _gla_static(q, k, v, a, b, u, scale, reverse):
@@ -524,7 +537,7 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
     static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
-        GLA_CHUNK, GLA_GRADIENT_CHUNK, GLA_SPAN, **_gla_warps(k_size, block_v))
+        GLA_GRADIENT_CHUNK, GLA_SPAN, **_gla_warps(k_size, block_v))
     return dataclasses.replace(static, **GLA_OVERRIDES)
 
 
