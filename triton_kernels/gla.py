@@ -67,21 +67,33 @@ def _segment(sequence, cu_ptr, ROWS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _tiles(c, start, end, head, k_cols, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
-           V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-           REVERSE: tl.constexpr):
-    """Offsets and masks of chunk c's [C, BK] and [C, BV] tiles (columns k_cols, v_cols), in
-    processing order."""
+def _chunk_rows(c, start, end, C: tl.constexpr, REVERSE: tl.constexpr):
+    """Rows of chunk c's positions, in processing order, and which are in the sequence."""
     position = c * C + tl.arange(0, C)
     if REVERSE:
         row = end - 1 - position
     else:
         row = start + position
-    inside = ((position >= 0) & (position < end - start))[:, None]  # (c = -1: a prefetch)
-    k_off = (row[:, None] * HEADS + head) * K + k_cols[None, :]
-    v_off = (row[:, None] * HEADS + head) * V + v_cols[None, :]
-    return (k_off, inside & in_range(k_cols, K, BK)[None, :],
-            v_off, inside & in_range(v_cols, V, BV)[None, :])
+    return row, ((position >= 0) & (position < end - start))[:, None]  # (c = -1: a prefetch)
+
+
+@triton.jit
+def _columns(row, inside, head, cols, HEADS: tl.constexpr, SIZE: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """Offsets and mask of the tile (row, cols) of a [rows, HEADS, SIZE] array."""
+    return ((row[:, None] * HEADS + head) * SIZE + cols[None, :],
+            inside & in_range(cols, SIZE, BLOCK)[None, :])
+
+
+@triton.jit
+def _tiles(c, start, end, head, k_cols, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
+           V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+           REVERSE: tl.constexpr):
+    """Offsets and masks of chunk c's [C, BK] and [C, BV] tiles (columns k_cols, v_cols)."""
+    row, inside = _chunk_rows(c, start, end, C, REVERSE)
+    k_off, k_in = _columns(row, inside, head, k_cols, HEADS, K, BK)
+    v_off, v_in = _columns(row, inside, head, v_cols, HEADS, V, BV)
+    return k_off, k_in, v_off, v_in
 
 
 @triton.jit
@@ -309,8 +321,55 @@ def gla_state_kernel(
 
 
 @triton.jit
+def _slot_chunk(slot, slot_sequence_ptr, cu_ptr, state_index_ptr, ROWS: tl.constexpr,
+                C: tl.constexpr):
+    """A parallel kernel's chunk: whether the slot is used, and its sequence's rows and chunk
+    (an unused slot takes the chunk past its sequence's end: it reads and writes nothing)."""
+    sequence = tl.load(slot_sequence_ptr + slot)
+    used = sequence >= 0
+    sequence = tl.maximum(sequence, 0)
+    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
+    return used, start, end, tl.where(used, slot - tl.load(state_index_ptr + sequence), chunks)
+
+
+@triton.jit
+def _scores_offsets(slot, head, HEADS: tl.constexpr, C: tl.constexpr):
+    t = tl.arange(0, C)
+    return (slot.to(tl.int64) * HEADS + head) * (C * C) + t[:, None] * C + t[None, :]
+
+
+@triton.jit
+def gla_scores_kernel(
+    q_ptr, k_ptr, a_ptr, u_ptr, cu_ptr, state_index_ptr, slot_sequence_ptr,  # inputs
+    scores_ptr,                                                              # output
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    C: tl.constexpr, LEVELS: tl.constexpr, ROWS: tl.constexpr, HAS_A: tl.constexpr,
+    BONUS: tl.constexpr, REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (SLOTS, HEADS): every chunk's scores S (with the diagonal), [SLOTS, HEADS, C, C]
+    float32, summed over K in blocks of BK."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    used, start, end, c = _slot_chunk(slot, slot_sequence_ptr, cu_ptr, state_index_ptr, ROWS, C)
+    row, inside = _chunk_rows(c, start, end, C, REVERSE)
+    scores = tl.zeros([C, C], tl.float32)
+    for block in tl.static_range(triton.cdiv(K, BK)):
+        k_cols = block * BK + tl.arange(0, BK)
+        k_off, k_in = _columns(row, inside, head, k_cols, HEADS, K, BK)
+        q = _load(q_ptr, k_off, k_in) * scale
+        k = _load(k_ptr, k_off, k_in)
+        a, _, _, _ = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
+        if BONUS:
+            u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+        else:
+            u = tl.zeros([BK], tl.float32)  # unused
+        scores += _scores(q, k, a, u, HAS_A, BONUS, C, LEVELS, PRECISION)
+    tl.store(scores_ptr + _scores_offsets(slot, head, HEADS, C), scores, mask=used)
+
+
+@triton.jit
 def gla_output_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, u_ptr, states_ptr, cu_ptr, state_index_ptr,
+    q_ptr, v_ptr, a_ptr, b_ptr, states_ptr, scores_ptr, cu_ptr, state_index_ptr,
     slot_sequence_ptr,  # inputs
     o_ptr,              # output
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -318,41 +377,28 @@ def gla_output_kernel(
     ROWS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
     REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (SLOTS, HEADS, V blocks): the outputs of one chunk (a slot of ``states``, the state
-    at its start), all C tokens at once, no chain between chunks. The read of H and the scores
-    sum over K in blocks of BK, so no [C, K] tile outlives its block. o [rows, HEADS, V]."""
+    """Grid (SLOTS, HEADS, V blocks): the outputs of one chunk, all C tokens at once, from the
+    state at its start (its slot of ``states``) and its scores; the read of H sums over K in
+    blocks of BK. o [rows, HEADS, V]."""
     slot = tl.program_id(0)
     head = tl.program_id(1)
-    sequence = tl.load(slot_sequence_ptr + slot)
-    used = sequence >= 0
-    sequence = tl.maximum(sequence, 0)
     v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
-    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
-    # An unused slot takes the chunk past its sequence's end: it reads and writes nothing.
-    c = tl.where(used, slot - tl.load(state_index_ptr + sequence), chunks)
-    _, _, v_off, v_in = _tiles(c, start, end, head, tl.arange(0, BK), v_cols, HEADS, K, V, BK,
-                               BV, C, REVERSE)
+    used, start, end, c = _slot_chunk(slot, slot_sequence_ptr, cu_ptr, state_index_ptr, ROWS, C)
+    row, inside = _chunk_rows(c, start, end, C, REVERSE)
+    v_off, v_in = _columns(row, inside, head, v_cols, HEADS, V, BV)
     o = tl.zeros([C, BV], tl.float32)
-    scores = tl.zeros([C, C], tl.float32)
     for block in tl.static_range(triton.cdiv(K, BK)):
         k_cols = block * BK + tl.arange(0, BK)
-        k_off, k_in, _, _ = _tiles(c, start, end, head, k_cols, v_cols, HEADS, K, V, BK, BV, C,
-                                   REVERSE)
+        k_off, k_in = _columns(row, inside, head, k_cols, HEADS, K, BK)
+        q = _load(q_ptr, k_off, k_in) * scale
+        if HAS_A:
+            a, A, _, _ = _log_gate(a_ptr, k_off, k_in, True, FLOOR, C, BK)
+            q = q * tl.exp(A - a if BONUS else A)
         h = tl.load(states_ptr + _state_block(slot, head, k_cols, v_cols, HEADS, K, V),
                     mask=(in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
                           & used), other=0.0)
-        q = _load(q_ptr, k_off, k_in) * scale
-        k = _load(k_ptr, k_off, k_in)
-        a, A, _, _ = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
-        if BONUS:
-            u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
-            R = A - a
-        else:
-            u = tl.zeros([BK], tl.float32)  # unused
-            R = A
-        q_read = q * tl.exp(R) if HAS_A else q
-        o = tl.dot(q_read, h, o, input_precision=PRECISION)
-        scores += _scores(q, k, a, u, HAS_A, BONUS, C, LEVELS, PRECISION)
+        o = tl.dot(q, h, o, input_precision=PRECISION)
+    scores = tl.load(scores_ptr + _scores_offsets(slot, head, HEADS, C), mask=used, other=0.0)
     v = _load(v_ptr, v_off, v_in)
     if HAS_B:
         b, B, _, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)

@@ -383,6 +383,7 @@ class _GlaStatic:
     gradient_chunk: int  # tokens per chunk of the backward (state-gradient pass, gradient kernel)
     span: int            # tokens per chunk of the forward, which saves the state at each start
     state_warps: int           # of the forward's state pass
+    scores_warps: int          # of the forward's in-chunk scores
     output_warps: int          # of the forward's output kernel
     state_gradient_warps: int  # of the state-gradient pass
     backward_warps: int        # of the parallel gradient kernel
@@ -426,8 +427,8 @@ def _present(*arrays):
 
 
 def _gla_forward(static, q, k, v, a, b, u, h0, cu):
-    """The state pass (the state at the start of every chunk of the span), then every chunk's
-    outputs from its state, in parallel."""
+    """The state pass (the state at the start of every chunk of the span), then, parallel over
+    chunks, every chunk's scores and its outputs (from its state and scores)."""
     sequences = cu.shape[0] - 1
     spans, state_index, slots = _gla_slots(cu, static.rows, static.span)
     state_shape = (static.heads, static.k_size, static.v_size)
@@ -440,10 +441,14 @@ def _gla_forward(static, q, k, v, a, b, u, h0, cu):
          jax.ShapeDtypeStruct((slots,) + state_shape, jnp.float32)),
         (sequences * static.heads, k_blocks, static.v_blocks), num_warps=static.state_warps,
         SLOTS=slots, **{n: x for n, x in constexprs.items() if n not in unused})
+    parallel = (cu, state_index, _slot_sequences(spans, state_index, slots))
+    (scores,) = _launch.launch(
+        _gla_kernels.gla_scores_kernel, _present(q, k, a, u) + parallel,
+        (jax.ShapeDtypeStruct((slots, static.heads, static.span, static.span), jnp.float32),),
+        (slots, static.heads), num_warps=static.scores_warps,
+        **{n: x for n, x in constexprs.items() if n not in ("V", "BV", "HAS_B")})
     (o,) = _launch.launch(
-        _gla_kernels.gla_output_kernel,
-        _present(q, k, v, a, b, u, states, cu, state_index,
-                 _slot_sequences(spans, state_index, slots)),
+        _gla_kernels.gla_output_kernel, _present(q, v, a, b, states, scores) + parallel,
         (jax.ShapeDtypeStruct(v.shape, v.dtype),),
         (slots, static.heads, static.v_blocks), num_warps=static.output_warps, **constexprs)
     return o, ht, states
@@ -523,7 +528,7 @@ def _gla_warps(k_size, block_v):
     RWKV-6 18.14 -> 14.39. At K=128 it stays at 8 (33.8 / 36.9 ms): 4 warps spill 1860 B there
     and were not timed (correct on the GPU, as 8 are)."""
     small = _pow2_at_least(k_size) * block_v <= 64 * 64
-    return dict(state_warps=4, output_warps=4, state_gradient_warps=4,
+    return dict(state_warps=4, scores_warps=4, output_warps=4, state_gradient_warps=4,
                 backward_warps=4 if small else 8)
 
 
