@@ -333,9 +333,24 @@ def _slot_chunk(slot, slot_sequence_ptr, cu_ptr, state_index_ptr, ROWS: tl.const
 
 
 @triton.jit
-def _scores_offsets(slot, head, HEADS: tl.constexpr, C: tl.constexpr):
-    t = tl.arange(0, C)
-    return (slot.to(tl.int64) * HEADS + head) * (C * C) + t[:, None] * C + t[None, :]
+def _scores_offsets(slot, head, t, i, HEADS: tl.constexpr, C: tl.constexpr):
+    """Offsets of the pairs (t, i) in chunk slot's [C, C] scores."""
+    return (slot.to(tl.int64) * HEADS + head) * (C * C) + t * C + i
+
+
+@triton.jit
+def _block_tiles(j, c, start, end, head, k_cols, HEADS: tl.constexpr, K: tl.constexpr,
+                 BK: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr):
+    """Offsets and mask of the [P, S, BK] tile of chunk c's rows at in-chunk positions j
+    ([P, S]), columns k_cols."""
+    position = c * C + j
+    if REVERSE:
+        row = end - 1 - position
+    else:
+        row = start + position
+    inside = (position >= 0) & (position < end - start)
+    return ((row[:, :, None] * HEADS + head) * K + k_cols[None, None, :],
+            inside[:, :, None] & in_range(k_cols, K, BK)[None, None, :])
 
 
 @triton.jit
@@ -343,28 +358,90 @@ def gla_scores_kernel(
     q_ptr, k_ptr, a_ptr, u_ptr, cu_ptr, state_index_ptr, slot_sequence_ptr,  # inputs
     scores_ptr,                                                              # output
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-    C: tl.constexpr, LEVELS: tl.constexpr, ROWS: tl.constexpr, HAS_A: tl.constexpr,
-    BONUS: tl.constexpr, REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+    C: tl.constexpr, ROWS: tl.constexpr, HAS_A: tl.constexpr, BONUS: tl.constexpr,
+    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (SLOTS, HEADS): every chunk's scores S (with the diagonal), [SLOTS, HEADS, C, C]
-    float32, summed over K in blocks of BK."""
+    """Grid (SLOTS, HEADS): every chunk's scores S[t, i] (i <= t, with the diagonal) into
+    [SLOTS, HEADS, C, C] float32 (pairs i > t are not written), summed over K in blocks of BK.
+
+    The pairs come as the levels of ``_scores``, but each level only as its blocks: level S >= 16
+    pairs rows (2p + 1) S + t with columns 2p S + i as a batched [C / 2S, S, S] product; the
+    levels S < 16 stay inside the chunk's 16-token sub-blocks, batched [C / 16, 16, 16]. No
+    [C, C] tile is held (registers: several programs per SM)."""
     slot = tl.program_id(0)
     head = tl.program_id(1)
     used, start, end, c = _slot_chunk(slot, slot_sequence_ptr, cu_ptr, state_index_ptr, ROWS, C)
-    row, inside = _chunk_rows(c, start, end, C, REVERSE)
-    scores = tl.zeros([C, C], tl.float32)
+    SUB: tl.constexpr = 16
+    NB: tl.constexpr = C // SUB
+    t16 = tl.arange(0, SUB)
+    within = tl.arange(0, NB)[:, None] * SUB + t16[None, :]  # [NB, 16] positions
+    blocks = tl.zeros([NB, SUB, SUB], tl.float32)  # the 16-token sub-blocks on the diagonal
     for block in tl.static_range(triton.cdiv(K, BK)):
         k_cols = block * BK + tl.arange(0, BK)
-        k_off, k_in = _columns(row, inside, head, k_cols, HEADS, K, BK)
-        q = _load(q_ptr, k_off, k_in) * scale
-        k = _load(k_ptr, k_off, k_in)
-        a, _, _, _ = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
+        off, mask = _block_tiles(within, c, start, end, head, k_cols, HEADS, K, BK, C, REVERSE)
+        q = tl.reshape(_load(q_ptr, off, mask) * scale, [C, BK])
+        k = tl.reshape(_load(k_ptr, off, mask), [C, BK])
         if BONUS:
             u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+            diagonal = tl.sum(q * u[None, :] * k, axis=1)
         else:
-            u = tl.zeros([BK], tl.float32)  # unused
-        scores += _scores(q, k, a, u, HAS_A, BONUS, C, LEVELS, PRECISION)
-    tl.store(scores_ptr + _scores_offsets(slot, head, HEADS, C), scores, mask=used)
+            diagonal = tl.sum(q * k, axis=1)
+        blocks += tl.where(t16[:, None] == t16[None, :],
+                           tl.reshape(diagonal, [NB, SUB])[:, :, None], 0.0)
+        if HAS_A:
+            a = tl.maximum(tl.reshape(_load(a_ptr, off, mask), [C, BK]), FLOOR)
+        for level in tl.static_range(4):  # S = 8, 4, 2, 1: within the sub-blocks
+            segment = t16 // (8 >> level)
+            keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
+            if HAS_A:
+                row, row_strict, column, _ = level_factors(a, 8 >> level, 0, C)
+                q_f = q * row_strict if BONUS else q * row
+                k_f = k * column
+            else:
+                q_f = q
+                k_f = k
+            pairs = tl.dot(tl.reshape(q_f, [NB, SUB, BK]),
+                           tl.permute(tl.reshape(k_f, [NB, SUB, BK]), (0, 2, 1)),
+                           input_precision=PRECISION)
+            blocks += tl.where(keep[None, :, :], pairs, 0.0)
+    lower = t16[:, None] >= t16[None, :]
+    tl.store(scores_ptr + _scores_offsets(slot, head, within[:, :, None],
+                                          within[:, None, :], HEADS, C),
+             blocks, mask=lower[None, :, :] & used)
+    # Levels S = 16, 32, ...: rows of each odd segment against the even segment before it,
+    # with the factor split at the boundary between them.
+    for level in tl.static_range(NB.bit_length() - 1):
+        _cross_level(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, scores_ptr, scale,
+                     HEADS, K, BK, C, SUB << level, HAS_A, BONUS, REVERSE, FLOOR, PRECISION)
+
+
+@triton.jit
+def _cross_level(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, scores_ptr,
+                 scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                 C: tl.constexpr, S: tl.constexpr, HAS_A: tl.constexpr, BONUS: tl.constexpr,
+                 REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr):
+    """The scores' level S (gla_scores_kernel): [C / 2S, S, S] pairs, stored."""
+    P: tl.constexpr = C // (2 * S)
+    first = tl.arange(0, P)[:, None] * (2 * S) + tl.arange(0, S)[None, :]  # even segments
+    pairs = tl.zeros([P, S, S], tl.float32)
+    for block in tl.static_range(triton.cdiv(K, BK)):
+        k_cols = block * BK + tl.arange(0, BK)
+        row_off, row_in = _block_tiles(first + S, c, start, end, head, k_cols, HEADS, K, BK, C,
+                                       REVERSE)
+        column_off, column_in = _block_tiles(first, c, start, end, head, k_cols, HEADS, K, BK,
+                                             C, REVERSE)
+        q = _load(q_ptr, row_off, row_in) * scale
+        k = _load(k_ptr, column_off, column_in)
+        if HAS_A:  # e^{R_t - A_b} and e^{A_b - A_i}, sums within each segment
+            a_row = tl.maximum(_load(a_ptr, row_off, row_in), FLOOR)
+            read = tl.cumsum(a_row, axis=1)
+            q = q * tl.exp(read - a_row if BONUS else read)
+            a_column = tl.maximum(_load(a_ptr, column_off, column_in), FLOOR)
+            k = k * tl.exp(tl.cumsum(a_column, axis=1, reverse=True) - a_column)
+        pairs += tl.dot(q, tl.permute(k, (0, 2, 1)), input_precision=PRECISION)
+    tl.store(scores_ptr + _scores_offsets(slot, head, (first + S)[:, :, None],
+                                          first[:, None, :], HEADS, C),
+             pairs, mask=used)
 
 
 @triton.jit
@@ -398,7 +475,9 @@ def gla_output_kernel(
                     mask=(in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
                           & used), other=0.0)
         o = tl.dot(q, h, o, input_precision=PRECISION)
-    scores = tl.load(scores_ptr + _scores_offsets(slot, head, HEADS, C), mask=used, other=0.0)
+    t = tl.arange(0, C)
+    scores = tl.load(scores_ptr + _scores_offsets(slot, head, t[:, None], t[None, :], HEADS, C),
+                     mask=(t[:, None] >= t[None, :]) & used, other=0.0)
     v = _load(v_ptr, v_off, v_in)
     if HAS_B:
         b, B, _, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)

@@ -361,6 +361,10 @@ _gla_kernels = _launch.kernels("gla")
 # 61.2 ms forward+backward), 64 far slower (53 ms; thousands of bytes of spills).
 GLA_GRADIENT_CHUNK = 16
 GLA_SPAN = 64
+# K columns per step of the in-chunk scores kernel: at 16, 165-194 registers and no spills at K
+# = 64 and 128 with 4 warps (sm_90, benchmarks/compile_report.py); at 32, 192-255 and spills
+# for RWKV-6 at K = 128; at 64, 255 and 112-672 B of spills.
+GLA_SCORES_BLOCK_K = 16
 # _GlaStatic fields -> values, to try other settings (benchmarks/gpu_gla.py --sweep) without
 # editing code.
 GLA_OVERRIDES: dict = {}
@@ -382,6 +386,7 @@ class _GlaStatic:
     block_v: int
     gradient_chunk: int  # tokens per chunk of the backward (state-gradient pass, gradient kernel)
     span: int            # tokens per chunk of the forward, which saves the state at each start
+    scores_block_k: int  # K columns per step of the forward's scores kernel
     state_warps: int           # of the forward's state pass
     scores_warps: int          # of the forward's in-chunk scores
     output_warps: int          # of the forward's output kernel
@@ -434,19 +439,21 @@ def _gla_forward(static, q, k, v, a, b, u, h0, cu):
     state_shape = (static.heads, static.k_size, static.v_size)
     k_blocks = -(-static.k_size // static.block_k)
     constexprs = static.constexprs(static.span, BK=static.block_k)
-    unused = ("scale", "LEVELS", "BONUS")
+    without = lambda *names, **more: {n: x for n, x in dict(constexprs, **more).items()
+                                      if n not in names}
     ht, states = _launch.launch(
         _gla_kernels.gla_state_kernel, _present(k, v, a, b, h0, cu, state_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((slots,) + state_shape, jnp.float32)),
         (sequences * static.heads, k_blocks, static.v_blocks), num_warps=static.state_warps,
-        SLOTS=slots, **{n: x for n, x in constexprs.items() if n not in unused})
+        **without("scale", "LEVELS", "BONUS", SLOTS=slots))
     parallel = (cu, state_index, _slot_sequences(spans, state_index, slots))
     (scores,) = _launch.launch(
         _gla_kernels.gla_scores_kernel, _present(q, k, a, u) + parallel,
         (jax.ShapeDtypeStruct((slots, static.heads, static.span, static.span), jnp.float32),),
         (slots, static.heads), num_warps=static.scores_warps,
-        **{n: x for n, x in constexprs.items() if n not in ("V", "BV", "HAS_B")})
+        **without("V", "BV", "HAS_B", "LEVELS",
+                  BK=min(static.scores_block_k, static.block_k)))
     (o,) = _launch.launch(
         _gla_kernels.gla_output_kernel, _present(q, v, a, b, states, scores) + parallel,
         (jax.ShapeDtypeStruct(v.shape, v.dtype),),
@@ -542,7 +549,7 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
     static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
-        GLA_GRADIENT_CHUNK, GLA_SPAN, **_gla_warps(k_size, block_v))
+        GLA_GRADIENT_CHUNK, GLA_SPAN, GLA_SCORES_BLOCK_K, **_gla_warps(k_size, block_v))
     return dataclasses.replace(static, **GLA_OVERRIDES)
 
 
