@@ -76,3 +76,18 @@ def test_odd_and_single_step_lengths(monkeypatch, op, steps, chunks):
     if op == "gated_linear_attention":
         drawn["gates"] = GATES
     check_case("triton", Case(op, drawn, {}), seed=steps)
+
+
+@pytest.mark.parametrize("op", ["gated_linear_attention", "rwkv6"])
+def test_default_span_several_chunks_packed_key_128(monkeypatch, op):
+    """The default span (64 tokens, the forward's chunk) with K = 128 (the forward's K blocks)
+    and V = 32: packed sequences of several chunks that end mid-chunk, one of a single token
+    in its last chunk, an empty segment, strong gates inside chunks."""
+    _chunks(monkeypatch, 16, 64)
+    drawn = dict(batch=1, steps=215, key=128, value=32, state_rows=3,
+                 decay=("every_third", -1e9))
+    options = dict(cu_seqlens=[0, 150, 150, 215])
+    if op == "gated_linear_attention":
+        drawn["gates"] = ("gk", "gv")
+        options["reverse"] = True
+    check_case("triton", Case(op, drawn, options), seed=13)

@@ -28,15 +28,17 @@ factor e^0). The other factors are decays to the chunk's end or from its start. 
 raised to FLOOR on load (their exp is 0 in float32 either way; it keeps the sums finite and
 precise), and the gradient of a floored gate is 0.
 
-Three kernels, as for RWKV-7: a sequential forward (H in registers; saves H every
-CHUNKS_PER_STATE chunks), a sequential reverse pass of the state gradient
+The forward is three kernels: a sequential state pass per (sequence, head, K block, V block)
+over chunks of C tokens (H' above: one product per chunk, every factor <= 1; the state at the
+start of every chunk saved as ``states``, the final one as ht), then two kernels parallel over
+(chunk, head): the scores S of every chunk (levels as above, each level only as its blocks:
+batched products of the segments that meet, no [C, C] tile held), and the outputs from the
+chunk's saved state and scores. The backward: a sequential reverse pass of the state gradient
 (dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B), saved at every chunk's end), and a
-parallel gradient kernel per (span of chunks, head, V block). The two sequential passes issue
-the next chunk's loads before the current chunk's products (the forward up to BK =
-PREFETCH_UP_TO, where its registers allow), so that their latency overlaps the products: Triton
-pipelines no ``while`` loop. The backward's two kernels share one chunk size, which may differ
-from the forward's (each kernel's C): the saved states' span is a multiple of both (the
-backend's GLA_SPAN).
+parallel gradient kernel per (span of chunks, head, V block). The sequential passes issue the
+next chunk's loads before the current chunk's products, so that their latency overlaps the
+products: Triton pipelines no ``while`` loop. The backward's two kernels share one chunk size,
+a divisor of the forward's (the backend's GLA_SPAN: the saved states' span).
 
 Gate gradients: a log gate multiplies a factor x = y e^z, so dz = x dx; summed over the chunk's
 factors that gives dR = q dq, dA = -k dk and the per-token gradient is their reverse cumulative
