@@ -352,8 +352,8 @@ from . import LOG_DECAY_FLOOR  # noqa: E402
 _gla_kernels = _launch.kernels("gla")
 
 # The forward: a sequential state pass over chunks of GLA_SPAN tokens that saves the state at
-# the start of each (the ``states`` buffer), and a kernel parallel over those chunks for the
-# outputs (its pairwise factors built level by level, log2(GLA_SPAN) levels). The backward's two
+# the start of each (the ``states`` buffer), then two kernels parallel over those chunks: their
+# scores (pairwise factors built level by level) and their outputs. The backward's two
 # kernels take chunks of GLA_GRADIENT_CHUNK tokens (the state-gradient pass saves dH at the end
 # of each; the gradient kernel takes them), a divisor of the span. Measured on the H100 (K=V=64,
 # bf16, B=8, T=4096; BENCHMARKS.md): a backward chunk of 32 makes the state-gradient pass faster
@@ -527,10 +527,11 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
 def _gla_warps(k_size, block_v):
-    """Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md), 4 warps against 8: at K=V=64
-    RWKV-6's forward 5.90 -> 3.87 ms (8 B of spills) and its state-gradient pass 1.77 -> 1.25
-    (GLA's had 4 already); at K=V=128 the forward 10.6 -> 7.6 ms (140-180 B of spills), the
-    state gradient 3.2 -> 3.0. The gradient kernel at K=V=64 with 4 warps (two programs per SM,
+    """The forward's three kernels at 4 warps: none spills at K=V=64 or 128 (sm_90,
+    benchmarks/compile_report.py; registers: state pass 255, scores 163-194, output 128-168; at
+    8 warps the scores take 128-198, the output 98-157, the state pass 177). Not yet timed.
+    Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md), 4 warps against 8: RWKV-6's
+    state-gradient pass 1.77 -> 1.25 ms at K=V=64 (GLA's had 4 already), 3.2 -> 3.0 at 128. The gradient kernel at K=V=64 with 4 warps (two programs per SM,
     240 B of spills) rather than 8 (one program, none): forward+backward GLA 17.39 -> 13.23 ms,
     RWKV-6 18.14 -> 14.39. At K=128 it stays at 8 (33.8 / 36.9 ms): 4 warps spill 1860 B there
     and were not timed (correct on the GPU, as 8 are)."""
