@@ -526,17 +526,21 @@ def _gla_bwd(static, residuals, cotangents):
 _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
-def _gla_warps(k_size, block_v):
+def _gla_warps(k_size, block_v, has_b):
     """The forward's three kernels at 4 warps: none spills at K=V=64 or 128 (sm_90,
     benchmarks/compile_report.py; registers: state pass 255, scores 163-194, output 128-168; at
-    8 warps the scores take 128-198, the output 98-157, the state pass 177). Not yet timed.
+    8 warps the scores take 128-198, the output 98-157, the state pass 177). With a value gate
+    the state pass and the output kernel take 8 (4 spill 216 B and 1.4 KB; 8: none and 16 B).
+    Not yet timed.
     Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md), 4 warps against 8: RWKV-6's
-    state-gradient pass 1.77 -> 1.25 ms at K=V=64 (GLA's had 4 already), 3.2 -> 3.0 at 128. The gradient kernel at K=V=64 with 4 warps (two programs per SM,
-    240 B of spills) rather than 8 (one program, none): forward+backward GLA 17.39 -> 13.23 ms,
-    RWKV-6 18.14 -> 14.39. At K=128 it stays at 8 (33.8 / 36.9 ms): 4 warps spill 1860 B there
-    and were not timed (correct on the GPU, as 8 are)."""
+    state-gradient pass 1.77 -> 1.25 ms at K=V=64 (GLA's had 4 already), 3.2 -> 3.0 at 128. The
+    gradient kernel at K=V=64 with 4 warps (two programs per SM, 240 B of spills) rather than 8
+    (one program, none): forward+backward GLA 17.39 -> 13.23 ms, RWKV-6 18.14 -> 14.39. At
+    K=128 it stays at 8 (33.8 / 36.9 ms): 4 warps spill 1860 B there and were not timed (correct
+    on the GPU, as 8 are)."""
     small = _pow2_at_least(k_size) * block_v <= 64 * 64
-    return dict(state_warps=4, scores_warps=4, output_warps=4, state_gradient_warps=4,
+    gated = 8 if has_b else 4
+    return dict(state_warps=gated, scores_warps=4, output_warps=gated, state_gradient_warps=4,
                 backward_warps=4 if small else 8)
 
 
@@ -550,7 +554,8 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
     static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
-        GLA_GRADIENT_CHUNK, GLA_SPAN, GLA_SCORES_BLOCK_K, **_gla_warps(k_size, block_v))
+        GLA_GRADIENT_CHUNK, GLA_SPAN, GLA_SCORES_BLOCK_K,
+        **_gla_warps(k_size, block_v, b is not None))
     return dataclasses.replace(static, **GLA_OVERRIDES)
 
 
