@@ -69,14 +69,22 @@ def _segment(sequence, cu_ptr, ROWS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _chunk_rows(c, start, end, C: tl.constexpr, REVERSE: tl.constexpr):
-    """Rows of chunk c's positions, in processing order, and which are in the sequence."""
-    position = c * C + tl.arange(0, C)
+def _rows(j, c, start, end, C: tl.constexpr, REVERSE: tl.constexpr):
+    """Rows of chunk c's in-chunk positions j (any shape), in processing order, and which are
+    in the sequence."""
+    position = c * C + j
     if REVERSE:
         row = end - 1 - position
     else:
         row = start + position
-    return row, ((position >= 0) & (position < end - start))[:, None]  # (c = -1: a prefetch)
+    return row, (position >= 0) & (position < end - start)  # (c = -1: a prefetch)
+
+
+@triton.jit
+def _chunk_rows(c, start, end, C: tl.constexpr, REVERSE: tl.constexpr):
+    """``_rows`` of the whole chunk, the mask as a column."""
+    row, inside = _rows(tl.arange(0, C), c, start, end, C, REVERSE)
+    return row, inside[:, None]
 
 
 @triton.jit
@@ -213,24 +221,6 @@ def _scores_diagonal(q, k, u, BONUS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, a, u, HAS_A: tl.constexpr, BONUS: tl.constexpr, C: tl.constexpr,
-            LEVELS: tl.constexpr, PRECISION: tl.constexpr):
-    """S[t,i] = sum_k q_t k_i e^{R_t - A_i} for i < t, level by level (every factor <= 1), and
-    its diagonal."""
-    scores = _scores_diagonal(q, k, u, BONUS, C)
-    if HAS_A:
-        for level in tl.static_range(LEVELS):
-            row, row_strict, column, keep = level_factors(a, C >> (level + 1), 0, C)
-            q_f = q * row_strict if BONUS else q * row
-            scores += tl.where(keep, tl.dot(q_f, tl.trans(k * column), input_precision=PRECISION),
-                               0.0)
-    else:
-        scores += tl.where(_strictly_lower(C), tl.dot(q, tl.trans(k), input_precision=PRECISION),
-                           0.0)
-    return scores
-
-
-@triton.jit
 def _value_mixes(pairs, x, y, b, C: tl.constexpr, LEVELS: tl.constexpr,
                  PRECISION: tl.constexpr):
     """With the value gate's factors e^{B_t - B_i} (level by level, each <= 1) and the pairs
@@ -345,12 +335,7 @@ def _block_tiles(j, c, start, end, head, k_cols, HEADS: tl.constexpr, K: tl.cons
                  BK: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr):
     """Offsets and mask of the [P, S, BK] tile of chunk c's rows at in-chunk positions j
     ([P, S]), columns k_cols."""
-    position = c * C + j
-    if REVERSE:
-        row = end - 1 - position
-    else:
-        row = start + position
-    inside = (position >= 0) & (position < end - start)
+    row, inside = _rows(j, c, start, end, C, REVERSE)
     return ((row[:, :, None] * HEADS + head) * K + k_cols[None, None, :],
             inside[:, :, None] & in_range(k_cols, K, BK)[None, None, :])
 
@@ -366,7 +351,7 @@ def gla_scores_kernel(
     """Grid (SLOTS, HEADS): every chunk's scores S[t, i] (i <= t, with the diagonal) into
     [SLOTS, HEADS, C, C] float32 (pairs i > t are not written), summed over K in blocks of BK.
 
-    The pairs come as the levels of ``_scores``, but each level only as its blocks: level S >= 16
+    The pairs come level by level (module docstring), each level only as its blocks: level S >= 16
     pairs rows (2p + 1) S + t with columns 2p S + i as a batched [C / 2S, S, S] product; the
     levels S < 16 stay inside the chunk's 16-token sub-blocks, batched [C / 16, 16, 16]. No
     [C, C] tile is held (registers: several programs per SM)."""
