@@ -3,14 +3,16 @@ reach: several V blocks per head (K-side gradients and du summed from partial su
 states every 2 chunks so that short packed sequences cross span boundaries, forward and
 backward chunks of 16, 32 and 64 tokens (packed sequences shorter than a chunk, partial chunks,
 odd T, T = 1, strong gates), every GLA gate with reverse and packed sequences (an empty
-segment, partial chunks) together, strong gates across chunk and span boundaries. Against the
+segment, partial chunks) together, strong gates across chunk and span boundaries, the scores
+kernel's tame and exact builds chosen per call. Against the
 float64 reference, forward and every gradient, through test_ops.check_case (tiny shapes:
 Triton's interpreter)."""
 
+import jax
 import pytest
 
 from rwkv_jax.backends import triton as triton_backend
-from test_ops import Case, check_case
+from test_ops import Case, check_case, make_inputs
 
 GATES = ("g", "g_gamma", "gk", "gv")
 PACKED = [0, 0, 17, 57, 70]  # empty, partial chunk, several spans of 2 chunks, short
@@ -91,3 +93,28 @@ def test_default_span_several_chunks_packed_key_128(monkeypatch, op):
         drawn["gates"] = ("gk", "gv")
         options["reverse"] = True
     check_case("triton", Case(op, drawn, options), seed=13)
+
+
+@pytest.mark.parametrize("op, decay, tame", [("gated_linear_attention", "model", True),
+                                             ("rwkv6", ("uniform", -0.9), True),
+                                             ("rwkv6", "strong", False)])
+def test_scores_path_per_call(monkeypatch, op, decay, tame):
+    """Log gates >= -GLA_TAME_SUM / span take the scores kernel's tame path (factors referenced
+    to the chunk's middle), stronger ones the exact build; both match the float64 reference
+    (a tame call also when forced onto the exact build). Default span, packed sequences of
+    several chunks ending mid-chunk, an empty segment."""
+    _chunks(monkeypatch, 16, 64)
+    drawn = dict(batch=1, steps=140, key=32, value=32, state_rows=3, decay=decay)
+    options = dict(cu_seqlens=[0, 5, 5, 140])
+    gate = "w"
+    if op == "gated_linear_attention":
+        drawn["gates"] = ("gk", "gv")
+        options["reverse"] = True
+        gate = "gk"
+    case = Case(op, drawn, options)
+    a = make_inputs(case, seed=17)[0][gate]
+    assert bool(jax.jit(triton_backend.gla_tame_path, static_argnums=1)(a, 64)) is tame
+    check_case("triton", case, seed=17)
+    if tame:
+        monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", {"tame": False})
+        check_case("triton", case, seed=17)

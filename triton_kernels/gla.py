@@ -346,60 +346,102 @@ def gla_scores_kernel(
     scores_ptr,                                                              # output
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
     C: tl.constexpr, ROWS: tl.constexpr, HAS_A: tl.constexpr, BONUS: tl.constexpr,
-    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr, TAME: tl.constexpr,
 ):
     """Grid (SLOTS, HEADS): every chunk's scores S[t, i] (i <= t, with the diagonal) into
     [SLOTS, HEADS, C, C] float32 (pairs i > t are not written), summed over K in blocks of BK.
 
-    The pairs come level by level (module docstring), each level only as its blocks: level S >= 16
-    pairs rows (2p + 1) S + t with columns 2p S + i as a batched [C / 2S, S, S] product; the
-    levels S < 16 stay inside the chunk's 16-token sub-blocks, batched [C / 16, 16, 16]. No
-    [C, C] tile is held (registers: several programs per SM)."""
+    TAME (a call whose log gates are all bounded, the backend's GLA_TAME_SUM): one product per
+    K block (_tame_scores). Otherwise the exact build: the pairs come level by level (module
+    docstring), each level only as its blocks: level S >= 16 pairs rows (2p + 1) S + t with
+    columns 2p S + i as a batched [C / 2S, S, S] product; the levels S < 16 stay inside the
+    chunk's 16-token sub-blocks, batched [C / 16, 16, 16]. No [C, C] tile is held (registers:
+    several programs per SM)."""
     slot = tl.program_id(0)
     head = tl.program_id(1)
     used, start, end, c = _slot_chunk(slot, slot_sequence_ptr, cu_ptr, state_index_ptr, ROWS, C)
-    SUB: tl.constexpr = 16
-    NB: tl.constexpr = C // SUB
-    t16 = tl.arange(0, SUB)
-    within = tl.arange(0, NB)[:, None] * SUB + t16[None, :]  # [NB, 16] positions
-    blocks = tl.zeros([NB, SUB, SUB], tl.float32)  # the 16-token sub-blocks on the diagonal
+    if TAME:
+        _tame_scores(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, u_ptr, scores_ptr,
+                     scale, HEADS, K, BK, C, HAS_A, BONUS, REVERSE, FLOOR, PRECISION)
+    else:
+        SUB: tl.constexpr = 16
+        NB: tl.constexpr = C // SUB
+        t16 = tl.arange(0, SUB)
+        within = tl.arange(0, NB)[:, None] * SUB + t16[None, :]  # [NB, 16] positions
+        blocks = tl.zeros([NB, SUB, SUB], tl.float32)  # the 16-token sub-blocks on the diagonal
+        for block in tl.static_range(triton.cdiv(K, BK)):
+            k_cols = block * BK + tl.arange(0, BK)
+            off, mask = _block_tiles(within, c, start, end, head, k_cols, HEADS, K, BK, C, REVERSE)
+            q = tl.reshape(_load(q_ptr, off, mask) * scale, [C, BK])
+            k = tl.reshape(_load(k_ptr, off, mask), [C, BK])
+            if BONUS:
+                u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+                diagonal = tl.sum(q * u[None, :] * k, axis=1)
+            else:
+                diagonal = tl.sum(q * k, axis=1)
+            blocks += tl.where(t16[:, None] == t16[None, :],
+                               tl.reshape(diagonal, [NB, SUB])[:, :, None], 0.0)
+            if HAS_A:
+                a = tl.maximum(tl.reshape(_load(a_ptr, off, mask), [C, BK]), FLOOR)
+            for level in tl.static_range(4):  # S = 8, 4, 2, 1: within the sub-blocks
+                segment = t16 // (8 >> level)
+                keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
+                if HAS_A:
+                    row, row_strict, column, _ = level_factors(a, 8 >> level, 0, C)
+                    q_f = q * row_strict if BONUS else q * row
+                    k_f = k * column
+                else:
+                    q_f = q
+                    k_f = k
+                pairs = tl.dot(tl.reshape(q_f, [NB, SUB, BK]),
+                               tl.permute(tl.reshape(k_f, [NB, SUB, BK]), (0, 2, 1)),
+                               input_precision=PRECISION)
+                blocks += tl.where(keep[None, :, :], pairs, 0.0)
+        lower = t16[:, None] >= t16[None, :]
+        tl.store(scores_ptr + _scores_offsets(slot, head, within[:, :, None],
+                                              within[:, None, :], HEADS, C),
+                 blocks, mask=lower[None, :, :] & used)
+        # Levels S = 16, 32, ...: rows of each odd segment against the even segment before it,
+        # with the factor split at the boundary between them.
+        for level in tl.static_range(NB.bit_length() - 1):
+            _cross_level(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, scores_ptr, scale,
+                         HEADS, K, BK, C, SUB << level, HAS_A, BONUS, REVERSE, FLOOR, PRECISION)
+
+
+@triton.jit
+def _tame_scores(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, u_ptr, scores_ptr,
+                 scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                 C: tl.constexpr, HAS_A: tl.constexpr, BONUS: tl.constexpr,
+                 REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr):
+    """The scores of a tame chunk (gla_scores_kernel's TAME path): the factors referenced to
+    the chunk's middle, S = (q e^{R - A_m}) (k e^{A_m - A})^T with A_m the cumulative log
+    gate at row m = C/2 - 1, one [C, BK] x [BK, C] product per K block. Every exponent is
+    a sum of at most C/2 gates, so within e^(+-GLA_TAME_SUM/2) on a tame call (each kept
+    term q_t k_i e^{R_t - A_i} keeps its own rounding: no cancellation, nothing overflows;
+    the pairs i > t, up to e^GLA_TAME_SUM, are masked). The diagonal as in the exact build."""
+    t = tl.arange(0, C)
+    row, inside = _chunk_rows(c, start, end, C, REVERSE)
+    scores = tl.zeros([C, C], tl.float32)
+    diagonal = tl.zeros([C], tl.float32)
     for block in tl.static_range(triton.cdiv(K, BK)):
         k_cols = block * BK + tl.arange(0, BK)
-        off, mask = _block_tiles(within, c, start, end, head, k_cols, HEADS, K, BK, C, REVERSE)
-        q = tl.reshape(_load(q_ptr, off, mask) * scale, [C, BK])
-        k = tl.reshape(_load(k_ptr, off, mask), [C, BK])
+        off, mask = _columns(row, inside, head, k_cols, HEADS, K, BK)
+        q = _load(q_ptr, off, mask) * scale
+        k = _load(k_ptr, off, mask)
         if BONUS:
             u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
-            diagonal = tl.sum(q * u[None, :] * k, axis=1)
+            diagonal += tl.sum(q * u[None, :] * k, axis=1)
         else:
-            diagonal = tl.sum(q * k, axis=1)
-        blocks += tl.where(t16[:, None] == t16[None, :],
-                           tl.reshape(diagonal, [NB, SUB])[:, :, None], 0.0)
+            diagonal += tl.sum(q * k, axis=1)
         if HAS_A:
-            a = tl.maximum(tl.reshape(_load(a_ptr, off, mask), [C, BK]), FLOOR)
-        for level in tl.static_range(4):  # S = 8, 4, 2, 1: within the sub-blocks
-            segment = t16 // (8 >> level)
-            keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
-            if HAS_A:
-                row, row_strict, column, _ = level_factors(a, 8 >> level, 0, C)
-                q_f = q * row_strict if BONUS else q * row
-                k_f = k * column
-            else:
-                q_f = q
-                k_f = k
-            pairs = tl.dot(tl.reshape(q_f, [NB, SUB, BK]),
-                           tl.permute(tl.reshape(k_f, [NB, SUB, BK]), (0, 2, 1)),
-                           input_precision=PRECISION)
-            blocks += tl.where(keep[None, :, :], pairs, 0.0)
-    lower = t16[:, None] >= t16[None, :]
-    tl.store(scores_ptr + _scores_offsets(slot, head, within[:, :, None],
-                                          within[:, None, :], HEADS, C),
-             blocks, mask=lower[None, :, :] & used)
-    # Levels S = 16, 32, ...: rows of each odd segment against the even segment before it,
-    # with the factor split at the boundary between them.
-    for level in tl.static_range(NB.bit_length() - 1):
-        _cross_level(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, scores_ptr, scale,
-                     HEADS, K, BK, C, SUB << level, HAS_A, BONUS, REVERSE, FLOOR, PRECISION)
+            a, A, _, _ = _log_gate(a_ptr, off, mask, True, FLOOR, C, BK)
+            middle = tl.sum(tl.where(t[:, None] == C // 2 - 1, A, 0.0), axis=0)[None, :]
+            q = q * tl.exp((A - a if BONUS else A) - middle)
+            k = k * tl.exp(middle - A)
+        scores = tl.dot(q, tl.trans(k), scores, input_precision=PRECISION)
+    scores = tl.where(_strictly_lower(C), scores, diagonal_tile(diagonal, C))
+    tl.store(scores_ptr + _scores_offsets(slot, head, t[:, None], t[None, :], HEADS, C),
+             scores, mask=(t[:, None] >= t[None, :]) & used)
 
 
 @triton.jit

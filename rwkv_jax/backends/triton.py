@@ -365,6 +365,13 @@ GLA_SPAN = 64
 # = 64 and 128 with 4 warps (sm_90, benchmarks/compile_report.py); at 32, 192-255 and spills
 # for RWKV-6 at K = 128; at 64, 255 and 112-672 B of spills.
 GLA_SCORES_BLOCK_K = 16
+# A call is tame when every log gate (GLA: gk + g + g_gamma; RWKV-6: w) is at least
+# -GLA_TAME_SUM / span: the scores kernel's tame path then references its factors to the chunk's
+# middle, each a sum of at most span / 2 gates, so within e^(+-32) at the span of 64 (float32
+# reaches e^88: far inside; each kept pair's product is still its factor <= 1 times q k, with no
+# cancellation). GLA's log-sigmoid / 16 gates are >= -1 unless a logit is below -16; stronger
+# gates (and -inf, NaN) take the exact build.
+GLA_TAME_SUM = 64.0
 # _GlaStatic fields -> values, to try other settings (benchmarks/gpu_gla.py --sweep) without
 # editing code.
 GLA_OVERRIDES: dict = {}
@@ -392,6 +399,9 @@ class _GlaStatic:
     output_warps: int          # of the forward's output kernel
     state_gradient_warps: int  # of the state-gradient pass
     backward_warps: int        # of the parallel gradient kernel
+    # Calls whose every log gate is >= -GLA_TAME_SUM / span take the scores kernel's tame path
+    # (False: always the exact build)
+    tame: bool = True
 
     def __post_init__(self):
         for chunk in (self.span, self.gradient_chunk):
@@ -426,6 +436,19 @@ def _gla_slots(cu, rows, span):
     return spans, first, _slot_count(rows, cu.shape[0] - 1, span)
 
 
+def gla_tame_path(a, span):
+    """Whether a call with log gates ``a`` takes the scores kernel's tame path (GLA_TAME_SUM)."""
+    return jnp.min(a, initial=0.0).astype(jnp.float32) * span >= -GLA_TAME_SUM
+
+
+def _gla_on_path(static, a, launch):
+    """launch(TAME) on the path the call's log gates pick, on the device (as RWKV-7's
+    _on_path: each path its own compiled kernel). Without a key-side gate every factor is 1."""
+    if a is None or not static.tame:
+        return launch(a is None)
+    return lax.cond(gla_tame_path(a, static.span), lambda: launch(True), lambda: launch(False))
+
+
 def _present(*arrays):
     """Launch inputs: an absent gate or bonus becomes a placeholder that no kernel reads."""
     return tuple(jnp.zeros((1,), jnp.float32) if x is None else x for x in arrays)
@@ -448,12 +471,12 @@ def _gla_forward(static, q, k, v, a, b, u, h0, cu):
         (sequences * static.heads, k_blocks, static.v_blocks), num_warps=static.state_warps,
         **without("scale", "LEVELS", "BONUS", SLOTS=slots))
     parallel = (cu, state_index, _slot_sequences(spans, state_index, slots))
-    (scores,) = _launch.launch(
+    (scores,) = _gla_on_path(static, a, lambda TAME: _launch.launch(
         _gla_kernels.gla_scores_kernel, _present(q, k, a, u) + parallel,
         (jax.ShapeDtypeStruct((slots, static.heads, static.span, static.span), jnp.float32),),
         (slots, static.heads), num_warps=static.scores_warps,
-        **without("V", "BV", "HAS_B", "LEVELS",
-                  BK=min(static.scores_block_k, static.block_k)))
+        **without("V", "BV", "HAS_B", "LEVELS", TAME=TAME,
+                  BK=min(static.scores_block_k, static.block_k))))
     (o,) = _launch.launch(
         _gla_kernels.gla_output_kernel, _present(q, v, a, b, states, scores) + parallel,
         (jax.ShapeDtypeStruct(v.shape, v.dtype),),
