@@ -3,7 +3,7 @@
 wheel carries ptxas and cuobjdump.
 
     python benchmarks/compile_report.py [--family rwkv7|gla] [--key 64] [--value 64] [--warps 4,8]
-        [--gradient-chunk 16 --span 64 --bonus]   (gla)
+        [--gradient-chunk 16 --span 64 --scores-block-k 16 --bonus]   (gla)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
@@ -75,6 +75,8 @@ def main():
     parser.add_argument("--recurrence-block-v", type=int, default=0,
                         help="rwkv7: V columns per program of the sequential passes (0: "
                              "--block-v)")
+    parser.add_argument("--scores-block-k", type=int, default=16,
+                        help="gla family: K columns per step of the forward's scores kernel")
     parser.add_argument("--family", choices=("rwkv7", "gla"), default="rwkv7")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
@@ -119,10 +121,10 @@ def main():
     ]
     if args.family == "gla":
         kernels = gla_kernels(shapes, inputs, v_blocks, args.bonus, args.gradient_chunk,
-                              args.span)
+                              args.span, args.scores_block_k)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
-    # RWKV-7: each kernel's two compiled paths (TAME=True for model-range decays, the exact one).
-    paths = ((True, "tame"), (False, "exact")) if args.family == "rwkv7" else ((None, ""),)
+    # Each kernel's two compiled paths (TAME=True for model-range decays, the exact one).
+    paths = ((True, "tame"), (False, "exact"))
     for name, kernel, constexprs in kernels:
         if args.only and name != args.only:
             continue
@@ -134,7 +136,7 @@ def main():
                 print(f"{name:15s} {path:5s} {warps} warps: {resources(compiled)}")
 
 
-def gla_kernels(shapes, inputs, v_blocks, bonus, gradient_chunk, span):
+def gla_kernels(shapes, inputs, v_blocks, bonus, gradient_chunk, span, scores_block_k):
     """GLA (key gate only, as benchmarked) or RWKV-6: the pointer types and constexprs."""
     inputs.update(q_ptr=inputs["r_ptr"], dq_ptr=inputs["dr_ptr"], da_ptr="*fp32", db_ptr="*fp32",
                   du_ptr="*fp32")
@@ -150,7 +152,7 @@ def gla_kernels(shapes, inputs, v_blocks, bonus, gradient_chunk, span):
               SLOTS=rows // span + 8)),
         ("scores", gla.gla_scores_kernel,
          dict({n: x for n, x in forward.items() if n not in ("V", "BV", "HAS_B", "LEVELS")},
-              BK=16)),
+              BK=min(scores_block_k, forward["BK"]))),
         ("output", gla.gla_output_kernel, forward),
         ("state gradient", gla.gla_state_gradient_kernel,
          dict(chunked(gradient_chunk), SLOTS=rows // gradient_chunk + 8)),

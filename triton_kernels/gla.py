@@ -32,8 +32,10 @@ The forward is three kernels: a sequential state pass per (sequence, head, K blo
 over chunks of C tokens (H' above: one product per chunk, every factor <= 1; the state at the
 start of every chunk saved as ``states``, the final one as ht), then two kernels parallel over
 (chunk, head): the scores S of every chunk (levels as above, each level only as its blocks:
-batched products of the segments that meet, no [C, C] tile held), and the outputs from the
-chunk's saved state and scores. The backward: a sequential reverse pass of the state gradient
+batched products of the segments that meet, no [C, C] tile held; or, on a call whose log gates
+are all bounded (the TAME path, chosen per call by the backend), one product per K block with
+the factors referenced to the chunk's middle), and the outputs from the chunk's saved state and
+scores. The backward: a sequential reverse pass of the state gradient
 (dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B), saved at every chunk's end), and a
 parallel gradient kernel per (span of chunks, head, V block). The sequential passes issue the
 next chunk's loads before the current chunk's products, so that their latency overlaps the

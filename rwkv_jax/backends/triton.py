@@ -363,7 +363,8 @@ GLA_GRADIENT_CHUNK = 16
 GLA_SPAN = 64
 # K columns per step of the in-chunk scores kernel: at 16, 165-194 registers and no spills at K
 # = 64 and 128 with 4 warps (sm_90, benchmarks/compile_report.py); at 32, 192-255 and spills
-# for RWKV-6 at K = 128; at 64, 255 and 112-672 B of spills.
+# for RWKV-6 at K = 128; at 64, 255 and 112-672 B of spills. Its tame path at 16: 96-124
+# registers, no spills (32: 128, 64: 165 at K = 64 with 4 warps, none spilling; not timed).
 GLA_SCORES_BLOCK_K = 16
 # A call is tame when every log gate (GLA: gk + g + g_gamma; RWKV-6: w) is at least
 # -GLA_TAME_SUM / span: the scores kernel's tame path then references its factors to the chunk's
