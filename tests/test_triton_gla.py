@@ -4,9 +4,8 @@ states every 2 chunks so that short packed sequences cross span boundaries, forw
 backward chunks of 16, 32 and 64 tokens (packed sequences shorter than a chunk, partial chunks,
 odd T, T = 1, strong gates), every GLA gate with reverse and packed sequences (an empty
 segment, partial chunks) together, strong gates across chunk and span boundaries, the scores
-kernel's tame and exact builds chosen per call. Against the
-float64 reference, forward and every gradient, through test_ops.check_case (tiny shapes:
-Triton's interpreter)."""
+kernel's tame and exact builds chosen per call. Against the float64 reference, forward and
+every gradient, through test_ops.check_case (tiny shapes: Triton's interpreter)."""
 
 import jax
 import pytest
