@@ -3,7 +3,7 @@
 wheel carries ptxas and cuobjdump.
 
     python benchmarks/compile_report.py [--family rwkv7|gla] [--key 64] [--value 64] [--warps 4,8]
-        [--chunk 16 --gradient-chunk 16 --span 256 --bonus]   (gla)
+        [--gradient-chunk 16 --span 64 --scores-block-k 16 --bonus]   (gla)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
@@ -65,13 +65,11 @@ def main():
     parser.add_argument("--key", type=int, default=64)
     parser.add_argument("--value", type=int, default=64)
     parser.add_argument("--warps", default="4,8")
-    parser.add_argument("--chunk", type=int, default=16,
-                        help="gla family: tokens per chunk of the forward")
     parser.add_argument("--gradient-chunk", type=int, default=16,
                         help="gla family: tokens per chunk of the state-gradient pass and the "
                         "gradient kernel")
-    parser.add_argument("--span", type=int, default=256,
-                        help="gla family: tokens between the forward's saved states")
+    parser.add_argument("--span", type=int, default=64,
+                        help="gla family: tokens per chunk of the forward (a state saved at each)")
     parser.add_argument("--block-v", type=int, default=64,
                         help="the most V columns a program takes")
     parser.add_argument("--recurrence-block-v", type=int, default=0,
@@ -80,6 +78,8 @@ def main():
     parser.add_argument("--gradient-block-k", type=int, default=0,
                         help="rwkv7: K rows per program of the key and query gradient kernels "
                              "(0: default_config's, 64 at K=128, else all)")
+    parser.add_argument("--scores-block-k", type=int, default=16,
+                        help="gla family: K columns per step of the forward's scores kernel")
     parser.add_argument("--family", choices=("rwkv7", "gla"), default="rwkv7")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
@@ -103,7 +103,7 @@ def main():
                   u_ptr=f32, dx_ptr=f32, dw_part_ptr=f32, ht_ptr=f32, dh0_ptr=f32, o_ptr=bf16,
                   dv_ptr=bf16,
                   matrices_ptr=f32, cu_ptr=i32, state_index_ptr=i32, chunk_index_ptr=i32,
-                  slot_sequence_ptr=i32, chunk_sequence_ptr=i32)
+                  slot_sequence_ptr=i32, chunk_sequence_ptr=i32, scores_ptr=f32)
     k_grads = f32 if v_blocks > 1 else bf16  # float32 partial sums with several V blocks
     inputs.update({f"d{n}_ptr": k_grads for n in "rwkab"})
     gradient = dict(shapes, CHUNKS_PER_STATE=8, SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
@@ -126,11 +126,11 @@ def main():
          {n: x for n, x in k_side.items() if n != "LEVELS"}),
     ]
     if args.family == "gla":
-        kernels = gla_kernels(shapes, inputs, v_blocks, args.bonus, args.chunk,
-                              args.gradient_chunk, args.span)
+        kernels = gla_kernels(shapes, inputs, v_blocks, args.bonus, args.gradient_chunk,
+                              args.span, args.scores_block_k)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
-    # RWKV-7: each kernel's two compiled paths (TAME=True for model-range decays, the exact one).
-    paths = ((True, "tame"), (False, "exact")) if args.family == "rwkv7" else ((None, ""),)
+    # Each kernel's two compiled paths (TAME=True for model-range decays, the exact one).
+    paths = ((True, "tame"), (False, "exact"))
     for name, kernel, constexprs in kernels:
         if args.only and name != args.only:
             continue
@@ -142,7 +142,7 @@ def main():
                 print(f"{name:15s} {path:5s} {warps} warps: {resources(compiled)}")
 
 
-def gla_kernels(shapes, inputs, v_blocks, bonus, chunk, gradient_chunk, span):
+def gla_kernels(shapes, inputs, v_blocks, bonus, gradient_chunk, span, scores_block_k):
     """GLA (key gate only, as benchmarked) or RWKV-6: the pointer types and constexprs."""
     inputs.update(q_ptr=inputs["r_ptr"], dq_ptr=inputs["dr_ptr"], da_ptr="*fp32", db_ptr="*fp32",
                   du_ptr="*fp32")
@@ -151,10 +151,15 @@ def gla_kernels(shapes, inputs, v_blocks, bonus, chunk, gradient_chunk, span):
                   FLOOR=-128.0)
     rows = shapes["ROWS"]
     chunked = lambda c: dict(shapes, C=c, LEVELS=c.bit_length() - 1)
+    forward = dict(chunked(span), BK=min(64, shapes["BK"]))  # K in blocks as V
     return [
-        ("forward", gla.gla_forward_kernel,
-         dict(chunked(chunk), SLOTS=rows // span + 8, CHUNKS_PER_STATE=span // chunk,
-              SAVE=True)),
+        ("state pass", gla.gla_state_kernel,
+         dict({n: x for n, x in forward.items() if n not in ("scale", "LEVELS", "BONUS")},
+              SLOTS=rows // span + 8)),
+        ("scores", gla.gla_scores_kernel,
+         dict({n: x for n, x in forward.items() if n not in ("V", "BV", "HAS_B", "LEVELS")},
+              BK=min(scores_block_k, forward["BK"]))),
+        ("output", gla.gla_output_kernel, forward),
         ("state gradient", gla.gla_state_gradient_kernel,
          dict(chunked(gradient_chunk), SLOTS=rows // gradient_chunk + 8)),
         ("gradient", gla.gla_backward_kernel,

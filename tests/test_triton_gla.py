@@ -3,30 +3,30 @@ reach: several V blocks per head (K-side gradients and du summed from partial su
 states every 2 chunks so that short packed sequences cross span boundaries, forward and
 backward chunks of 16, 32 and 64 tokens (packed sequences shorter than a chunk, partial chunks,
 odd T, T = 1, strong gates), every GLA gate with reverse and packed sequences (an empty
-segment, partial chunks) together, strong gates across chunk and span boundaries. Against the
-float64 reference, forward and every gradient, through test_ops.check_case (tiny shapes:
-Triton's interpreter)."""
+segment, partial chunks) together, strong gates across chunk and span boundaries, the scores
+kernel's tame and exact builds chosen per call. Against the float64 reference, forward and
+every gradient, through test_ops.check_case (tiny shapes: Triton's interpreter)."""
 
+import jax
 import pytest
 
 from rwkv_jax.backends import triton as triton_backend
-from test_ops import Case, check_case
+from test_ops import Case, check_case, make_inputs
 
 GATES = ("g", "g_gamma", "gk", "gv")
 PACKED = [0, 0, 17, 57, 70]  # empty, partial chunk, several spans of 2 chunks, short
 
 
-def _chunks(monkeypatch, forward, backward, span):
-    for name, value in zip(("GLA_CHUNK", "GLA_GRADIENT_CHUNK", "GLA_SPAN"),
-                           (forward, backward, span)):
+def _chunks(monkeypatch, backward, span):
+    for name, value in zip(("GLA_GRADIENT_CHUNK", "GLA_SPAN"), (backward, span)):
         monkeypatch.setattr(triton_backend, name, value)
 
 
-# (forward chunk, backward chunk, span), the backend's settings: the default chunks with saved
-# states every 2 chunks (every test's), a backward chunk larger than the forward's (dH every 2
-# forward chunks), and one larger than some sequences.
-CHUNKS = [(16, 16, 32), (16, 32, 64), (32, 64, 128)]
-chunk_ids = lambda c: "chunks=%d,%d,%d" % c
+# (backward chunk, span: the forward's chunk), the backend's settings: spans of 2 backward
+# chunks, shorter than the default span so that short sequences cross several (every test's),
+# and the default span with backward chunks of 32 and of the whole span.
+CHUNKS = [(16, 32), (32, 64), (64, 64)]
+chunk_ids = lambda c: "chunks=%d,%d" % c
 
 
 @pytest.fixture(autouse=True)
@@ -77,3 +77,43 @@ def test_odd_and_single_step_lengths(monkeypatch, op, steps, chunks):
     if op == "gated_linear_attention":
         drawn["gates"] = GATES
     check_case("triton", Case(op, drawn, {}), seed=steps)
+
+
+@pytest.mark.parametrize("op", ["gated_linear_attention", "rwkv6"])
+def test_default_span_several_chunks_packed_key_128(monkeypatch, op):
+    """The default span (64 tokens, the forward's chunk) with K = 128 (the forward's K blocks)
+    and V = 32: packed sequences of several chunks that end mid-chunk, one of a single token
+    in its last chunk, an empty segment, strong gates inside chunks."""
+    _chunks(monkeypatch, 16, 64)
+    drawn = dict(batch=1, steps=215, key=128, value=32, state_rows=3,
+                 decay=("every_third", -1e9))
+    options = dict(cu_seqlens=[0, 150, 150, 215])
+    if op == "gated_linear_attention":
+        drawn["gates"] = ("gk", "gv")
+        options["reverse"] = True
+    check_case("triton", Case(op, drawn, options), seed=13)
+
+
+@pytest.mark.parametrize("op, decay, tame", [("gated_linear_attention", "model", True),
+                                             ("rwkv6", ("uniform", -0.9), True),
+                                             ("rwkv6", "strong", False)])
+def test_scores_path_per_call(monkeypatch, op, decay, tame):
+    """Log gates >= -GLA_TAME_SUM / span take the scores kernel's tame path (factors referenced
+    to the chunk's middle), stronger ones the exact build; both match the float64 reference
+    (a tame call also when forced onto the exact build). Default span, packed sequences of
+    several chunks ending mid-chunk, an empty segment."""
+    _chunks(monkeypatch, 16, 64)
+    drawn = dict(batch=1, steps=140, key=32, value=32, state_rows=3, decay=decay)
+    options = dict(cu_seqlens=[0, 5, 5, 140])
+    gate = "w"
+    if op == "gated_linear_attention":
+        drawn["gates"] = ("gk", "gv")
+        options["reverse"] = True
+        gate = "gk"
+    case = Case(op, drawn, options)
+    a = make_inputs(case, seed=17)[0][gate]
+    assert bool(jax.jit(triton_backend.gla_tame_path, static_argnums=1)(a, 64)) is tame
+    check_case("triton", case, seed=17)
+    if tame:
+        monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", {"tame": False})
+        check_case("triton", case, seed=17)

@@ -10,9 +10,10 @@ loads and stores vectorised.
 import triton
 import triton.language as tl
 
-# The sequential passes (RWKV-7's two, GLA's forward) issue the next chunk's loads before the
-# current chunk's products up to this BK; beyond it the carried tiles spill (sm_90, 4 warps:
-# benchmarks/compile_report.py). GLA's state-gradient pass, with registers to spare, at every BK.
+# RWKV-7's sequential passes issue the next chunk's loads before the current chunk's products up
+# to this BK; beyond it the carried tiles spill (sm_90, 4 warps: benchmarks/compile_report.py).
+# GLA's (its forward's state pass, K in blocks of at most 64, and its state-gradient pass, with
+# registers to spare) at every BK.
 PREFETCH_UP_TO = tl.constexpr(64)
 
 

@@ -28,15 +28,19 @@ factor e^0). The other factors are decays to the chunk's end or from its start. 
 raised to FLOOR on load (their exp is 0 in float32 either way; it keeps the sums finite and
 precise), and the gradient of a floored gate is 0.
 
-Three kernels, as for RWKV-7: a sequential forward (H in registers; saves H every
-CHUNKS_PER_STATE chunks), a sequential reverse pass of the state gradient
+The forward is three kernels: a sequential state pass per (sequence, head, K block, V block)
+over chunks of C tokens (H' above: one product per chunk, every factor <= 1; the state at the
+start of every chunk saved as ``states``, the final one as ht), then two kernels parallel over
+(chunk, head): the scores S of every chunk (levels as above, each level only as its blocks:
+batched products of the segments that meet, no [C, C] tile held; or, on a call whose log gates
+are all bounded (the TAME path, chosen per call by the backend), one product per K block with
+the factors referenced to the chunk's middle), and the outputs from the chunk's saved state and
+scores. The backward: a sequential reverse pass of the state gradient
 (dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B), saved at every chunk's end), and a
-parallel gradient kernel per (span of chunks, head, V block). The two sequential passes issue
-the next chunk's loads before the current chunk's products (the forward up to BK =
-PREFETCH_UP_TO, where its registers allow), so that their latency overlaps the products: Triton
-pipelines no ``while`` loop. The backward's two kernels share one chunk size, which may differ
-from the forward's (each kernel's C): the saved states' span is a multiple of both (the
-backend's GLA_SPAN).
+parallel gradient kernel per (span of chunks, head, V block). The sequential passes issue the
+next chunk's loads before the current chunk's products, so that their latency overlaps the
+products: Triton pipelines no ``while`` loop. The backward's two kernels share one chunk size,
+a divisor of the forward's (the backend's GLA_SPAN: the saved states' span).
 
 Gate gradients: a log gate multiplies a factor x = y e^z, so dz = x dx; summed over the chunk's
 factors that gives dR = q dq, dA = -k dk and the per-token gradient is their reverse cumulative
@@ -55,8 +59,8 @@ flattened inputs, clamped to [0, ROWS) in the kernel, and saved-state slots are 
 import triton
 import triton.language as tl
 
-from .common import (PREFETCH_UP_TO, clamped_rows, diagonal_tile, in_range, level_factors,
-                     state_offsets, stored)
+from .common import (clamped_rows, diagonal_tile, in_range, level_factors, state_offsets,
+                     stored)
 
 
 @triton.jit
@@ -67,21 +71,58 @@ def _segment(sequence, cu_ptr, ROWS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _chunk(c, start, end, head, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
-           V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-           REVERSE: tl.constexpr):
-    """Offsets and masks of chunk c's [C, K] and [C, V] tiles, in processing order."""
-    position = c * C + tl.arange(0, C)
+def _rows(j, c, start, end, C: tl.constexpr, REVERSE: tl.constexpr):
+    """Rows of chunk c's in-chunk positions j (any shape), in processing order, and which are
+    in the sequence."""
+    position = c * C + j
     if REVERSE:
         row = end - 1 - position
     else:
         row = start + position
-    inside = ((position >= 0) & (position < end - start))[:, None]  # (c = -1: a prefetch)
-    k_cols = tl.arange(0, BK)
-    k_off = (row[:, None] * HEADS + head) * K + k_cols[None, :]
-    v_off = (row[:, None] * HEADS + head) * V + v_cols[None, :]
-    return (k_off, inside & in_range(k_cols, K, BK)[None, :],
-            v_off, inside & in_range(v_cols, V, BV)[None, :])
+    return row, (position >= 0) & (position < end - start)  # (c = -1: a prefetch)
+
+
+@triton.jit
+def _chunk_rows(c, start, end, C: tl.constexpr, REVERSE: tl.constexpr):
+    """``_rows`` of the whole chunk, the mask as a column."""
+    row, inside = _rows(tl.arange(0, C), c, start, end, C, REVERSE)
+    return row, inside[:, None]
+
+
+@triton.jit
+def _columns(row, inside, head, cols, HEADS: tl.constexpr, SIZE: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """Offsets and mask of the tile (row, cols) of a [rows, HEADS, SIZE] array."""
+    return ((row[:, None] * HEADS + head) * SIZE + cols[None, :],
+            inside & in_range(cols, SIZE, BLOCK)[None, :])
+
+
+@triton.jit
+def _tiles(c, start, end, head, k_cols, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
+           V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+           REVERSE: tl.constexpr):
+    """Offsets and masks of chunk c's [C, BK] and [C, BV] tiles (columns k_cols, v_cols)."""
+    row, inside = _chunk_rows(c, start, end, C, REVERSE)
+    k_off, k_in = _columns(row, inside, head, k_cols, HEADS, K, BK)
+    v_off, v_in = _columns(row, inside, head, v_cols, HEADS, V, BV)
+    return k_off, k_in, v_off, v_in
+
+
+@triton.jit
+def _chunk(c, start, end, head, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
+           V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+           REVERSE: tl.constexpr):
+    """``_tiles`` of all K columns (BK >= K)."""
+    return _tiles(c, start, end, head, tl.arange(0, BK), v_cols, HEADS, K, V, BK, BV, C,
+                  REVERSE)
+
+
+@triton.jit
+def _state_block(slot, head, k_cols, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr):
+    """Offsets of the block (k_cols, v_cols) of a [slots, HEADS, K, V] state buffer."""
+    return ((slot.to(tl.int64) * HEADS + head) * (K * V) + k_cols[:, None] * V
+            + v_cols[None, :])
 
 
 @triton.jit
@@ -130,17 +171,25 @@ def _state_gradient_chunk(c, start, end, head, v_cols, q_ptr, a_ptr, b_ptr, do_p
 
 
 @triton.jit
-def _forward_chunk(c, start, end, head, v_cols, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
-                   HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, C: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
-                   REVERSE: tl.constexpr):
-    """The forward's loads of chunk c as stored: q, k, v and the gates (rows past the
+def _state_chunk(c, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr, b_ptr,
+                 HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, C: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
+                 REVERSE: tl.constexpr):
+    """The state pass's loads of chunk c as stored: k, v and the gates (rows past the
     sequence's end read as zeros)."""
-    k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
-                                      REVERSE)
-    return (stored(q_ptr, k_off, k_in), stored(k_ptr, k_off, k_in), stored(v_ptr, v_off, v_in),
+    k_off, k_in, v_off, v_in = _tiles(c, start, end, head, k_cols, v_cols, HEADS, K, V, BK, BV,
+                                      C, REVERSE)
+    return (stored(k_ptr, k_off, k_in), stored(v_ptr, v_off, v_in),
             _raw_gate(a_ptr, k_off, k_in, HAS_A, C, BK),
             _raw_gate(b_ptr, v_off, v_in, HAS_B, C, BV))
+
+
+@triton.jit
+def _to_end(raw, FLOOR: tl.constexpr):
+    """Of a chunk's stored log gates: e^{G_end - G_i} (the gates after i, summed in reverse:
+    no difference of large cumulative sums) and e^{G_end}, all <= 1."""
+    gate = tl.maximum(raw.to(tl.float32), FLOOR)
+    return tl.exp(tl.cumsum(gate, axis=0, reverse=True) - gate), tl.exp(tl.sum(gate, axis=0))
 
 
 @triton.jit
@@ -171,24 +220,6 @@ def _scores_diagonal(q, k, u, BONUS: tl.constexpr, C: tl.constexpr):
         return diagonal_tile(tl.sum(q * u[None, :] * k, axis=1), C)
     else:
         return diagonal_tile(tl.sum(q * k, axis=1), C)
-
-
-@triton.jit
-def _scores(q, k, a, u, HAS_A: tl.constexpr, BONUS: tl.constexpr, C: tl.constexpr,
-            LEVELS: tl.constexpr, PRECISION: tl.constexpr):
-    """S[t,i] = sum_k q_t k_i e^{R_t - A_i} for i < t, level by level (every factor <= 1), and
-    its diagonal."""
-    scores = _scores_diagonal(q, k, u, BONUS, C)
-    if HAS_A:
-        for level in tl.static_range(LEVELS):
-            row, row_strict, column, keep = level_factors(a, C >> (level + 1), 0, C)
-            q_f = q * row_strict if BONUS else q * row
-            scores += tl.where(keep, tl.dot(q_f, tl.trans(k * column), input_precision=PRECISION),
-                               0.0)
-    else:
-        scores += tl.where(_strictly_lower(C), tl.dot(q, tl.trans(k), input_precision=PRECISION),
-                           0.0)
-    return scores
 
 
 @triton.jit
@@ -234,74 +265,260 @@ def _sequence_program(cu_ptr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.conste
 
 
 @triton.jit
-def gla_forward_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, u_ptr, h0_ptr, cu_ptr, state_index_ptr,  # inputs
-    o_ptr, ht_ptr, states_ptr,                                                  # outputs
-    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    ROWS: tl.constexpr,
-    SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr, SAVE: tl.constexpr,
-    HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr, REVERSE: tl.constexpr,
-    FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+def gla_state_kernel(
+    k_ptr, v_ptr, a_ptr, b_ptr, h0_ptr, cu_ptr, state_index_ptr,  # inputs
+    ht_ptr, states_ptr,                                          # outputs
+    HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr, SLOTS: tl.constexpr,
+    HAS_A: tl.constexpr, HAS_B: tl.constexpr, REVERSE: tl.constexpr, FLOOR: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Grid (sequences * HEADS, V blocks). o [rows, HEADS, V]; ht [N, HEADS, K, V] float32;
-    if SAVE: states [SLOTS, HEADS, K, V] float32, the state at the start of every span."""
-    sequence, head, v_cols, k_cols, state_mask, start, end, chunks, local = _sequence_program(
-        cu_ptr, HEADS, K, V, BK, BV, C, ROWS)
+    """Grid (sequences * HEADS, K blocks, V blocks): the state pass. states [SLOTS, HEADS, K, V]
+    float32, the state at the start of every chunk; ht [N, HEADS, K, V] float32. A state block
+    advances on its own K rows, so K is split into blocks as V is (more programs)."""
+    sequence = tl.program_id(0) // HEADS
+    head = tl.program_id(0) % HEADS
+    k_cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    state_mask = in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
+    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
+    local = _state_block(sequence, head, k_cols, v_cols, HEADS, K, V)
     first_slot = tl.load(state_index_ptr + sequence)
-    if BONUS:
-        u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
-    else:
-        u = tl.zeros([BK], tl.float32)  # unused
     h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
-    if BK <= PREFETCH_UP_TO:  # chunk c + 1's loads issued before chunk c's products
-        q_next, k_next, v_next, a_next, b_next = _forward_chunk(
-            0, start, end, head, v_cols, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, HEADS, K, V, BK, BV,
-            C, HAS_A, HAS_B, REVERSE)
+    # Chunk c + 1's loads issued before chunk c's product (Triton pipelines no ``while``).
+    k_next, v_next, a_next, b_next = _state_chunk(
+        0, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr, b_ptr, HEADS, K, V, BK, BV, C,
+        HAS_A, HAS_B, REVERSE)
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
-        if SAVE:
-            if c % CHUNKS_PER_STATE == 0:
-                slot = first_slot + c // CHUNKS_PER_STATE
-                tl.store(states_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols), h,
-                         mask=state_mask & (slot < SLOTS))
-        _, _, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C, REVERSE)
-        if BK <= PREFETCH_UP_TO:
-            q, k, v, a_raw, b_raw = q_next, k_next, v_next, a_next, b_next
-            q_next, k_next, v_next, a_next, b_next = _forward_chunk(
-                c + 1, start, end, head, v_cols, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, HEADS, K, V,
-                BK, BV, C, HAS_A, HAS_B, REVERSE)
-        else:
-            q, k, v, a_raw, b_raw = _forward_chunk(c, start, end, head, v_cols, q_ptr, k_ptr,
-                                                   v_ptr, a_ptr, b_ptr, HEADS, K, V, BK, BV, C,
-                                                   HAS_A, HAS_B, REVERSE)
-        q = q.to(tl.float32) * scale
+        slot = first_slot + c
+        tl.store(states_ptr + _state_block(slot, head, k_cols, v_cols, HEADS, K, V), h,
+                 mask=state_mask & (slot < SLOTS))
+        k, v, a_raw, b_raw = k_next, v_next, a_next, b_next
+        k_next, v_next, a_next, b_next = _state_chunk(
+            c + 1, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr, b_ptr, HEADS, K, V, BK,
+            BV, C, HAS_A, HAS_B, REVERSE)
+        # H' = (e^{A_end} e^{B_end}^T) * H + (k e^{A_end - A})^T (v e^{B_end - B})
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-        a, A, A_end, _ = _gate_sums(a_raw, FLOOR)
-        R = A - a if BONUS else A
-        # The read of H, then H advanced to the chunk's end right away (fewer live tiles
-        # through the in-chunk work).
-        o = tl.dot(q * tl.exp(R), h, input_precision=PRECISION)
+        if HAS_A:
+            k_to_end, a_decay = _to_end(a_raw, FLOOR)
+            k = k * k_to_end
+            h = h * a_decay[:, None]
         if HAS_B:
-            b, B, B_end, _ = _gate_sums(b_raw, FLOOR)
-            v_end = v * tl.exp(B_end[None, :] - B)
-            h = h * tl.exp(B_end)[None, :]
-        else:
-            v_end = v
-        h = tl.dot(tl.trans(k * tl.exp(A_end[None, :] - A)), v_end, tl.exp(A_end)[:, None] * h,
-                   input_precision=PRECISION)
-        scores = _scores(q, k, a, u, HAS_A, BONUS, C, LEVELS, PRECISION)
-        if HAS_B:
-            mixed, _ = _value_mixes(scores, v, v, b, C, LEVELS, PRECISION)
-            diagonal = tl.arange(0, C)[:, None] == tl.arange(0, C)[None, :]
-            o = (o * tl.exp(B) + mixed
-                 + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * v)
-        else:
-            o = tl.dot(scores, v, o, input_precision=PRECISION)
-        tl.store(o_ptr + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
+            v_to_end, b_decay = _to_end(b_raw, FLOOR)
+            v = v * v_to_end
+            h = h * b_decay[None, :]
+        h = tl.dot(tl.trans(k), v, h, input_precision=PRECISION)
         c += 1
     tl.store(ht_ptr + local, h, mask=state_mask)
+
+
+@triton.jit
+def _slot_chunk(slot, slot_sequence_ptr, cu_ptr, state_index_ptr, ROWS: tl.constexpr,
+                C: tl.constexpr):
+    """A parallel kernel's chunk: whether the slot is used, and its sequence's rows and chunk
+    (an unused slot takes the chunk past its sequence's end: it reads and writes nothing)."""
+    sequence = tl.load(slot_sequence_ptr + slot)
+    used = sequence >= 0
+    sequence = tl.maximum(sequence, 0)
+    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
+    return used, start, end, tl.where(used, slot - tl.load(state_index_ptr + sequence), chunks)
+
+
+@triton.jit
+def _scores_offsets(slot, head, t, i, HEADS: tl.constexpr, C: tl.constexpr):
+    """Offsets of the pairs (t, i) in chunk slot's [C, C] scores."""
+    return (slot.to(tl.int64) * HEADS + head) * (C * C) + t * C + i
+
+
+@triton.jit
+def _block_tiles(j, c, start, end, head, k_cols, HEADS: tl.constexpr, K: tl.constexpr,
+                 BK: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr):
+    """Offsets and mask of the [P, S, BK] tile of chunk c's rows at in-chunk positions j
+    ([P, S]), columns k_cols."""
+    row, inside = _rows(j, c, start, end, C, REVERSE)
+    return ((row[:, :, None] * HEADS + head) * K + k_cols[None, None, :],
+            inside[:, :, None] & in_range(k_cols, K, BK)[None, None, :])
+
+
+@triton.jit
+def gla_scores_kernel(
+    q_ptr, k_ptr, a_ptr, u_ptr, cu_ptr, state_index_ptr, slot_sequence_ptr,  # inputs
+    scores_ptr,                                                              # output
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    C: tl.constexpr, ROWS: tl.constexpr, HAS_A: tl.constexpr, BONUS: tl.constexpr,
+    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr, TAME: tl.constexpr,
+):
+    """Grid (SLOTS, HEADS): every chunk's scores S[t, i] (i <= t, with the diagonal) into
+    [SLOTS, HEADS, C, C] float32 (pairs i > t are not written), summed over K in blocks of BK.
+
+    TAME (a call whose log gates are all bounded, the backend's GLA_TAME_SUM): one product per
+    K block (_tame_scores). Otherwise the exact build: the pairs come level by level (module
+    docstring), each level only as its blocks: level S >= 16 pairs rows (2p + 1) S + t with
+    columns 2p S + i as a batched [C / 2S, S, S] product; the levels S < 16 stay inside the
+    chunk's 16-token sub-blocks, batched [C / 16, 16, 16]. No [C, C] tile is held (registers:
+    several programs per SM)."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    used, start, end, c = _slot_chunk(slot, slot_sequence_ptr, cu_ptr, state_index_ptr, ROWS, C)
+    if TAME:
+        _tame_scores(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, u_ptr, scores_ptr,
+                     scale, HEADS, K, BK, C, HAS_A, BONUS, REVERSE, FLOOR, PRECISION)
+    else:
+        SUB: tl.constexpr = 16
+        NB: tl.constexpr = C // SUB
+        t16 = tl.arange(0, SUB)
+        within = tl.arange(0, NB)[:, None] * SUB + t16[None, :]  # [NB, 16] positions
+        blocks = tl.zeros([NB, SUB, SUB], tl.float32)  # the 16-token sub-blocks on the diagonal
+        for block in tl.static_range(triton.cdiv(K, BK)):
+            k_cols = block * BK + tl.arange(0, BK)
+            off, mask = _block_tiles(within, c, start, end, head, k_cols, HEADS, K, BK, C, REVERSE)
+            q = tl.reshape(_load(q_ptr, off, mask) * scale, [C, BK])
+            k = tl.reshape(_load(k_ptr, off, mask), [C, BK])
+            if BONUS:
+                u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+                diagonal = tl.sum(q * u[None, :] * k, axis=1)
+            else:
+                diagonal = tl.sum(q * k, axis=1)
+            blocks += tl.where(t16[:, None] == t16[None, :],
+                               tl.reshape(diagonal, [NB, SUB])[:, :, None], 0.0)
+            if HAS_A:
+                a = tl.maximum(tl.reshape(_load(a_ptr, off, mask), [C, BK]), FLOOR)
+            for level in tl.static_range(4):  # S = 8, 4, 2, 1: within the sub-blocks
+                segment = t16 // (8 >> level)
+                keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
+                if HAS_A:
+                    row, row_strict, column, _ = level_factors(a, 8 >> level, 0, C)
+                    q_f = q * row_strict if BONUS else q * row
+                    k_f = k * column
+                else:
+                    q_f = q
+                    k_f = k
+                pairs = tl.dot(tl.reshape(q_f, [NB, SUB, BK]),
+                               tl.permute(tl.reshape(k_f, [NB, SUB, BK]), (0, 2, 1)),
+                               input_precision=PRECISION)
+                blocks += tl.where(keep[None, :, :], pairs, 0.0)
+        lower = t16[:, None] >= t16[None, :]
+        tl.store(scores_ptr + _scores_offsets(slot, head, within[:, :, None],
+                                              within[:, None, :], HEADS, C),
+                 blocks, mask=lower[None, :, :] & used)
+        # Levels S = 16, 32, ...: rows of each odd segment against the even segment before it,
+        # with the factor split at the boundary between them.
+        for level in tl.static_range(NB.bit_length() - 1):
+            _cross_level(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, scores_ptr, scale,
+                         HEADS, K, BK, C, SUB << level, HAS_A, BONUS, REVERSE, FLOOR, PRECISION)
+
+
+@triton.jit
+def _tame_scores(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, u_ptr, scores_ptr,
+                 scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                 C: tl.constexpr, HAS_A: tl.constexpr, BONUS: tl.constexpr,
+                 REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr):
+    """The scores of a tame chunk (gla_scores_kernel's TAME path): the factors referenced to
+    the chunk's middle, S = (q e^{R - A_m}) (k e^{A_m - A})^T with A_m the cumulative log
+    gate at row m = C/2 - 1, one [C, BK] x [BK, C] product per K block. Every exponent is
+    a sum of at most C/2 gates, so within e^(+-GLA_TAME_SUM/2) on a tame call (each kept
+    term q_t k_i e^{R_t - A_i} keeps its own rounding: no cancellation, nothing overflows;
+    the pairs i > t, up to e^GLA_TAME_SUM, are masked). The diagonal as in the exact build."""
+    t = tl.arange(0, C)
+    row, inside = _chunk_rows(c, start, end, C, REVERSE)
+    scores = tl.zeros([C, C], tl.float32)
+    diagonal = tl.zeros([C], tl.float32)
+    for block in tl.static_range(triton.cdiv(K, BK)):
+        k_cols = block * BK + tl.arange(0, BK)
+        off, mask = _columns(row, inside, head, k_cols, HEADS, K, BK)
+        q = _load(q_ptr, off, mask) * scale
+        k = _load(k_ptr, off, mask)
+        if BONUS:
+            u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+            diagonal += tl.sum(q * u[None, :] * k, axis=1)
+        else:
+            diagonal += tl.sum(q * k, axis=1)
+        if HAS_A:
+            a, A, _, _ = _log_gate(a_ptr, off, mask, True, FLOOR, C, BK)
+            middle = tl.sum(tl.where(t[:, None] == C // 2 - 1, A, 0.0), axis=0)[None, :]
+            q = q * tl.exp((A - a if BONUS else A) - middle)
+            k = k * tl.exp(middle - A)
+        scores = tl.dot(q, tl.trans(k), scores, input_precision=PRECISION)
+    scores = tl.where(_strictly_lower(C), scores, diagonal_tile(diagonal, C))
+    tl.store(scores_ptr + _scores_offsets(slot, head, t[:, None], t[None, :], HEADS, C),
+             scores, mask=(t[:, None] >= t[None, :]) & used)
+
+
+@triton.jit
+def _cross_level(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, scores_ptr,
+                 scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                 C: tl.constexpr, S: tl.constexpr, HAS_A: tl.constexpr, BONUS: tl.constexpr,
+                 REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr):
+    """The scores' level S (gla_scores_kernel): [C / 2S, S, S] pairs, stored."""
+    P: tl.constexpr = C // (2 * S)
+    first = tl.arange(0, P)[:, None] * (2 * S) + tl.arange(0, S)[None, :]  # even segments
+    pairs = tl.zeros([P, S, S], tl.float32)
+    for block in tl.static_range(triton.cdiv(K, BK)):
+        k_cols = block * BK + tl.arange(0, BK)
+        row_off, row_in = _block_tiles(first + S, c, start, end, head, k_cols, HEADS, K, BK, C,
+                                       REVERSE)
+        column_off, column_in = _block_tiles(first, c, start, end, head, k_cols, HEADS, K, BK,
+                                             C, REVERSE)
+        q = _load(q_ptr, row_off, row_in) * scale
+        k = _load(k_ptr, column_off, column_in)
+        if HAS_A:  # e^{R_t - A_b} and e^{A_b - A_i}, sums within each segment
+            a_row = tl.maximum(_load(a_ptr, row_off, row_in), FLOOR)
+            read = tl.cumsum(a_row, axis=1)
+            q = q * tl.exp(read - a_row if BONUS else read)
+            a_column = tl.maximum(_load(a_ptr, column_off, column_in), FLOOR)
+            k = k * tl.exp(tl.cumsum(a_column, axis=1, reverse=True) - a_column)
+        pairs += tl.dot(q, tl.permute(k, (0, 2, 1)), input_precision=PRECISION)
+    tl.store(scores_ptr + _scores_offsets(slot, head, (first + S)[:, :, None],
+                                          first[:, None, :], HEADS, C),
+             pairs, mask=used)
+
+
+@triton.jit
+def gla_output_kernel(
+    q_ptr, v_ptr, a_ptr, b_ptr, states_ptr, scores_ptr, cu_ptr, state_index_ptr,
+    slot_sequence_ptr,  # inputs
+    o_ptr,              # output
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    ROWS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
+    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (SLOTS, HEADS, V blocks): the outputs of one chunk, all C tokens at once, from the
+    state at its start (its slot of ``states``) and its scores; the read of H sums over K in
+    blocks of BK. o [rows, HEADS, V]."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    used, start, end, c = _slot_chunk(slot, slot_sequence_ptr, cu_ptr, state_index_ptr, ROWS, C)
+    row, inside = _chunk_rows(c, start, end, C, REVERSE)
+    v_off, v_in = _columns(row, inside, head, v_cols, HEADS, V, BV)
+    o = tl.zeros([C, BV], tl.float32)
+    for block in tl.static_range(triton.cdiv(K, BK)):
+        k_cols = block * BK + tl.arange(0, BK)
+        k_off, k_in = _columns(row, inside, head, k_cols, HEADS, K, BK)
+        q = _load(q_ptr, k_off, k_in) * scale
+        if HAS_A:
+            a, A, _, _ = _log_gate(a_ptr, k_off, k_in, True, FLOOR, C, BK)
+            q = q * tl.exp(A - a if BONUS else A)
+        h = tl.load(states_ptr + _state_block(slot, head, k_cols, v_cols, HEADS, K, V),
+                    mask=(in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
+                          & used), other=0.0)
+        o = tl.dot(q, h, o, input_precision=PRECISION)
+    t = tl.arange(0, C)
+    scores = tl.load(scores_ptr + _scores_offsets(slot, head, t[:, None], t[None, :], HEADS, C),
+                     mask=(t[:, None] >= t[None, :]) & used, other=0.0)
+    v = _load(v_ptr, v_off, v_in)
+    if HAS_B:
+        b, B, _, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
+        mixed, _ = _value_mixes(scores, v, v, b, C, LEVELS, PRECISION)
+        diagonal = tl.arange(0, C)[:, None] == tl.arange(0, C)[None, :]
+        o = (o * tl.exp(B) + mixed
+             + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * v)
+    else:
+        o = tl.dot(scores, v, o, input_precision=PRECISION)
+    tl.store(o_ptr + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
 
 
 @triton.jit

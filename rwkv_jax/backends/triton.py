@@ -393,18 +393,28 @@ from . import LOG_DECAY_FLOOR  # noqa: E402
 
 _gla_kernels = _launch.kernels("gla")
 
-# Tokens per chunk (its pairwise factors are built level by level, log2(chunk) levels) of the
-# forward, and of the backward's two kernels (the state-gradient pass saves dH at the end of
-# each of its chunks; the gradient kernel takes them); the forward saves the state every
-# GLA_SPAN tokens, a multiple of both chunks. Measured on the H100 (K=V=64, bf16, B=8,
-# T=4096; BENCHMARKS.md): a backward chunk of 32 makes the state-gradient pass faster (1.25
-# -> 0.79 ms) but the gradient kernel slower (412 B of spills at 8 warps; K=128: 36.7 -> 61.2
-# ms forward+backward), 64 far slower (53 ms; thousands of bytes of spills); a forward chunk
-# of 32 is slower for GLA (3.88 -> 4.07 ms) and for RWKV-6 with 4 warps (3.93 -> 4.29). A span
-# of 256 against 128 or 512: the same times within 0.5%, 0.26 GiB less peak memory than 128.
-GLA_CHUNK = 16
+# The forward: a sequential state pass over chunks of GLA_SPAN tokens that saves the state at
+# the start of each (the ``states`` buffer), then two kernels parallel over those chunks: their
+# scores (pairwise factors built level by level) and their outputs. The backward's two
+# kernels take chunks of GLA_GRADIENT_CHUNK tokens (the state-gradient pass saves dH at the end
+# of each; the gradient kernel takes them), a divisor of the span. Measured on the H100 (K=V=64,
+# bf16, B=8, T=4096; BENCHMARKS.md): a backward chunk of 32 makes the state-gradient pass faster
+# (1.25 -> 0.79 ms) but the gradient kernel slower (412 B of spills at 8 warps; K=128: 36.7 ->
+# 61.2 ms forward+backward), 64 far slower (53 ms; thousands of bytes of spills).
 GLA_GRADIENT_CHUNK = 16
-GLA_SPAN = 256
+GLA_SPAN = 64
+# K columns per step of the in-chunk scores kernel: at 16, 165-194 registers and no spills at K
+# = 64 and 128 with 4 warps (sm_90, benchmarks/compile_report.py); at 32, 192-255 and spills
+# for RWKV-6 at K = 128; at 64, 255 and 112-672 B of spills. Its tame path at 16: 96-124
+# registers, no spills (32: 128, 64: 165 at K = 64 with 4 warps, none spilling; not timed).
+GLA_SCORES_BLOCK_K = 16
+# A call is tame when every log gate (GLA: gk + g + g_gamma; RWKV-6: w) is at least
+# -GLA_TAME_SUM / span: the scores kernel's tame path then references its factors to the chunk's
+# middle, each a sum of at most span / 2 gates, so within e^(+-32) at the span of 64 (float32
+# reaches e^88: far inside; each kept pair's product is still its factor <= 1 times q k, with no
+# cancellation). GLA's log-sigmoid / 16 gates are >= -1 unless a logit is below -16; stronger
+# gates (and -inf, NaN) take the exact build.
+GLA_TAME_SUM = 64.0
 # _GlaStatic fields -> values, to try other settings (benchmarks/gpu_gla.py --sweep) without
 # editing code.
 GLA_OVERRIDES: dict = {}
@@ -424,15 +434,20 @@ class _GlaStatic:
     reverse: bool
     precision: str  # of the float32 matrix products: "tf32x3" for float32 inputs, else "tf32"
     block_v: int
-    chunk: int           # tokens per chunk of the forward
-    gradient_chunk: int  # of the backward (state-gradient pass and gradient kernel)
-    span: int            # the forward saves the state every this many tokens
-    forward_warps: int         # of the forward
+    gradient_chunk: int  # tokens per chunk of the backward (state-gradient pass, gradient kernel)
+    span: int            # tokens per chunk of the forward, which saves the state at each start
+    scores_block_k: int  # K columns per step of the forward's scores kernel
+    state_warps: int           # of the forward's state pass
+    scores_warps: int          # of the forward's in-chunk scores
+    output_warps: int          # of the forward's output kernel
     state_gradient_warps: int  # of the state-gradient pass
     backward_warps: int        # of the parallel gradient kernel
+    # Calls whose every log gate is >= -GLA_TAME_SUM / span take the scores kernel's tame path
+    # (False: always the exact build)
+    tame: bool = True
 
     def __post_init__(self):
-        for chunk in (self.chunk, self.gradient_chunk):
+        for chunk in (self.span, self.gradient_chunk):
             if chunk not in (16, 32, 64) or self.span % chunk:
                 raise ValueError(f"GLA chunks must be 16, 32 or 64 tokens and divide the span "
                                  f"({self.span}); got {chunk}")
@@ -441,12 +456,17 @@ class _GlaStatic:
     def v_blocks(self):
         return -(-self.v_size // self.block_v)
 
+    @property
+    def block_k(self):
+        """K columns per program of the forward's kernels (the state pass splits K as V)."""
+        return min(_pow2_at_least(self.k_size), 64)
+
     def constexprs(self, chunk, **more):
-        return dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
+        return {**dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
                     BK=_pow2_at_least(self.k_size), BV=self.block_v, C=chunk,
                     LEVELS=chunk.bit_length() - 1, ROWS=self.rows,
                     HAS_A=self.has_a, HAS_B=self.has_b, BONUS=self.bonus, REVERSE=self.reverse,
-                    FLOOR=LOG_DECAY_FLOOR, PRECISION=self.precision, **more)
+                    FLOOR=LOG_DECAY_FLOOR, PRECISION=self.precision), **more}
 
 
 def _gla_slots(cu, rows, span):
@@ -459,34 +479,62 @@ def _gla_slots(cu, rows, span):
     return spans, first, _slot_count(rows, cu.shape[0] - 1, span)
 
 
+def gla_tame_path(a, span):
+    """Whether a call with log gates ``a`` takes the scores kernel's tame path (GLA_TAME_SUM)."""
+    return jnp.min(a, initial=0.0).astype(jnp.float32) * span >= -GLA_TAME_SUM
+
+
+def _gla_on_path(static, a, launch):
+    """launch(TAME) on the path the call's log gates pick, on the device (as RWKV-7's
+    _on_path: each path its own compiled kernel). Without a key-side gate every factor is 1."""
+    if a is None or not static.tame:
+        return launch(a is None)
+    return lax.cond(gla_tame_path(a, static.span), lambda: launch(True), lambda: launch(False))
+
+
 def _present(*arrays):
     """Launch inputs: an absent gate or bonus becomes a placeholder that no kernel reads."""
     return tuple(jnp.zeros((1,), jnp.float32) if x is None else x for x in arrays)
 
 
-def _gla_forward(static, q, k, v, a, b, u, h0, cu, save):
+def _gla_forward(static, q, k, v, a, b, u, h0, cu):
+    """The state pass (the state at the start of every chunk of the span), then, parallel over
+    chunks, every chunk's scores and its outputs (from its state and scores)."""
     sequences = cu.shape[0] - 1
-    _, state_index, slots = _gla_slots(cu, static.rows, static.span)
-    state_shape = (sequences, static.heads, static.k_size, static.v_size)
-    o, ht, states = _launch.launch(
-        _gla_kernels.gla_forward_kernel, _present(q, k, v, a, b, u, h0, cu, state_index),
-        (jax.ShapeDtypeStruct(v.shape, v.dtype),
-         jax.ShapeDtypeStruct(state_shape, jnp.float32),
-         jax.ShapeDtypeStruct((slots,) + state_shape[1:] if save else (1,), jnp.float32)),
-        (sequences * static.heads, static.v_blocks), num_warps=static.forward_warps,
-        **static.constexprs(static.chunk, SLOTS=slots,
-                            CHUNKS_PER_STATE=static.span // static.chunk, SAVE=save))
+    spans, state_index, slots = _gla_slots(cu, static.rows, static.span)
+    state_shape = (static.heads, static.k_size, static.v_size)
+    k_blocks = -(-static.k_size // static.block_k)
+    constexprs = static.constexprs(static.span, BK=static.block_k)
+    without = lambda *names, **more: {n: x for n, x in dict(constexprs, **more).items()
+                                      if n not in names}
+    ht, states = _launch.launch(
+        _gla_kernels.gla_state_kernel, _present(k, v, a, b, h0, cu, state_index),
+        (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
+         jax.ShapeDtypeStruct((slots,) + state_shape, jnp.float32)),
+        (sequences * static.heads, k_blocks, static.v_blocks), num_warps=static.state_warps,
+        **without("scale", "LEVELS", "BONUS", SLOTS=slots))
+    parallel = (cu, state_index, _slot_sequences(spans, state_index, slots))
+    (scores,) = _gla_on_path(static, a, lambda TAME: _launch.launch(
+        _gla_kernels.gla_scores_kernel, _present(q, k, a, u) + parallel,
+        (jax.ShapeDtypeStruct((slots, static.heads, static.span, static.span), jnp.float32),),
+        (slots, static.heads), num_warps=static.scores_warps,
+        **without("V", "BV", "HAS_B", "LEVELS", TAME=TAME,
+                  BK=min(static.scores_block_k, static.block_k))))
+    (o,) = _launch.launch(
+        _gla_kernels.gla_output_kernel, _present(q, v, a, b, states, scores) + parallel,
+        (jax.ShapeDtypeStruct(v.shape, v.dtype),),
+        (slots, static.heads, static.v_blocks), num_warps=static.output_warps, **constexprs)
     return o, ht, states
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gla(static, q, k, v, a, b, u, h0, cu):
-    o, ht, _ = _gla_forward(static, q, k, v, a, b, u, h0, cu, save=False)
+    o, ht, _ = _gla_forward(static, q, k, v, a, b, u, h0, cu)
     return o, ht
 
 
 def _gla_fwd(static, q, k, v, a, b, u, h0, cu):
-    o, ht, states = _gla_forward(static, q, k, v, a, b, u, h0, cu, save=True)
+    o, ht, states = _gla_forward(static, q, k, v, a, b, u, h0, cu)
     return (o, ht), (q, k, v, a, b, u, states, cu)
 
 
@@ -544,16 +592,22 @@ def _gla_bwd(static, residuals, cotangents):
 _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
-def _gla_warps(k_size, block_v):
-    """Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md), 4 warps against 8: at K=V=64
-    RWKV-6's forward 5.90 -> 3.87 ms (8 B of spills) and its state-gradient pass 1.77 -> 1.25
-    (GLA's had 4 already); at K=V=128 the forward 10.6 -> 7.6 ms (140-180 B of spills), the
-    state gradient 3.2 -> 3.0. The gradient kernel at K=V=64 with 4 warps (two programs per SM,
-    240 B of spills) rather than 8 (one program, none): forward+backward GLA 17.39 -> 13.23 ms,
-    RWKV-6 18.14 -> 14.39. At K=128 it stays at 8 (33.8 / 36.9 ms): 4 warps spill 1860 B there
-    and were not timed (correct on the GPU, as 8 are)."""
+def _gla_warps(k_size, block_v, has_b):
+    """The forward's three kernels at 4 warps: none spills at K=V=64 or 128 (sm_90,
+    benchmarks/compile_report.py; registers: state pass 255, scores 163-194, output 128-168; at
+    8 warps the scores take 128-198, the output 98-157, the state pass 177). With a value gate
+    the state pass and the output kernel take 8 (4 spill 216 B and 1.4 KB; 8: none and 16 B).
+    Not yet timed.
+    Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md), 4 warps against 8: RWKV-6's
+    state-gradient pass 1.77 -> 1.25 ms at K=V=64 (GLA's had 4 already), 3.2 -> 3.0 at 128. The
+    gradient kernel at K=V=64 with 4 warps (two programs per SM, 240 B of spills) rather than 8
+    (one program, none): forward+backward GLA 17.39 -> 13.23 ms, RWKV-6 18.14 -> 14.39. At
+    K=128 it stays at 8 (33.8 / 36.9 ms): 4 warps spill 1860 B there and were not timed (correct
+    on the GPU, as 8 are)."""
     small = _pow2_at_least(k_size) * block_v <= 64 * 64
-    return dict(forward_warps=4, state_gradient_warps=4, backward_warps=4 if small else 8)
+    gated = 8 if has_b else 4
+    return dict(state_warps=gated, scores_warps=4, output_warps=gated, state_gradient_warps=4,
+                backward_warps=4 if small else 8)
 
 
 def _gla_static(q, k, v, a, b, u, scale, reverse):
@@ -566,7 +620,8 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
     static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
-        GLA_CHUNK, GLA_GRADIENT_CHUNK, GLA_SPAN, **_gla_warps(k_size, block_v))
+        GLA_GRADIENT_CHUNK, GLA_SPAN, GLA_SCORES_BLOCK_K,
+        **_gla_warps(k_size, block_v, b is not None))
     return dataclasses.replace(static, **GLA_OVERRIDES)
 
 
