@@ -3,7 +3,7 @@
 wheel carries ptxas and cuobjdump.
 
     python benchmarks/compile_report.py [--family rwkv7|gla] [--key 64] [--value 64] [--warps 4,8]
-        [--chunk 16 --gradient-chunk 16 --span 256 --bonus]   (gla)
+        [--chunk 16 --span 64 --bonus --gate-v]   (gla)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
@@ -67,11 +67,9 @@ def main():
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--chunk", type=int, default=16,
                         help="gla family: tokens per chunk of the forward")
-    parser.add_argument("--gradient-chunk", type=int, default=16,
-                        help="gla family: tokens per chunk of the state-gradient pass and the "
-                        "gradient kernel")
-    parser.add_argument("--span", type=int, default=256,
-                        help="gla family: tokens between the forward's saved states")
+    parser.add_argument("--span", type=int, default=64,
+                        help="gla family: tokens between the forward's saved states, the "
+                        "backward's chunk")
     parser.add_argument("--block-v", type=int, default=64,
                         help="the most V columns a program takes")
     parser.add_argument("--recurrence-block-v", type=int, default=0,
@@ -79,6 +77,9 @@ def main():
                              "--block-v)")
     parser.add_argument("--family", choices=("rwkv7", "gla"), default="rwkv7")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
+    parser.add_argument("--gradient-block-k", type=int, default=64,
+                        help="gla family: K rows per block of the gradient kernels")
+    parser.add_argument("--gate-v", action="store_true", help="gla family: with a value gate")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
     args = parser.parse_args()
     bk = max(16, 1 << (args.key - 1).bit_length())
@@ -120,8 +121,8 @@ def main():
          {n: x for n, x in gradient.items() if n != "LEVELS"}),
     ]
     if args.family == "gla":
-        kernels = gla_kernels(shapes, inputs, v_blocks, args.bonus, args.chunk,
-                              args.gradient_chunk, args.span)
+        kernels = gla_kernels(shapes, inputs, args.bonus, args.gate_v, args.chunk, args.span,
+                              args.gradient_block_k)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
     # RWKV-7: each kernel's two compiled paths (TAME=True for model-range decays, the exact one).
     paths = ((True, "tame"), (False, "exact")) if args.family == "rwkv7" else ((None, ""),)
@@ -136,25 +137,27 @@ def main():
                 print(f"{name:15s} {path:5s} {warps} warps: {resources(compiled)}")
 
 
-def gla_kernels(shapes, inputs, v_blocks, bonus, chunk, gradient_chunk, span):
-    """GLA (key gate only, as benchmarked) or RWKV-6: the pointer types and constexprs."""
-    inputs.update(q_ptr=inputs["r_ptr"], dq_ptr=inputs["dr_ptr"], da_ptr="*fp32", db_ptr="*fp32",
-                  du_ptr="*fp32")
+def gla_kernels(shapes, inputs, bonus, gate_v, chunk, span, gradient_block_k):
+    """GLA (key gate only, as benchmarked, or with a value gate) or RWKV-6: the pointer types
+    and constexprs."""
+    inputs.update(q_ptr=inputs["r_ptr"], dq_ptr=inputs["dr_ptr"], dk_ptr="*bf16",
+                  da_ptr="*fp32", db_ptr="*fp32", du_ptr="*fp32")
     shapes = {n: x for n, x in shapes.items() if n != "TOTAL_ROWS"}  # RWKV-7's
-    shapes = dict(shapes, ROWS=8 * 4096, HAS_A=True, HAS_B=False, BONUS=bonus, REVERSE=False,
+    shapes = dict(shapes, ROWS=8 * 4096, HAS_A=True, HAS_B=gate_v, BONUS=bonus, REVERSE=False,
                   FLOOR=-128.0)
     rows = shapes["ROWS"]
     chunked = lambda c: dict(shapes, C=c, LEVELS=c.bit_length() - 1)
+    backward = dict(chunked(span), BK=min(64, shapes["BK"]))
     return [
         ("forward", gla.gla_forward_kernel,
          dict(chunked(chunk), SLOTS=rows // span + 8, CHUNKS_PER_STATE=span // chunk,
               SAVE=True)),
         ("state gradient", gla.gla_state_gradient_kernel,
-         dict(chunked(gradient_chunk), SLOTS=rows // gradient_chunk + 8)),
-        ("gradient", gla.gla_backward_kernel,
-         dict(chunked(gradient_chunk), SLOTS=rows // span + 8,
-              CHUNK_SLOTS=rows // gradient_chunk + 8, CHUNKS_PER_STATE=span // gradient_chunk,
-              PARTIAL=v_blocks > 1)),
+         dict(backward, SLOTS=rows // span + 8)),
+        ("key gradient", gla.gla_key_gradient_kernel,
+         dict(backward, BK=min(gradient_block_k, shapes["BK"]))),
+        ("value gradient", gla.gla_value_gradient_kernel,
+         dict(backward, BK=min(gradient_block_k, shapes["BK"]))),
     ]
 
 

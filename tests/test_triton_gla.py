@@ -16,17 +16,15 @@ GATES = ("g", "g_gamma", "gk", "gv")
 PACKED = [0, 0, 17, 57, 70]  # empty, partial chunk, several spans of 2 chunks, short
 
 
-def _chunks(monkeypatch, forward, backward, span):
-    for name, value in zip(("GLA_CHUNK", "GLA_GRADIENT_CHUNK", "GLA_SPAN"),
-                           (forward, backward, span)):
+def _chunks(monkeypatch, forward, span):
+    for name, value in zip(("GLA_CHUNK", "GLA_SPAN"), (forward, span)):
         monkeypatch.setattr(triton_backend, name, value)
 
 
-# (forward chunk, backward chunk, span), the backend's settings: the default chunks with saved
-# states every 2 chunks (every test's), a backward chunk larger than the forward's (dH every 2
-# forward chunks), and one larger than some sequences.
-CHUNKS = [(16, 16, 32), (16, 32, 64), (32, 64, 128)]
-chunk_ids = lambda c: "chunks=%d,%d,%d" % c
+# (forward chunk, span = the backward's chunk), the backend's settings: saved states every 2
+# forward chunks (every test's), the default span of 4 chunks, and one chunk per span.
+CHUNKS = [(16, 32), (16, 64), (64, 64)]
+chunk_ids = lambda c: "chunks=%d,%d" % c
 
 
 @pytest.fixture(autouse=True)
@@ -77,3 +75,19 @@ def test_odd_and_single_step_lengths(monkeypatch, op, steps, chunks):
     if op == "gated_linear_attention":
         drawn["gates"] = GATES
     check_case("triton", Case(op, drawn, {}), seed=steps)
+
+
+@pytest.mark.parametrize("op, key, value", [("gated_linear_attention", 128, 64),
+                                            ("rwkv6", 64, 128)])
+def test_head_sizes_of_several_k_and_v_blocks(monkeypatch, op, key, value):
+    """The backward's blocks at the default span: K-side programs of 32 keys each summing
+    over V blocks, V-side programs summing over K blocks of 64, the state gradient's grid
+    over both (packed with an empty segment, strong gates, chunks crossing the 64-token
+    spans)."""
+    _chunks(monkeypatch, *CHUNKS[1])
+    drawn = dict(batch=1, steps=70, key=key, value=value, state_rows=3,
+                 decay=("every_third", -1e9))
+    options = dict(cu_seqlens=[0, 3, 3, 70])
+    if op == "gated_linear_attention":
+        drawn["gates"] = GATES
+    check_case("triton", Case(op, drawn, options), seed=key + value)

@@ -351,18 +351,14 @@ from . import LOG_DECAY_FLOOR  # noqa: E402
 
 _gla_kernels = _launch.kernels("gla")
 
-# Tokens per chunk (its pairwise factors are built level by level, log2(chunk) levels) of the
-# forward, and of the backward's two kernels (the state-gradient pass saves dH at the end of
-# each of its chunks; the gradient kernel takes them); the forward saves the state every
-# GLA_SPAN tokens, a multiple of both chunks. Measured on the H100 (K=V=64, bf16, B=8,
-# T=4096; BENCHMARKS.md): a backward chunk of 32 makes the state-gradient pass faster (1.25
-# -> 0.79 ms) but the gradient kernel slower (412 B of spills at 8 warps; K=128: 36.7 -> 61.2
-# ms forward+backward), 64 far slower (53 ms; thousands of bytes of spills); a forward chunk
-# of 32 is slower for GLA (3.88 -> 4.07 ms) and for RWKV-6 with 4 warps (3.93 -> 4.29). A span
-# of 256 against 128 or 512: the same times within 0.5%, 0.26 GiB less peak memory than 128.
+# Tokens per chunk of the forward (its pairwise factors are built level by level, log2(chunk)
+# levels); it saves the state every GLA_SPAN tokens, a multiple of its chunk. The backward's
+# chunk is the span: its state-gradient pass saves dH at the end of every span (in the slots of
+# the saved states) and its gradient kernels take one span each, all of them at once.
+# Measured on the H100 (K=V=64, bf16, B=8, T=4096; BENCHMARKS.md): a forward chunk of 32 is
+# slower for GLA (3.88 -> 4.07 ms) and for RWKV-6 with 4 warps (3.93 -> 4.29).
 GLA_CHUNK = 16
-GLA_GRADIENT_CHUNK = 16
-GLA_SPAN = 256
+GLA_SPAN = 64
 # _GlaStatic fields -> values, to try other settings (benchmarks/gpu_gla.py --sweep) without
 # editing code.
 GLA_OVERRIDES: dict = {}
@@ -382,22 +378,35 @@ class _GlaStatic:
     reverse: bool
     precision: str  # of the float32 matrix products: "tf32x3" for float32 inputs, else "tf32"
     block_v: int
-    chunk: int           # tokens per chunk of the forward
-    gradient_chunk: int  # of the backward (state-gradient pass and gradient kernel)
-    span: int            # the forward saves the state every this many tokens
+    chunk: int  # tokens per chunk of the forward
+    span: int   # the forward saves the state every this many tokens: the backward's chunk
     forward_warps: int         # of the forward
     state_gradient_warps: int  # of the state-gradient pass
-    backward_warps: int        # of the parallel gradient kernel
+    key_gradient_warps: int    # of the parallel gradient kernels: the K-side one,
+    value_gradient_warps: int  # the V-side one
+    key_block_k: int           # K columns per program of the K-side gradient kernel
 
     def __post_init__(self):
-        for chunk in (self.chunk, self.gradient_chunk):
+        for chunk in (self.chunk, self.span):
             if chunk not in (16, 32, 64) or self.span % chunk:
-                raise ValueError(f"GLA chunks must be 16, 32 or 64 tokens and divide the span "
-                                 f"({self.span}); got {chunk}")
+                raise ValueError(f"GLA chunks and spans must be 16, 32 or 64 tokens, the span "
+                                 f"({self.span}) a multiple of the chunk; got {chunk}")
 
     @property
     def v_blocks(self):
         return -(-self.v_size // self.block_v)
+
+    @property
+    def block_k(self):
+        """K rows per block of the backward's kernels (which sum over K in such blocks)."""
+        return min(_pow2_at_least(self.k_size), 64)
+
+    @property
+    def k_blocks(self):
+        return -(-self.k_size // self.block_k)
+
+    def backward_constexprs(self, block_k=None, **more):
+        return dict(self.constexprs(self.span, **more), BK=block_k or self.block_k)
 
     def constexprs(self, chunk, **more):
         return dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
@@ -449,54 +458,48 @@ def _gla_fwd(static, q, k, v, a, b, u, h0, cu):
 
 
 def _gla_state_gradient(static, q, a, b, do, dht, cu):
-    """The reverse recurrence of the state gradient: dh0, and dH at the end of every chunk of
-    the gradient kernel's."""
+    """The reverse recurrence of the state gradient: dh0, and dH at the end of every span (in
+    the slot of the state saved at its start)."""
     sequences = cu.shape[0] - 1
     state_shape = (static.heads, static.k_size, static.v_size)
-    _, chunk_index, chunk_slots = _gla_slots(cu, static.rows, static.gradient_chunk)
-    dh0, dstates = _launch.launch(
+    _, state_index, slots = _gla_slots(cu, static.rows, static.span)
+    return _launch.launch(
         _gla_kernels.gla_state_gradient_kernel,
-        _present(q, a, b, do, dht.astype(jnp.float32), cu, chunk_index),
+        _present(q, a, b, do, dht.astype(jnp.float32), cu, state_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
-         jax.ShapeDtypeStruct((chunk_slots,) + state_shape, jnp.float32)),
-        (sequences * static.heads, static.v_blocks), num_warps=static.state_gradient_warps,
-        **static.constexprs(static.gradient_chunk, SLOTS=chunk_slots))
-    return dh0, dstates, chunk_index, chunk_slots
+         jax.ShapeDtypeStruct((slots,) + state_shape, jnp.float32)),
+        (sequences * static.heads, static.k_blocks, static.v_blocks),
+        num_warps=static.state_gradient_warps, **static.backward_constexprs(SLOTS=slots))
 
 
 def _gla_bwd(static, residuals, cotangents):
     q, k, v, a, b, u, states, cu = residuals
     do, dht = cotangents
     do = do.astype(v.dtype)
-    rows, v_blocks = static.rows, static.v_blocks
-    dh0, dstates, chunk_index, chunk_slots = _gla_state_gradient(static, q, a, b, do, dht, cu)
-    # Every input gradient, one program per (span, head, V block), all at once.
-    spans, state_index, slots = _gla_slots(cu, rows, static.span)
-    slot_sequence = _slot_sequences(spans, state_index, slots)
-    partial = v_blocks > 1
-    k_side = (rows, static.heads, static.k_size)
-    k_grad = lambda dtype: jax.ShapeDtypeStruct(
-        (v_blocks,) + k_side if partial else k_side, jnp.float32 if partial else dtype)
+    dh0, dstates = _gla_state_gradient(static, q, a, b, do, dht, cu)
+    spans, state_index, slots = _gla_slots(cu, static.rows, static.span)
+    # Every input gradient, one program per (span, head, K or V block), all at once: the
+    # K-side gradients summing over V in blocks, the V-side ones summing over K.
+    inputs = _present(q, k, v, a, b, u, do, states, dstates, cu, state_index,
+                      _slot_sequences(spans, state_index, slots))
     unused = jax.ShapeDtypeStruct((1,), jnp.float32)
-    dq, dk, dv, da, db, du = _launch.launch(
-        _gla_kernels.gla_backward_kernel,
-        _present(q, k, v, a, b, u, do, states, dstates, cu, state_index, chunk_index,
-                 slot_sequence),
-        (k_grad(q.dtype), k_grad(k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-         k_grad(jnp.float32) if static.has_a else unused,
-         jax.ShapeDtypeStruct(v.shape, jnp.float32) if static.has_b else unused,
-         jax.ShapeDtypeStruct((v_blocks, slots, static.heads, static.k_size), jnp.float32)
+    dq, dk, da, du = _launch.launch(
+        _gla_kernels.gla_key_gradient_kernel, inputs,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+         jax.ShapeDtypeStruct(q.shape, jnp.float32) if static.has_a else unused,
+         jax.ShapeDtypeStruct((slots, static.heads, static.k_size), jnp.float32)
          if static.bonus else unused),
-        (slots, static.heads, v_blocks), num_warps=static.backward_warps,
-        **static.constexprs(static.gradient_chunk, SLOTS=slots, CHUNK_SLOTS=chunk_slots,
-                            CHUNKS_PER_STATE=static.span // static.gradient_chunk,
-                            PARTIAL=partial))
-    reduce = (lambda g, x: g.sum(0).astype(x.dtype)) if partial else (lambda g, x: g)
-    return (reduce(dq, q), reduce(dk, k), dv,
-            reduce(da, a).astype(a.dtype) if static.has_a else None,
+        (slots, static.heads, -(-static.k_size // static.key_block_k)),
+        num_warps=static.key_gradient_warps, **static.backward_constexprs(static.key_block_k))
+    dv, db = _launch.launch(
+        _gla_kernels.gla_value_gradient_kernel, inputs,
+        (jax.ShapeDtypeStruct(v.shape, v.dtype),
+         jax.ShapeDtypeStruct(v.shape, jnp.float32) if static.has_b else unused),
+        (slots, static.heads, static.v_blocks), num_warps=static.value_gradient_warps,
+        **static.backward_constexprs())
+    return (dq, dk, dv, da.astype(a.dtype) if static.has_a else None,
             db.astype(b.dtype) if static.has_b else None,
-            du.sum((0, 1)).astype(u.dtype) if static.bonus else None,
-            dh0, None)
+            du.sum(0).astype(u.dtype) if static.bonus else None, dh0, None)
 
 
 _gla.defvjp(_gla_fwd, _gla_bwd)
@@ -511,7 +514,8 @@ def _gla_warps(k_size, block_v):
     RWKV-6 18.14 -> 14.39. At K=128 it stays at 8 (33.8 / 36.9 ms): 4 warps spill 1860 B there
     and were not timed (correct on the GPU, as 8 are)."""
     small = _pow2_at_least(k_size) * block_v <= 64 * 64
-    return dict(forward_warps=4, state_gradient_warps=4, backward_warps=4 if small else 8)
+    return dict(forward_warps=4, state_gradient_warps=4, key_gradient_warps=8,
+                value_gradient_warps=8, key_block_k=min(_pow2_at_least(k_size), 32))
 
 
 def _gla_static(q, k, v, a, b, u, scale, reverse):
@@ -524,7 +528,7 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
     static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
-        GLA_CHUNK, GLA_GRADIENT_CHUNK, GLA_SPAN, **_gla_warps(k_size, block_v))
+        GLA_CHUNK, GLA_SPAN, **_gla_warps(k_size, block_v))
     return dataclasses.replace(static, **GLA_OVERRIDES)
 
 
