@@ -28,15 +28,18 @@ factor e^0). The other factors are decays to the chunk's end or from its start. 
 raised to FLOOR on load (their exp is 0 in float32 either way; it keeps the sums finite and
 precise), and the gradient of a floored gate is 0.
 
-Three kernels, as for RWKV-7: a sequential forward (H in registers; saves H every
-CHUNKS_PER_STATE chunks), a sequential reverse pass of the state gradient
-(dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B), saved at every chunk's end), and a
-parallel gradient kernel per (span of chunks, head, V block). The two sequential passes issue
+The forward is a sequential pass (H in registers; saves H every CHUNKS_PER_STATE chunks: at the
+start of every span). The backward takes the span as its chunk (C = 64 by default): a lean
+sequential reverse pass of the state gradient, one product per chunk
+(dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B), saved at every chunk's end, in the
+slot of the state saved at its start), parallel over blocks of K and of V; then two kernels
+parallel over (chunk, head, block), all chunks at once: the K-side gradients (dq, dk, da, du)
+of a block of keys, summing over V in blocks, and the V-side ones (dv, db) of a block of
+values, summing over K in blocks. Their loops over the levels are not unrolled (``_level``),
+so that one level's [C, C] and [C, BK] tiles are live at a time. The sequential passes issue
 the next chunk's loads before the current chunk's products (the forward up to BK =
-PREFETCH_UP_TO, where its registers allow), so that their latency overlaps the products: Triton
-pipelines no ``while`` loop. The backward's two kernels share one chunk size, which may differ
-from the forward's (each kernel's C): the saved states' span is a multiple of both (the
-backend's GLA_SPAN).
+PREFETCH_UP_TO, where its registers allow), so that their latency overlaps the products:
+Triton pipelines no ``while`` loop.
 
 Gate gradients: a log gate multiplies a factor x = y e^z, so dz = x dx; summed over the chunk's
 factors that gives dR = q dq, dA = -k dk and the per-token gradient is their reverse cumulative
