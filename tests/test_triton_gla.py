@@ -80,7 +80,7 @@ def test_odd_and_single_step_lengths(monkeypatch, op, steps, chunks):
 @pytest.mark.parametrize("op, key, value", [("gated_linear_attention", 128, 64),
                                             ("rwkv6", 64, 128)])
 def test_head_sizes_of_several_k_and_v_blocks(monkeypatch, op, key, value):
-    """The backward's blocks at the default span: K-side programs of 32 keys each summing
+    """The backward's blocks at the default span: K-side programs of 16 keys each summing
     over V blocks, V-side programs summing over K blocks of 64, the state gradient's grid
     over both (packed with an empty segment, strong gates, chunks crossing the 64-token
     spans)."""

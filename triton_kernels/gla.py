@@ -133,6 +133,31 @@ def _forward_chunk(c, start, end, head, v_cols, q_ptr, k_ptr, v_ptr, a_ptr, b_pt
 
 
 @triton.jit
+def _add_in_segment(start_a, sum_a, start_b, sum_b):
+    """The combine of a segmented sum: the sum restarts where a segment starts."""
+    return tl.maximum(start_a, start_b), tl.where(start_b != 0, sum_b, sum_a + sum_b)
+
+
+@triton.jit
+def _level(a, level, C: tl.constexpr):
+    """common.level_factors(a, C >> (level + 1), 0, C) for a run-time ``level``: loops over the
+    levels (the backward's, the value gate's) are not unrolled, so that one level's tiles are
+    live at a time (unrolled at C = 64, the compiler schedules every level's factors at once
+    and spills). The segments' sums are segmented scans; the reverse one runs from each
+    segment's end."""
+    S = C >> (level + 1)
+    t = tl.arange(0, C)
+    zero = tl.zeros(a.shape, tl.int32)
+    _, inclusive = tl.associative_scan(((t % S == 0).to(tl.int32)[:, None] + zero, a), 0,
+                                       _add_in_segment)
+    _, from_end = tl.associative_scan(((t % S == S - 1).to(tl.int32)[:, None] + zero, a), 0,
+                                      _add_in_segment, reverse=True)
+    segment = t // S
+    keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
+    return tl.exp(inclusive), tl.exp(inclusive - a), tl.exp(from_end - a), keep
+
+
+@triton.jit
 def _shifted_add(sum_a, last_a, sum_b, last_b):
     return sum_a + last_a + sum_b, last_b
 
@@ -188,8 +213,8 @@ def _value_mixes(pairs, x, y, b, C: tl.constexpr, LEVELS: tl.constexpr,
     sum_t pairs[t,i] x_t e^{B_t - B_i} (rows i), each [C, V]; the diagonal is left out."""
     to_rows = tl.zeros(y.shape, tl.float32)
     to_columns = tl.zeros(x.shape, tl.float32)
-    for level in tl.static_range(LEVELS):
-        row, _, column, keep = level_factors(b, C >> (level + 1), 0, C)
+    for level in range(LEVELS):  # one level's tiles live at a time (_level)
+        row, _, column, keep = _level(b, level, C)
         kept = tl.where(keep, pairs, 0.0)
         to_rows += row * tl.dot(kept, y * column, input_precision=PRECISION)
         to_columns += column * tl.dot(tl.trans(kept), x * row, input_precision=PRECISION)
@@ -200,8 +225,8 @@ def _value_mixes(pairs, x, y, b, C: tl.constexpr, LEVELS: tl.constexpr,
 def _value_pairs(x, y, b, C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
     """sum_v x_t y_i e^{B_t - B_i} for i <= t ([C, C]; the diagonal's factor is e^0)."""
     pairs = diagonal_tile(tl.sum(x * y, axis=1), C)
-    for level in tl.static_range(LEVELS):
-        row, _, column, keep = level_factors(b, C >> (level + 1), 0, C)
+    for level in range(LEVELS):  # one level's tiles live at a time (_level)
+        row, _, column, keep = _level(b, level, C)
         pairs += tl.where(keep, tl.dot(x * row, tl.trans(y * column), input_precision=PRECISION),
                           0.0)
     return pairs
@@ -393,30 +418,6 @@ def gla_state_gradient_kernel(
                     input_precision=PRECISION)
         c -= 1
     tl.store(dh0_ptr + local + block, dh, mask=state_mask)
-
-
-@triton.jit
-def _add_in_segment(start_a, sum_a, start_b, sum_b):
-    """The combine of a segmented sum: the sum restarts where a segment starts."""
-    return tl.maximum(start_a, start_b), tl.where(start_b != 0, sum_b, sum_a + sum_b)
-
-
-@triton.jit
-def _level(a, level, C: tl.constexpr):
-    """common.level_factors(a, C >> (level + 1), 0, C) for a run-time ``level``: the backward's
-    loops over levels are not unrolled, so that one level's tiles are live at a time (unrolled,
-    the compiler schedules every level's factors at once and spills). The segments' sums are
-    segmented scans; the reverse one runs from each segment's end."""
-    S = C >> (level + 1)
-    t = tl.arange(0, C)
-    zero = tl.zeros(a.shape, tl.int32)
-    _, inclusive = tl.associative_scan(((t % S == 0).to(tl.int32)[:, None] + zero, a), 0,
-                                       _add_in_segment)
-    _, from_end = tl.associative_scan(((t % S == S - 1).to(tl.int32)[:, None] + zero, a), 0,
-                                      _add_in_segment, reverse=True)
-    segment = t // S
-    keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
-    return tl.exp(inclusive), tl.exp(inclusive - a), tl.exp(from_end - a), keep
 
 
 @triton.jit
