@@ -459,7 +459,7 @@ def gla_key_gradient_kernel(
     # Through the outputs, summed over V: the scores' gradient and the read of H.
     d_scores = tl.zeros([C, C], tl.float32)
     dq = tl.zeros([C, BK], tl.float32)  # (dO e^B) H^T, times e^R below
-    for v_block in tl.static_range((V + BV - 1) // BV):
+    for v_block in range((V + BV - 1) // BV):
         v_cols = v_block * BV + tl.arange(0, BV)
         v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
         v = _load(v_ptr + v_base, v_off, v_in)
@@ -520,7 +520,7 @@ def gla_key_gradient_kernel(
     # H' = (e^{A_C} e^{B_C}^T) * H + (k e^{A_C - A})^T (v e^{B_C - B}).
     dk_state = tl.zeros([C, BK], tl.float32)  # (v e^{B_C - B}) dH^T, times e^{A_C - A} below
     h_dh = tl.zeros([BK], tl.float32)         # sum_v e^{B_C} H dH, times e^{A_C} below
-    for v_block in tl.static_range((V + BV - 1) // BV):
+    for v_block in range((V + BV - 1) // BV):
         v_cols = v_block * BV + tl.arange(0, BV)
         v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
         v = _load(v_ptr + v_base, v_off, v_in)
@@ -579,7 +579,7 @@ def gla_value_gradient_kernel(
     dv_state = tl.zeros([C, BV], tl.float32)  # (k e^{A_C - A}) dH, times e^{B_C - B} below
     o_state = tl.zeros([C, BV], tl.float32)   # (q e^R) H, times e^B below (if HAS_B)
     h_dh = tl.zeros([BV], tl.float32)         # sum_k e^{A_C} H dH, times e^{B_C} below
-    for k_block in tl.static_range((K + BK - 1) // BK):
+    for k_block in range((K + BK - 1) // BK):
         k_cols = k_block * BK + tl.arange(0, BK)
         k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
         q = _load(q_ptr + k_base, k_off, k_in) * scale

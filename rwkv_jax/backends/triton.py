@@ -508,15 +508,15 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 def _gla_warps(k_size, block_v):
     """The forward: measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md), 4 warps against
     8: at K=V=64 RWKV-6's 5.90 -> 3.87 ms (8 B of spills), at K=V=128 10.6 -> 7.6 ms (140-180 B
-    of spills). The backward over 64-token chunks, by sm_90 compile reports only (GLA with gk,
-    benchmarks/compile_report.py; not timed yet): the state-gradient pass with 8 warps (204
-    registers, no spills; 4 warps spill 32 B with the prefetched [64, 64] tiles, 636 B with a
-    value gate); the K-side gradient kernel with 8 warps and 16 keys per program (no spills at
-    K=64, 64 B at K=128; 32 keys: 112 / 316 B, 64 keys: 632 / 988 B, 4 warps: more); the
-    V-side one with 4 warps (235 / 255 registers, no spills: two programs per SM; with a value
-    gate it spills, 8 warps less: 308 B)."""
+    of spills). The backward over 64-token chunks, by sm_90 compile reports only (GLA with gk
+    and RWKV-6, benchmarks/compile_report.py; not timed yet), no spills at K=V=64 and 128: the
+    state-gradient pass with 8 warps (204-207 registers; 4 warps spill 32 B with the prefetched
+    [64, 64] tiles); the K-side gradient kernel with 8 warps and 16 keys per program (219-249
+    registers; 32 keys: 112-316 B of spills, 64 keys: 632-988 B, 4 warps: more); the V-side one
+    with 8 warps (203-229 registers; 4 warps spill 44-280 B). With a value gate (gv) the V-side
+    kernel spills (308 B at K=64)."""
     return dict(forward_warps=4, state_gradient_warps=8, key_gradient_warps=8,
-                value_gradient_warps=4, key_block_k=min(_pow2_at_least(k_size), 16))
+                value_gradient_warps=8, key_block_k=min(_pow2_at_least(k_size), 16))
 
 
 def _gla_static(q, k, v, a, b, u, scale, reverse):
