@@ -467,7 +467,7 @@ def gla_key_gradient_kernel(
         state, block, state_mask = _state_block(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
         h = tl.load(states_ptr + state + block, mask=state_mask & used, other=0.0)
         if HAS_B:
-            b, B, _, _ = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
+            b, B, b_end, b_kept = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
             d_scores += _value_pairs(do, v, b, C, LEVELS, PRECISION)
             do = do * tl.exp(B)
         else:
@@ -528,7 +528,7 @@ def gla_key_gradient_kernel(
         h = tl.load(states_ptr + state + block, mask=state_mask & used, other=0.0)
         dh = tl.load(dstates_ptr + state + block, mask=state_mask & used, other=0.0)
         if HAS_B:
-            _, B, B_end, _ = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
+            b, B, B_end, b_kept = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
             v = v * tl.exp(B_end[None, :] - B)
             h_dh += tl.sum(h * dh * tl.exp(B_end)[None, :], axis=1)
         else:
@@ -584,7 +584,7 @@ def gla_value_gradient_kernel(
         k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
         q = _load(q_ptr + k_base, k_off, k_in) * scale
         k = _load(k_ptr + k_base, k_off, k_in)
-        a, A, A_end, _ = _log_gate(a_ptr + k_base, k_off, k_in, HAS_A, FLOOR, C, BK)
+        a, A, A_end, a_kept = _log_gate(a_ptr + k_base, k_off, k_in, HAS_A, FLOOR, C, BK)
         if BONUS:
             u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
         else:
