@@ -133,28 +133,19 @@ def _forward_chunk(c, start, end, head, v_cols, q_ptr, k_ptr, v_ptr, a_ptr, b_pt
 
 
 @triton.jit
-def _add_in_segment(start_a, sum_a, start_b, sum_b):
-    """The combine of a segmented sum: the sum restarts where a segment starts."""
-    return tl.maximum(start_a, start_b), tl.where(start_b != 0, sum_b, sum_a + sum_b)
-
-
-@triton.jit
-def _level(a, level, C: tl.constexpr):
-    """common.level_factors(a, C >> (level + 1), 0, C) for a run-time ``level``: loops over the
-    levels (the backward's, the value gate's) are not unrolled, so that one level's tiles are
-    live at a time (unrolled at C = 64, the compiler schedules every level's factors at once
-    and spills). The segments' sums are segmented scans; the reverse one runs from each
-    segment's end."""
-    S = C >> (level + 1)
-    t = tl.arange(0, C)
-    zero = tl.zeros(a.shape, tl.int32)
-    _, inclusive = tl.associative_scan(((t % S == 0).to(tl.int32)[:, None] + zero, a), 0,
-                                       _add_in_segment)
-    _, from_end = tl.associative_scan(((t % S == S - 1).to(tl.int32)[:, None] + zero, a), 0,
-                                      _add_in_segment, reverse=True)
-    segment = t // S
-    keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
-    return tl.exp(inclusive), tl.exp(inclusive - a), tl.exp(from_end - a), keep
+def _level(a, level, LEVELS: tl.constexpr, C: tl.constexpr):
+    """common.level_factors(a, C >> (level + 1), 0, C) for a run-time ``level`` (one branch per
+    level): loops over the levels (the backward's, the value gate's) are not unrolled, so that
+    one level's tiles are live at a time (unrolled at C = 64, the compiler schedules every
+    level's factors at once and spills)."""
+    row = tl.zeros(a.shape, tl.float32)
+    row_strict = tl.zeros(a.shape, tl.float32)
+    column = tl.zeros(a.shape, tl.float32)
+    keep = tl.zeros([C, C], tl.int1)
+    for candidate in tl.static_range(LEVELS):
+        if level == candidate:
+            row, row_strict, column, keep = level_factors(a, C >> (candidate + 1), 0, C)
+    return row, row_strict, column, keep
 
 
 @triton.jit
@@ -214,7 +205,7 @@ def _value_mixes(pairs, x, y, b, C: tl.constexpr, LEVELS: tl.constexpr,
     to_rows = tl.zeros(y.shape, tl.float32)
     to_columns = tl.zeros(x.shape, tl.float32)
     for level in range(LEVELS):  # one level's tiles live at a time (_level)
-        row, _, column, keep = _level(b, level, C)
+        row, _, column, keep = _level(b, level, LEVELS, C)
         kept = tl.where(keep, pairs, 0.0)
         to_rows += row * tl.dot(kept, y * column, input_precision=PRECISION)
         to_columns += column * tl.dot(tl.trans(kept), x * row, input_precision=PRECISION)
@@ -226,7 +217,7 @@ def _value_pairs(x, y, b, C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.c
     """sum_v x_t y_i e^{B_t - B_i} for i <= t ([C, C]; the diagonal's factor is e^0)."""
     pairs = diagonal_tile(tl.sum(x * y, axis=1), C)
     for level in range(LEVELS):  # one level's tiles live at a time (_level)
-        row, _, column, keep = _level(b, level, C)
+        row, _, column, keep = _level(b, level, LEVELS, C)
         pairs += tl.where(keep, tl.dot(x * row, tl.trans(y * column), input_precision=PRECISION),
                           0.0)
     return pairs
@@ -498,7 +489,7 @@ def gla_key_gradient_kernel(
     if HAS_A:
         dk = tl.zeros(k.shape, tl.float32)
         for level in range(LEVELS):
-            row_f, row_strict, column, keep = _level(a, level, C)
+            row_f, row_strict, column, keep = _level(a, level, LEVELS, C)
             row_f = row_strict if BONUS else row_f
             kept = tl.where(keep, d_scores, 0.0)
             dq += row_f * tl.dot(kept, k * column, input_precision=PRECISION)
@@ -592,7 +583,7 @@ def gla_value_gradient_kernel(
         scores += _scores_diagonal(q, k, u, BONUS, C)
         if HAS_A:  # _scores' levels, one at a time
             for level in range(LEVELS):
-                row_f, row_strict, column, keep = _level(a, level, C)
+                row_f, row_strict, column, keep = _level(a, level, LEVELS, C)
                 q_f = q * row_strict if BONUS else q * row_f
                 scores += tl.where(keep, tl.dot(q_f, tl.trans(k * column),
                                                 input_precision=PRECISION), 0.0)

@@ -511,10 +511,10 @@ def _gla_warps(k_size, block_v):
     of spills). The backward over 64-token chunks, by sm_90 compile reports only (GLA with gk
     and RWKV-6, benchmarks/compile_report.py; not timed yet), no spills at K=V=64 and 128: the
     state-gradient pass with 8 warps (204-207 registers; 4 warps spill 32 B with the prefetched
-    [64, 64] tiles); the K-side gradient kernel with 8 warps and 16 keys per program (219-249
-    registers; 32 keys: 112-316 B of spills, 64 keys: 632-988 B, 4 warps: more); the V-side one
-    with 8 warps (203-229 registers; 4 warps spill 44-280 B). With a value gate (gv) the V-side
-    kernel spills (308 B at K=64)."""
+    [64, 64] tiles); the K-side gradient kernel with 8 warps and 16 keys per program (208-248
+    registers; 32 or 64 keys, or 4 warps, spilled while the levels were unrolled: untried since);
+    the V-side one with 8 warps (169-170 registers). With a value gate (gv) the V-side kernel
+    spills 408 B at K=64."""
     return dict(forward_warps=4, state_gradient_warps=8, key_gradient_warps=8,
                 value_gradient_warps=8, key_block_k=min(_pow2_at_least(k_size), 16))
 
