@@ -1,8 +1,9 @@
 """The triton GLA / RWKV-6 kernels (triton_kernels/gla.py) where the shared suite does not
-reach: several V blocks per head (K-side gradients and du summed from partial sums), saved
-states every 2 chunks so that short packed sequences cross span boundaries, forward and
-backward chunks of 16, 32 and 64 tokens (packed sequences shorter than a chunk, partial chunks,
-odd T, T = 1, strong gates), every GLA gate with reverse and packed sequences (an empty
+reach: several V blocks per head (the K-side gradient kernel summing over them), several K
+blocks (the V-side kernel summing over them, the state gradient's grid over both), saved
+states every 2 forward chunks so that short packed sequences cross span boundaries, spans
+(the backward's chunks) of 32 and 64 tokens (packed sequences shorter than a chunk, partial
+chunks, odd T, T = 1, strong gates), every GLA gate with reverse and packed sequences (an empty
 segment, partial chunks) together, strong gates across chunk and span boundaries. Against the
 float64 reference, forward and every gradient, through test_ops.check_case (tiny shapes:
 Triton's interpreter)."""
