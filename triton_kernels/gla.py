@@ -439,9 +439,9 @@ def gla_key_gradient_kernel(
     REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (SLOTS, HEADS, K blocks): every K-side gradient of one chunk's block of BK keys,
-    summed over all V in blocks of BV (the sums over V first: the scores' gradient, the reads of
-    H and the state's gradients; then the pairs, which need the chunk's q and k of this block
-    only). dq, dk [rows, HEADS, K]; da [rows, HEADS, K] float32 (if HAS_A); du [SLOTS, HEADS, K]
+    summed over all V in blocks of BV: the scores' gradient and the read of H over V, then the
+    pairs (q and k of this block only), then the state's gradients in a second pass over V.
+    dq, dk [rows, HEADS, K]; da [rows, HEADS, K] float32 (if HAS_A); du [SLOTS, HEADS, K]
     float32, each chunk's sum (if BONUS)."""
     slot, head, used, first, step, count = _chunk_program(cu_ptr, state_index_ptr,
                                                           slot_sequence_ptr, ROWS, C, REVERSE)
