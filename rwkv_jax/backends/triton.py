@@ -512,9 +512,9 @@ def _gla_warps(k_size, block_v):
     and RWKV-6, benchmarks/compile_report.py; not timed yet), no spills at K=V=64 and 128: the
     state-gradient pass with 8 warps (204-207 registers; 4 warps spill 32 B with the prefetched
     [64, 64] tiles); the K-side gradient kernel with 8 warps and 16 keys per program (208-248
-    registers; 32 or 64 keys, or 4 warps, spilled while the levels were unrolled: untried since);
-    the V-side one with 8 warps (169-170 registers). With a value gate (gv) the V-side kernel
-    spills 408 B at K=64."""
+    registers; at K=64 32 keys spill 172 B, 4 warps 92 B); the V-side one with 8 warps (169-170
+    registers; 4 warps spill 332 B at K=128). With a value gate (gv) the V-side kernel spills
+    408 B at K=64."""
     return dict(forward_warps=4, state_gradient_warps=8, key_gradient_warps=8,
                 value_gradient_warps=8, key_block_k=min(_pow2_at_least(k_size), 16))
 
