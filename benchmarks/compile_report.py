@@ -3,7 +3,7 @@
 wheel carries ptxas and cuobjdump.
 
     python benchmarks/compile_report.py [--family rwkv7|gla] [--key 64] [--value 64] [--warps 4,8]
-        [--gradient-chunk 16 --span 64 --scores-block-k 16 --bonus]   (gla)
+        [--span 64 --scores-block-k 16 --key-block-k 16 --bonus --gate-v]   (gla)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
@@ -65,9 +65,6 @@ def main():
     parser.add_argument("--key", type=int, default=64)
     parser.add_argument("--value", type=int, default=64)
     parser.add_argument("--warps", default="4,8")
-    parser.add_argument("--gradient-chunk", type=int, default=16,
-                        help="gla family: tokens per chunk of the state-gradient pass and the "
-                        "gradient kernel")
     parser.add_argument("--span", type=int, default=64,
                         help="gla family: tokens per chunk of the forward (a state saved at each)")
     parser.add_argument("--block-v", type=int, default=64,
@@ -82,6 +79,9 @@ def main():
                         help="gla family: K columns per step of the forward's scores kernel")
     parser.add_argument("--family", choices=("rwkv7", "gla"), default="rwkv7")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
+    parser.add_argument("--key-block-k", type=int, default=16,
+                        help="gla family: K columns per program of the K-side gradient kernel")
+    parser.add_argument("--gate-v", action="store_true", help="gla family: with a value gate")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
     args = parser.parse_args()
     bk = max(16, 1 << (args.key - 1).bit_length())
@@ -126,8 +126,8 @@ def main():
          {n: x for n, x in k_side.items() if n != "LEVELS"}),
     ]
     if args.family == "gla":
-        kernels = gla_kernels(shapes, inputs, v_blocks, args.bonus, args.gradient_chunk,
-                              args.span, args.scores_block_k)
+        kernels = gla_kernels(shapes, inputs, args.bonus, args.gate_v, args.span,
+                              args.scores_block_k, args.key_block_k)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
     # Each kernel's two compiled paths (TAME=True for model-range decays, the exact one).
     paths = ((True, "tame"), (False, "exact"))
@@ -142,30 +142,28 @@ def main():
                 print(f"{name:15s} {path:5s} {warps} warps: {resources(compiled)}")
 
 
-def gla_kernels(shapes, inputs, v_blocks, bonus, gradient_chunk, span, scores_block_k):
-    """GLA (key gate only, as benchmarked) or RWKV-6: the pointer types and constexprs."""
-    inputs.update(q_ptr=inputs["r_ptr"], dq_ptr=inputs["dr_ptr"], da_ptr="*fp32", db_ptr="*fp32",
-                  du_ptr="*fp32")
+def gla_kernels(shapes, inputs, bonus, gate_v, span, scores_block_k, key_block_k):
+    """GLA (key gate only, as benchmarked, or with a value gate) or RWKV-6: the pointer types
+    and constexprs."""
+    inputs.update(q_ptr=inputs["r_ptr"], dq_ptr=inputs["dr_ptr"], dk_ptr="*bf16",
+                  da_ptr="*fp32", db_ptr="*fp32", du_ptr="*fp32")
     shapes = {n: x for n, x in shapes.items() if n != "TOTAL_ROWS"}  # RWKV-7's
-    shapes = dict(shapes, ROWS=8 * 4096, HAS_A=True, HAS_B=False, BONUS=bonus, REVERSE=False,
-                  FLOOR=-128.0)
+    shapes = dict(shapes, ROWS=8 * 4096, HAS_A=True, HAS_B=gate_v, BONUS=bonus, REVERSE=False,
+                  FLOOR=-128.0, C=span, LEVELS=span.bit_length() - 1)
     rows = shapes["ROWS"]
-    chunked = lambda c: dict(shapes, C=c, LEVELS=c.bit_length() - 1)
-    forward = dict(chunked(span), BK=min(64, shapes["BK"]))  # K in blocks as V
+    blocked = dict(shapes, BK=min(64, shapes["BK"]))  # K in blocks as V
+    without = lambda names, **more: {n: x for n, x in dict(blocked, **more).items()
+                                     if n not in names}
     return [
         ("state pass", gla.gla_state_kernel,
-         dict({n: x for n, x in forward.items() if n not in ("scale", "LEVELS", "BONUS")},
-              SLOTS=rows // span + 8)),
+         without(("scale", "LEVELS", "BONUS"), SLOTS=rows // span + 8)),
         ("scores", gla.gla_scores_kernel,
-         dict({n: x for n, x in forward.items() if n not in ("V", "BV", "HAS_B", "LEVELS")},
-              BK=min(scores_block_k, forward["BK"]))),
-        ("output", gla.gla_output_kernel, forward),
-        ("state gradient", gla.gla_state_gradient_kernel,
-         dict(chunked(gradient_chunk), SLOTS=rows // gradient_chunk + 8)),
-        ("gradient", gla.gla_backward_kernel,
-         dict(chunked(gradient_chunk), SLOTS=rows // span + 8,
-              CHUNK_SLOTS=rows // gradient_chunk + 8, CHUNKS_PER_STATE=span // gradient_chunk,
-              PARTIAL=v_blocks > 1)),
+         without(("V", "BV", "HAS_B", "LEVELS"), BK=min(scores_block_k, blocked["BK"]))),
+        ("output", gla.gla_output_kernel, blocked),
+        ("state gradient", gla.gla_state_gradient_kernel, dict(blocked, SLOTS=rows // span + 8)),
+        ("key gradient", gla.gla_key_gradient_kernel,
+         dict(blocked, BK=min(key_block_k, blocked["BK"]))),
+        ("value gradient", gla.gla_value_gradient_kernel, blocked),
     ]
 
 

@@ -301,9 +301,9 @@ def main():
                         help="time ours with the defaults as sweep rows are (no peaks)")
     parser.add_argument("--shapes", default="0,1,2,3", help="which of SHAPES to benchmark")
     parser.add_argument("--sweep", default="", help="also time ours with other settings, e.g. "
-                        "'backward_warps=4;block_v=32,backward_warps=16@0,1' (fields of the "
-                        "backend's _GlaStatic; '@' picks benchmarked shapes by their index in "
-                        "--shapes' list, all by default)")
+                        "'key_gradient_warps=4;key_block_k=64,value_gradient_warps=8@0,1' "
+                        "(fields of the backend's _GlaStatic; '@' picks benchmarked shapes by "
+                        "their index in --shapes' list, all by default)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     open_log(os.path.join(args.out, "gpu_gla.log"))

@@ -1,11 +1,11 @@
 """The triton GLA / RWKV-6 kernels (triton_kernels/gla.py) where the shared suite does not
-reach: several V blocks per head (K-side gradients and du summed from partial sums), saved
-states every 2 chunks so that short packed sequences cross span boundaries, forward and
-backward chunks of 16, 32 and 64 tokens (packed sequences shorter than a chunk, partial chunks,
-odd T, T = 1, strong gates), every GLA gate with reverse and packed sequences (an empty
-segment, partial chunks) together, strong gates across chunk and span boundaries, the scores
-kernel's tame and exact builds chosen per call. Against the float64 reference, forward and
-every gradient, through test_ops.check_case (tiny shapes: Triton's interpreter)."""
+reach: several V blocks (the K-side gradient kernel summing over them) and several K blocks
+(the V-side kernel summing over them, the state passes' grids over both), chunks (spans) of
+16, 32 and 64 tokens (packed sequences shorter than a chunk, partial chunks, odd T, T = 1,
+strong gates), every GLA gate with reverse and packed sequences (an empty segment, partial
+chunks) together, strong gates across chunk boundaries, the tame and exact builds chosen per
+call. Against the float64 reference, forward and every gradient, through test_ops.check_case
+(tiny shapes: Triton's interpreter)."""
 
 import jax
 import pytest
@@ -17,21 +17,19 @@ GATES = ("g", "g_gamma", "gk", "gv")
 PACKED = [0, 0, 17, 57, 70]  # empty, partial chunk, several spans of 2 chunks, short
 
 
-def _chunks(monkeypatch, backward, span):
-    for name, value in zip(("GLA_GRADIENT_CHUNK", "GLA_SPAN"), (backward, span)):
-        monkeypatch.setattr(triton_backend, name, value)
+def _chunks(monkeypatch, span):
+    monkeypatch.setattr(triton_backend, "GLA_SPAN", span)
 
 
-# (backward chunk, span: the forward's chunk), the backend's settings: spans of 2 backward
-# chunks, shorter than the default span so that short sequences cross several (every test's),
-# and the default span with backward chunks of 32 and of the whole span.
-CHUNKS = [(16, 32), (32, 64), (64, 64)]
-chunk_ids = lambda c: "chunks=%d,%d" % c
+# Chunks (spans) of the forward and backward: shorter than the default so that short sequences
+# cross several (every test's), and the others.
+CHUNKS = [32, 16, 64]
+chunk_ids = lambda c: "chunk=%d" % c
 
 
 @pytest.fixture(autouse=True)
 def short_spans(monkeypatch):
-    _chunks(monkeypatch, *CHUNKS[0])
+    _chunks(monkeypatch, CHUNKS[0])
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -59,7 +57,7 @@ def test_gla_strong_gates_across_spans(gate):
 @pytest.mark.parametrize("chunks", CHUNKS[1:], ids=chunk_ids)
 @pytest.mark.parametrize("op", ["gated_linear_attention", "rwkv6"])
 def test_other_chunk_sizes_packed_strong_gates(monkeypatch, op, chunks):
-    _chunks(monkeypatch, *chunks)
+    _chunks(monkeypatch, chunks)
     drawn = dict(batch=1, steps=70, key=16, value=32, state_rows=4,
                  decay=("every_third", -1e9))
     options = dict(cu_seqlens=PACKED)
@@ -72,7 +70,7 @@ def test_other_chunk_sizes_packed_strong_gates(monkeypatch, op, chunks):
 @pytest.mark.parametrize("chunks", CHUNKS, ids=chunk_ids)
 @pytest.mark.parametrize("op, steps", [("gated_linear_attention", 37), ("rwkv6", 1)])
 def test_odd_and_single_step_lengths(monkeypatch, op, steps, chunks):
-    _chunks(monkeypatch, *chunks)
+    _chunks(monkeypatch, chunks)
     drawn = dict(batch=2, steps=steps, key=16, value=32)
     if op == "gated_linear_attention":
         drawn["gates"] = GATES
@@ -84,7 +82,7 @@ def test_default_span_several_chunks_packed_key_128(monkeypatch, op):
     """The default span (64 tokens, the forward's chunk) with K = 128 (the forward's K blocks)
     and V = 32: packed sequences of several chunks that end mid-chunk, one of a single token
     in its last chunk, an empty segment, strong gates inside chunks."""
-    _chunks(monkeypatch, 16, 64)
+    _chunks(monkeypatch, 64)
     drawn = dict(batch=1, steps=215, key=128, value=32, state_rows=3,
                  decay=("every_third", -1e9))
     options = dict(cu_seqlens=[0, 150, 150, 215])
@@ -102,7 +100,7 @@ def test_scores_path_per_call(monkeypatch, op, decay, tame):
     to the chunk's middle), stronger ones the exact build; both match the float64 reference
     (a tame call also when forced onto the exact build). Default span, packed sequences of
     several chunks ending mid-chunk, an empty segment."""
-    _chunks(monkeypatch, 16, 64)
+    _chunks(monkeypatch, 64)
     drawn = dict(batch=1, steps=140, key=32, value=32, state_rows=3, decay=decay)
     options = dict(cu_seqlens=[0, 5, 5, 140])
     gate = "w"
@@ -117,3 +115,19 @@ def test_scores_path_per_call(monkeypatch, op, decay, tame):
     if tame:
         monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", {"tame": False})
         check_case("triton", case, seed=17)
+
+
+@pytest.mark.parametrize("op, key, value", [("gated_linear_attention", 128, 64),
+                                            ("rwkv6", 64, 128)])
+def test_head_sizes_of_several_k_and_v_blocks(monkeypatch, op, key, value):
+    """The backward's blocks at the default span: K-side programs of 16 keys each summing
+    over V blocks, V-side programs summing over K blocks of 64, the state gradient's grid
+    over both (packed with an empty segment, strong gates, chunks crossing the 64-token
+    spans)."""
+    _chunks(monkeypatch, 64)
+    drawn = dict(batch=1, steps=70, key=key, value=value, state_rows=3,
+                 decay=("every_third", -1e9))
+    options = dict(cu_seqlens=[0, 3, 3, 70])
+    if op == "gated_linear_attention":
+        drawn["gates"] = GATES
+    check_case("triton", Case(op, drawn, options), seed=key + value)

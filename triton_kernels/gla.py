@@ -59,8 +59,7 @@ flattened inputs, clamped to [0, ROWS) in the kernel, and saved-state slots are 
 import triton
 import triton.language as tl
 
-from .common import (clamped_rows, diagonal_tile, in_range, level_factors, state_offsets,
-                     stored)
+from .common import clamped_rows, diagonal_tile, in_range, level_factors, stored
 
 
 @triton.jit
@@ -109,15 +108,6 @@ def _tiles(c, start, end, head, k_cols, v_cols, HEADS: tl.constexpr, K: tl.const
 
 
 @triton.jit
-def _chunk(c, start, end, head, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
-           V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-           REVERSE: tl.constexpr):
-    """``_tiles`` of all K columns (BK >= K)."""
-    return _tiles(c, start, end, head, tl.arange(0, BK), v_cols, HEADS, K, V, BK, BV, C,
-                  REVERSE)
-
-
-@triton.jit
 def _state_block(slot, head, k_cols, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
                  V: tl.constexpr):
     """Offsets of the block (k_cols, v_cols) of a [slots, HEADS, K, V] state buffer."""
@@ -157,20 +147,6 @@ def _log_gate(ptr, off, mask, HAS: tl.constexpr, FLOOR: tl.constexpr, C: tl.cons
 
 
 @triton.jit
-def _state_gradient_chunk(c, start, end, head, v_cols, q_ptr, a_ptr, b_ptr, do_ptr,
-                          HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                          HAS_A: tl.constexpr, HAS_B: tl.constexpr, REVERSE: tl.constexpr):
-    """The state gradient's loads of chunk c as stored: q, dO and the gates (rows outside the
-    sequence, as those of chunk -1, read as zeros)."""
-    k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
-                                      REVERSE)
-    return (stored(q_ptr, k_off, k_in), stored(do_ptr, v_off, v_in),
-            _raw_gate(a_ptr, k_off, k_in, HAS_A, C, BK),
-            _raw_gate(b_ptr, v_off, v_in, HAS_B, C, BV))
-
-
-@triton.jit
 def _state_chunk(c, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr, b_ptr,
                  HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, C: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
@@ -190,6 +166,22 @@ def _to_end(raw, FLOOR: tl.constexpr):
     no difference of large cumulative sums) and e^{G_end}, all <= 1."""
     gate = tl.maximum(raw.to(tl.float32), FLOOR)
     return tl.exp(tl.cumsum(gate, axis=0, reverse=True) - gate), tl.exp(tl.sum(gate, axis=0))
+
+
+@triton.jit
+def _level(a, level, LEVELS: tl.constexpr, C: tl.constexpr):
+    """common.level_factors(a, C >> (level + 1), 0, C) for a run-time ``level`` (one branch per
+    level): loops over the levels (the backward's, the value gate's) are not unrolled, so that
+    one level's tiles are live at a time (unrolled at C = 64, the compiler schedules every
+    level's factors at once and spills)."""
+    row = tl.zeros(a.shape, tl.float32)
+    row_strict = tl.zeros(a.shape, tl.float32)
+    column = tl.zeros(a.shape, tl.float32)
+    keep = tl.zeros([C, C], tl.int1)
+    for candidate in tl.static_range(LEVELS):
+        if level == candidate:
+            row, row_strict, column, keep = level_factors(a, C >> (candidate + 1), 0, C)
+    return row, row_strict, column, keep
 
 
 @triton.jit
@@ -230,8 +222,8 @@ def _value_mixes(pairs, x, y, b, C: tl.constexpr, LEVELS: tl.constexpr,
     sum_t pairs[t,i] x_t e^{B_t - B_i} (rows i), each [C, V]; the diagonal is left out."""
     to_rows = tl.zeros(y.shape, tl.float32)
     to_columns = tl.zeros(x.shape, tl.float32)
-    for level in tl.static_range(LEVELS):
-        row, _, column, keep = level_factors(b, C >> (level + 1), 0, C)
+    for level in range(LEVELS):  # one level's tiles live at a time (_level)
+        row, _, column, keep = _level(b, level, LEVELS, C)
         kept = tl.where(keep, pairs, 0.0)
         to_rows += row * tl.dot(kept, y * column, input_precision=PRECISION)
         to_columns += column * tl.dot(tl.trans(kept), x * row, input_precision=PRECISION)
@@ -242,26 +234,11 @@ def _value_mixes(pairs, x, y, b, C: tl.constexpr, LEVELS: tl.constexpr,
 def _value_pairs(x, y, b, C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
     """sum_v x_t y_i e^{B_t - B_i} for i <= t ([C, C]; the diagonal's factor is e^0)."""
     pairs = diagonal_tile(tl.sum(x * y, axis=1), C)
-    for level in tl.static_range(LEVELS):
-        row, _, column, keep = level_factors(b, C >> (level + 1), 0, C)
+    for level in range(LEVELS):  # one level's tiles live at a time (_level)
+        row, _, column, keep = _level(b, level, LEVELS, C)
         pairs += tl.where(keep, tl.dot(x * row, tl.trans(y * column), input_precision=PRECISION),
                           0.0)
     return pairs
-
-
-@triton.jit
-def _sequence_program(cu_ptr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr):
-    """A sequential pass's program (grid: sequences * HEADS, V blocks): its sequence and head,
-    state columns and mask, the sequence's rows and chunks, and its state's offsets."""
-    sequence = tl.program_id(0) // HEADS
-    head = tl.program_id(0) % HEADS
-    v_cols = tl.program_id(1) * BV + tl.arange(0, BV)
-    k_cols = tl.arange(0, BK)
-    state_mask = in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
-    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
-    return (sequence, head, v_cols, k_cols, state_mask, start, end, chunks,
-            state_offsets(sequence, head, HEADS, K, V, BK, v_cols))
 
 
 @triton.jit
@@ -521,35 +498,94 @@ def gla_output_kernel(
     tl.store(o_ptr + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
 
 
+# ---------------------------------------------------------------------------------------------
+# The backward, over chunks of C tokens that are the forward's spans: the forward saved H at the
+# start of every chunk (slot ``state_index[n] + c`` of sequence n's chunk c, processing order).
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _chunk_walk(c, start, end, C: tl.constexpr, REVERSE: tl.constexpr):
+    """Chunk c of a sequence in processing order: the row of its first position, the step
+    between its rows' (+1, or -1 if REVERSE) and how many of its positions lie inside the
+    sequence (c = -1, a prefetch before the first chunk: none)."""
+    if REVERSE:
+        first = end - 1 - c * C
+        step = -1
+    else:
+        first = start + c * C
+        step = 1
+    return first, step, tl.where(c >= 0, tl.minimum(tl.maximum(end - start - c * C, 0), C), 0)
+
+
+@triton.jit
+def _tile(first, step, count, head, cols, HEADS: tl.constexpr, WIDTH: tl.constexpr,
+          BLOCK: tl.constexpr, C: tl.constexpr):
+    """The [C, BLOCK] tile of columns ``cols`` (one block of them) of a chunk of a
+    [rows, HEADS, WIDTH] array: a scalar offset, 32-bit offsets from it (fewer registers than
+    64-bit ones per element) and the mask."""
+    t = tl.arange(0, C)
+    return ((first * HEADS + head) * WIDTH, (step * t)[:, None] * (HEADS * WIDTH) + cols[None, :],
+            (t < count)[:, None] & in_range(cols, WIDTH, BLOCK)[None, :])
+
+
+@triton.jit
+def _state_tile(slot, head, k_cols, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The [BK, BV] block (rows k_cols, columns v_cols) of entry ``slot`` of a
+    [slots, HEADS, K, V] state buffer: a scalar offset, offsets from it and the mask."""
+    return ((slot.to(tl.int64) * HEADS + head) * (K * V), k_cols[:, None] * V + v_cols[None, :],
+            in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :])
+
+
+@triton.jit
+def _state_gradient_loads(c, start, end, head, k_cols, v_cols, q_ptr, a_ptr, b_ptr, do_ptr,
+                          HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                          HAS_A: tl.constexpr, HAS_B: tl.constexpr, REVERSE: tl.constexpr):
+    """The state gradient's loads of chunk c as stored: q, dO and the gates (rows outside the
+    sequence, as those of chunk -1, read as zeros)."""
+    first, step, count = _chunk_walk(c, start, end, C, REVERSE)
+    k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
+    v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
+    return (stored(q_ptr + k_base, k_off, k_in), stored(do_ptr + v_base, v_off, v_in),
+            _raw_gate(a_ptr + k_base, k_off, k_in, HAS_A, C, BK),
+            _raw_gate(b_ptr + v_base, v_off, v_in, HAS_B, C, BV))
+
+
 @triton.jit
 def gla_state_gradient_kernel(
-    q_ptr, a_ptr, b_ptr, do_ptr, dht_ptr, cu_ptr, chunk_index_ptr,  # inputs
+    q_ptr, a_ptr, b_ptr, do_ptr, dht_ptr, cu_ptr, state_index_ptr,  # inputs
     dh0_ptr, dstates_ptr,                                          # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    ROWS: tl.constexpr,
-    SLOTS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
-    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+    ROWS: tl.constexpr, SLOTS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
+    BONUS: tl.constexpr, REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid as the forward's. dh0 [N, HEADS, K, V] float32; dstates [SLOTS, HEADS, K, V]
-    float32: the gradient of the state at the end of every chunk."""
-    sequence, head, v_cols, k_cols, state_mask, start, end, chunks, local = _sequence_program(
-        cu_ptr, HEADS, K, V, BK, BV, C, ROWS)
-    first_slot = tl.load(chunk_index_ptr + sequence)
-    dh = tl.load(dht_ptr + local, mask=state_mask, other=0.0)
+    """Grid (sequences * HEADS, K blocks, V blocks): each block of the state gradient needs only
+    its own rows and columns. dh0 [N, HEADS, K, V] float32; dstates [SLOTS, HEADS, K, V] float32,
+    the gradient of the state at the end of every chunk (the slot of the state at its start).
+    One product per chunk: dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B)."""
+    sequence = tl.program_id(0) // HEADS
+    head = tl.program_id(0) % HEADS
+    k_cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
+    first_slot = tl.load(state_index_ptr + sequence)
+    local, block, state_mask = _state_tile(sequence, head, k_cols, v_cols, HEADS, K, V, BK, BV)
+    dh = tl.load(dht_ptr + local + block, mask=state_mask, other=0.0)
     c = chunks - 1
-    # Chunk c - 1's loads issued before chunk c's products (at every BK: few registers here).
-    q_next, do_next, a_next, b_next = _state_gradient_chunk(
-        c, start, end, head, v_cols, q_ptr, a_ptr, b_ptr, do_ptr, HEADS, K, V, BK, BV, C, HAS_A,
-        HAS_B, REVERSE)
-    while c >= 0:
+    # Chunk c - 1's loads issued before chunk c's product (Triton pipelines no `while` loop).
+    q_next, do_next, a_next, b_next = _state_gradient_loads(
+        c, start, end, head, k_cols, v_cols, q_ptr, a_ptr, b_ptr, do_ptr, HEADS, K, V, BK, BV, C,
+        HAS_A, HAS_B, REVERSE)
+    while c >= 0:  # not `for ... in range`: the interpreter cannot take a run-time bound
         slot = first_slot + c
-        tl.store(dstates_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols), dh,
-                 mask=state_mask & (slot < SLOTS))
+        saved, _, _ = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
+        tl.store(dstates_ptr + saved + block, dh, mask=state_mask & (slot < SLOTS))
         q, do, a_raw, b_raw = q_next, do_next, a_next, b_next
-        q_next, do_next, a_next, b_next = _state_gradient_chunk(
-            c - 1, start, end, head, v_cols, q_ptr, a_ptr, b_ptr, do_ptr, HEADS, K, V, BK, BV, C,
-            HAS_A, HAS_B, REVERSE)
+        q_next, do_next, a_next, b_next = _state_gradient_loads(
+            c - 1, start, end, head, k_cols, v_cols, q_ptr, a_ptr, b_ptr, do_ptr, HEADS, K, V,
+            BK, BV, C, HAS_A, HAS_B, REVERSE)
         q = q.to(tl.float32) * scale
         do = do.to(tl.float32)
         a, A, A_end, _ = _gate_sums(a_raw, FLOOR)
@@ -561,162 +597,212 @@ def gla_state_gradient_kernel(
         dh = tl.dot(tl.trans(q * tl.exp(R)), do, tl.exp(A_end)[:, None] * dh,
                     input_precision=PRECISION)
         c -= 1
-    tl.store(dh0_ptr + local, dh, mask=state_mask)
+    tl.store(dh0_ptr + local + block, dh, mask=state_mask)
 
 
 @triton.jit
-def gla_backward_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, u_ptr, do_ptr, states_ptr, dstates_ptr,
-    cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,              # inputs
-    dq_ptr, dk_ptr, dv_ptr, da_ptr, db_ptr, du_ptr,                           # outputs
-    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    ROWS: tl.constexpr,
-    SLOTS: tl.constexpr, CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
-    PARTIAL: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
-    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """Grid (SLOTS, HEADS, V blocks). dv [rows, HEADS, V]; db [rows, HEADS, V] float32 (if
-    HAS_B); du [V blocks, SLOTS, HEADS, K] float32 partial sums (if BONUS); dq, dk, da
-    [rows, HEADS, K] (da float32), or float32 partial sums [V blocks, ROWS, HEADS, K] when
-    PARTIAL (several V blocks: the K-side gradients sum over V)."""
+def _chunk_program(cu_ptr, state_index_ptr, slot_sequence_ptr, ROWS: tl.constexpr,
+                   C: tl.constexpr, REVERSE: tl.constexpr):
+    """A gradient kernel's program (grid: SLOTS, HEADS, blocks): its chunk's slot and head,
+    whether the slot holds a chunk, and the chunk's rows (``_chunk_walk``; none inside for a
+    slot past the last chunk)."""
     slot = tl.program_id(0)
     head = tl.program_id(1)
-    v_block = tl.program_id(2)
     sequence = tl.load(slot_sequence_ptr + slot)
     used = sequence >= 0
     sequence = tl.maximum(sequence, 0)
-    v_cols = v_block * BV + tl.arange(0, BV)
-    k_cols = tl.arange(0, BK)
-    state_mask = in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
-    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
-    c = (slot - tl.load(state_index_ptr + sequence)) * CHUNKS_PER_STATE
-    last = tl.where(used, tl.minimum(c + CHUNKS_PER_STATE, chunks), c)
-    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
-    h = tl.load(states_ptr + state_offsets(slot, head, HEADS, K, V, BK, v_cols),
-                mask=state_mask & used, other=0.0)
+    start, end, _ = _segment(sequence, cu_ptr, ROWS, C)
+    first, step, count = _chunk_walk(slot - tl.load(state_index_ptr + sequence), start, end, C,
+                                     REVERSE)
+    return slot, head, used, first, step, tl.where(used, count, 0)
+
+
+@triton.jit
+def gla_key_gradient_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, u_ptr, do_ptr, states_ptr, dstates_ptr,
+    cu_ptr, state_index_ptr, slot_sequence_ptr,                # inputs
+    dq_ptr, dk_ptr, da_ptr, du_ptr,                            # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    ROWS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
+    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (SLOTS, HEADS, K blocks): every K-side gradient of one chunk's block of BK keys,
+    summed over all V in blocks of BV: the scores' gradient and the read of H over V, then the
+    pairs (q and k of this block only), then the state's gradients in a second pass over V.
+    dq, dk [rows, HEADS, K]; da [rows, HEADS, K] float32 (if HAS_A); du [SLOTS, HEADS, K]
+    float32, each chunk's sum (if BONUS)."""
+    slot, head, used, first, step, count = _chunk_program(cu_ptr, state_index_ptr,
+                                                          slot_sequence_ptr, ROWS, C, REVERSE)
+    k_cols = tl.program_id(2) * BK + tl.arange(0, BK)
+    k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
+    # Through the outputs, summed over V: the scores' gradient and the read of H.
+    d_scores = tl.zeros([C, C], tl.float32)
+    dq = tl.zeros([C, BK], tl.float32)  # (dO e^B) H^T, times e^R below
+    for v_block in range((V + BV - 1) // BV):
+        v_cols = v_block * BV + tl.arange(0, BV)
+        v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
+        v = _load(v_ptr + v_base, v_off, v_in)
+        do = _load(do_ptr + v_base, v_off, v_in)
+        state, block, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
+        h = tl.load(states_ptr + state + block, mask=state_mask & used, other=0.0)
+        if HAS_B:
+            b, B, b_end, b_kept = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
+            d_scores += _value_pairs(do, v, b, C, LEVELS, PRECISION)
+            do = do * tl.exp(B)
+        else:
+            d_scores = tl.dot(do, tl.trans(v), d_scores, input_precision=PRECISION)
+        dq = tl.dot(do, tl.trans(h), dq, input_precision=PRECISION)
+    q = _load(q_ptr + k_base, k_off, k_in) * scale
+    k = _load(k_ptr + k_base, k_off, k_in)
+    a, A, _, _ = _log_gate(a_ptr + k_base, k_off, k_in, HAS_A, FLOOR, C, BK)
+    if BONUS:
+        dq = dq * tl.exp(A - a)
+    else:
+        dq = dq * tl.exp(A)
+    # (A, its total and where the floor applied are formed again after the levels: fewer tiles
+    # live through them)
+    # Through the scores' pairs, level by level as _scores builds them. The pairs whose factor
+    # is e^0 whatever the gates (GLA: i = t; RWKV-6: i = t - 1) are kept out of the gate
+    # gradients and added after: their terms in q dq and k dk would cancel only to rounding,
+    # which strong gates leave much larger than the gate gradient itself. Only their values
+    # ([C]) stay live through the levels.
     t = tl.arange(0, C)
     diagonal = t[:, None] == t[None, :]
+    d_diagonal = tl.sum(tl.where(diagonal, d_scores, 0.0), axis=1)
     if BONUS:
-        u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+        constant = t[:, None] == t[None, :] + 1
+        d_constant = tl.sum(tl.where(constant, d_scores, 0.0), axis=1)
+        d_scores = tl.where(constant, 0.0, d_scores)
+    # (GLA: the levels' pairs leave the diagonal out already)
+    if HAS_A:
+        dk = tl.zeros(k.shape, tl.float32)
+        for level in range(LEVELS):
+            row_f, row_strict, column, keep = _level(a, level, LEVELS, C)
+            row_f = row_strict if BONUS else row_f
+            kept = tl.where(keep, d_scores, 0.0)
+            dq += row_f * tl.dot(kept, k * column, input_precision=PRECISION)
+            dk += column * tl.dot(tl.trans(kept), q * row_f, input_precision=PRECISION)
     else:
-        u = tl.zeros([BK], tl.float32)  # unused
-    du = tl.zeros([BK], tl.float32)
-    while c < last:
-        k_off, k_in, v_off, v_in = _chunk(c, start, end, head, v_cols, HEADS, K, V, BK, BV, C,
-                                          REVERSE)
-        q = _load(q_ptr, k_off, k_in) * scale
-        k = _load(k_ptr, k_off, k_in)
-        v = _load(v_ptr, v_off, v_in)
-        do = _load(do_ptr, v_off, v_in)
-        chunk_slot = first_chunk_slot + c
-        dh = tl.load(dstates_ptr + state_offsets(chunk_slot, head, HEADS, K, V, BK, v_cols),
-                     mask=state_mask & (chunk_slot < CHUNK_SLOTS), other=0.0)
-        a, A, A_end, a_kept = _log_gate(a_ptr, k_off, k_in, HAS_A, FLOOR, C, BK)
-        R = A - a if BONUS else A
-        # Through the outputs: d(scores) (which needs no scores), and with a value gate dv's
-        # in-chunk part and the outputs for dB.
-        if HAS_B:
-            b, B, B_end, b_kept = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
-            d_scores = _value_pairs(do, v, b, C, LEVELS, PRECISION)
-            do_read = do * tl.exp(B)
-            v_end = v * tl.exp(B_end[None, :] - B)
-            state_decay = tl.exp(A_end)[:, None] * tl.exp(B_end)[None, :]
-        else:
-            d_scores = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            do_read = do
-            v_end = v
-            state_decay = tl.exp(A_end)[:, None]
-        # Through the state: H' = state_decay * H + k_end^T v_end.
-        to_end = tl.exp(A_end[None, :] - A)
-        k_end = k * to_end
-        dk_state = tl.dot(v_end, tl.trans(dh), input_precision=PRECISION) * to_end
-        dv_state = tl.dot(k_end, dh, input_precision=PRECISION)
-        decayed_h_dh = state_decay * h * dh
-        # Its sums only (the gates' gradients through the decay of H), the read of H, and H
-        # advanced to the chunk's end (the next chunk's H) right here, so that neither dH nor
-        # k_end, v_end take registers through the in-chunk work.
-        h_dh_k = tl.sum(decayed_h_dh, axis=1)[None, :]
-        if HAS_B:
-            h_dh_v = tl.sum(decayed_h_dh, axis=0)[None, :]
-        dq = tl.dot(do_read, tl.trans(h), input_precision=PRECISION) * tl.exp(R)
-        if HAS_B:
-            o_state = tl.dot(q * tl.exp(R), h, input_precision=PRECISION) * tl.exp(B)
-        if CHUNKS_PER_STATE > 1:
-            h = tl.dot(tl.trans(k_end), v_end, state_decay * h, input_precision=PRECISION)
-        # Through the scores' pairs, with the scores, level by level as _scores builds them.
-        # The pairs whose factor is e^0 whatever the gates (GLA: i = t; RWKV-6: i = t - 1) are
-        # kept out of the gate gradients and added after: their terms in q dq and k dk would
-        # cancel only to rounding, which strong gates leave much larger than the gate gradient
-        # itself.
-        if BONUS:
-            constant = t[:, None] == t[None, :] + 1
-        else:
-            constant = diagonal
-        scores = _scores_diagonal(q, k, u, BONUS, C)
-        d_constant = tl.where(constant, d_scores, 0.0)
-        d_pairs = tl.where(constant, 0.0, d_scores)
-        if HAS_A:
-            dk = tl.zeros(k.shape, tl.float32)
-            for level in tl.static_range(LEVELS):
-                row, row_strict, column, keep = level_factors(a, C >> (level + 1), 0, C)
-                row = row_strict if BONUS else row
-                q_f = q * row
-                k_f = k * column
-                scores += tl.where(keep, tl.dot(q_f, tl.trans(k_f), input_precision=PRECISION),
-                                   0.0)
-                kept = tl.where(keep, d_pairs, 0.0)
-                dq += row * tl.dot(kept, k_f, input_precision=PRECISION)
-                dk += column * tl.dot(tl.trans(kept), q_f, input_precision=PRECISION)
-        else:
-            lower = _strictly_lower(C)
-            scores += tl.where(lower, tl.dot(q, tl.trans(k), input_precision=PRECISION), 0.0)
-            kept = tl.where(lower, d_pairs, 0.0)
-            dq += tl.dot(kept, k, input_precision=PRECISION)
-            dk = tl.dot(tl.trans(kept), q, input_precision=PRECISION)
-        if HAS_B:
-            # The diagonal's factor is e^0: kept out of o and dv here, and so out of dB.
-            mixed, dv = _value_mixes(scores, do, v, b, C, LEVELS, PRECISION)
-            o = o_state + mixed
-        else:
-            dv = tl.dot(tl.trans(scores), do, input_precision=PRECISION)
-        # A log gate z of a factor x = y e^z has dz = x dx: dR = q dq and dA = -k dk, summed
-        # in reverse over the chunk; RWKV-6's R_t = A_t - a_t takes the sum after t, and
-        # k_end's exponent A_end - A_i = a_{i+1} + ... the sum before i. Those exclusive sums
-        # are formed directly: an inclusive sum minus the own term would cancel to rounding
-        # where that term has a factor near e^0, which swamps a strong gate's gradient (and
-        # g_gamma's sum of them).
-        if BONUS:
-            da = _exclusive_cumsum(q * dq, True) - tl.cumsum(k * dk, axis=0, reverse=True)
-        else:
-            da = tl.cumsum(q * dq - k * dk, axis=0, reverse=True)
-        d_to_end = k * dk_state
-        da += _exclusive_cumsum(d_to_end, False) + h_dh_k
-        dq += tl.dot(d_constant, k, input_precision=PRECISION)
-        dk += dk_state + tl.dot(tl.trans(d_constant), q, input_precision=PRECISION)
-        if BONUS:
-            d_bonus = tl.sum(tl.where(diagonal, d_scores, 0.0), axis=1)[:, None]
-            dq += d_bonus * u[None, :] * k
-            dk += d_bonus * u[None, :] * q
-            du += tl.sum(d_bonus * q * k, axis=0)
-        da = tl.where(a_kept, da, 0.0)
-        if HAS_B:
-            dv_state = dv_state * tl.exp(B_end[None, :] - B)
-            d_to_end = v * dv_state
-            db = (tl.cumsum(do * o - v * dv, axis=0, reverse=True)
-                  + _exclusive_cumsum(d_to_end, False) + h_dh_v)
-            tl.store(db_ptr + v_off, tl.where(b_kept, db, 0.0), mask=v_in)
-            dv += dv_state + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * do
-        else:
-            dv += dv_state
-        tl.store(dv_ptr + v_off, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
-        if PARTIAL:  # several V blocks: this one's partial sums of the K-side gradients
-            k_off += v_block.to(tl.int64) * (ROWS * HEADS * K)
-        tl.store(dq_ptr + k_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=k_in)
-        tl.store(dk_ptr + k_off, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
-        if HAS_A:
-            tl.store(da_ptr + k_off, da, mask=k_in)
-        c += 1
+        kept = tl.where(_strictly_lower(C), d_scores, 0.0)
+        dq = tl.dot(kept, k, dq, input_precision=PRECISION)
+        dk = tl.dot(tl.trans(kept), q, input_precision=PRECISION)
+    # A log gate z of a factor x = y e^z has dz = x dx: dR = q dq and dA = -k dk, summed in
+    # reverse over the chunk; RWKV-6's R_t = A_t - a_t takes the sum after t. That exclusive
+    # sum is formed directly: an inclusive sum minus the own term would cancel to rounding
+    # where that term has a factor near e^0, which swamps a strong gate's gradient (and
+    # g_gamma's sum of them).
     if BONUS:
-        du_off = ((v_block * SLOTS + slot).to(tl.int64) * HEADS + head) * K + k_cols
-        tl.store(du_ptr + du_off, du, mask=k_cols < K)
+        da = _exclusive_cumsum(q * dq, True) - tl.cumsum(k * dk, axis=0, reverse=True)
+    else:
+        da = tl.cumsum(q * dq - k * dk, axis=0, reverse=True)
+    # Through the state (after the levels, so that its tiles are not live through them):
+    # H' = (e^{A_C} e^{B_C}^T) * H + (k e^{A_C - A})^T (v e^{B_C - B}).
+    dk_state = tl.zeros([C, BK], tl.float32)  # (v e^{B_C - B}) dH^T, times e^{A_C - A} below
+    h_dh = tl.zeros([BK], tl.float32)         # sum_v e^{B_C} H dH, times e^{A_C} below
+    for v_block in range((V + BV - 1) // BV):
+        v_cols = v_block * BV + tl.arange(0, BV)
+        v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
+        v = _load(v_ptr + v_base, v_off, v_in)
+        state, block, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
+        h = tl.load(states_ptr + state + block, mask=state_mask & used, other=0.0)
+        dh = tl.load(dstates_ptr + state + block, mask=state_mask & used, other=0.0)
+        if HAS_B:
+            b, B, B_end, b_kept = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
+            v = v * tl.exp(B_end[None, :] - B)
+            h_dh += tl.sum(h * dh * tl.exp(B_end)[None, :], axis=1)
+        else:
+            h_dh += tl.sum(h * dh, axis=1)
+        dk_state = tl.dot(v, tl.trans(dh), dk_state, input_precision=PRECISION)
+    _, A, A_end, a_kept = _log_gate(a_ptr + k_base, k_off, k_in, HAS_A, FLOOR, C, BK)
+    dk_state = dk_state * tl.exp(A_end[None, :] - A)
+    # k's decay to the end, A_C - A_i = a_{i+1} + ...: the sum before i, exclusive as above.
+    da += _exclusive_cumsum(k * dk_state, False) + (tl.exp(A_end) * h_dh)[None, :]
+    dk += dk_state
+    if BONUS:
+        d_constant = tl.where(constant, d_constant[:, None], 0.0)
+        dq = tl.dot(d_constant, k, dq, input_precision=PRECISION)
+        dk = tl.dot(tl.trans(d_constant), q, dk, input_precision=PRECISION)
+        u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+        d_bonus = d_diagonal[:, None] * u[None, :]
+        dq += d_bonus * k
+        dk += d_bonus * q
+        du_off = (slot.to(tl.int64) * HEADS + head) * K + k_cols
+        tl.store(du_ptr + du_off, tl.sum(d_diagonal[:, None] * q * k, axis=0), mask=k_cols < K)
+    else:
+        dq += d_diagonal[:, None] * k
+        dk += d_diagonal[:, None] * q
+    tl.store(dq_ptr + k_base + k_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=k_in)
+    tl.store(dk_ptr + k_base + k_off, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
+    if HAS_A:
+        tl.store(da_ptr + k_base + k_off, tl.where(a_kept, da, 0.0), mask=k_in)
+
+
+@triton.jit
+def gla_value_gradient_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, u_ptr, do_ptr, states_ptr, dstates_ptr,
+    cu_ptr, state_index_ptr, slot_sequence_ptr,                # inputs
+    dv_ptr, db_ptr,                                            # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    ROWS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
+    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (SLOTS, HEADS, V blocks): every V-side gradient of one chunk's block of BV values,
+    the sums over K (the scores, k's part of dv through the state, the read of H) in blocks of
+    BK first. dv [rows, HEADS, V]; db [rows, HEADS, V] float32 (if HAS_B)."""
+    slot, head, used, first, step, count = _chunk_program(cu_ptr, state_index_ptr,
+                                                          slot_sequence_ptr, ROWS, C, REVERSE)
+    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
+    scores = tl.zeros([C, C], tl.float32)
+    dv_state = tl.zeros([C, BV], tl.float32)  # (k e^{A_C - A}) dH, times e^{B_C - B} below
+    o_state = tl.zeros([C, BV], tl.float32)   # (q e^R) H, times e^B below (if HAS_B)
+    h_dh = tl.zeros([BV], tl.float32)         # sum_k e^{A_C} H dH, times e^{B_C} below
+    for k_block in range((K + BK - 1) // BK):
+        k_cols = k_block * BK + tl.arange(0, BK)
+        k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
+        q = _load(q_ptr + k_base, k_off, k_in) * scale
+        k = _load(k_ptr + k_base, k_off, k_in)
+        a, A, A_end, a_kept = _log_gate(a_ptr + k_base, k_off, k_in, HAS_A, FLOOR, C, BK)
+        if BONUS:
+            u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+        else:
+            u = tl.zeros([BK], tl.float32)  # unused
+        scores += _scores_diagonal(q, k, u, BONUS, C)
+        if HAS_A:  # _scores' levels, one at a time
+            for level in range(LEVELS):
+                row_f, row_strict, column, keep = _level(a, level, LEVELS, C)
+                q_f = q * row_strict if BONUS else q * row_f
+                scores += tl.where(keep, tl.dot(q_f, tl.trans(k * column),
+                                                input_precision=PRECISION), 0.0)
+        else:
+            scores += tl.where(_strictly_lower(C),
+                               tl.dot(q, tl.trans(k), input_precision=PRECISION), 0.0)
+        state, block, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
+        dh = tl.load(dstates_ptr + state + block, mask=state_mask & used, other=0.0)
+        dv_state = tl.dot(k * tl.exp(A_end[None, :] - A), dh, dv_state,
+                          input_precision=PRECISION)
+        if HAS_B:
+            h = tl.load(states_ptr + state + block, mask=state_mask & used, other=0.0)
+            R = A - a if BONUS else A
+            o_state = tl.dot(q * tl.exp(R), h, o_state, input_precision=PRECISION)
+            h_dh += tl.sum(tl.exp(A_end)[:, None] * h * dh, axis=0)
+    v = _load(v_ptr + v_base, v_off, v_in)
+    do = _load(do_ptr + v_base, v_off, v_in)
+    if HAS_B:
+        b, B, B_end, b_kept = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
+        # The diagonal's factor is e^0: kept out of o and dv here, and so out of dB (its terms
+        # there cancel exactly).
+        mixed, dv = _value_mixes(scores, do, v, b, C, LEVELS, PRECISION)
+        o = o_state * tl.exp(B) + mixed
+        dv_state = dv_state * tl.exp(B_end[None, :] - B)
+        db = (tl.cumsum(do * o - v * dv, axis=0, reverse=True)
+              + _exclusive_cumsum(v * dv_state, False) + (tl.exp(B_end) * h_dh)[None, :])
+        tl.store(db_ptr + v_base + v_off, tl.where(b_kept, db, 0.0), mask=v_in)
+        t = tl.arange(0, C)
+        diagonal = t[:, None] == t[None, :]
+        dv += dv_state + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * do
+    else:
+        dv = tl.dot(tl.trans(scores), do, dv_state, input_precision=PRECISION)
+    tl.store(dv_ptr + v_base + v_off, dv.to(dv_ptr.dtype.element_ty), mask=v_in)

@@ -395,13 +395,9 @@ _gla_kernels = _launch.kernels("gla")
 
 # The forward: a sequential state pass over chunks of GLA_SPAN tokens that saves the state at
 # the start of each (the ``states`` buffer), then two kernels parallel over those chunks: their
-# scores (pairwise factors built level by level) and their outputs. The backward's two
-# kernels take chunks of GLA_GRADIENT_CHUNK tokens (the state-gradient pass saves dH at the end
-# of each; the gradient kernel takes them), a divisor of the span. Measured on the H100 (K=V=64,
-# bf16, B=8, T=4096; BENCHMARKS.md): a backward chunk of 32 makes the state-gradient pass faster
-# (1.25 -> 0.79 ms) but the gradient kernel slower (412 B of spills at 8 warps; K=128: 36.7 ->
-# 61.2 ms forward+backward), 64 far slower (53 ms; thousands of bytes of spills).
-GLA_GRADIENT_CHUNK = 16
+# scores and their outputs. The backward takes the same chunks: its state-gradient pass saves
+# dH at the end of every chunk (in the slots of the saved states) and its two gradient kernels
+# (K side, V side) take one chunk each, all of them at once.
 GLA_SPAN = 64
 # K columns per step of the in-chunk scores kernel: at 16, 165-194 registers and no spills at K
 # = 64 and 128 with 4 warps (sm_90, benchmarks/compile_report.py); at 32, 192-255 and spills
@@ -434,23 +430,22 @@ class _GlaStatic:
     reverse: bool
     precision: str  # of the float32 matrix products: "tf32x3" for float32 inputs, else "tf32"
     block_v: int
-    gradient_chunk: int  # tokens per chunk of the backward (state-gradient pass, gradient kernel)
-    span: int            # tokens per chunk of the forward, which saves the state at each start
+    span: int            # tokens per chunk of the forward and backward (states at each start)
     scores_block_k: int  # K columns per step of the forward's scores kernel
     state_warps: int           # of the forward's state pass
     scores_warps: int          # of the forward's in-chunk scores
     output_warps: int          # of the forward's output kernel
     state_gradient_warps: int  # of the state-gradient pass
-    backward_warps: int        # of the parallel gradient kernel
+    key_gradient_warps: int    # of the parallel gradient kernels: the K-side one,
+    value_gradient_warps: int  # the V-side one
+    key_block_k: int           # K columns per program of the K-side gradient kernel
     # Calls whose every log gate is >= -GLA_TAME_SUM / span take the scores kernel's tame path
     # (False: always the exact build)
     tame: bool = True
 
     def __post_init__(self):
-        for chunk in (self.span, self.gradient_chunk):
-            if chunk not in (16, 32, 64) or self.span % chunk:
-                raise ValueError(f"GLA chunks must be 16, 32 or 64 tokens and divide the span "
-                                 f"({self.span}); got {chunk}")
+        if self.span not in (16, 32, 64):
+            raise ValueError(f"GLA chunks must be 16, 32 or 64 tokens; got {self.span}")
 
     @property
     def v_blocks(self):
@@ -458,8 +453,16 @@ class _GlaStatic:
 
     @property
     def block_k(self):
-        """K columns per program of the forward's kernels (the state pass splits K as V)."""
+        """K columns per block of the kernels (the state passes split K as V; the others sum
+        over K in such blocks)."""
         return min(_pow2_at_least(self.k_size), 64)
+
+    @property
+    def k_blocks(self):
+        return -(-self.k_size // self.block_k)
+
+    def backward_constexprs(self, block_k=None, **more):
+        return dict(self.constexprs(self.span, **more), BK=block_k or self.block_k)
 
     def constexprs(self, chunk, **more):
         return {**dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
@@ -539,54 +542,48 @@ def _gla_fwd(static, q, k, v, a, b, u, h0, cu):
 
 
 def _gla_state_gradient(static, q, a, b, do, dht, cu):
-    """The reverse recurrence of the state gradient: dh0, and dH at the end of every chunk of
-    the gradient kernel's."""
+    """The reverse recurrence of the state gradient: dh0, and dH at the end of every span (in
+    the slot of the state saved at its start)."""
     sequences = cu.shape[0] - 1
     state_shape = (static.heads, static.k_size, static.v_size)
-    _, chunk_index, chunk_slots = _gla_slots(cu, static.rows, static.gradient_chunk)
-    dh0, dstates = _launch.launch(
+    _, state_index, slots = _gla_slots(cu, static.rows, static.span)
+    return _launch.launch(
         _gla_kernels.gla_state_gradient_kernel,
-        _present(q, a, b, do, dht.astype(jnp.float32), cu, chunk_index),
+        _present(q, a, b, do, dht.astype(jnp.float32), cu, state_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
-         jax.ShapeDtypeStruct((chunk_slots,) + state_shape, jnp.float32)),
-        (sequences * static.heads, static.v_blocks), num_warps=static.state_gradient_warps,
-        **static.constexprs(static.gradient_chunk, SLOTS=chunk_slots))
-    return dh0, dstates, chunk_index, chunk_slots
+         jax.ShapeDtypeStruct((slots,) + state_shape, jnp.float32)),
+        (sequences * static.heads, static.k_blocks, static.v_blocks),
+        num_warps=static.state_gradient_warps, **static.backward_constexprs(SLOTS=slots))
 
 
 def _gla_bwd(static, residuals, cotangents):
     q, k, v, a, b, u, states, cu = residuals
     do, dht = cotangents
     do = do.astype(v.dtype)
-    rows, v_blocks = static.rows, static.v_blocks
-    dh0, dstates, chunk_index, chunk_slots = _gla_state_gradient(static, q, a, b, do, dht, cu)
-    # Every input gradient, one program per (span, head, V block), all at once.
-    spans, state_index, slots = _gla_slots(cu, rows, static.span)
-    slot_sequence = _slot_sequences(spans, state_index, slots)
-    partial = v_blocks > 1
-    k_side = (rows, static.heads, static.k_size)
-    k_grad = lambda dtype: jax.ShapeDtypeStruct(
-        (v_blocks,) + k_side if partial else k_side, jnp.float32 if partial else dtype)
+    dh0, dstates = _gla_state_gradient(static, q, a, b, do, dht, cu)
+    spans, state_index, slots = _gla_slots(cu, static.rows, static.span)
+    # Every input gradient, one program per (span, head, K or V block), all at once: the
+    # K-side gradients summing over V in blocks, the V-side ones summing over K.
+    inputs = _present(q, k, v, a, b, u, do, states, dstates, cu, state_index,
+                      _slot_sequences(spans, state_index, slots))
     unused = jax.ShapeDtypeStruct((1,), jnp.float32)
-    dq, dk, dv, da, db, du = _launch.launch(
-        _gla_kernels.gla_backward_kernel,
-        _present(q, k, v, a, b, u, do, states, dstates, cu, state_index, chunk_index,
-                 slot_sequence),
-        (k_grad(q.dtype), k_grad(k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-         k_grad(jnp.float32) if static.has_a else unused,
-         jax.ShapeDtypeStruct(v.shape, jnp.float32) if static.has_b else unused,
-         jax.ShapeDtypeStruct((v_blocks, slots, static.heads, static.k_size), jnp.float32)
+    dq, dk, da, du = _launch.launch(
+        _gla_kernels.gla_key_gradient_kernel, inputs,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+         jax.ShapeDtypeStruct(q.shape, jnp.float32) if static.has_a else unused,
+         jax.ShapeDtypeStruct((slots, static.heads, static.k_size), jnp.float32)
          if static.bonus else unused),
-        (slots, static.heads, v_blocks), num_warps=static.backward_warps,
-        **static.constexprs(static.gradient_chunk, SLOTS=slots, CHUNK_SLOTS=chunk_slots,
-                            CHUNKS_PER_STATE=static.span // static.gradient_chunk,
-                            PARTIAL=partial))
-    reduce = (lambda g, x: g.sum(0).astype(x.dtype)) if partial else (lambda g, x: g)
-    return (reduce(dq, q), reduce(dk, k), dv,
-            reduce(da, a).astype(a.dtype) if static.has_a else None,
+        (slots, static.heads, -(-static.k_size // static.key_block_k)),
+        num_warps=static.key_gradient_warps, **static.backward_constexprs(static.key_block_k))
+    dv, db = _launch.launch(
+        _gla_kernels.gla_value_gradient_kernel, inputs,
+        (jax.ShapeDtypeStruct(v.shape, v.dtype),
+         jax.ShapeDtypeStruct(v.shape, jnp.float32) if static.has_b else unused),
+        (slots, static.heads, static.v_blocks), num_warps=static.value_gradient_warps,
+        **static.backward_constexprs())
+    return (dq, dk, dv, da.astype(a.dtype) if static.has_a else None,
             db.astype(b.dtype) if static.has_b else None,
-            du.sum((0, 1)).astype(u.dtype) if static.bonus else None,
-            dh0, None)
+            du.sum(0).astype(u.dtype) if static.bonus else None, dh0, None)
 
 
 _gla.defvjp(_gla_fwd, _gla_bwd)
@@ -597,17 +594,16 @@ def _gla_warps(k_size, block_v, has_b):
     benchmarks/compile_report.py; registers: state pass 255, scores 163-194, output 128-168; at
     8 warps the scores take 128-198, the output 98-157, the state pass 177). With a value gate
     the state pass and the output kernel take 8 (4 spill 216 B and 1.4 KB; 8: none and 16 B).
-    Not yet timed.
-    Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md), 4 warps against 8: RWKV-6's
-    state-gradient pass 1.77 -> 1.25 ms at K=V=64 (GLA's had 4 already), 3.2 -> 3.0 at 128. The
-    gradient kernel at K=V=64 with 4 warps (two programs per SM, 240 B of spills) rather than 8
-    (one program, none): forward+backward GLA 17.39 -> 13.23 ms, RWKV-6 18.14 -> 14.39. At
-    K=128 it stays at 8 (33.8 / 36.9 ms): 4 warps spill 1860 B there and were not timed (correct
-    on the GPU, as 8 are)."""
-    small = _pow2_at_least(k_size) * block_v <= 64 * 64
+    The backward over 64-token chunks, by sm_90 compile reports (GLA with gk and RWKV-6), no
+    spills at K=V=64 and 128: the state-gradient pass with 8 warps (204-207 registers; 4 warps
+    spill 32 B with the prefetched [64, 64] tiles); the K-side gradient kernel with 8 warps and
+    16 keys per program (208-248 registers; at K=64 32 keys spill 172 B, 4 warps 92 B); the
+    V-side one with 8 warps (169-170 registers; 4 warps spill 332 B at K=128). With a value gate
+    (gv) the V-side kernel spills 408 B at K=64."""
     gated = 8 if has_b else 4
-    return dict(state_warps=gated, scores_warps=4, output_warps=gated, state_gradient_warps=4,
-                backward_warps=4 if small else 8)
+    return dict(state_warps=gated, scores_warps=4, output_warps=gated, state_gradient_warps=8,
+                key_gradient_warps=8, value_gradient_warps=8,
+                key_block_k=min(_pow2_at_least(k_size), 16))
 
 
 def _gla_static(q, k, v, a, b, u, scale, reverse):
@@ -620,7 +616,7 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
     static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
-        GLA_GRADIENT_CHUNK, GLA_SPAN, GLA_SCORES_BLOCK_K,
+        GLA_SPAN, GLA_SCORES_BLOCK_K,
         **_gla_warps(k_size, block_v, b is not None))
     return dataclasses.replace(static, **GLA_OVERRIDES)
 
