@@ -93,11 +93,12 @@ def test_default_span_several_chunks_packed_key_128(monkeypatch, op):
 
 
 @pytest.mark.parametrize("op, decay, tame", [("gated_linear_attention", "model", True),
-                                             ("rwkv6", ("uniform", -0.9), True),
+                                             ("rwkv6", ("uniform", -0.5), True),
                                              ("rwkv6", "strong", False)])
-def test_scores_path_per_call(monkeypatch, op, decay, tame):
-    """Log gates >= -GLA_TAME_SUM / span take the scores kernel's tame path (factors referenced
-    to the chunk's middle), stronger ones the exact build; both match the float64 reference
+def test_tame_and_exact_paths_per_call(monkeypatch, op, decay, tame):
+    """Log gates whose chunk sums are >= -GLA_TAME_SUM take the tame path (factors referenced
+    to the chunk's middle, the scores formed in the output kernel), stronger ones the exact
+    build; both match the float64 reference
     (a tame call also when forced onto the exact build). Default span, packed sequences of
     several chunks ending mid-chunk, an empty segment."""
     _chunks(monkeypatch, 64)
@@ -131,3 +132,16 @@ def test_head_sizes_of_several_k_and_v_blocks(monkeypatch, op, key, value):
     if op == "gated_linear_attention":
         drawn["gates"] = GATES
     check_case("triton", Case(op, drawn, options), seed=key + value)
+
+
+def test_tame_path_criterion():
+    """Every chunk lies inside two neighbouring blocks of ``span`` rows: their gates' sum is
+    what decides, whatever the sequences' boundaries; -inf and NaN take the exact path."""
+    import jax.numpy as jnp
+    tame = jax.jit(triton_backend.gla_tame_path, static_argnums=1)
+    gates = jnp.full((100, 2, 3), -0.4)  # two blocks of 32 sum to -25.6, of 64 to -51.2
+    assert bool(tame(gates, 32)) and bool(tame(gates, 64))
+    assert not bool(tame(gates * 2, 64))  # -102.4 over two blocks of 64
+    for value in (-jnp.inf, jnp.nan, -70.0):
+        assert not bool(tame(gates.at[99, 1, 2].set(value), 32))
+    assert bool(tame(gates.at[99, 1, 2].set(-30.0), 32))

@@ -19,28 +19,35 @@ is (the value gate enters each column v on its own):
     o_t = e^{B_t} (H^T (q_t e^{R_t})) + sum_i S[t,i] v_i e^{B_t - B_i}
     H'  = (e^{A_C} e^{B_C}^T) * H + (k e^{A_C - A})^T (v e^{B_C - B})
 
-Every exponent is <= 0. S, the value-gate mix and their gradients are built level by level
-as RWKV-7's A matrices are (common.level_factors): at level s, rows t of each odd segment of s
-steps meet columns i of the even segment before it, with the factor split at the boundary b
-between them, e^{R_t - A_b} e^{A_b - A_i}, each <= 1, so each level is one tensor-core product
-of [C, K] tiles (levels s = C/2, ..., 1 cover every pair i < t once; the diagonal has the
-factor e^0). The other factors are decays to the chunk's end or from its start. Log gates are
-raised to FLOOR on load (their exp is 0 in float32 either way; it keeps the sums finite and
-precise), and the gradient of a floored gate is 0.
+Two builds of the in-chunk pair factors e^{R_t - A_i}, chosen per call on the device by the
+backend (each its own compiled kernels, TAME constexpr):
+- tame (a call whose chunks' log gates all sum to >= -GLA_TAME_SUM: model gates): every factor
+  referenced to the chunk's middle row m, e^{R_t - A_m} on the row operand and e^{A_m - A_i} on
+  the column operand of ONE tensor-core product per K block; each lies within
+  e^(+-GLA_TAME_SUM), and each kept pair's term is still its own factor <= 1 times q_t k_i.
+- exact (any gates in [-inf, 0]): level by level as RWKV-7's A matrices (common.level_factors):
+  at level s, rows t of each odd segment of s steps meet columns i of the even segment before
+  it, with the factor split at the boundary b between them, e^{R_t - A_b} e^{A_b - A_i}, each
+  <= 1 (levels s = C/2, ..., 1 cover every pair i < t once; the diagonal has the factor e^0).
+The value gate's pair factors are always built level by level. The other factors are decays to
+the chunk's end or from its start (<= 1). Log gates are raised to FLOOR on load (their exp is 0
+in float32 either way; it keeps the sums finite and precise), and the gradient of a floored
+gate is 0.
 
-The forward is three kernels: a sequential state pass per (sequence, head, K block, V block)
-over chunks of C tokens (H' above: one product per chunk, every factor <= 1; the state at the
-start of every chunk saved as ``states``, the final one as ht), then two kernels parallel over
-(chunk, head): the scores S of every chunk (levels as above, each level only as its blocks:
-batched products of the segments that meet, no [C, C] tile held; or, on a call whose log gates
-are all bounded (the TAME path, chosen per call by the backend), one product per K block with
-the factors referenced to the chunk's middle), and the outputs from the chunk's saved state and
-scores. The backward: a sequential reverse pass of the state gradient
-(dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B), saved at every chunk's end), and a
-parallel gradient kernel per (span of chunks, head, V block). The sequential passes issue the
-next chunk's loads before the current chunk's products, so that their latency overlaps the
-products: Triton pipelines no ``while`` loop. The backward's two kernels share one chunk size,
-a divisor of the forward's (the backend's GLA_SPAN: the saved states' span).
+Every kernel takes chunks of C tokens (the backend's GLA_SPAN), the states saved at the start
+of each chunk (slot ``state_index[n] + c`` of sequence n's chunk c, processing order) being the
+interface between them. The forward: a sequential state pass per (sequence, head, K block,
+V block) (H' above: one product per chunk, every factor <= 1; the final state as ht), then the
+outputs per (chunk, head, V block), all chunks at once, from the chunk's saved state and its
+scores (formed in the output kernel on the tame path; from the exact scores kernel before it
+otherwise). The backward: a lean sequential reverse pass of the state gradient, one product
+per chunk (dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B), saved at every chunk's
+end in the chunk's slot), parallel over blocks of K and of V; then two kernels parallel over
+(chunk, head, block): the K-side gradients (dq, dk, da, du) of a block of keys, summing over V
+in blocks, and the V-side ones (dv, db) of a block of values, summing over K in blocks. Their
+loops over the levels are not unrolled (``_level``), so that one level's tiles are live at a
+time. The sequential passes issue the next chunk's loads before the current chunk's products,
+so that their latency overlaps the products: Triton pipelines no ``while`` loop.
 
 Gate gradients: a log gate multiplies a factor x = y e^z, so dz = x dx; summed over the chunk's
 factors that gives dR = q dq, dA = -k dk and the per-token gradient is their reverse cumulative
@@ -325,102 +332,60 @@ def gla_scores_kernel(
     scores_ptr,                                                              # output
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
     C: tl.constexpr, ROWS: tl.constexpr, HAS_A: tl.constexpr, BONUS: tl.constexpr,
-    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr, TAME: tl.constexpr,
+    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (SLOTS, HEADS): every chunk's scores S[t, i] (i <= t, with the diagonal) into
+    """Grid (SLOTS, HEADS), the exact path only (the tame one forms the scores inside the
+    output kernel): every chunk's scores S[t, i] (i <= t, with the diagonal) into
     [SLOTS, HEADS, C, C] float32 (pairs i > t are not written), summed over K in blocks of BK.
-
-    TAME (a call whose log gates are all bounded, the backend's GLA_TAME_SUM): one product per
-    K block (_tame_scores). Otherwise the exact build: the pairs come level by level (module
-    docstring), each level only as its blocks: level S >= 16 pairs rows (2p + 1) S + t with
-    columns 2p S + i as a batched [C / 2S, S, S] product; the levels S < 16 stay inside the
-    chunk's 16-token sub-blocks, batched [C / 16, 16, 16]. No [C, C] tile is held (registers:
+    The pairs come level by level (module docstring), each level only as its blocks: level
+    S >= 16 pairs rows (2p + 1) S + t with columns 2p S + i as a batched [C / 2S, S, S] product;
+    the levels S < 16 stay inside the chunk's 16-token sub-blocks, batched [C / 16, 16, 16]. No [C, C] tile is held (registers:
     several programs per SM)."""
     slot = tl.program_id(0)
     head = tl.program_id(1)
     used, start, end, c = _slot_chunk(slot, slot_sequence_ptr, cu_ptr, state_index_ptr, ROWS, C)
-    if TAME:
-        _tame_scores(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, u_ptr, scores_ptr,
-                     scale, HEADS, K, BK, C, HAS_A, BONUS, REVERSE, FLOOR, PRECISION)
-    else:
-        SUB: tl.constexpr = 16
-        NB: tl.constexpr = C // SUB
-        t16 = tl.arange(0, SUB)
-        within = tl.arange(0, NB)[:, None] * SUB + t16[None, :]  # [NB, 16] positions
-        blocks = tl.zeros([NB, SUB, SUB], tl.float32)  # the 16-token sub-blocks on the diagonal
-        for block in tl.static_range(triton.cdiv(K, BK)):
-            k_cols = block * BK + tl.arange(0, BK)
-            off, mask = _block_tiles(within, c, start, end, head, k_cols, HEADS, K, BK, C, REVERSE)
-            q = tl.reshape(_load(q_ptr, off, mask) * scale, [C, BK])
-            k = tl.reshape(_load(k_ptr, off, mask), [C, BK])
-            if BONUS:
-                u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
-                diagonal = tl.sum(q * u[None, :] * k, axis=1)
-            else:
-                diagonal = tl.sum(q * k, axis=1)
-            blocks += tl.where(t16[:, None] == t16[None, :],
-                               tl.reshape(diagonal, [NB, SUB])[:, :, None], 0.0)
-            if HAS_A:
-                a = tl.maximum(tl.reshape(_load(a_ptr, off, mask), [C, BK]), FLOOR)
-            for level in tl.static_range(4):  # S = 8, 4, 2, 1: within the sub-blocks
-                segment = t16 // (8 >> level)
-                keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
-                if HAS_A:
-                    row, row_strict, column, _ = level_factors(a, 8 >> level, 0, C)
-                    q_f = q * row_strict if BONUS else q * row
-                    k_f = k * column
-                else:
-                    q_f = q
-                    k_f = k
-                pairs = tl.dot(tl.reshape(q_f, [NB, SUB, BK]),
-                               tl.permute(tl.reshape(k_f, [NB, SUB, BK]), (0, 2, 1)),
-                               input_precision=PRECISION)
-                blocks += tl.where(keep[None, :, :], pairs, 0.0)
-        lower = t16[:, None] >= t16[None, :]
-        tl.store(scores_ptr + _scores_offsets(slot, head, within[:, :, None],
-                                              within[:, None, :], HEADS, C),
-                 blocks, mask=lower[None, :, :] & used)
-        # Levels S = 16, 32, ...: rows of each odd segment against the even segment before it,
-        # with the factor split at the boundary between them.
-        for level in tl.static_range(NB.bit_length() - 1):
-            _cross_level(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, scores_ptr, scale,
-                         HEADS, K, BK, C, SUB << level, HAS_A, BONUS, REVERSE, FLOOR, PRECISION)
-
-
-@triton.jit
-def _tame_scores(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, u_ptr, scores_ptr,
-                 scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                 C: tl.constexpr, HAS_A: tl.constexpr, BONUS: tl.constexpr,
-                 REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr):
-    """The scores of a tame chunk (gla_scores_kernel's TAME path): the factors referenced to
-    the chunk's middle, S = (q e^{R - A_m}) (k e^{A_m - A})^T with A_m the cumulative log
-    gate at row m = C/2 - 1, one [C, BK] x [BK, C] product per K block. Every exponent is
-    a sum of at most C/2 gates, so within e^(+-GLA_TAME_SUM/2) on a tame call (each kept
-    term q_t k_i e^{R_t - A_i} keeps its own rounding: no cancellation, nothing overflows;
-    the pairs i > t, up to e^GLA_TAME_SUM, are masked). The diagonal as in the exact build."""
-    t = tl.arange(0, C)
-    row, inside = _chunk_rows(c, start, end, C, REVERSE)
-    scores = tl.zeros([C, C], tl.float32)
-    diagonal = tl.zeros([C], tl.float32)
+    SUB: tl.constexpr = 16
+    NB: tl.constexpr = C // SUB
+    t16 = tl.arange(0, SUB)
+    within = tl.arange(0, NB)[:, None] * SUB + t16[None, :]  # [NB, 16] positions
+    blocks = tl.zeros([NB, SUB, SUB], tl.float32)  # the 16-token sub-blocks on the diagonal
     for block in tl.static_range(triton.cdiv(K, BK)):
         k_cols = block * BK + tl.arange(0, BK)
-        off, mask = _columns(row, inside, head, k_cols, HEADS, K, BK)
-        q = _load(q_ptr, off, mask) * scale
-        k = _load(k_ptr, off, mask)
+        off, mask = _block_tiles(within, c, start, end, head, k_cols, HEADS, K, BK, C, REVERSE)
+        q = tl.reshape(_load(q_ptr, off, mask) * scale, [C, BK])
+        k = tl.reshape(_load(k_ptr, off, mask), [C, BK])
         if BONUS:
             u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
-            diagonal += tl.sum(q * u[None, :] * k, axis=1)
+            diagonal = tl.sum(q * u[None, :] * k, axis=1)
         else:
-            diagonal += tl.sum(q * k, axis=1)
+            diagonal = tl.sum(q * k, axis=1)
+        blocks += tl.where(t16[:, None] == t16[None, :],
+                           tl.reshape(diagonal, [NB, SUB])[:, :, None], 0.0)
         if HAS_A:
-            a, A, _, _ = _log_gate(a_ptr, off, mask, True, FLOOR, C, BK)
-            middle = tl.sum(tl.where(t[:, None] == C // 2 - 1, A, 0.0), axis=0)[None, :]
-            q = q * tl.exp((A - a if BONUS else A) - middle)
-            k = k * tl.exp(middle - A)
-        scores = tl.dot(q, tl.trans(k), scores, input_precision=PRECISION)
-    scores = tl.where(_strictly_lower(C), scores, diagonal_tile(diagonal, C))
-    tl.store(scores_ptr + _scores_offsets(slot, head, t[:, None], t[None, :], HEADS, C),
-             scores, mask=(t[:, None] >= t[None, :]) & used)
+            a = tl.maximum(tl.reshape(_load(a_ptr, off, mask), [C, BK]), FLOOR)
+        for level in tl.static_range(4):  # S = 8, 4, 2, 1: within the sub-blocks
+            segment = t16 // (8 >> level)
+            keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
+            if HAS_A:
+                row, row_strict, column, _ = level_factors(a, 8 >> level, 0, C)
+                q_f = q * row_strict if BONUS else q * row
+                k_f = k * column
+            else:
+                q_f = q
+                k_f = k
+            pairs = tl.dot(tl.reshape(q_f, [NB, SUB, BK]),
+                           tl.permute(tl.reshape(k_f, [NB, SUB, BK]), (0, 2, 1)),
+                           input_precision=PRECISION)
+            blocks += tl.where(keep[None, :, :], pairs, 0.0)
+    lower = t16[:, None] >= t16[None, :]
+    tl.store(scores_ptr + _scores_offsets(slot, head, within[:, :, None],
+                                          within[:, None, :], HEADS, C),
+             blocks, mask=lower[None, :, :] & used)
+    # Levels S = 16, 32, ...: rows of each odd segment against the even segment before it,
+    # with the factor split at the boundary between them.
+    for level in tl.static_range(NB.bit_length() - 1):
+        _cross_level(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, scores_ptr, scale,
+                     HEADS, K, BK, C, SUB << level, HAS_A, BONUS, REVERSE, FLOOR, PRECISION)
 
 
 @triton.jit
@@ -454,54 +419,77 @@ def _cross_level(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, scores_pt
 
 @triton.jit
 def gla_output_kernel(
-    q_ptr, v_ptr, a_ptr, b_ptr, states_ptr, scores_ptr, cu_ptr, state_index_ptr,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, u_ptr, states_ptr, scores_ptr, cu_ptr, state_index_ptr,
     slot_sequence_ptr,  # inputs
     o_ptr,              # output
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
     ROWS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
-    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr, TAME: tl.constexpr,
 ):
     """Grid (SLOTS, HEADS, V blocks): the outputs of one chunk, all C tokens at once, from the
     state at its start (its slot of ``states``) and its scores; the read of H sums over K in
-    blocks of BK. o [rows, HEADS, V]."""
+    blocks of BK. o [rows, HEADS, V].
+
+    TAME (a call whose chunks' log gates are bounded, the backend's GLA_TAME_SUM): the scores
+    are formed here, in the same loop over K, with the factors referenced to the chunk's
+    middle: S = (q e^{R - A_m}) (k e^{A_m - A})^T, A_m the cumulative log gate at row
+    m = C/2 - 1, one [C, BK] x [BK, C] product per K block (each exponent a sum of gates of
+    one chunk, so within e^(+-GLA_TAME_SUM); each kept term keeps its own rounding, the pairs
+    i > t are masked). Otherwise they are read from ``scores`` (gla_scores_kernel, exact)."""
     slot = tl.program_id(0)
     head = tl.program_id(1)
     v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
     used, start, end, c = _slot_chunk(slot, slot_sequence_ptr, cu_ptr, state_index_ptr, ROWS, C)
     row, inside = _chunk_rows(c, start, end, C, REVERSE)
     v_off, v_in = _columns(row, inside, head, v_cols, HEADS, V, BV)
+    t = tl.arange(0, C)
     o = tl.zeros([C, BV], tl.float32)
+    if TAME:
+        scores = tl.zeros([C, C], tl.float32)
+        diagonal = tl.zeros([C], tl.float32)
     for block in tl.static_range(triton.cdiv(K, BK)):
         k_cols = block * BK + tl.arange(0, BK)
         k_off, k_in = _columns(row, inside, head, k_cols, HEADS, K, BK)
         q = _load(q_ptr, k_off, k_in) * scale
+        if TAME:
+            k = _load(k_ptr, k_off, k_in)
+            if BONUS:
+                u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+                diagonal += tl.sum(q * u[None, :] * k, axis=1)
+            else:
+                diagonal += tl.sum(q * k, axis=1)
         if HAS_A:
             a, A, _, _ = _log_gate(a_ptr, k_off, k_in, True, FLOOR, C, BK)
-            q = q * tl.exp(A - a if BONUS else A)
+            R = A - a if BONUS else A
+            if TAME:
+                middle = tl.sum(tl.where(t[:, None] == C // 2 - 1, A, 0.0), axis=0)[None, :]
+                scores = tl.dot(q * tl.exp(R - middle), tl.trans(k * tl.exp(middle - A)),
+                                scores, input_precision=PRECISION)
+            q = q * tl.exp(R)
+        elif TAME:
+            scores = tl.dot(q, tl.trans(k), scores, input_precision=PRECISION)
         h = tl.load(states_ptr + _state_block(slot, head, k_cols, v_cols, HEADS, K, V),
                     mask=(in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
                           & used), other=0.0)
         o = tl.dot(q, h, o, input_precision=PRECISION)
-    t = tl.arange(0, C)
-    scores = tl.load(scores_ptr + _scores_offsets(slot, head, t[:, None], t[None, :], HEADS, C),
-                     mask=(t[:, None] >= t[None, :]) & used, other=0.0)
+    if TAME:
+        scores = tl.where(_strictly_lower(C), scores, diagonal_tile(diagonal, C))
+    else:
+        scores = tl.load(
+            scores_ptr + _scores_offsets(slot, head, t[:, None], t[None, :], HEADS, C),
+            mask=(t[:, None] >= t[None, :]) & used, other=0.0)
     v = _load(v_ptr, v_off, v_in)
     if HAS_B:
         b, B, _, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
         mixed, _ = _value_mixes(scores, v, v, b, C, LEVELS, PRECISION)
-        diagonal = tl.arange(0, C)[:, None] == tl.arange(0, C)[None, :]
+        diagonal = t[:, None] == t[None, :]
         o = (o * tl.exp(B) + mixed
              + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * v)
     else:
         o = tl.dot(scores, v, o, input_precision=PRECISION)
     tl.store(o_ptr + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
 
-
-# ---------------------------------------------------------------------------------------------
-# The backward, over chunks of C tokens that are the forward's spans: the forward saved H at the
-# start of every chunk (slot ``state_index[n] + c`` of sequence n's chunk c, processing order).
-# ---------------------------------------------------------------------------------------------
 
 @triton.jit
 def _chunk_walk(c, start, end, C: tl.constexpr, REVERSE: tl.constexpr):

@@ -404,12 +404,13 @@ GLA_SPAN = 64
 # for RWKV-6 at K = 128; at 64, 255 and 112-672 B of spills. Its tame path at 16: 96-124
 # registers, no spills (32: 128, 64: 165 at K = 64 with 4 warps, none spilling; not timed).
 GLA_SCORES_BLOCK_K = 16
-# A call is tame when every log gate (GLA: gk + g + g_gamma; RWKV-6: w) is at least
-# -GLA_TAME_SUM / span: the scores kernel's tame path then references its factors to the chunk's
-# middle, each a sum of at most span / 2 gates, so within e^(+-32) at the span of 64 (float32
-# reaches e^88: far inside; each kept pair's product is still its factor <= 1 times q k, with no
-# cancellation). GLA's log-sigmoid / 16 gates are >= -1 unless a logit is below -16; stronger
-# gates (and -inf, NaN) take the exact build.
+# A call is tame when no chunk's log gates (GLA: gk + g + g_gamma; RWKV-6: w) sum below
+# -GLA_TAME_SUM in any key channel: the tame path references its in-chunk factors to the chunk's
+# middle, so every factor it forms, kept pairs or masked, lies within e^(+-GLA_TAME_SUM) (float32
+# reaches e^88; a kept pair's product is still its own factor <= 1 times q k: no cancellation).
+# Model gates sum far above it (GLA's log-sigmoid / 16: about -0.05 per token; RWKV-6's
+# w = -exp(0.7 z - 1.5): about -0.3); channels that forget faster than about e^-1 per token, -inf
+# and NaN take the exact build.
 GLA_TAME_SUM = 64.0
 # _GlaStatic fields -> values, to try other settings (benchmarks/gpu_gla.py --sweep) without
 # editing code.
@@ -439,7 +440,7 @@ class _GlaStatic:
     key_gradient_warps: int    # of the parallel gradient kernels: the K-side one,
     value_gradient_warps: int  # the V-side one
     key_block_k: int           # K columns per program of the K-side gradient kernel
-    # Calls whose every log gate is >= -GLA_TAME_SUM / span take the scores kernel's tame path
+    # Calls whose chunks' log gates sum to >= -GLA_TAME_SUM take the tame path
     # (False: always the exact build)
     tame: bool = True
 
@@ -483,8 +484,14 @@ def _gla_slots(cu, rows, span):
 
 
 def gla_tame_path(a, span):
-    """Whether a call with log gates ``a`` takes the scores kernel's tame path (GLA_TAME_SUM)."""
-    return jnp.min(a, initial=0.0).astype(jnp.float32) * span >= -GLA_TAME_SUM
+    """Whether a call with log gates ``a`` (rows layout [rows, H, K], or [B, T, H, K]) takes the
+    tame path (GLA_TAME_SUM): its gates summed over blocks of ``span`` rows, two neighbouring
+    blocks at a time (whatever the sequences' boundaries and direction, every chunk lies inside
+    two neighbouring blocks, and gates are <= 0), none below -GLA_TAME_SUM."""
+    a = jnp.maximum(a.reshape(-1, *a.shape[-2:]).astype(jnp.float32), LOG_DECAY_FLOOR)
+    a = jnp.pad(a, ((0, -a.shape[0] % span + span), (0, 0), (0, 0)))
+    blocks = a.reshape(-1, span, *a.shape[1:]).sum(1)
+    return jnp.min(blocks[:-1] + blocks[1:]) >= -GLA_TAME_SUM
 
 
 def _gla_on_path(static, a, launch):
@@ -501,8 +508,9 @@ def _present(*arrays):
 
 
 def _gla_forward(static, q, k, v, a, b, u, h0, cu):
-    """The state pass (the state at the start of every chunk of the span), then, parallel over
-    chunks, every chunk's scores and its outputs (from its state and scores)."""
+    """The state pass (the state at the start of every chunk), then, parallel over chunks,
+    every chunk's outputs from its state and scores (the exact path's scores from their own
+    kernel first)."""
     sequences = cu.shape[0] - 1
     spans, state_index, slots = _gla_slots(cu, static.rows, static.span)
     state_shape = (static.heads, static.k_size, static.v_size)
@@ -517,16 +525,23 @@ def _gla_forward(static, q, k, v, a, b, u, h0, cu):
         (sequences * static.heads, k_blocks, static.v_blocks), num_warps=static.state_warps,
         **without("scale", "LEVELS", "BONUS", SLOTS=slots))
     parallel = (cu, state_index, _slot_sequences(spans, state_index, slots))
-    (scores,) = _gla_on_path(static, a, lambda TAME: _launch.launch(
-        _gla_kernels.gla_scores_kernel, _present(q, k, a, u) + parallel,
-        (jax.ShapeDtypeStruct((slots, static.heads, static.span, static.span), jnp.float32),),
-        (slots, static.heads), num_warps=static.scores_warps,
-        **without("V", "BV", "HAS_B", "LEVELS", TAME=TAME,
-                  BK=min(static.scores_block_k, static.block_k))))
-    (o,) = _launch.launch(
-        _gla_kernels.gla_output_kernel, _present(q, v, a, b, states, scores) + parallel,
-        (jax.ShapeDtypeStruct(v.shape, v.dtype),),
-        (slots, static.heads, static.v_blocks), num_warps=static.output_warps, **constexprs)
+
+    def outputs(TAME):  # the exact path's scores from their own kernel, the tame one's inside
+        scores = jnp.zeros((1,), jnp.float32)
+        if not TAME:
+            (scores,) = _launch.launch(
+                _gla_kernels.gla_scores_kernel, _present(q, k, a, u) + parallel,
+                (jax.ShapeDtypeStruct((slots, static.heads, static.span, static.span),
+                                      jnp.float32),),
+                (slots, static.heads), num_warps=static.scores_warps,
+                **without("V", "BV", "HAS_B", "LEVELS",
+                          BK=min(static.scores_block_k, static.block_k)))
+        return _launch.launch(
+            _gla_kernels.gla_output_kernel, _present(q, k, v, a, b, u, states, scores) + parallel,
+            (jax.ShapeDtypeStruct(v.shape, v.dtype),), (slots, static.heads, static.v_blocks),
+            num_warps=static.output_warps, **dict(constexprs, TAME=TAME))
+
+    (o,) = _gla_on_path(static, a, outputs)
     return o, ht, states
 
 
