@@ -433,6 +433,9 @@ class _GlaStatic:
     block_v: int
     span: int            # tokens per chunk of the forward and backward (states at each start)
     scores_block_k: int  # K columns per step of the forward's scores kernel
+    state_block_k: int   # K rows per program of the forward's state pass
+    output_block_k: int  # K columns per step of the output kernel
+    output_block_v: int  # V columns per program of the output kernel
     state_warps: int           # of the forward's state pass
     scores_warps: int          # of the forward's in-chunk scores
     output_warps: int          # of the forward's output kernel
@@ -514,7 +517,6 @@ def _gla_forward(static, q, k, v, a, b, u, h0, cu):
     sequences = cu.shape[0] - 1
     spans, state_index, slots = _gla_slots(cu, static.rows, static.span)
     state_shape = (static.heads, static.k_size, static.v_size)
-    k_blocks = -(-static.k_size // static.block_k)
     constexprs = static.constexprs(static.span, BK=static.block_k)
     without = lambda *names, **more: {n: x for n, x in dict(constexprs, **more).items()
                                       if n not in names}
@@ -522,8 +524,9 @@ def _gla_forward(static, q, k, v, a, b, u, h0, cu):
         _gla_kernels.gla_state_kernel, _present(k, v, a, b, h0, cu, state_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((slots,) + state_shape, jnp.float32)),
-        (sequences * static.heads, k_blocks, static.v_blocks), num_warps=static.state_warps,
-        **without("scale", "LEVELS", "BONUS", SLOTS=slots))
+        (sequences * static.heads, -(-static.k_size // static.state_block_k), static.v_blocks),
+        num_warps=static.state_warps,
+        **without("scale", "LEVELS", "BONUS", SLOTS=slots, BK=static.state_block_k))
     parallel = (cu, state_index, _slot_sequences(spans, state_index, slots))
 
     def outputs(TAME):  # the exact path's scores from their own kernel, the tame one's inside
@@ -538,8 +541,10 @@ def _gla_forward(static, q, k, v, a, b, u, h0, cu):
                           BK=min(static.scores_block_k, static.block_k)))
         return _launch.launch(
             _gla_kernels.gla_output_kernel, _present(q, k, v, a, b, u, states, scores) + parallel,
-            (jax.ShapeDtypeStruct(v.shape, v.dtype),), (slots, static.heads, static.v_blocks),
-            num_warps=static.output_warps, **dict(constexprs, TAME=TAME))
+            (jax.ShapeDtypeStruct(v.shape, v.dtype),),
+            (slots, static.heads, -(-static.v_size // static.output_block_v)),
+            num_warps=static.output_warps,
+            **dict(constexprs, TAME=TAME, BK=static.output_block_k, BV=static.output_block_v))
 
     (o,) = _gla_on_path(static, a, outputs)
     return o, ht, states
@@ -616,7 +621,9 @@ def _gla_warps(k_size, block_v, has_b):
     V-side one with 8 warps (169-170 registers; 4 warps spill 332 B at K=128). With a value gate
     (gv) the V-side kernel spills 408 B at K=64."""
     gated = 8 if has_b else 4
-    return dict(state_warps=gated, scores_warps=4, output_warps=gated, state_gradient_warps=8,
+    block_k = min(_pow2_at_least(k_size), 64)
+    return dict(state_block_k=block_k, output_block_k=block_k, output_block_v=block_v,
+                state_warps=gated, scores_warps=4, output_warps=gated, state_gradient_warps=8,
                 key_gradient_warps=8, value_gradient_warps=8,
                 key_block_k=min(_pow2_at_least(k_size), 16))
 
