@@ -3,7 +3,8 @@
 wheel carries ptxas and cuobjdump.
 
     python benchmarks/compile_report.py [--family rwkv7|gla] [--key 64] [--value 64] [--warps 4,8]
-        [--span 64 --scores-block-k 16 --key-block-k 16 --bonus --gate-v]   (gla)
+        [--span 64 --scores-block-k 16 --bonus --gate-v --key-block-k 16 --key-program-k 16
+         --tame-key-block-k 16 --tame-key-program-k 128]   (gla: the backend's defaults)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
@@ -80,7 +81,13 @@ def main():
     parser.add_argument("--family", choices=("rwkv7", "gla"), default="rwkv7")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
     parser.add_argument("--key-block-k", type=int, default=16,
-                        help="gla family: K columns per program of the K-side gradient kernel")
+                        help="gla family: K columns per step of the K-side gradient kernel")
+    parser.add_argument("--key-program-k", type=int, default=16,
+                        help="gla family: K columns per program of it")
+    parser.add_argument("--tame-key-block-k", type=int, default=16,
+                        help="gla family: --key-block-k on the tame path")
+    parser.add_argument("--tame-key-program-k", type=int, default=128,
+                        help="gla family: --key-program-k on the tame path")
     parser.add_argument("--gate-v", action="store_true", help="gla family: with a value gate")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
     args = parser.parse_args()
@@ -125,9 +132,12 @@ def main():
         ("tame gradient", rwkv7.rwkv7_tame_gradient_kernel,
          {n: x for n, x in k_side.items() if n != "LEVELS"}),
     ]
+    tame_constexprs = {}  # kernel name -> the tame path's own constexprs
     if args.family == "gla":
         kernels = gla_kernels(shapes, inputs, args.bonus, args.gate_v, args.span,
-                              args.scores_block_k, args.key_block_k)
+                              args.scores_block_k, args.key_block_k, args.key_program_k)
+        tame_constexprs["key gradient"] = dict(BK=min(args.tame_key_block_k, bk),
+                                               KEYS=min(args.tame_key_program_k, bk))
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
     # Each kernel's two compiled paths (TAME=True for model-range decays, the exact one).
     paths = ((True, "tame"), (False, "exact"))
@@ -137,12 +147,14 @@ def main():
         # (the sequential passes and the fused tame gradient kernel have one path only)
         for tame, path in paths if "TAME" in kernel.arg_names else ((None, "both"),):
             for warps in (int(w) for w in args.warps.split(",")):
-                options = constexprs if tame is None else dict(constexprs, TAME=tame)
+                options = constexprs if tame is None else dict(
+                    constexprs, TAME=tame, **tame_constexprs.get(name, {}) if tame else {})
                 compiled = compile_for_hopper(kernel, inputs, options, warps)
                 print(f"{name:15s} {path:5s} {warps} warps: {resources(compiled)}")
 
 
-def gla_kernels(shapes, inputs, bonus, gate_v, span, scores_block_k, key_block_k):
+def gla_kernels(shapes, inputs, bonus, gate_v, span, scores_block_k, key_block_k,
+                key_program_k):
     """GLA (key gate only, as benchmarked, or with a value gate) or RWKV-6: the pointer types
     and constexprs."""
     inputs.update(q_ptr=inputs["r_ptr"], dq_ptr=inputs["dr_ptr"], dk_ptr="*bf16",
@@ -162,7 +174,8 @@ def gla_kernels(shapes, inputs, bonus, gate_v, span, scores_block_k, key_block_k
         ("output", gla.gla_output_kernel, blocked),
         ("state gradient", gla.gla_state_gradient_kernel, dict(blocked, SLOTS=rows // span + 8)),
         ("key gradient", gla.gla_key_gradient_kernel,
-         dict(blocked, BK=min(key_block_k, blocked["BK"]))),
+         dict(blocked, BK=min(key_block_k, blocked["BK"]),
+              KEYS=min(key_program_k, shapes["BK"]))),
         ("value gradient", gla.gla_value_gradient_kernel, blocked),
     ]
 

@@ -8,6 +8,7 @@ call. Against the float64 reference, forward and every gradient, through test_op
 (tiny shapes: Triton's interpreter)."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from rwkv_jax.backends import triton as triton_backend
@@ -92,25 +93,31 @@ def test_default_span_several_chunks_packed_key_128(monkeypatch, op):
     check_case("triton", Case(op, drawn, options), seed=13)
 
 
-@pytest.mark.parametrize("op, decay, tame", [("gated_linear_attention", "model", True),
-                                             ("rwkv6", ("uniform", -0.5), True),
-                                             ("rwkv6", "strong", False)])
-def test_tame_and_exact_paths_per_call(monkeypatch, op, decay, tame):
-    """Log gates whose chunk sums are >= -GLA_TAME_SUM take the tame path (factors referenced
-    to the chunk's middle, the scores formed in the output kernel), stronger ones the exact
-    build; both match the float64 reference
-    (a tame call also when forced onto the exact build). Default span, packed sequences of
-    several chunks ending mid-chunk, an empty segment."""
+@pytest.mark.parametrize("op, decay, tame, key, value", [
+    ("gated_linear_attention", ("uniform", -0.2), True, 32, 96),
+    ("rwkv6", ("uniform", -0.5), True, 48, 32),
+    ("rwkv6", "strong", False, 32, 32)])
+def test_tame_and_exact_paths_per_call(monkeypatch, op, decay, tame, key, value):
+    """Log gates whose chunk sums are >= -GLA_TAME_SUM take the tame path (pair factors
+    referenced to the chunk's middle: the output kernel's scores, the gradient kernels' pairs),
+    stronger ones the exact build; both match the float64 reference (a tame call also when
+    forced onto the exact build). Default span, packed sequences of several chunks ending
+    mid-chunk, one shorter than a chunk, an empty segment; GLA with every gate, reverse, two V
+    blocks (one partial); RWKV-6 with K = 48: the tame K-side program's last step of 16 keys
+    past K."""
     _chunks(monkeypatch, 64)
-    drawn = dict(batch=1, steps=140, key=32, value=32, state_rows=3, decay=decay)
+    drawn = dict(batch=1, steps=140, key=key, value=value, state_rows=3, decay=decay)
     options = dict(cu_seqlens=[0, 5, 5, 140])
-    gate = "w"
     if op == "gated_linear_attention":
-        drawn["gates"] = ("gk", "gv")
+        drawn["gates"] = GATES
         options["reverse"] = True
-        gate = "gk"
     case = Case(op, drawn, options)
-    a = make_inputs(case, seed=17)[0][gate]
+    x = make_inputs(case, seed=17)[0]
+    if op == "rwkv6":
+        a = x["w"]
+    else:  # the key-side log gate the backend sums
+        a = (x["gk"].astype(jnp.float32) + x["g"].astype(jnp.float32)[..., None]
+             + x["g_gamma"].astype(jnp.float32)[:, None])
     assert bool(jax.jit(triton_backend.gla_tame_path, static_argnums=1)(a, 64)) is tame
     check_case("triton", case, seed=17)
     if tame:
@@ -118,26 +125,9 @@ def test_tame_and_exact_paths_per_call(monkeypatch, op, decay, tame):
         check_case("triton", case, seed=17)
 
 
-@pytest.mark.parametrize("op, key, value", [("gated_linear_attention", 128, 64),
-                                            ("rwkv6", 64, 128)])
-def test_head_sizes_of_several_k_and_v_blocks(monkeypatch, op, key, value):
-    """The backward's blocks at the default span: K-side programs of 16 keys each summing
-    over V blocks, V-side programs summing over K blocks of 64, the state gradient's grid
-    over both (packed with an empty segment, strong gates, chunks crossing the 64-token
-    spans)."""
-    _chunks(monkeypatch, 64)
-    drawn = dict(batch=1, steps=70, key=key, value=value, state_rows=3,
-                 decay=("every_third", -1e9))
-    options = dict(cu_seqlens=[0, 3, 3, 70])
-    if op == "gated_linear_attention":
-        drawn["gates"] = GATES
-    check_case("triton", Case(op, drawn, options), seed=key + value)
-
-
 def test_tame_path_criterion():
     """Every chunk lies inside two neighbouring blocks of ``span`` rows: their gates' sum is
     what decides, whatever the sequences' boundaries; -inf and NaN take the exact path."""
-    import jax.numpy as jnp
     tame = jax.jit(triton_backend.gla_tame_path, static_argnums=1)
     gates = jnp.full((100, 2, 3), -0.4)  # two blocks of 32 sum to -25.6, of 64 to -51.2
     assert bool(tame(gates, 32)) and bool(tame(gates, 64))

@@ -212,6 +212,20 @@ def _strictly_lower(C: tl.constexpr):
 
 
 @triton.jit
+def _middle_factors(a, A, BONUS: tl.constexpr, C: tl.constexpr):
+    """A tame chunk's key-side factors referenced to its middle row m = C/2 - 1: e^{R - A_m}
+    (rows t) and e^{A_m - A} (columns i), whose product is the pair factor e^{R_t - A_i}. Each
+    exponent, and each pair's, is a sum of gates of one chunk, within e^(+-GLA_TAME_SUM) on a
+    tame call (the backend's criterion; float32 reaches e^88), so one tensor-core product of
+    [C, BK] tiles carrying them forms every pair at once; each kept pair's term keeps its own rounding (no cancellation), and the pairs
+    i > t, whose product may be large, are masked."""
+    t = tl.arange(0, C)
+    middle = tl.sum(tl.where(t[:, None] == C // 2 - 1, A, 0.0), axis=0)[None, :]
+    R = A - a if BONUS else A
+    return tl.exp(R - middle), tl.exp(middle - A)
+
+
+@triton.jit
 def _scores_diagonal(q, k, u, BONUS: tl.constexpr, C: tl.constexpr):
     """The scores' diagonal as a [C, C] tile: q_t . k_t (GLA: the factor is e^0) or
     q_t . (u k_t) (RWKV-6's bonus)."""
@@ -431,12 +445,9 @@ def gla_output_kernel(
     state at its start (its slot of ``states``) and its scores; the read of H sums over K in
     blocks of BK. o [rows, HEADS, V].
 
-    TAME (a call whose chunks' log gates are bounded, the backend's GLA_TAME_SUM): the scores
-    are formed here, in the same loop over K, with the factors referenced to the chunk's
-    middle: S = (q e^{R - A_m}) (k e^{A_m - A})^T, A_m the cumulative log gate at row
-    m = C/2 - 1, one [C, BK] x [BK, C] product per K block (each exponent a sum of gates of
-    one chunk, so within e^(+-GLA_TAME_SUM); each kept term keeps its own rounding, the pairs
-    i > t are masked). Otherwise they are read from ``scores`` (gla_scores_kernel, exact)."""
+    TAME: the scores are formed here, in the same loop over K, with the factors referenced to
+    the chunk's middle (``_middle_factors``), one [C, BK] x [BK, C] product per K block.
+    Otherwise they are read from ``scores`` (gla_scores_kernel, exact)."""
     slot = tl.program_id(0)
     head = tl.program_id(1)
     v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -461,12 +472,11 @@ def gla_output_kernel(
                 diagonal += tl.sum(q * k, axis=1)
         if HAS_A:
             a, A, _, _ = _log_gate(a_ptr, k_off, k_in, True, FLOOR, C, BK)
-            R = A - a if BONUS else A
             if TAME:
-                middle = tl.sum(tl.where(t[:, None] == C // 2 - 1, A, 0.0), axis=0)[None, :]
-                scores = tl.dot(q * tl.exp(R - middle), tl.trans(k * tl.exp(middle - A)),
-                                scores, input_precision=PRECISION)
-            q = q * tl.exp(R)
+                row_factor, column_factor = _middle_factors(a, A, BONUS, C)
+                scores = tl.dot(q * row_factor, tl.trans(k * column_factor), scores,
+                                input_precision=PRECISION)
+            q = q * tl.exp(A - a if BONUS else A)
         elif TAME:
             scores = tl.dot(q, tl.trans(k), scores, input_precision=PRECISION)
         h = tl.load(states_ptr + _state_block(slot, head, k_cols, v_cols, HEADS, K, V),
@@ -490,6 +500,11 @@ def gla_output_kernel(
         o = tl.dot(scores, v, o, input_precision=PRECISION)
     tl.store(o_ptr + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
 
+
+# ---------------------------------------------------------------------------------------------
+# The backward, over chunks of C tokens that are the forward's spans: the forward saved H at the
+# start of every chunk (slot ``state_index[n] + c`` of sequence n's chunk c, processing order).
+# ---------------------------------------------------------------------------------------------
 
 @triton.jit
 def _chunk_walk(c, start, end, C: tl.constexpr, REVERSE: tl.constexpr):
@@ -589,6 +604,22 @@ def gla_state_gradient_kernel(
 
 
 @triton.jit
+def _state_terms(dk_state, h_dh, v, h, dh, b_ptr, v_off, v_in, HAS_B: tl.constexpr,
+                 FLOOR: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """k's gradient through the state, H' = (e^{A_C} e^{B_C}^T) * H + (k e^{A_C - A})^T
+    (v e^{B_C - B}), from one block of V: (v e^{B_C - B}) dH^T added to dk_state (times
+    e^{A_C - A} after) and sum_v e^{B_C} H dH to h_dh (times e^{A_C} after)."""
+    if HAS_B:
+        _, B, B_end, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
+        v = v * tl.exp(B_end[None, :] - B)
+        h_dh += tl.sum(h * dh * tl.exp(B_end)[None, :], axis=1)
+    else:
+        h_dh += tl.sum(h * dh, axis=1)
+    return tl.dot(v, tl.trans(dh), dk_state, input_precision=PRECISION), h_dh
+
+
+@triton.jit
 def _chunk_program(cu_ptr, state_index_ptr, slot_sequence_ptr, ROWS: tl.constexpr,
                    C: tl.constexpr, REVERSE: tl.constexpr):
     """A gradient kernel's program (grid: SLOTS, HEADS, blocks): its chunk's slot and head,
@@ -611,119 +642,146 @@ def gla_key_gradient_kernel(
     cu_ptr, state_index_ptr, slot_sequence_ptr,                # inputs
     dq_ptr, dk_ptr, da_ptr, du_ptr,                            # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    ROWS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
-    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+    BK: tl.constexpr, KEYS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    LEVELS: tl.constexpr, ROWS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
+    BONUS: tl.constexpr, REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+    TAME: tl.constexpr,
 ):
-    """Grid (SLOTS, HEADS, K blocks): every K-side gradient of one chunk's block of BK keys,
-    summed over all V in blocks of BV: the scores' gradient and the read of H over V, then the
-    pairs (q and k of this block only), then the state's gradients in a second pass over V.
-    dq, dk [rows, HEADS, K]; da [rows, HEADS, K] float32 (if HAS_A); du [SLOTS, HEADS, K]
-    float32, each chunk's sum (if BONUS)."""
+    """Grid (SLOTS, HEADS, K / KEYS): every K-side gradient of one chunk's block of KEYS keys,
+    in steps of BK keys. First the scores' gradient, summed over all V in blocks of BV (once
+    for all the program's keys), then per step of BK keys: the read of H over V, the pairs
+    (q and k of these keys only), then the state's gradients (exact path: in a second pass
+    over V, after the levels; tame path: in the first). dq, dk [rows, HEADS, K]; da [rows,
+    HEADS, K] float32 (if HAS_A); du [SLOTS, HEADS, K] float32, each chunk's sum (if BONUS)."""
     slot, head, used, first, step, count = _chunk_program(cu_ptr, state_index_ptr,
                                                           slot_sequence_ptr, ROWS, C, REVERSE)
-    k_cols = tl.program_id(2) * BK + tl.arange(0, BK)
-    k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
-    # Through the outputs, summed over V: the scores' gradient and the read of H.
+    # Through the outputs' pairs, summed over V: the scores' gradient.
     d_scores = tl.zeros([C, C], tl.float32)
-    dq = tl.zeros([C, BK], tl.float32)  # (dO e^B) H^T, times e^R below
     for v_block in range((V + BV - 1) // BV):
         v_cols = v_block * BV + tl.arange(0, BV)
         v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
         v = _load(v_ptr + v_base, v_off, v_in)
         do = _load(do_ptr + v_base, v_off, v_in)
-        state, block, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
-        h = tl.load(states_ptr + state + block, mask=state_mask & used, other=0.0)
         if HAS_B:
             b, B, b_end, b_kept = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
             d_scores += _value_pairs(do, v, b, C, LEVELS, PRECISION)
-            do = do * tl.exp(B)
         else:
             d_scores = tl.dot(do, tl.trans(v), d_scores, input_precision=PRECISION)
-        dq = tl.dot(do, tl.trans(h), dq, input_precision=PRECISION)
-    q = _load(q_ptr + k_base, k_off, k_in) * scale
-    k = _load(k_ptr + k_base, k_off, k_in)
-    a, A, _, _ = _log_gate(a_ptr + k_base, k_off, k_in, HAS_A, FLOOR, C, BK)
-    if BONUS:
-        dq = dq * tl.exp(A - a)
-    else:
-        dq = dq * tl.exp(A)
-    # (A, its total and where the floor applied are formed again after the levels: fewer tiles
-    # live through them)
-    # Through the scores' pairs, level by level as _scores builds them. The pairs whose factor
-    # is e^0 whatever the gates (GLA: i = t; RWKV-6: i = t - 1) are kept out of the gate
-    # gradients and added after: their terms in q dq and k dk would cancel only to rounding,
-    # which strong gates leave much larger than the gate gradient itself. Only their values
-    # ([C]) stay live through the levels.
+    # The pairs whose factor is e^0 whatever the gates (GLA: i = t; RWKV-6: i = t - 1) are
+    # kept out of the gate gradients and added after: their terms in q dq and k dk would
+    # cancel only to rounding, which strong gates leave much larger than the gate gradient
+    # itself. Only their values ([C]) stay live through the levels.
     t = tl.arange(0, C)
     diagonal = t[:, None] == t[None, :]
     d_diagonal = tl.sum(tl.where(diagonal, d_scores, 0.0), axis=1)
-    if BONUS:
+    if BONUS:  # dS[t, t - 1] by row t and by column t - 1
         constant = t[:, None] == t[None, :] + 1
-        d_constant = tl.sum(tl.where(constant, d_scores, 0.0), axis=1)
+        d_constant_rows = tl.sum(tl.where(constant, d_scores, 0.0), axis=1)
+        d_constant_columns = tl.sum(tl.where(constant, d_scores, 0.0), axis=0)
         d_scores = tl.where(constant, 0.0, d_scores)
-    # (GLA: the levels' pairs leave the diagonal out already)
-    if HAS_A:
-        dk = tl.zeros(k.shape, tl.float32)
-        for level in range(LEVELS):
-            row_f, row_strict, column, keep = _level(a, level, LEVELS, C)
-            row_f = row_strict if BONUS else row_f
-            kept = tl.where(keep, d_scores, 0.0)
-            dq += row_f * tl.dot(kept, k * column, input_precision=PRECISION)
-            dk += column * tl.dot(tl.trans(kept), q * row_f, input_precision=PRECISION)
-    else:
-        kept = tl.where(_strictly_lower(C), d_scores, 0.0)
-        dq = tl.dot(kept, k, dq, input_precision=PRECISION)
-        dk = tl.dot(tl.trans(kept), q, input_precision=PRECISION)
-    # A log gate z of a factor x = y e^z has dz = x dx: dR = q dq and dA = -k dk, summed in
-    # reverse over the chunk; RWKV-6's R_t = A_t - a_t takes the sum after t. That exclusive
-    # sum is formed directly: an inclusive sum minus the own term would cancel to rounding
-    # where that term has a factor near e^0, which swamps a strong gate's gradient (and
-    # g_gamma's sum of them).
-    if BONUS:
-        da = _exclusive_cumsum(q * dq, True) - tl.cumsum(k * dk, axis=0, reverse=True)
-    else:
-        da = tl.cumsum(q * dq - k * dk, axis=0, reverse=True)
-    # Through the state (after the levels, so that its tiles are not live through them):
-    # H' = (e^{A_C} e^{B_C}^T) * H + (k e^{A_C - A})^T (v e^{B_C - B}).
-    dk_state = tl.zeros([C, BK], tl.float32)  # (v e^{B_C - B}) dH^T, times e^{A_C - A} below
-    h_dh = tl.zeros([BK], tl.float32)         # sum_v e^{B_C} H dH, times e^{A_C} below
-    for v_block in range((V + BV - 1) // BV):
-        v_cols = v_block * BV + tl.arange(0, BV)
-        v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
-        v = _load(v_ptr + v_base, v_off, v_in)
-        state, block, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
-        h = tl.load(states_ptr + state + block, mask=state_mask & used, other=0.0)
-        dh = tl.load(dstates_ptr + state + block, mask=state_mask & used, other=0.0)
-        if HAS_B:
-            b, B, B_end, b_kept = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
-            v = v * tl.exp(B_end[None, :] - B)
-            h_dh += tl.sum(h * dh * tl.exp(B_end)[None, :], axis=1)
+    # (GLA: the pairs i < t leave the diagonal out already)
+    # (in_range's masks take steps of BK that tile K exactly as all inside: so must KEYS)
+    tl.static_assert(KEYS % BK == 0 and (K % KEYS == 0 or K % BK != 0))
+    for key_step in range(KEYS // BK):
+        k_cols = tl.program_id(2) * KEYS + key_step * BK + tl.arange(0, BK)
+        k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
+        # The read of H, summed over V (and on the tame path, which has no levels' tiles to
+        # keep out of it, the state's terms too).
+        dq = tl.zeros([C, BK], tl.float32)  # (dO e^B) H^T, times e^R below
+        if TAME:
+            dk_state = tl.zeros([C, BK], tl.float32)
+            h_dh = tl.zeros([BK], tl.float32)
+        for v_block in range((V + BV - 1) // BV):
+            v_cols = v_block * BV + tl.arange(0, BV)
+            v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
+            do = _load(do_ptr + v_base, v_off, v_in)
+            state, block, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V,
+                                                    BK, BV)
+            h = tl.load(states_ptr + state + block, mask=state_mask & used, other=0.0)
+            if TAME:
+                v = _load(v_ptr + v_base, v_off, v_in)
+                dh = tl.load(dstates_ptr + state + block, mask=state_mask & used, other=0.0)
+                dk_state, h_dh = _state_terms(dk_state, h_dh, v, h, dh, b_ptr + v_base, v_off,
+                                              v_in, HAS_B, FLOOR, C, BV, PRECISION)
+            if HAS_B:
+                b, B, b_end, b_kept = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
+                do = do * tl.exp(B)
+            dq = tl.dot(do, tl.trans(h), dq, input_precision=PRECISION)
+        q = _load(q_ptr + k_base, k_off, k_in) * scale
+        k = _load(k_ptr + k_base, k_off, k_in)
+        a, A, _, _ = _log_gate(a_ptr + k_base, k_off, k_in, HAS_A, FLOOR, C, BK)
+        if BONUS:
+            dq = dq * tl.exp(A - a)
         else:
-            h_dh += tl.sum(h * dh, axis=1)
-        dk_state = tl.dot(v, tl.trans(dh), dk_state, input_precision=PRECISION)
-    _, A, A_end, a_kept = _log_gate(a_ptr + k_base, k_off, k_in, HAS_A, FLOOR, C, BK)
-    dk_state = dk_state * tl.exp(A_end[None, :] - A)
-    # k's decay to the end, A_C - A_i = a_{i+1} + ...: the sum before i, exclusive as above.
-    da += _exclusive_cumsum(k * dk_state, False) + (tl.exp(A_end) * h_dh)[None, :]
-    dk += dk_state
-    if BONUS:
-        d_constant = tl.where(constant, d_constant[:, None], 0.0)
-        dq = tl.dot(d_constant, k, dq, input_precision=PRECISION)
-        dk = tl.dot(tl.trans(d_constant), q, dk, input_precision=PRECISION)
-        u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
-        d_bonus = d_diagonal[:, None] * u[None, :]
-        dq += d_bonus * k
-        dk += d_bonus * q
-        du_off = (slot.to(tl.int64) * HEADS + head) * K + k_cols
-        tl.store(du_ptr + du_off, tl.sum(d_diagonal[:, None] * q * k, axis=0), mask=k_cols < K)
-    else:
-        dq += d_diagonal[:, None] * k
-        dk += d_diagonal[:, None] * q
-    tl.store(dq_ptr + k_base + k_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=k_in)
-    tl.store(dk_ptr + k_base + k_off, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
-    if HAS_A:
-        tl.store(da_ptr + k_base + k_off, tl.where(a_kept, da, 0.0), mask=k_in)
+            dq = dq * tl.exp(A)
+        # (A, its total and where the floor applied are formed again after the levels: fewer
+        # tiles live through them)
+        # Through the scores' pairs i < t (those above left out), as _scores builds them.
+        if HAS_A and TAME:  # every pair's factor at once, referenced to the middle row
+            row_f, column = _middle_factors(a, A, BONUS, C)
+            kept = tl.where(_strictly_lower(C), d_scores, 0.0)
+            dq += row_f * tl.dot(kept, k * column, input_precision=PRECISION)
+            dk = column * tl.dot(tl.trans(kept), q * row_f, input_precision=PRECISION)
+        elif HAS_A:  # level by level
+            dk = tl.zeros(k.shape, tl.float32)
+            for level in range(LEVELS):
+                row_f, row_strict, column, keep = _level(a, level, LEVELS, C)
+                row_f = row_strict if BONUS else row_f
+                kept = tl.where(keep, d_scores, 0.0)
+                dq += row_f * tl.dot(kept, k * column, input_precision=PRECISION)
+                dk += column * tl.dot(tl.trans(kept), q * row_f, input_precision=PRECISION)
+        else:
+            kept = tl.where(_strictly_lower(C), d_scores, 0.0)
+            dq = tl.dot(kept, k, dq, input_precision=PRECISION)
+            dk = tl.dot(tl.trans(kept), q, input_precision=PRECISION)
+        # A log gate z of a factor x = y e^z has dz = x dx: dR = q dq and dA = -k dk, summed
+        # in reverse over the chunk; RWKV-6's R_t = A_t - a_t takes the sum after t. That
+        # exclusive sum is formed directly: an inclusive sum minus the own term would cancel
+        # to rounding where that term has a factor near e^0, which swamps a strong gate's
+        # gradient (and g_gamma's sum of them).
+        if BONUS:
+            da = _exclusive_cumsum(q * dq, True) - tl.cumsum(k * dk, axis=0, reverse=True)
+        else:
+            da = tl.cumsum(q * dq - k * dk, axis=0, reverse=True)
+        if BONUS:  # the pairs (t, t - 1), with the rows before and after them loaded shifted
+            base, off, mask = _tile(first - step, step, count + 1, head, k_cols, HEADS, K, BK, C)
+            dq += d_constant_rows[:, None] * _load(k_ptr + base, off, mask & (t >= 1)[:, None])
+            base, off, mask = _tile(first + step, step, count - 1, head, k_cols, HEADS, K, BK, C)
+            dk += d_constant_columns[:, None] * _load(q_ptr + base, off, mask) * scale
+        if not TAME:  # Through the state (after the levels, so that its tiles are not live
+            # through them), in a second pass over V.
+            dk_state = tl.zeros([C, BK], tl.float32)
+            h_dh = tl.zeros([BK], tl.float32)
+            for v_block in range((V + BV - 1) // BV):
+                v_cols = v_block * BV + tl.arange(0, BV)
+                v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
+                v = _load(v_ptr + v_base, v_off, v_in)
+                state, block, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V,
+                                                        BK, BV)
+                h = tl.load(states_ptr + state + block, mask=state_mask & used, other=0.0)
+                dh = tl.load(dstates_ptr + state + block, mask=state_mask & used, other=0.0)
+                dk_state, h_dh = _state_terms(dk_state, h_dh, v, h, dh, b_ptr + v_base, v_off,
+                                              v_in, HAS_B, FLOOR, C, BV, PRECISION)
+        _, A, A_end, a_kept = _log_gate(a_ptr + k_base, k_off, k_in, HAS_A, FLOOR, C, BK)
+        dk_state = dk_state * tl.exp(A_end[None, :] - A)
+        # k's decay to the end, A_C - A_i = a_{i+1} + ...: the sum before i, exclusive as above.
+        da += _exclusive_cumsum(k * dk_state, False) + (tl.exp(A_end) * h_dh)[None, :]
+        dk += dk_state
+        if BONUS:
+            u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+            d_bonus = d_diagonal[:, None] * u[None, :]
+            dq += d_bonus * k
+            dk += d_bonus * q
+            du_off = (slot.to(tl.int64) * HEADS + head) * K + k_cols
+            tl.store(du_ptr + du_off, tl.sum(d_diagonal[:, None] * q * k, axis=0),
+                     mask=k_cols < K)
+        else:
+            dq += d_diagonal[:, None] * k
+            dk += d_diagonal[:, None] * q
+        tl.store(dq_ptr + k_base + k_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=k_in)
+        tl.store(dk_ptr + k_base + k_off, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
+        if HAS_A:
+            tl.store(da_ptr + k_base + k_off, tl.where(a_kept, da, 0.0), mask=k_in)
 
 
 @triton.jit
@@ -734,7 +792,7 @@ def gla_value_gradient_kernel(
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
     ROWS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
-    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr, TAME: tl.constexpr,
 ):
     """Grid (SLOTS, HEADS, V blocks): every V-side gradient of one chunk's block of BV values,
     the sums over K (the scores, k's part of dv through the state, the read of H) in blocks of
@@ -758,7 +816,11 @@ def gla_value_gradient_kernel(
         else:
             u = tl.zeros([BK], tl.float32)  # unused
         scores += _scores_diagonal(q, k, u, BONUS, C)
-        if HAS_A:  # _scores' levels, one at a time
+        if HAS_A and TAME:  # every pair's factor at once, referenced to the middle row
+            row_f, column = _middle_factors(a, A, BONUS, C)
+            scores += tl.where(_strictly_lower(C), tl.dot(q * row_f, tl.trans(k * column),
+                                                          input_precision=PRECISION), 0.0)
+        elif HAS_A:  # _scores' levels, one at a time
             for level in range(LEVELS):
                 row_f, row_strict, column, keep = _level(a, level, LEVELS, C)
                 q_f = q * row_strict if BONUS else q * row_f

@@ -442,7 +442,14 @@ class _GlaStatic:
     state_gradient_warps: int  # of the state-gradient pass
     key_gradient_warps: int    # of the parallel gradient kernels: the K-side one,
     value_gradient_warps: int  # the V-side one
-    key_block_k: int           # K columns per program of the K-side gradient kernel
+    key_block_k: int           # K columns per step of the K-side gradient kernel,
+    key_program_k: int         # per program of it (a multiple of the step)
+    # The backward's gradient kernels on the tame path (their own launches): the K-side one's
+    # K columns per step and per program, and the warps of each
+    tame_key_block_k: int
+    tame_key_program_k: int
+    tame_key_gradient_warps: int
+    tame_value_gradient_warps: int
     # Calls whose chunks' log gates sum to >= -GLA_TAME_SUM take the tame path
     # (False: always the exact build)
     tame: bool = True
@@ -450,6 +457,14 @@ class _GlaStatic:
     def __post_init__(self):
         if self.span not in (16, 32, 64):
             raise ValueError(f"GLA chunks must be 16, 32 or 64 tokens; got {self.span}")
+        for step, program in ((self.key_block_k, self.key_program_k),
+                              (self.tame_key_block_k, self.tame_key_program_k)):
+            # (the kernel's masks take steps that tile K exactly as all inside: so must the
+            # programs)
+            if program % step or (self.k_size % step == 0 and self.k_size % program):
+                raise ValueError(f"the K-side gradient kernel's keys per program ({program}) "
+                                 f"must be a multiple of its step ({step}) and divide K "
+                                 f"({self.k_size}) if the step does")
 
     @property
     def v_blocks(self):
@@ -583,24 +598,35 @@ def _gla_bwd(static, residuals, cotangents):
     dh0, dstates = _gla_state_gradient(static, q, a, b, do, dht, cu)
     spans, state_index, slots = _gla_slots(cu, static.rows, static.span)
     # Every input gradient, one program per (span, head, K or V block), all at once: the
-    # K-side gradients summing over V in blocks, the V-side ones summing over K.
+    # K-side gradients summing over V in blocks, the V-side ones summing over K; both on the
+    # path the call's log gates pick (the tame one: pair factors referenced to the chunk's
+    # middle, one product each).
     inputs = _present(q, k, v, a, b, u, do, states, dstates, cu, state_index,
                       _slot_sequences(spans, state_index, slots))
     unused = jax.ShapeDtypeStruct((1,), jnp.float32)
-    dq, dk, da, du = _launch.launch(
-        _gla_kernels.gla_key_gradient_kernel, inputs,
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-         jax.ShapeDtypeStruct(q.shape, jnp.float32) if static.has_a else unused,
-         jax.ShapeDtypeStruct((slots, static.heads, static.k_size), jnp.float32)
-         if static.bonus else unused),
-        (slots, static.heads, -(-static.k_size // static.key_block_k)),
-        num_warps=static.key_gradient_warps, **static.backward_constexprs(static.key_block_k))
-    dv, db = _launch.launch(
-        _gla_kernels.gla_value_gradient_kernel, inputs,
-        (jax.ShapeDtypeStruct(v.shape, v.dtype),
-         jax.ShapeDtypeStruct(v.shape, jnp.float32) if static.has_b else unused),
-        (slots, static.heads, static.v_blocks), num_warps=static.value_gradient_warps,
-        **static.backward_constexprs())
+
+    def gradients(TAME):
+        key_block_k = static.tame_key_block_k if TAME else static.key_block_k
+        key_program_k = static.tame_key_program_k if TAME else static.key_program_k
+        dq, dk, da, du = _launch.launch(
+            _gla_kernels.gla_key_gradient_kernel, inputs,
+            (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+             jax.ShapeDtypeStruct(q.shape, jnp.float32) if static.has_a else unused,
+             jax.ShapeDtypeStruct((slots, static.heads, static.k_size), jnp.float32)
+             if static.bonus else unused),
+            (slots, static.heads, -(-static.k_size // key_program_k)),
+            num_warps=static.tame_key_gradient_warps if TAME else static.key_gradient_warps,
+            **static.backward_constexprs(key_block_k, KEYS=key_program_k, TAME=TAME))
+        dv, db = _launch.launch(
+            _gla_kernels.gla_value_gradient_kernel, inputs,
+            (jax.ShapeDtypeStruct(v.shape, v.dtype),
+             jax.ShapeDtypeStruct(v.shape, jnp.float32) if static.has_b else unused),
+            (slots, static.heads, static.v_blocks),
+            num_warps=static.tame_value_gradient_warps if TAME else static.value_gradient_warps,
+            **static.backward_constexprs(TAME=TAME))
+        return dq, dk, da, du, dv, db
+
+    dq, dk, da, du, dv, db = _gla_on_path(static, a, gradients)
     return (dq, dk, dv, da.astype(a.dtype) if static.has_a else None,
             db.astype(b.dtype) if static.has_b else None,
             du.sum(0).astype(u.dtype) if static.bonus else None, dh0, None)
@@ -614,18 +640,29 @@ def _gla_warps(k_size, block_v, has_b):
     benchmarks/compile_report.py; registers: state pass 255, scores 163-194, output 128-168; at
     8 warps the scores take 128-198, the output 98-157, the state pass 177). With a value gate
     the state pass and the output kernel take 8 (4 spill 216 B and 1.4 KB; 8: none and 16 B).
-    The backward over 64-token chunks, by sm_90 compile reports (GLA with gk and RWKV-6), no
-    spills at K=V=64 and 128: the state-gradient pass with 8 warps (204-207 registers; 4 warps
-    spill 32 B with the prefetched [64, 64] tiles); the K-side gradient kernel with 8 warps and
-    16 keys per program (208-248 registers; at K=64 32 keys spill 172 B, 4 warps 92 B); the
-    V-side one with 8 warps (169-170 registers; 4 warps spill 332 B at K=128). With a value gate
-    (gv) the V-side kernel spills 408 B at K=64."""
+    The backward over 64-token chunks, by sm_90 compile reports only (GLA with gk
+    and RWKV-6, benchmarks/compile_report.py; not yet timed), no spills at K=V=64 and 128: the
+    state-gradient pass with 8 warps (204-207 registers; 4 warps spill 32 B with the prefetched
+    [64, 64] tiles). Exact path: the K-side gradient kernel with 8 warps and 16 keys per
+    program (GLA 247 registers at K=64, 213 at K=128; RWKV-6 255, 207; 4 warps spill 92-112 B
+    at K=64; 32 keys per program spill 140-152 B at K=64); the V-side one with 8 warps (245-255
+    registers; 4 warps spill 104-344 B). Tame path: the K-side kernel with 8 warps and every
+    key (up to 128) per program in steps of 16, so that dO v^T is formed once per chunk and
+    head (GLA 230 / 242 registers, RWKV-6 253 / 254; 4 warps spill 4-260 B; steps of 32: GLA
+    252 / 255 registers, RWKV-6 spills 172 / 60 B; one step of 64 keys: GLA spills 328 B); the
+    V-side kernel with 8 warps (GLA 163 / 235 registers, RWKV-6 173 / 251; 4 warps: 232-239
+    registers at K=64, 28-104 B of spills at K=128). With a value gate (gv) the V-side kernel
+    spills at K=64: 424 B exact, 644 B tame."""
     gated = 8 if has_b else 4
     block_k = min(_pow2_at_least(k_size), 64)
     return dict(state_block_k=block_k, output_block_k=block_k, output_block_v=block_v,
                 state_warps=gated, scores_warps=4, output_warps=gated, state_gradient_warps=8,
                 key_gradient_warps=8, value_gradient_warps=8,
-                key_block_k=min(_pow2_at_least(k_size), 16))
+                key_block_k=min(_pow2_at_least(k_size), 16),
+                key_program_k=min(_pow2_at_least(k_size), 16),
+                tame_key_block_k=min(_pow2_at_least(k_size), 16),
+                tame_key_program_k=-(-k_size // 16) * 16, tame_key_gradient_warps=8,
+                tame_value_gradient_warps=8)
 
 
 def _gla_static(q, k, v, a, b, u, scale, reverse):
