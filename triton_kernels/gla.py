@@ -674,10 +674,9 @@ def gla_key_gradient_kernel(
     t = tl.arange(0, C)
     diagonal = t[:, None] == t[None, :]
     d_diagonal = tl.sum(tl.where(diagonal, d_scores, 0.0), axis=1)
-    if BONUS:  # dS[t, t - 1] by row t and by column t - 1
+    if BONUS:  # dS[t, t - 1] by row t
         constant = t[:, None] == t[None, :] + 1
         d_constant_rows = tl.sum(tl.where(constant, d_scores, 0.0), axis=1)
-        d_constant_columns = tl.sum(tl.where(constant, d_scores, 0.0), axis=0)
         d_scores = tl.where(constant, 0.0, d_scores)
     # (GLA: the pairs i < t leave the diagonal out already)
     # (in_range's masks take steps of BK that tile K exactly as all inside: so must KEYS)
@@ -747,6 +746,7 @@ def gla_key_gradient_kernel(
             base, off, mask = _tile(first - step, step, count + 1, head, k_cols, HEADS, K, BK, C)
             dq += d_constant_rows[:, None] * _load(k_ptr + base, off, mask & (t >= 1)[:, None])
             base, off, mask = _tile(first + step, step, count - 1, head, k_cols, HEADS, K, BK, C)
+            d_constant_columns = tl.sum(tl.where(constant, d_constant_rows[:, None], 0.0), 0)
             dk += d_constant_columns[:, None] * _load(q_ptr + base, off, mask) * scale
         if not TAME:  # Through the state (after the levels, so that its tiles are not live
             # through them), in a second pass over V.

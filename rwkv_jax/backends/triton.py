@@ -655,14 +655,15 @@ def _gla_warps(k_size, block_v, has_b):
     spills at K=64: 424 B exact, 644 B tame."""
     gated = 8 if has_b else 4
     block_k = min(_pow2_at_least(k_size), 64)
+    small = _pow2_at_least(k_size) * block_v <= 64 * 64
     return dict(state_block_k=block_k, output_block_k=block_k, output_block_v=block_v,
-                state_warps=gated, scores_warps=4, output_warps=gated, state_gradient_warps=8,
+                state_warps=gated, scores_warps=4, output_warps=gated, state_gradient_warps=4,
                 key_gradient_warps=8, value_gradient_warps=8,
                 key_block_k=min(_pow2_at_least(k_size), 16),
                 key_program_k=min(_pow2_at_least(k_size), 16),
                 tame_key_block_k=min(_pow2_at_least(k_size), 16),
-                tame_key_program_k=-(-k_size // 16) * 16, tame_key_gradient_warps=8,
-                tame_value_gradient_warps=8)
+                tame_key_program_k=-(-k_size // 16) * 16, tame_key_gradient_warps=4,
+                tame_value_gradient_warps=4 if small else 8)
 
 
 def _gla_static(q, k, v, a, b, u, scale, reverse):
