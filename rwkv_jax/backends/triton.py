@@ -636,7 +636,13 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
 def _gla_warps(k_size, block_v, has_b):
-    """The forward's three kernels at 4 warps: none spills at K=V=64 or 128 (sm_90,
+    """Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md session 8), fwd+bwd ms: the
+    state-gradient pass at 4 warps (GLA K=64 10.97 -> 10.83, K=128 18.45 -> 18.02), the tame
+    K-side kernel at 4 warps (10.97 -> 8.86, 18.45 -> 16.13), the tame V-side kernel at 4 warps
+    at K=V=64 only (GLA 10.97 -> 10.19, RWKV-6 13.07 -> 12.29; K=128 19.03, worse); the output
+    kernel at 8 warps, K blocks of 32, V blocks of 128 and the state pass at 8 warps or K blocks
+    of 32 were all slower. Compile reports:
+    The forward's three kernels at 4 warps: none spills at K=V=64 or 128 (sm_90,
     benchmarks/compile_report.py; registers: state pass 255, scores 163-194, output 128-168; at
     8 warps the scores take 128-198, the output 98-157, the state pass 177). With a value gate
     the state pass and the output kernel take 8 (4 spill 216 B and 1.4 KB; 8: none and 16 B).
