@@ -3,8 +3,9 @@
 wheel carries ptxas and cuobjdump.
 
     python benchmarks/compile_report.py [--family rwkv7|gla] [--key 64] [--value 64] [--warps 4,8]
-        [--span 64 --scores-block-k 16 --bonus --gate-v --key-block-k 16 --key-program-k 16
-         --tame-key-block-k 16 --tame-key-program-k 128]   (gla: the backend's defaults)
+        [--precision tf32|bf16] [--span 64 --scores-block-k 16 --bonus --gate-v
+         --key-block-k 16 --key-program-k 16 --tame-key-block-k 16 --tame-key-program-k 128
+         --bf16-states]   (gla: the backend's defaults)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
@@ -89,6 +90,10 @@ def main():
     parser.add_argument("--tame-key-program-k", type=int, default=128,
                         help="gla family: --key-program-k on the tame path")
     parser.add_argument("--gate-v", action="store_true", help="gla family: with a value gate")
+    parser.add_argument("--precision", default="tf32",
+                        help="of the matrix products (gla family: tf32 or bf16)")
+    parser.add_argument("--bf16-states", action="store_true",
+                        help="gla family: the saved states and their gradients in bfloat16")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
     args = parser.parse_args()
     bk = max(16, 1 << (args.key - 1).bit_length())
@@ -96,7 +101,7 @@ def main():
     v_blocks = -(-args.value // bv)
     rows, spans = 8 * 4096, 8 * 4096 // (16 * 8) + 8
     shapes = dict(scale=1.0, HEADS=64, K=args.key, V=args.value, BK=bk, BV=bv, C=16, LEVELS=4,
-                  FLOOR=-128.0, TOTAL_ROWS=rows, PRECISION="tf32")
+                  FLOOR=-128.0, TOTAL_ROWS=rows, PRECISION=args.precision)
     in_chunk = dict({n: shapes[n] for n in ("scale", "HEADS", "K", "BK", "C", "FLOOR",
                                             "TOTAL_ROWS", "PRECISION")},
                     SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
@@ -134,6 +139,8 @@ def main():
     ]
     tame_constexprs = {}  # kernel name -> the tame path's own constexprs
     if args.family == "gla":
+        if args.bf16_states:
+            inputs.update(states_ptr=bf16, dstates_ptr=bf16)
         kernels = gla_kernels(shapes, inputs, args.bonus, args.gate_v, args.span,
                               args.scores_block_k, args.key_block_k, args.key_program_k)
         tame_constexprs["key gradient"] = dict(BK=min(args.tame_key_block_k, bk),

@@ -145,6 +145,34 @@ def slice_errors(out, state, grads, ref, heads=4):
     return errors
 
 
+def kernel_times(op, x_jax, d_out, d_state):
+    """Each launch of the tame path alone (the backend's own functions, jitted one by one):
+    where the forward+backward time goes."""
+    tb = triton_backend
+    rows = lambda t: t.reshape(-1, *t.shape[2:])
+    q, k, v = (x_jax[n] for n in NAMES[op][:3])
+    a, u = x_jax["w" if op == "rwkv6" else "gk"], x_jax.get("u")
+    static = tb._gla_static(q, k, v, a, None, u, 1.0 if op == "rwkv6" else q.shape[-1] ** -0.5,
+                            False)
+    cu = jnp.arange(q.shape[0] + 1, dtype=jnp.int32) * q.shape[1]
+    q, k, v, a, do = (rows(t) for t in (q, k, v, a, d_out))
+    h0 = jnp.zeros((cu.shape[0] - 1,) + d_state.shape[1:], jnp.float32)
+    states_fn = jax.jit(lambda k, v, a: tb._gla_states(static, k, v, a, None, h0, cu))
+    _, states = states_fn(k, v, a)
+    gradient_fn = jax.jit(lambda q, a, do: tb._gla_state_gradient(static, q, a, None, do,
+                                                                   d_state, cu))
+    _, dstates = gradient_fn(q, a, do)
+    inputs = (q, k, v, a, None, u, do, states, dstates, cu)
+    return {"state pass": time_jax(states_fn, k, v, a),
+            "outputs": time_jax(jax.jit(lambda q, k, v, a, states: tb._gla_outputs(
+                static, True, q, k, v, a, None, u, states, cu)), q, k, v, a, states),
+            "state gradient": time_jax(gradient_fn, q, a, do),
+            "key gradients": time_jax(jax.jit(
+                lambda *x: tb._gla_key_gradients(static, True, *x)), *inputs),
+            "value gradients": time_jax(jax.jit(
+                lambda *x: tb._gla_value_gradients(static, True, *x)), *inputs)}
+
+
 def bench_ours(op, x_jax, d_out, d_state, ref, full=True):
     """Times, errors and (``full``) peak memory, the forward that saves states and the backward
     alone; the state-gradient pass alone either way."""
@@ -160,19 +188,9 @@ def bench_ours(op, x_jax, d_out, d_state, ref, full=True):
     compile_start = time.perf_counter()
     out, state, grads = jax.block_until_ready(both(x_jax, d_out, d_state))
     compile_s = time.perf_counter() - compile_start
-    # The state-gradient kernel alone (the rest of the backward is the gradient kernel).
-    rows = lambda t: t.reshape(-1, *t.shape[2:])
-    q, k, v = (x_jax[n] for n in NAMES[op][:3])
-    gate = x_jax["w" if op == "rwkv6" else "gk"]
-    static = triton_backend._gla_static(q, k, v, gate, None, x_jax.get("u"),
-                                        1.0 if op == "rwkv6" else q.shape[-1] ** -0.5, False)
-    cu = jnp.arange(q.shape[0] + 1, dtype=jnp.int32) * q.shape[1]
-    state_gradient = jax.jit(lambda q, a, do, dht: triton_backend._gla_state_gradient(
-        static, q, a, None, do, dht, cu)[:2])
     row = dict(name=f"rwkv_jax triton {op}", forward_ms=time_jax(forward, x_jax),
                forward_backward_ms=time_jax(both, x_jax, d_out, d_state),
-               state_gradient_ms=time_jax(state_gradient, rows(q), rows(gate), rows(d_out),
-                                          d_state),
+               kernel_ms=kernel_times(op, x_jax, d_out, d_state),
                errors=slice_errors(out, state, grads, ref), compile_s=compile_s)
     if full:
         _, pullback = saving(x_jax)
@@ -221,13 +239,9 @@ def bench_fla(op, x, d_out, d_state, ref):
 def describe(row):
     errors = row["errors"]
     worst_grad = max(v for k, v in errors.items() if k.startswith("d"))
-    if "backward_ms" in row:
-        extra = (f" (saving {row['forward_saving_states_ms']:.2f}, bwd {row['backward_ms']:.2f}"
-                 f" = state grad {row['state_gradient_ms']:.2f} + rest)")
-    elif "state_gradient_ms" in row:
-        extra = f" (state grad {row['state_gradient_ms']:.2f})"
-    else:
-        extra = ""
+    kernels = " + ".join(f"{name} {ms:.2f}" for name, ms in row.get("kernel_ms", {}).items())
+    extra = f" (bwd {row['backward_ms']:.2f})" if "backward_ms" in row else ""
+    extra += f" [{kernels}]" if kernels else ""
     peak = (f"  peak {row['peak_bytes'] / 2**30:5.2f} GiB (fwd "
             f"{row['forward_peak_bytes'] / 2**30:4.2f})" if "peak_bytes" in row else "")
     return (f"{row['shape']:18s} {row['name']:36s} fwd {row['forward_ms']:6.2f} ms  fwd+bwd "
@@ -283,9 +297,11 @@ def record(row, op, shape, out_dir):
 
 
 def sweep_item(item):
-    """'a=1,b=2@0,1' -> ({'a': 1, 'b': 2}, {0, 1}); without '@': (..., None), every shape."""
+    """'a=1,b=bf16@0,1' -> ({'a': 1, 'b': 'bf16'}, {0, 1}); without '@': (..., None), every
+    shape."""
     settings, _, picked = item.partition("@")
-    overrides = {k: int(v) for k, v in (pair.split("=") for pair in settings.split(","))}
+    overrides = {k: int(v) if v.lstrip("-").isdigit() else v
+                 for k, v in (pair.split("=") for pair in settings.split(","))}
     return overrides, ({int(i) for i in picked.split(",")} if picked else None)
 
 

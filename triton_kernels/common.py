@@ -7,6 +7,8 @@ program), and masks are row masks unless K or V needs padding, which keeps regis
 loads and stores vectorised.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -15,6 +17,9 @@ import triton.language as tl
 # GLA's (its forward's state pass, K in blocks of at most 64, and its state-gradient pass, with
 # registers to spare) at every BK.
 PREFETCH_UP_TO = tl.constexpr(64)
+# Whether the kernels run in Triton's interpreter (the launch helper sets TRITON_INTERPRET before
+# it imports them).
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -137,6 +142,23 @@ def level_factors(w, S: tl.constexpr, AXIS: tl.constexpr, C: tl.constexpr):
     segment = tl.arange(0, C) // S
     keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
     return tl.exp(inclusive), tl.exp(inclusive - w), tl.exp(after), keep
+
+
+@triton.jit
+def dot(x, y, acc, PRECISION: tl.constexpr):
+    """x @ y (+ acc), accumulated in float32. PRECISION "bf16" rounds the operands to bfloat16
+    first (for 16-bit inputs: twice tf32's tensor-core rate, half its operand registers, and
+    float32's exponent range, which factors such as e^(+-GLA_TAME_SUM) need); otherwise the
+    operands are float32 and PRECISION is tl.dot's input_precision ("tf32", "tf32x3", "ieee")."""
+    if PRECISION == "bf16" and INTERPRETED:  # (Triton 3.6's interpreter multiplies bfloat16
+        # tiles wrongly: the same rounding, then float32 products)
+        product = tl.dot(x.to(tl.bfloat16).to(tl.float32), y.to(tl.bfloat16).to(tl.float32), acc,
+                         input_precision="ieee")
+    elif PRECISION == "bf16":
+        product = tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16), acc)
+    else:
+        product = tl.dot(x.to(tl.float32), y.to(tl.float32), acc, input_precision=PRECISION)
+    return product
 
 
 @triton.jit

@@ -66,7 +66,7 @@ flattened inputs, clamped to [0, ROWS) in the kernel, and saved-state slots are 
 import triton
 import triton.language as tl
 
-from .common import clamped_rows, diagonal_tile, in_range, level_factors, stored
+from .common import clamped_rows, diagonal_tile, dot, in_range, level_factors, stored
 
 
 @triton.jit
@@ -246,8 +246,8 @@ def _value_mixes(pairs, x, y, b, C: tl.constexpr, LEVELS: tl.constexpr,
     for level in range(LEVELS):  # one level's tiles live at a time (_level)
         row, _, column, keep = _level(b, level, LEVELS, C)
         kept = tl.where(keep, pairs, 0.0)
-        to_rows += row * tl.dot(kept, y * column, input_precision=PRECISION)
-        to_columns += column * tl.dot(tl.trans(kept), x * row, input_precision=PRECISION)
+        to_rows += row * dot(kept, y * column, None, PRECISION)
+        to_columns += column * dot(tl.trans(kept), x * row, None, PRECISION)
     return to_rows, to_columns
 
 
@@ -257,7 +257,7 @@ def _value_pairs(x, y, b, C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.c
     pairs = diagonal_tile(tl.sum(x * y, axis=1), C)
     for level in range(LEVELS):  # one level's tiles live at a time (_level)
         row, _, column, keep = _level(b, level, LEVELS, C)
-        pairs += tl.where(keep, tl.dot(x * row, tl.trans(y * column), input_precision=PRECISION),
+        pairs += tl.where(keep, dot(x * row, tl.trans(y * column), None, PRECISION),
                           0.0)
     return pairs
 
@@ -307,7 +307,7 @@ def gla_state_kernel(
             v_to_end, b_decay = _to_end(b_raw, FLOOR)
             v = v * v_to_end
             h = h * b_decay[None, :]
-        h = tl.dot(tl.trans(k), v, h, input_precision=PRECISION)
+        h = dot(tl.trans(k), v, h, PRECISION)
         c += 1
     tl.store(ht_ptr + local, h, mask=state_mask)
 
@@ -387,9 +387,8 @@ def gla_scores_kernel(
             else:
                 q_f = q
                 k_f = k
-            pairs = tl.dot(tl.reshape(q_f, [NB, SUB, BK]),
-                           tl.permute(tl.reshape(k_f, [NB, SUB, BK]), (0, 2, 1)),
-                           input_precision=PRECISION)
+            pairs = dot(tl.reshape(q_f, [NB, SUB, BK]),
+                        tl.permute(tl.reshape(k_f, [NB, SUB, BK]), (0, 2, 1)), None, PRECISION)
             blocks += tl.where(keep[None, :, :], pairs, 0.0)
     lower = t16[:, None] >= t16[None, :]
     tl.store(scores_ptr + _scores_offsets(slot, head, within[:, :, None],
@@ -425,7 +424,7 @@ def _cross_level(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, scores_pt
             q = q * tl.exp(read - a_row if BONUS else read)
             a_column = tl.maximum(_load(a_ptr, column_off, column_in), FLOOR)
             k = k * tl.exp(tl.cumsum(a_column, axis=1, reverse=True) - a_column)
-        pairs += tl.dot(q, tl.permute(k, (0, 2, 1)), input_precision=PRECISION)
+        pairs += dot(q, tl.permute(k, (0, 2, 1)), None, PRECISION)
     tl.store(scores_ptr + _scores_offsets(slot, head, (first + S)[:, :, None],
                                           first[:, None, :], HEADS, C),
              pairs, mask=used)
@@ -474,15 +473,14 @@ def gla_output_kernel(
             a, A, _, _ = _log_gate(a_ptr, k_off, k_in, True, FLOOR, C, BK)
             if TAME:
                 row_factor, column_factor = _middle_factors(a, A, BONUS, C)
-                scores = tl.dot(q * row_factor, tl.trans(k * column_factor), scores,
-                                input_precision=PRECISION)
+                scores = dot(q * row_factor, tl.trans(k * column_factor), scores, PRECISION)
             q = q * tl.exp(A - a if BONUS else A)
         elif TAME:
-            scores = tl.dot(q, tl.trans(k), scores, input_precision=PRECISION)
+            scores = dot(q, tl.trans(k), scores, PRECISION)
         h = tl.load(states_ptr + _state_block(slot, head, k_cols, v_cols, HEADS, K, V),
                     mask=(in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
                           & used), other=0.0)
-        o = tl.dot(q, h, o, input_precision=PRECISION)
+        o = dot(q, h, o, PRECISION)
     if TAME:
         scores = tl.where(_strictly_lower(C), scores, diagonal_tile(diagonal, C))
     else:
@@ -497,7 +495,7 @@ def gla_output_kernel(
         o = (o * tl.exp(B) + mixed
              + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * v)
     else:
-        o = tl.dot(scores, v, o, input_precision=PRECISION)
+        o = dot(scores, v, o, PRECISION)
     tl.store(o_ptr + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
 
 
@@ -597,8 +595,7 @@ def gla_state_gradient_kernel(
             _, B, B_end, _ = _gate_sums(b_raw, FLOOR)
             do = do * tl.exp(B)
             dh = dh * tl.exp(B_end)[None, :]
-        dh = tl.dot(tl.trans(q * tl.exp(R)), do, tl.exp(A_end)[:, None] * dh,
-                    input_precision=PRECISION)
+        dh = dot(tl.trans(q * tl.exp(R)), do, tl.exp(A_end)[:, None] * dh, PRECISION)
         c -= 1
     tl.store(dh0_ptr + local + block, dh, mask=state_mask)
 
@@ -613,10 +610,10 @@ def _state_terms(dk_state, h_dh, v, h, dh, b_ptr, v_off, v_in, HAS_B: tl.constex
     if HAS_B:
         _, B, B_end, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
         v = v * tl.exp(B_end[None, :] - B)
-        h_dh += tl.sum(h * dh * tl.exp(B_end)[None, :], axis=1)
+        h_dh += tl.sum(h.to(tl.float32) * dh.to(tl.float32) * tl.exp(B_end)[None, :], axis=1)
     else:
-        h_dh += tl.sum(h * dh, axis=1)
-    return tl.dot(v, tl.trans(dh), dk_state, input_precision=PRECISION), h_dh
+        h_dh += tl.sum(h.to(tl.float32) * dh.to(tl.float32), axis=1)
+    return dot(v, tl.trans(dh), dk_state, PRECISION), h_dh
 
 
 @triton.jit
@@ -666,7 +663,7 @@ def gla_key_gradient_kernel(
             b, B, b_end, b_kept = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
             d_scores += _value_pairs(do, v, b, C, LEVELS, PRECISION)
         else:
-            d_scores = tl.dot(do, tl.trans(v), d_scores, input_precision=PRECISION)
+            d_scores = dot(do, tl.trans(v), d_scores, PRECISION)
     # The pairs whose factor is e^0 whatever the gates (GLA: i = t; RWKV-6: i = t - 1) are
     # kept out of the gate gradients and added after: their terms in q dq and k dk would
     # cancel only to rounding, which strong gates leave much larger than the gate gradient
@@ -705,7 +702,7 @@ def gla_key_gradient_kernel(
             if HAS_B:
                 b, B, b_end, b_kept = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
                 do = do * tl.exp(B)
-            dq = tl.dot(do, tl.trans(h), dq, input_precision=PRECISION)
+            dq = dot(do, tl.trans(h), dq, PRECISION)
         q = _load(q_ptr + k_base, k_off, k_in) * scale
         k = _load(k_ptr + k_base, k_off, k_in)
         a, A, _, _ = _log_gate(a_ptr + k_base, k_off, k_in, HAS_A, FLOOR, C, BK)
@@ -719,20 +716,20 @@ def gla_key_gradient_kernel(
         if HAS_A and TAME:  # every pair's factor at once, referenced to the middle row
             row_f, column = _middle_factors(a, A, BONUS, C)
             kept = tl.where(_strictly_lower(C), d_scores, 0.0)
-            dq += row_f * tl.dot(kept, k * column, input_precision=PRECISION)
-            dk = column * tl.dot(tl.trans(kept), q * row_f, input_precision=PRECISION)
+            dq += row_f * dot(kept, k * column, None, PRECISION)
+            dk = column * dot(tl.trans(kept), q * row_f, None, PRECISION)
         elif HAS_A:  # level by level
             dk = tl.zeros(k.shape, tl.float32)
             for level in range(LEVELS):
                 row_f, row_strict, column, keep = _level(a, level, LEVELS, C)
                 row_f = row_strict if BONUS else row_f
                 kept = tl.where(keep, d_scores, 0.0)
-                dq += row_f * tl.dot(kept, k * column, input_precision=PRECISION)
-                dk += column * tl.dot(tl.trans(kept), q * row_f, input_precision=PRECISION)
+                dq += row_f * dot(kept, k * column, None, PRECISION)
+                dk += column * dot(tl.trans(kept), q * row_f, None, PRECISION)
         else:
             kept = tl.where(_strictly_lower(C), d_scores, 0.0)
-            dq = tl.dot(kept, k, dq, input_precision=PRECISION)
-            dk = tl.dot(tl.trans(kept), q, input_precision=PRECISION)
+            dq = dot(kept, k, dq, PRECISION)
+            dk = dot(tl.trans(kept), q, None, PRECISION)
         # A log gate z of a factor x = y e^z has dz = x dx: dR = q dq and dA = -k dk, summed
         # in reverse over the chunk; RWKV-6's R_t = A_t - a_t takes the sum after t. That
         # exclusive sum is formed directly: an inclusive sum minus the own term would cancel
@@ -818,26 +815,24 @@ def gla_value_gradient_kernel(
         scores += _scores_diagonal(q, k, u, BONUS, C)
         if HAS_A and TAME:  # every pair's factor at once, referenced to the middle row
             row_f, column = _middle_factors(a, A, BONUS, C)
-            scores += tl.where(_strictly_lower(C), tl.dot(q * row_f, tl.trans(k * column),
-                                                          input_precision=PRECISION), 0.0)
+            scores += tl.where(_strictly_lower(C),
+                               dot(q * row_f, tl.trans(k * column), None, PRECISION), 0.0)
         elif HAS_A:  # _scores' levels, one at a time
             for level in range(LEVELS):
                 row_f, row_strict, column, keep = _level(a, level, LEVELS, C)
                 q_f = q * row_strict if BONUS else q * row_f
-                scores += tl.where(keep, tl.dot(q_f, tl.trans(k * column),
-                                                input_precision=PRECISION), 0.0)
+                scores += tl.where(keep, dot(q_f, tl.trans(k * column), None, PRECISION), 0.0)
         else:
             scores += tl.where(_strictly_lower(C),
-                               tl.dot(q, tl.trans(k), input_precision=PRECISION), 0.0)
+                               dot(q, tl.trans(k), None, PRECISION), 0.0)
         state, block, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
         dh = tl.load(dstates_ptr + state + block, mask=state_mask & used, other=0.0)
-        dv_state = tl.dot(k * tl.exp(A_end[None, :] - A), dh, dv_state,
-                          input_precision=PRECISION)
+        dv_state = dot(k * tl.exp(A_end[None, :] - A), dh, dv_state, PRECISION)
         if HAS_B:
             h = tl.load(states_ptr + state + block, mask=state_mask & used, other=0.0)
             R = A - a if BONUS else A
-            o_state = tl.dot(q * tl.exp(R), h, o_state, input_precision=PRECISION)
-            h_dh += tl.sum(tl.exp(A_end)[:, None] * h * dh, axis=0)
+            o_state = dot(q * tl.exp(R), h, o_state, PRECISION)
+            h_dh += tl.sum(tl.exp(A_end)[:, None] * h.to(tl.float32) * dh.to(tl.float32), axis=0)
     v = _load(v_ptr + v_base, v_off, v_in)
     do = _load(do_ptr + v_base, v_off, v_in)
     if HAS_B:
@@ -854,5 +849,5 @@ def gla_value_gradient_kernel(
         diagonal = t[:, None] == t[None, :]
         dv += dv_state + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * do
     else:
-        dv = tl.dot(tl.trans(scores), do, dv_state, input_precision=PRECISION)
+        dv = dot(tl.trans(scores), do, dv_state, PRECISION)
     tl.store(dv_ptr + v_base + v_off, dv.to(dv_ptr.dtype.element_ty), mask=v_in)

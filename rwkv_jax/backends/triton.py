@@ -429,7 +429,7 @@ class _GlaStatic:
     has_b: bool     # a value-side log gate (GLA's gv)
     bonus: bool     # RWKV-6: read before the update, u on the diagonal
     reverse: bool
-    precision: str  # of the float32 matrix products: "tf32x3" for float32 inputs, else "tf32"
+    precision: str  # of the matrix products: "tf32x3" for float32 inputs, else "tf32" or "bf16"
     block_v: int
     span: int            # tokens per chunk of the forward and backward (states at each start)
     scores_block_k: int  # K columns per step of the forward's scores kernel
@@ -453,6 +453,9 @@ class _GlaStatic:
     # Calls whose chunks' log gates sum to >= -GLA_TAME_SUM take the tame path
     # (False: always the exact build)
     tame: bool = True
+    # The states saved at every chunk's start (and their gradients) in bfloat16 (the carried
+    # state and ht, dh0 stay float32)
+    bf16_states: bool = False
 
     def __post_init__(self):
         if self.span not in (16, 32, 64):
@@ -465,6 +468,10 @@ class _GlaStatic:
                 raise ValueError(f"the K-side gradient kernel's keys per program ({program}) "
                                  f"must be a multiple of its step ({step}) and divide K "
                                  f"({self.k_size}) if the step does")
+
+    @property
+    def states_dtype(self):
+        return jnp.bfloat16 if self.bf16_states else jnp.float32
 
     @property
     def v_blocks(self):
@@ -525,43 +532,58 @@ def _present(*arrays):
     return tuple(jnp.zeros((1,), jnp.float32) if x is None else x for x in arrays)
 
 
-def _gla_forward(static, q, k, v, a, b, u, h0, cu):
-    """The state pass (the state at the start of every chunk), then, parallel over chunks,
-    every chunk's outputs from its state and scores (the exact path's scores from their own
-    kernel first)."""
+def _gla_states(static, k, v, a, b, h0, cu):
+    """The state pass: the final states and the state at the start of every chunk."""
     sequences = cu.shape[0] - 1
-    spans, state_index, slots = _gla_slots(cu, static.rows, static.span)
+    _, state_index, slots = _gla_slots(cu, static.rows, static.span)
     state_shape = (static.heads, static.k_size, static.v_size)
-    constexprs = static.constexprs(static.span, BK=static.block_k)
-    without = lambda *names, **more: {n: x for n, x in dict(constexprs, **more).items()
-                                      if n not in names}
-    ht, states = _launch.launch(
+    constexprs = static.constexprs(static.span, BK=static.state_block_k, SLOTS=slots)
+    for name in ("scale", "LEVELS", "BONUS"):
+        del constexprs[name]
+    return _launch.launch(
         _gla_kernels.gla_state_kernel, _present(k, v, a, b, h0, cu, state_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
-         jax.ShapeDtypeStruct((slots,) + state_shape, jnp.float32)),
+         jax.ShapeDtypeStruct((slots,) + state_shape, static.states_dtype)),
         (sequences * static.heads, -(-static.k_size // static.state_block_k), static.v_blocks),
-        num_warps=static.state_warps,
-        **without("scale", "LEVELS", "BONUS", SLOTS=slots, BK=static.state_block_k))
-    parallel = (cu, state_index, _slot_sequences(spans, state_index, slots))
+        num_warps=static.state_warps, **constexprs)
 
-    def outputs(TAME):  # the exact path's scores from their own kernel, the tame one's inside
-        scores = jnp.zeros((1,), jnp.float32)
-        if not TAME:
-            (scores,) = _launch.launch(
-                _gla_kernels.gla_scores_kernel, _present(q, k, a, u) + parallel,
-                (jax.ShapeDtypeStruct((slots, static.heads, static.span, static.span),
-                                      jnp.float32),),
-                (slots, static.heads), num_warps=static.scores_warps,
-                **without("V", "BV", "HAS_B", "LEVELS",
-                          BK=min(static.scores_block_k, static.block_k)))
-        return _launch.launch(
-            _gla_kernels.gla_output_kernel, _present(q, k, v, a, b, u, states, scores) + parallel,
-            (jax.ShapeDtypeStruct(v.shape, v.dtype),),
-            (slots, static.heads, -(-static.v_size // static.output_block_v)),
-            num_warps=static.output_warps,
-            **dict(constexprs, TAME=TAME, BK=static.output_block_k, BV=static.output_block_v))
 
-    (o,) = _gla_on_path(static, a, outputs)
+def _gla_parallel(static, cu):
+    """The parallel kernels' chunk indices: cu, each sequence's first slot, each slot's
+    sequence, and the slot count."""
+    spans, state_index, slots = _gla_slots(cu, static.rows, static.span)
+    return (cu, state_index, _slot_sequences(spans, state_index, slots)), slots
+
+
+def _gla_outputs(static, TAME, q, k, v, a, b, u, states, cu):
+    """Every chunk's outputs from its saved state, all chunks at once (the exact path's scores
+    from their own kernel first, the tame path's formed inside)."""
+    parallel, slots = _gla_parallel(static, cu)
+    constexprs = static.constexprs(static.span)
+    scores = jnp.zeros((1,), jnp.float32)
+    if not TAME:
+        scores_constexprs = dict(constexprs, BK=min(static.scores_block_k, static.block_k))
+        for name in ("V", "BV", "HAS_B", "LEVELS"):
+            del scores_constexprs[name]
+        (scores,) = _launch.launch(
+            _gla_kernels.gla_scores_kernel, _present(q, k, a, u) + parallel,
+            (jax.ShapeDtypeStruct((slots, static.heads, static.span, static.span),
+                                  jnp.float32),),
+            (slots, static.heads), num_warps=static.scores_warps, **scores_constexprs)
+    (o,) = _launch.launch(
+        _gla_kernels.gla_output_kernel, _present(q, k, v, a, b, u, states, scores) + parallel,
+        (jax.ShapeDtypeStruct(v.shape, v.dtype),),
+        (slots, static.heads, -(-static.v_size // static.output_block_v)),
+        num_warps=static.output_warps,
+        **dict(constexprs, TAME=TAME, BK=static.output_block_k, BV=static.output_block_v))
+    return o
+
+
+def _gla_forward(static, q, k, v, a, b, u, h0, cu):
+    """The state pass, then the outputs on the path the call's log gates pick."""
+    ht, states = _gla_states(static, k, v, a, b, h0, cu)
+    o = _gla_on_path(static, a, lambda TAME: _gla_outputs(static, TAME, q, k, v, a, b, u,
+                                                          states, cu))
     return o, ht, states
 
 
@@ -586,9 +608,42 @@ def _gla_state_gradient(static, q, a, b, do, dht, cu):
         _gla_kernels.gla_state_gradient_kernel,
         _present(q, a, b, do, dht.astype(jnp.float32), cu, state_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
-         jax.ShapeDtypeStruct((slots,) + state_shape, jnp.float32)),
+         jax.ShapeDtypeStruct((slots,) + state_shape, static.states_dtype)),
         (sequences * static.heads, static.k_blocks, static.v_blocks),
         num_warps=static.state_gradient_warps, **static.backward_constexprs(SLOTS=slots))
+
+
+_UNUSED = jax.ShapeDtypeStruct((1,), jnp.float32)  # an output a kernel's options leave out
+
+
+def _gla_key_gradients(static, TAME, q, k, v, a, b, u, do, states, dstates, cu):
+    """dq, dk, da and du (per chunk), one program per (chunk, head, block of keys)."""
+    parallel, slots = _gla_parallel(static, cu)
+    block_k = static.tame_key_block_k if TAME else static.key_block_k
+    program_k = static.tame_key_program_k if TAME else static.key_program_k
+    return _launch.launch(
+        _gla_kernels.gla_key_gradient_kernel, _present(q, k, v, a, b, u, do, states, dstates)
+        + parallel,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+         jax.ShapeDtypeStruct(q.shape, jnp.float32) if static.has_a else _UNUSED,
+         jax.ShapeDtypeStruct((slots, static.heads, static.k_size), jnp.float32)
+         if static.bonus else _UNUSED),
+        (slots, static.heads, -(-static.k_size // program_k)),
+        num_warps=static.tame_key_gradient_warps if TAME else static.key_gradient_warps,
+        **static.backward_constexprs(block_k, KEYS=program_k, TAME=TAME))
+
+
+def _gla_value_gradients(static, TAME, q, k, v, a, b, u, do, states, dstates, cu):
+    """dv and db, one program per (chunk, head, block of values)."""
+    parallel, slots = _gla_parallel(static, cu)
+    return _launch.launch(
+        _gla_kernels.gla_value_gradient_kernel, _present(q, k, v, a, b, u, do, states, dstates)
+        + parallel,
+        (jax.ShapeDtypeStruct(v.shape, v.dtype),
+         jax.ShapeDtypeStruct(v.shape, jnp.float32) if static.has_b else _UNUSED),
+        (slots, static.heads, static.v_blocks),
+        num_warps=static.tame_value_gradient_warps if TAME else static.value_gradient_warps,
+        **static.backward_constexprs(TAME=TAME))
 
 
 def _gla_bwd(static, residuals, cotangents):
@@ -596,37 +651,12 @@ def _gla_bwd(static, residuals, cotangents):
     do, dht = cotangents
     do = do.astype(v.dtype)
     dh0, dstates = _gla_state_gradient(static, q, a, b, do, dht, cu)
-    spans, state_index, slots = _gla_slots(cu, static.rows, static.span)
-    # Every input gradient, one program per (span, head, K or V block), all at once: the
-    # K-side gradients summing over V in blocks, the V-side ones summing over K; both on the
-    # path the call's log gates pick (the tame one: pair factors referenced to the chunk's
-    # middle, one product each).
-    inputs = _present(q, k, v, a, b, u, do, states, dstates, cu, state_index,
-                      _slot_sequences(spans, state_index, slots))
-    unused = jax.ShapeDtypeStruct((1,), jnp.float32)
-
-    def gradients(TAME):
-        key_block_k = static.tame_key_block_k if TAME else static.key_block_k
-        key_program_k = static.tame_key_program_k if TAME else static.key_program_k
-        dq, dk, da, du = _launch.launch(
-            _gla_kernels.gla_key_gradient_kernel, inputs,
-            (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-             jax.ShapeDtypeStruct(q.shape, jnp.float32) if static.has_a else unused,
-             jax.ShapeDtypeStruct((slots, static.heads, static.k_size), jnp.float32)
-             if static.bonus else unused),
-            (slots, static.heads, -(-static.k_size // key_program_k)),
-            num_warps=static.tame_key_gradient_warps if TAME else static.key_gradient_warps,
-            **static.backward_constexprs(key_block_k, KEYS=key_program_k, TAME=TAME))
-        dv, db = _launch.launch(
-            _gla_kernels.gla_value_gradient_kernel, inputs,
-            (jax.ShapeDtypeStruct(v.shape, v.dtype),
-             jax.ShapeDtypeStruct(v.shape, jnp.float32) if static.has_b else unused),
-            (slots, static.heads, static.v_blocks),
-            num_warps=static.tame_value_gradient_warps if TAME else static.value_gradient_warps,
-            **static.backward_constexprs(TAME=TAME))
-        return dq, dk, da, du, dv, db
-
-    dq, dk, da, du, dv, db = _gla_on_path(static, a, gradients)
+    # Every input gradient, parallel over (chunk, head, block), on the path the call's log
+    # gates pick: the K-side gradients summing over V in blocks, the V-side ones over K.
+    inputs = (q, k, v, a, b, u, do, states, dstates, cu)
+    dq, dk, da, du, dv, db = _gla_on_path(
+        static, a, lambda TAME: (_gla_key_gradients(static, TAME, *inputs)
+                                 + _gla_value_gradients(static, TAME, *inputs)))
     return (dq, dk, dv, da.astype(a.dtype) if static.has_a else None,
             db.astype(b.dtype) if static.has_b else None,
             du.sum(0).astype(u.dtype) if static.bonus else None, dh0, None)
