@@ -72,6 +72,9 @@ CHECKS = [  # (name, op, dtype, K, V, random_inputs options, op options); most t
     ("gla bf16 K=V=128 gk", "gated_linear_attention", "bfloat16", 128, 128, {}, {}),
     ("rwkv6 bf16 K=V=64", "rwkv6", "bfloat16", 64, 64, {}, {}),
     ("rwkv6 bf16 K=V=128", "rwkv6", "bfloat16", 128, 128, {}, {}),
+    ("gla bf16 K=V=64 every gate strong packed", "gated_linear_attention", "bfloat16", 64, 64,
+     dict(gates=("g", "g_gamma", "gk", "gv"), decay="strong", cu_seqlens=PACKED), {}),
+    ("rwkv6 bf16 K=V=128 strong", "rwkv6", "bfloat16", 128, 128, dict(decay="strong"), {}),
 ]
 
 
@@ -173,9 +176,9 @@ def kernel_times(op, x_jax, d_out, d_state):
                 lambda *x: tb._gla_value_gradients(static, True, *x)), *inputs)}
 
 
-def bench_ours(op, x_jax, d_out, d_state, ref, full=True):
+def bench_ours(op, x_jax, d_out, d_state, ref, full=True, split=True):
     """Times, errors and (``full``) peak memory, the forward that saves states and the backward
-    alone; the state-gradient pass alone either way."""
+    alone; (``split``) each kernel alone."""
     forward = jax.jit(lambda x: call(op, x))
 
     def both(x, d_out, d_state):
@@ -190,8 +193,9 @@ def bench_ours(op, x_jax, d_out, d_state, ref, full=True):
     compile_s = time.perf_counter() - compile_start
     row = dict(name=f"rwkv_jax triton {op}", forward_ms=time_jax(forward, x_jax),
                forward_backward_ms=time_jax(both, x_jax, d_out, d_state),
-               kernel_ms=kernel_times(op, x_jax, d_out, d_state),
                errors=slice_errors(out, state, grads, ref), compile_s=compile_s)
+    if split:
+        row.update(kernel_ms=kernel_times(op, x_jax, d_out, d_state))
     if full:
         _, pullback = saving(x_jax)
         row.update(forward_saving_states_ms=time_jax(lambda x: saving(x)[0], x_jax),
@@ -280,7 +284,7 @@ def benchmark(deadline, out_dir, with_fla, shapes, sweep, lean):
             triton_backend.GLA_OVERRIDES.update(overrides)
             try:
                 row = within(f"ours {op} {shape} {overrides}", deadline, 60, bench_ours, op,
-                             *ours, False)
+                             *ours, False, False)
             finally:
                 triton_backend.GLA_OVERRIDES.clear()
             if row is not None:
@@ -320,6 +324,10 @@ def main():
                         "'key_gradient_warps=4;key_block_k=64,value_gradient_warps=8@0,1' "
                         "(fields of the backend's _GlaStatic; '@' picks benchmarked shapes by "
                         "their index in --shapes' list, all by default)")
+    parser.add_argument("--check-filter", default="",
+                        help="run only the checks whose name contains this")
+    parser.add_argument("--check-sweep", default="", help="also run the checks with other "
+                        "settings, e.g. 'precision=bf16,bf16_states=1;bf16_states=1'")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     open_log(os.path.join(args.out, "gpu_gla.log"))
@@ -327,9 +335,18 @@ def main():
     gpu = torch.cuda.get_device_name()
     log(f"GPU {gpu}; jax {jax.__version__} ({jax.devices()[0]}), torch {torch.__version__}")
     results["gpu"] = gpu
-    for seed, (name, op, dtype, key, value, drawn, options) in enumerate(CHECKS[:args.checks]):
-        within(name, deadline, 120, check, name, op, dtype, key, value, dict(drawn), options,
-               seed)
+    for overrides in [{}] + [sweep_item(item)[0] for item in args.check_sweep.split(";") if item]:
+        triton_backend.GLA_OVERRIDES.update(overrides)
+        suffix = " " + ",".join(f"{k}={v}" for k, v in overrides.items()) if overrides else ""
+        try:
+            for seed, (name, *check_args) in enumerate(CHECKS[:args.checks]):
+                if (overrides.get("precision") == "bf16" and check_args[1] == "float32"
+                        or args.check_filter not in name):
+                    continue  # (bf16 operands are for 16-bit inputs)
+                within(name + suffix, deadline, 120, check, name + suffix, *check_args[:4],
+                       dict(check_args[4]), check_args[5], seed)
+        finally:
+            triton_backend.GLA_OVERRIDES.clear()
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",") if i]
     benchmark(deadline, args.out, not args.no_fla, shapes,
               [sweep_item(item) for item in args.sweep.split(";") if item], args.lean)

@@ -146,12 +146,20 @@ def level_factors(w, S: tl.constexpr, AXIS: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def dot(x, y, acc, PRECISION: tl.constexpr):
-    """x @ y (+ acc), accumulated in float32. PRECISION "bf16" rounds the operands to bfloat16
-    first (for 16-bit inputs: twice tf32's tensor-core rate, half its operand registers, and
-    float32's exponent range, which factors such as e^(+-GLA_TAME_SUM) need); otherwise the
-    operands are float32 and PRECISION is tl.dot's input_precision ("tf32", "tf32x3", "ieee")."""
-    if PRECISION == "bf16" and INTERPRETED:  # (Triton 3.6's interpreter multiplies bfloat16
-        # tiles wrongly: the same rounding, then float32 products)
+    """x @ y (+ acc), accumulated in float32. Operands that are both bfloat16 or both float16
+    (tiles as stored: 16-bit inputs, bfloat16 saved states) multiply as they are, whatever
+    PRECISION: their products are exact, at twice tf32's tensor-core rate and with half its
+    operand registers. Otherwise PRECISION "bf16" rounds the operands to bfloat16 first
+    (float32's exponent range, which factors such as e^(+-GLA_TAME_SUM) need; less precise than
+    tf32), and any other PRECISION is tl.dot's input_precision on float32 operands ("tf32",
+    "tf32x3", "ieee")."""
+    if x.dtype == y.dtype and (x.dtype == tl.bfloat16 or x.dtype == tl.float16):
+        if INTERPRETED:  # (Triton 3.6's interpreter multiplies 16-bit tiles wrongly: the
+            # products of their values in float32 are exact)
+            product = tl.dot(x.to(tl.float32), y.to(tl.float32), acc, input_precision="ieee")
+        else:
+            product = tl.dot(x, y, acc)
+    elif PRECISION == "bf16" and INTERPRETED:
         product = tl.dot(x.to(tl.bfloat16).to(tl.float32), y.to(tl.bfloat16).to(tl.float32), acc,
                          input_precision="ieee")
     elif PRECISION == "bf16":

@@ -606,10 +606,11 @@ def _state_terms(dk_state, h_dh, v, h, dh, b_ptr, v_off, v_in, HAS_B: tl.constex
                  PRECISION: tl.constexpr):
     """k's gradient through the state, H' = (e^{A_C} e^{B_C}^T) * H + (k e^{A_C - A})^T
     (v e^{B_C - B}), from one block of V: (v e^{B_C - B}) dH^T added to dk_state (times
-    e^{A_C - A} after) and sum_v e^{B_C} H dH to h_dh (times e^{A_C} after)."""
+    e^{A_C - A} after) and sum_v e^{B_C} H dH to h_dh (times e^{A_C} after). v, H and dH as
+    stored."""
     if HAS_B:
         _, B, B_end, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
-        v = v * tl.exp(B_end[None, :] - B)
+        v = v.to(tl.float32) * tl.exp(B_end[None, :] - B)
         h_dh += tl.sum(h.to(tl.float32) * dh.to(tl.float32) * tl.exp(B_end)[None, :], axis=1)
     else:
         h_dh += tl.sum(h.to(tl.float32) * dh.to(tl.float32), axis=1)
@@ -657,11 +658,12 @@ def gla_key_gradient_kernel(
     for v_block in range((V + BV - 1) // BV):
         v_cols = v_block * BV + tl.arange(0, BV)
         v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
-        v = _load(v_ptr + v_base, v_off, v_in)
-        do = _load(do_ptr + v_base, v_off, v_in)
+        v = stored(v_ptr + v_base, v_off, v_in)  # (as stored: dot's exact 16-bit products)
+        do = stored(do_ptr + v_base, v_off, v_in)
         if HAS_B:
             b, B, b_end, b_kept = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
-            d_scores += _value_pairs(do, v, b, C, LEVELS, PRECISION)
+            d_scores += _value_pairs(do.to(tl.float32), v.to(tl.float32), b, C, LEVELS,
+                                     PRECISION)
         else:
             d_scores = dot(do, tl.trans(v), d_scores, PRECISION)
     # The pairs whose factor is e^0 whatever the gates (GLA: i = t; RWKV-6: i = t - 1) are
@@ -690,18 +692,18 @@ def gla_key_gradient_kernel(
         for v_block in range((V + BV - 1) // BV):
             v_cols = v_block * BV + tl.arange(0, BV)
             v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
-            do = _load(do_ptr + v_base, v_off, v_in)
+            do = stored(do_ptr + v_base, v_off, v_in)
             state, block, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V,
                                                     BK, BV)
             h = tl.load(states_ptr + state + block, mask=state_mask & used, other=0.0)
             if TAME:
-                v = _load(v_ptr + v_base, v_off, v_in)
+                v = stored(v_ptr + v_base, v_off, v_in)
                 dh = tl.load(dstates_ptr + state + block, mask=state_mask & used, other=0.0)
                 dk_state, h_dh = _state_terms(dk_state, h_dh, v, h, dh, b_ptr + v_base, v_off,
                                               v_in, HAS_B, FLOOR, C, BV, PRECISION)
             if HAS_B:
                 b, B, b_end, b_kept = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
-                do = do * tl.exp(B)
+                do = do.to(tl.float32) * tl.exp(B)
             dq = dot(do, tl.trans(h), dq, PRECISION)
         q = _load(q_ptr + k_base, k_off, k_in) * scale
         k = _load(k_ptr + k_base, k_off, k_in)
@@ -752,7 +754,7 @@ def gla_key_gradient_kernel(
             for v_block in range((V + BV - 1) // BV):
                 v_cols = v_block * BV + tl.arange(0, BV)
                 v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
-                v = _load(v_ptr + v_base, v_off, v_in)
+                v = stored(v_ptr + v_base, v_off, v_in)
                 state, block, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V,
                                                         BK, BV)
                 h = tl.load(states_ptr + state + block, mask=state_mask & used, other=0.0)
