@@ -667,7 +667,7 @@ def _gla_bwd(static, residuals, cotangents):
 _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
-def _gla_warps(k_size, block_v, has_b):
+def _gla_warps(k_size, block_v, has_b, bonus, bf16_states):
     """Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md session 8), fwd+bwd ms: the
     state-gradient pass at 4 warps (GLA K=64 10.97 -> 10.83, K=128 18.45 -> 18.02), the tame
     K-side kernel at 4 warps (10.97 -> 8.86, 18.45 -> 16.13), the tame V-side kernel at 4 warps
@@ -690,10 +690,15 @@ def _gla_warps(k_size, block_v, has_b):
     252 / 255 registers, RWKV-6 spills 172 / 60 B; one step of 64 keys: GLA spills 328 B); the
     V-side kernel with 8 warps (GLA 163 / 235 registers, RWKV-6 173 / 251; 4 warps: 232-239
     registers at K=64, 28-104 B of spills at K=128). With a value gate (gv) the V-side kernel
-    spills at K=64: 424 B exact, 644 B tame."""
+    spills at K=64: 424 B exact, 644 B tame.
+    With bfloat16 saved states (session 10) the tame V-side kernel fits 4 warps at K=V=128 too
+    (255 registers, no spills, GLA and RWKV-6 alike): GLA K=128 fwd+bwd 12.91 -> 11.75 ms
+    (H100). RWKV-6 and a value gate at K=128 were not timed with it and keep 8 warps."""
     gated = 8 if has_b else 4
     block_k = min(_pow2_at_least(k_size), 64)
-    small = _pow2_at_least(k_size) * block_v <= 64 * 64
+    # The tame V-side kernel at 4 warps where that was measured faster
+    tame_value_warps = 4 if (_pow2_at_least(k_size) * block_v <= 64 * 64
+                             or bf16_states and not (bonus or has_b)) else 8
     return dict(state_block_k=block_k, output_block_k=block_k, output_block_v=block_v,
                 state_warps=gated, scores_warps=4, output_warps=gated, state_gradient_warps=4,
                 key_gradient_warps=8, value_gradient_warps=8,
@@ -701,7 +706,7 @@ def _gla_warps(k_size, block_v, has_b):
                 key_program_k=min(_pow2_at_least(k_size), 16),
                 tame_key_block_k=min(_pow2_at_least(k_size), 16),
                 tame_key_program_k=-(-k_size // 16) * 16, tame_key_gradient_warps=4,
-                tame_value_gradient_warps=4 if small else 8)
+                tame_value_gradient_warps=tame_value_warps)
 
 
 def _gla_static(q, k, v, a, b, u, scale, reverse):
@@ -718,7 +723,7 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
         GLA_SPAN, GLA_SCORES_BLOCK_K, bf16_states=not precise,
-        **_gla_warps(k_size, block_v, b is not None))
+        **_gla_warps(k_size, block_v, b is not None, u is not None, not precise))
     return dataclasses.replace(static, **GLA_OVERRIDES)
 
 
