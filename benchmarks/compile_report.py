@@ -5,7 +5,7 @@ wheel carries ptxas and cuobjdump.
     python benchmarks/compile_report.py [--family rwkv7|gla] [--key 64] [--value 64] [--warps 4,8]
         [--precision tf32|bf16] [--span 64 --scores-block-k 16 --bonus --gate-v
          --key-block-k 16 --key-program-k 16 --tame-key-block-k 16 --tame-key-program-k 128
-         --bf16-states]   (gla: the backend's defaults)
+         --float32-states]   (gla: the backend's defaults for bf16 inputs)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
@@ -92,8 +92,9 @@ def main():
     parser.add_argument("--gate-v", action="store_true", help="gla family: with a value gate")
     parser.add_argument("--precision", default="tf32",
                         help="of the matrix products (gla family: tf32 or bf16)")
-    parser.add_argument("--bf16-states", action="store_true",
-                        help="gla family: the saved states and their gradients in bfloat16")
+    parser.add_argument("--float32-states", action="store_true",
+                        help="gla family: the saved states and their gradients in float32 (as "
+                        "for float32 inputs; bf16 inputs save them in bfloat16)")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
     args = parser.parse_args()
     bk = max(16, 1 << (args.key - 1).bit_length())
@@ -139,7 +140,7 @@ def main():
     ]
     tame_constexprs = {}  # kernel name -> the tame path's own constexprs
     if args.family == "gla":
-        if args.bf16_states:
+        if not args.float32_states:
             inputs.update(states_ptr=bf16, dstates_ptr=bf16)
         kernels = gla_kernels(shapes, inputs, args.bonus, args.gate_v, args.span,
                               args.scores_block_k, args.key_block_k, args.key_program_k)
