@@ -77,49 +77,54 @@ def _segment(sequence, cu_ptr, ROWS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _rows(j, c, start, end, C: tl.constexpr, REVERSE: tl.constexpr):
-    """Rows of chunk c's in-chunk positions j (any shape), in processing order, and which are
-    in the sequence."""
-    position = c * C + j
+def _chunk_walk(c, start, end, C: tl.constexpr, REVERSE: tl.constexpr):
+    """Chunk c of a sequence in processing order: the row of its first position, the step
+    between its rows' (+1, or -1 if REVERSE) and how many of its positions lie inside the
+    sequence (none for a prefetch before the first chunk, c = -1, or past the last)."""
     if REVERSE:
-        row = end - 1 - position
+        first = end - 1 - c * C
+        step = -1
     else:
-        row = start + position
-    return row, (position >= 0) & (position < end - start)  # (c = -1: a prefetch)
+        first = start + c * C
+        step = 1
+    return first, step, tl.where(c >= 0, tl.minimum(tl.maximum(end - start - c * C, 0), C), 0)
 
 
 @triton.jit
-def _chunk_rows(c, start, end, C: tl.constexpr, REVERSE: tl.constexpr):
-    """``_rows`` of the whole chunk, the mask as a column."""
-    row, inside = _rows(tl.arange(0, C), c, start, end, C, REVERSE)
-    return row, inside[:, None]
+def _tile(first, step, count, head, cols, HEADS: tl.constexpr, WIDTH: tl.constexpr,
+          BLOCK: tl.constexpr, C: tl.constexpr):
+    """The [C, BLOCK] tile of columns ``cols`` (one block of them) of a chunk of a
+    [rows, HEADS, WIDTH] array: a scalar offset, 32-bit offsets from it (fewer registers than
+    64-bit ones per element) and the mask."""
+    t = tl.arange(0, C)
+    return ((first * HEADS + head) * WIDTH, (step * t)[:, None] * (HEADS * WIDTH) + cols[None, :],
+            (t < count)[:, None] & in_range(cols, WIDTH, BLOCK)[None, :])
 
 
 @triton.jit
-def _columns(row, inside, head, cols, HEADS: tl.constexpr, SIZE: tl.constexpr,
-             BLOCK: tl.constexpr):
-    """Offsets and mask of the tile (row, cols) of a [rows, HEADS, SIZE] array."""
-    return ((row[:, None] * HEADS + head) * SIZE + cols[None, :],
-            inside & in_range(cols, SIZE, BLOCK)[None, :])
+def _state_tile(slot, head, k_cols, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The [BK, BV] block (rows k_cols, columns v_cols) of entry ``slot`` of a
+    [slots, HEADS, K, V] state buffer: a scalar offset, offsets from it and the mask."""
+    return ((slot.to(tl.int64) * HEADS + head) * (K * V), k_cols[:, None] * V + v_cols[None, :],
+            in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :])
 
 
 @triton.jit
-def _tiles(c, start, end, head, k_cols, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
-           V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-           REVERSE: tl.constexpr):
-    """Offsets and masks of chunk c's [C, BK] and [C, BV] tiles (columns k_cols, v_cols)."""
-    row, inside = _chunk_rows(c, start, end, C, REVERSE)
-    k_off, k_in = _columns(row, inside, head, k_cols, HEADS, K, BK)
-    v_off, v_in = _columns(row, inside, head, v_cols, HEADS, V, BV)
-    return k_off, k_in, v_off, v_in
-
-
-@triton.jit
-def _state_block(slot, head, k_cols, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
-                 V: tl.constexpr):
-    """Offsets of the block (k_cols, v_cols) of a [slots, HEADS, K, V] state buffer."""
-    return ((slot.to(tl.int64) * HEADS + head) * (K * V) + k_cols[:, None] * V
-            + v_cols[None, :])
+def _chunk_program(cu_ptr, state_index_ptr, slot_sequence_ptr, ROWS: tl.constexpr,
+                   C: tl.constexpr, REVERSE: tl.constexpr):
+    """A parallel kernel's program (grid: SLOTS, HEADS, blocks): its chunk's slot and head,
+    whether the slot holds a chunk, and the chunk's rows (``_chunk_walk``; none inside for a
+    slot past the last chunk)."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    sequence = tl.load(slot_sequence_ptr + slot)
+    used = sequence >= 0
+    sequence = tl.maximum(sequence, 0)
+    start, end, _ = _segment(sequence, cu_ptr, ROWS, C)
+    first, step, count = _chunk_walk(slot - tl.load(state_index_ptr + sequence), start, end, C,
+                                     REVERSE)
+    return slot, head, used, first, step, tl.where(used, count, 0)
 
 
 @triton.jit
@@ -154,17 +159,19 @@ def _log_gate(ptr, off, mask, HAS: tl.constexpr, FLOOR: tl.constexpr, C: tl.cons
 
 
 @triton.jit
-def _state_chunk(c, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr, b_ptr,
-                 HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, C: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
-                 REVERSE: tl.constexpr):
-    """The state pass's loads of chunk c as stored: k, v and the gates (rows past the
-    sequence's end read as zeros)."""
-    k_off, k_in, v_off, v_in = _tiles(c, start, end, head, k_cols, v_cols, HEADS, K, V, BK, BV,
-                                      C, REVERSE)
-    return (stored(k_ptr, k_off, k_in), stored(v_ptr, v_off, v_in),
-            _raw_gate(a_ptr, k_off, k_in, HAS_A, C, BK),
-            _raw_gate(b_ptr, v_off, v_in, HAS_B, C, BV))
+def _sequential_loads(c, start, end, head, k_cols, v_cols, x_ptr, y_ptr, a_ptr, b_ptr,
+                      HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, C: tl.constexpr, HAS_A: tl.constexpr,
+                      HAS_B: tl.constexpr, REVERSE: tl.constexpr):
+    """A sequential pass's loads of chunk c as stored: the K-wide tile of x (the state pass's k,
+    the state gradient's q), the V-wide tile of y (v; dO) and the gates (rows outside the
+    sequence, as those of a prefetch past either end, read as zeros)."""
+    first, step, count = _chunk_walk(c, start, end, C, REVERSE)
+    k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
+    v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
+    return (stored(x_ptr + k_base, k_off, k_in), stored(y_ptr + v_base, v_off, v_in),
+            _raw_gate(a_ptr + k_base, k_off, k_in, HAS_A, C, BK),
+            _raw_gate(b_ptr + v_base, v_off, v_in, HAS_B, C, BV))
 
 
 @triton.jit
@@ -278,22 +285,21 @@ def gla_state_kernel(
     head = tl.program_id(0) % HEADS
     k_cols = tl.program_id(1) * BK + tl.arange(0, BK)
     v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
-    state_mask = in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
     start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
-    local = _state_block(sequence, head, k_cols, v_cols, HEADS, K, V)
+    local, block, state_mask = _state_tile(sequence, head, k_cols, v_cols, HEADS, K, V, BK, BV)
     first_slot = tl.load(state_index_ptr + sequence)
-    h = tl.load(h0_ptr + local, mask=state_mask, other=0.0)
+    h = tl.load(h0_ptr + local + block, mask=state_mask, other=0.0)
     # Chunk c + 1's loads issued before chunk c's product (Triton pipelines no ``while``).
-    k_next, v_next, a_next, b_next = _state_chunk(
+    k_next, v_next, a_next, b_next = _sequential_loads(
         0, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr, b_ptr, HEADS, K, V, BK, BV, C,
         HAS_A, HAS_B, REVERSE)
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
         slot = first_slot + c
-        tl.store(states_ptr + _state_block(slot, head, k_cols, v_cols, HEADS, K, V), h,
-                 mask=state_mask & (slot < SLOTS))
+        saved, _, _ = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
+        tl.store(states_ptr + saved + block, h, mask=state_mask & (slot < SLOTS))
         k, v, a_raw, b_raw = k_next, v_next, a_next, b_next
-        k_next, v_next, a_next, b_next = _state_chunk(
+        k_next, v_next, a_next, b_next = _sequential_loads(
             c + 1, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr, b_ptr, HEADS, K, V, BK,
             BV, C, HAS_A, HAS_B, REVERSE)
         # H' = (e^{A_end} e^{B_end}^T) * H + (k e^{A_end - A})^T (v e^{B_end - B})
@@ -309,19 +315,7 @@ def gla_state_kernel(
             h = h * b_decay[None, :]
         h = dot(tl.trans(k), v, h, PRECISION)
         c += 1
-    tl.store(ht_ptr + local, h, mask=state_mask)
-
-
-@triton.jit
-def _slot_chunk(slot, slot_sequence_ptr, cu_ptr, state_index_ptr, ROWS: tl.constexpr,
-                C: tl.constexpr):
-    """A parallel kernel's chunk: whether the slot is used, and its sequence's rows and chunk
-    (an unused slot takes the chunk past its sequence's end: it reads and writes nothing)."""
-    sequence = tl.load(slot_sequence_ptr + slot)
-    used = sequence >= 0
-    sequence = tl.maximum(sequence, 0)
-    start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
-    return used, start, end, tl.where(used, slot - tl.load(state_index_ptr + sequence), chunks)
+    tl.store(ht_ptr + local + block, h, mask=state_mask)
 
 
 @triton.jit
@@ -331,13 +325,13 @@ def _scores_offsets(slot, head, t, i, HEADS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _block_tiles(j, c, start, end, head, k_cols, HEADS: tl.constexpr, K: tl.constexpr,
-                 BK: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr):
-    """Offsets and mask of the [P, S, BK] tile of chunk c's rows at in-chunk positions j
-    ([P, S]), columns k_cols."""
-    row, inside = _rows(j, c, start, end, C, REVERSE)
-    return ((row[:, :, None] * HEADS + head) * K + k_cols[None, None, :],
-            inside[:, :, None] & in_range(k_cols, K, BK)[None, None, :])
+def _block_tiles(j, first, step, count, head, k_cols, HEADS: tl.constexpr, K: tl.constexpr,
+                 BK: tl.constexpr):
+    """``_tile`` of a chunk's rows at in-chunk positions j ([P, S]): the [P, S, BK] tile of
+    columns k_cols, as a scalar offset, offsets from it and the mask."""
+    return ((first * HEADS + head) * K,
+            (step * j)[:, :, None] * (HEADS * K) + k_cols[None, None, :],
+            (j < count)[:, :, None] & in_range(k_cols, K, BK)[None, None, :])
 
 
 @triton.jit
@@ -355,9 +349,8 @@ def gla_scores_kernel(
     S >= 16 pairs rows (2p + 1) S + t with columns 2p S + i as a batched [C / 2S, S, S] product;
     the levels S < 16 stay inside the chunk's 16-token sub-blocks, batched [C / 16, 16, 16]. No [C, C] tile is held (registers:
     several programs per SM)."""
-    slot = tl.program_id(0)
-    head = tl.program_id(1)
-    used, start, end, c = _slot_chunk(slot, slot_sequence_ptr, cu_ptr, state_index_ptr, ROWS, C)
+    slot, head, used, first, step, count = _chunk_program(cu_ptr, state_index_ptr,
+                                                          slot_sequence_ptr, ROWS, C, REVERSE)
     SUB: tl.constexpr = 16
     NB: tl.constexpr = C // SUB
     t16 = tl.arange(0, SUB)
@@ -365,9 +358,9 @@ def gla_scores_kernel(
     blocks = tl.zeros([NB, SUB, SUB], tl.float32)  # the 16-token sub-blocks on the diagonal
     for block in tl.static_range(triton.cdiv(K, BK)):
         k_cols = block * BK + tl.arange(0, BK)
-        off, mask = _block_tiles(within, c, start, end, head, k_cols, HEADS, K, BK, C, REVERSE)
-        q = tl.reshape(_load(q_ptr, off, mask) * scale, [C, BK])
-        k = tl.reshape(_load(k_ptr, off, mask), [C, BK])
+        base, off, mask = _block_tiles(within, first, step, count, head, k_cols, HEADS, K, BK)
+        q = tl.reshape(_load(q_ptr + base, off, mask) * scale, [C, BK])
+        k = tl.reshape(_load(k_ptr + base, off, mask), [C, BK])
         if BONUS:
             u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
             diagonal = tl.sum(q * u[None, :] * k, axis=1)
@@ -376,7 +369,7 @@ def gla_scores_kernel(
         blocks += tl.where(t16[:, None] == t16[None, :],
                            tl.reshape(diagonal, [NB, SUB])[:, :, None], 0.0)
         if HAS_A:
-            a = tl.maximum(tl.reshape(_load(a_ptr, off, mask), [C, BK]), FLOOR)
+            a = tl.maximum(tl.reshape(_load(a_ptr + base, off, mask), [C, BK]), FLOOR)
         for level in tl.static_range(4):  # S = 8, 4, 2, 1: within the sub-blocks
             segment = t16 // (8 >> level)
             keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
@@ -397,36 +390,36 @@ def gla_scores_kernel(
     # Levels S = 16, 32, ...: rows of each odd segment against the even segment before it,
     # with the factor split at the boundary between them.
     for level in tl.static_range(NB.bit_length() - 1):
-        _cross_level(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, scores_ptr, scale,
-                     HEADS, K, BK, C, SUB << level, HAS_A, BONUS, REVERSE, FLOOR, PRECISION)
+        _cross_level(slot, head, used, first, step, count, q_ptr, k_ptr, a_ptr, scores_ptr,
+                     scale, HEADS, K, BK, C, SUB << level, HAS_A, BONUS, FLOOR, PRECISION)
 
 
 @triton.jit
-def _cross_level(slot, head, used, c, start, end, q_ptr, k_ptr, a_ptr, scores_ptr,
+def _cross_level(slot, head, used, first, step, count, q_ptr, k_ptr, a_ptr, scores_ptr,
                  scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                  C: tl.constexpr, S: tl.constexpr, HAS_A: tl.constexpr, BONUS: tl.constexpr,
-                 REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr):
+                 FLOOR: tl.constexpr, PRECISION: tl.constexpr):
     """The scores' level S (gla_scores_kernel): [C / 2S, S, S] pairs, stored."""
     P: tl.constexpr = C // (2 * S)
-    first = tl.arange(0, P)[:, None] * (2 * S) + tl.arange(0, S)[None, :]  # even segments
+    even = tl.arange(0, P)[:, None] * (2 * S) + tl.arange(0, S)[None, :]  # even segments
     pairs = tl.zeros([P, S, S], tl.float32)
     for block in tl.static_range(triton.cdiv(K, BK)):
         k_cols = block * BK + tl.arange(0, BK)
-        row_off, row_in = _block_tiles(first + S, c, start, end, head, k_cols, HEADS, K, BK, C,
-                                       REVERSE)
-        column_off, column_in = _block_tiles(first, c, start, end, head, k_cols, HEADS, K, BK,
-                                             C, REVERSE)
-        q = _load(q_ptr, row_off, row_in) * scale
-        k = _load(k_ptr, column_off, column_in)
+        base, row_off, row_in = _block_tiles(even + S, first, step, count, head, k_cols, HEADS,
+                                             K, BK)
+        _, column_off, column_in = _block_tiles(even, first, step, count, head, k_cols, HEADS,
+                                                K, BK)
+        q = _load(q_ptr + base, row_off, row_in) * scale
+        k = _load(k_ptr + base, column_off, column_in)
         if HAS_A:  # e^{R_t - A_b} and e^{A_b - A_i}, sums within each segment
-            a_row = tl.maximum(_load(a_ptr, row_off, row_in), FLOOR)
+            a_row = tl.maximum(_load(a_ptr + base, row_off, row_in), FLOOR)
             read = tl.cumsum(a_row, axis=1)
             q = q * tl.exp(read - a_row if BONUS else read)
-            a_column = tl.maximum(_load(a_ptr, column_off, column_in), FLOOR)
+            a_column = tl.maximum(_load(a_ptr + base, column_off, column_in), FLOOR)
             k = k * tl.exp(tl.cumsum(a_column, axis=1, reverse=True) - a_column)
         pairs += dot(q, tl.permute(k, (0, 2, 1)), None, PRECISION)
-    tl.store(scores_ptr + _scores_offsets(slot, head, (first + S)[:, :, None],
-                                          first[:, None, :], HEADS, C),
+    tl.store(scores_ptr + _scores_offsets(slot, head, (even + S)[:, :, None],
+                                          even[:, None, :], HEADS, C),
              pairs, mask=used)
 
 
@@ -447,12 +440,10 @@ def gla_output_kernel(
     TAME: the scores are formed here, in the same loop over K, with the factors referenced to
     the chunk's middle (``_middle_factors``), one [C, BK] x [BK, C] product per K block.
     Otherwise they are read from ``scores`` (gla_scores_kernel, exact)."""
-    slot = tl.program_id(0)
-    head = tl.program_id(1)
+    slot, head, used, first, step, count = _chunk_program(cu_ptr, state_index_ptr,
+                                                          slot_sequence_ptr, ROWS, C, REVERSE)
     v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
-    used, start, end, c = _slot_chunk(slot, slot_sequence_ptr, cu_ptr, state_index_ptr, ROWS, C)
-    row, inside = _chunk_rows(c, start, end, C, REVERSE)
-    v_off, v_in = _columns(row, inside, head, v_cols, HEADS, V, BV)
+    v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
     t = tl.arange(0, C)
     o = tl.zeros([C, BV], tl.float32)
     if TAME:
@@ -460,26 +451,26 @@ def gla_output_kernel(
         diagonal = tl.zeros([C], tl.float32)
     for block in tl.static_range(triton.cdiv(K, BK)):
         k_cols = block * BK + tl.arange(0, BK)
-        k_off, k_in = _columns(row, inside, head, k_cols, HEADS, K, BK)
-        q = _load(q_ptr, k_off, k_in) * scale
+        k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
+        q = _load(q_ptr + k_base, k_off, k_in) * scale
         if TAME:
-            k = _load(k_ptr, k_off, k_in)
+            k = _load(k_ptr + k_base, k_off, k_in)
             if BONUS:
                 u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
                 diagonal += tl.sum(q * u[None, :] * k, axis=1)
             else:
                 diagonal += tl.sum(q * k, axis=1)
         if HAS_A:
-            a, A, _, _ = _log_gate(a_ptr, k_off, k_in, True, FLOOR, C, BK)
+            a, A, _, _ = _log_gate(a_ptr + k_base, k_off, k_in, True, FLOOR, C, BK)
             if TAME:
                 row_factor, column_factor = _middle_factors(a, A, BONUS, C)
                 scores = dot(q * row_factor, tl.trans(k * column_factor), scores, PRECISION)
             q = q * tl.exp(A - a if BONUS else A)
         elif TAME:
             scores = dot(q, tl.trans(k), scores, PRECISION)
-        h = tl.load(states_ptr + _state_block(slot, head, k_cols, v_cols, HEADS, K, V),
-                    mask=(in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :]
-                          & used), other=0.0)
+        state, block_off, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK,
+                                                   BV)
+        h = tl.load(states_ptr + state + block_off, mask=state_mask & used, other=0.0)
         o = dot(q, h, o, PRECISION)
     if TAME:
         scores = tl.where(_strictly_lower(C), scores, diagonal_tile(diagonal, C))
@@ -487,71 +478,22 @@ def gla_output_kernel(
         scores = tl.load(
             scores_ptr + _scores_offsets(slot, head, t[:, None], t[None, :], HEADS, C),
             mask=(t[:, None] >= t[None, :]) & used, other=0.0)
-    v = _load(v_ptr, v_off, v_in)
+    v = _load(v_ptr + v_base, v_off, v_in)
     if HAS_B:
-        b, B, _, _ = _log_gate(b_ptr, v_off, v_in, True, FLOOR, C, BV)
+        b, B, _, _ = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
         mixed, _ = _value_mixes(scores, v, v, b, C, LEVELS, PRECISION)
         diagonal = t[:, None] == t[None, :]
         o = (o * tl.exp(B) + mixed
              + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * v)
     else:
         o = dot(scores, v, o, PRECISION)
-    tl.store(o_ptr + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
+    tl.store(o_ptr + v_base + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
 
 
 # ---------------------------------------------------------------------------------------------
 # The backward, over chunks of C tokens that are the forward's spans: the forward saved H at the
 # start of every chunk (slot ``state_index[n] + c`` of sequence n's chunk c, processing order).
 # ---------------------------------------------------------------------------------------------
-
-@triton.jit
-def _chunk_walk(c, start, end, C: tl.constexpr, REVERSE: tl.constexpr):
-    """Chunk c of a sequence in processing order: the row of its first position, the step
-    between its rows' (+1, or -1 if REVERSE) and how many of its positions lie inside the
-    sequence (c = -1, a prefetch before the first chunk: none)."""
-    if REVERSE:
-        first = end - 1 - c * C
-        step = -1
-    else:
-        first = start + c * C
-        step = 1
-    return first, step, tl.where(c >= 0, tl.minimum(tl.maximum(end - start - c * C, 0), C), 0)
-
-
-@triton.jit
-def _tile(first, step, count, head, cols, HEADS: tl.constexpr, WIDTH: tl.constexpr,
-          BLOCK: tl.constexpr, C: tl.constexpr):
-    """The [C, BLOCK] tile of columns ``cols`` (one block of them) of a chunk of a
-    [rows, HEADS, WIDTH] array: a scalar offset, 32-bit offsets from it (fewer registers than
-    64-bit ones per element) and the mask."""
-    t = tl.arange(0, C)
-    return ((first * HEADS + head) * WIDTH, (step * t)[:, None] * (HEADS * WIDTH) + cols[None, :],
-            (t < count)[:, None] & in_range(cols, WIDTH, BLOCK)[None, :])
-
-
-@triton.jit
-def _state_tile(slot, head, k_cols, v_cols, HEADS: tl.constexpr, K: tl.constexpr,
-                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """The [BK, BV] block (rows k_cols, columns v_cols) of entry ``slot`` of a
-    [slots, HEADS, K, V] state buffer: a scalar offset, offsets from it and the mask."""
-    return ((slot.to(tl.int64) * HEADS + head) * (K * V), k_cols[:, None] * V + v_cols[None, :],
-            in_range(k_cols, K, BK)[:, None] & in_range(v_cols, V, BV)[None, :])
-
-
-@triton.jit
-def _state_gradient_loads(c, start, end, head, k_cols, v_cols, q_ptr, a_ptr, b_ptr, do_ptr,
-                          HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                          HAS_A: tl.constexpr, HAS_B: tl.constexpr, REVERSE: tl.constexpr):
-    """The state gradient's loads of chunk c as stored: q, dO and the gates (rows outside the
-    sequence, as those of chunk -1, read as zeros)."""
-    first, step, count = _chunk_walk(c, start, end, C, REVERSE)
-    k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
-    v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
-    return (stored(q_ptr + k_base, k_off, k_in), stored(do_ptr + v_base, v_off, v_in),
-            _raw_gate(a_ptr + k_base, k_off, k_in, HAS_A, C, BK),
-            _raw_gate(b_ptr + v_base, v_off, v_in, HAS_B, C, BV))
-
 
 @triton.jit
 def gla_state_gradient_kernel(
@@ -576,16 +518,16 @@ def gla_state_gradient_kernel(
     dh = tl.load(dht_ptr + local + block, mask=state_mask, other=0.0)
     c = chunks - 1
     # Chunk c - 1's loads issued before chunk c's product (Triton pipelines no `while` loop).
-    q_next, do_next, a_next, b_next = _state_gradient_loads(
-        c, start, end, head, k_cols, v_cols, q_ptr, a_ptr, b_ptr, do_ptr, HEADS, K, V, BK, BV, C,
+    q_next, do_next, a_next, b_next = _sequential_loads(
+        c, start, end, head, k_cols, v_cols, q_ptr, do_ptr, a_ptr, b_ptr, HEADS, K, V, BK, BV, C,
         HAS_A, HAS_B, REVERSE)
     while c >= 0:  # not `for ... in range`: the interpreter cannot take a run-time bound
         slot = first_slot + c
         saved, _, _ = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
         tl.store(dstates_ptr + saved + block, dh, mask=state_mask & (slot < SLOTS))
         q, do, a_raw, b_raw = q_next, do_next, a_next, b_next
-        q_next, do_next, a_next, b_next = _state_gradient_loads(
-            c - 1, start, end, head, k_cols, v_cols, q_ptr, a_ptr, b_ptr, do_ptr, HEADS, K, V,
+        q_next, do_next, a_next, b_next = _sequential_loads(
+            c - 1, start, end, head, k_cols, v_cols, q_ptr, do_ptr, a_ptr, b_ptr, HEADS, K, V,
             BK, BV, C, HAS_A, HAS_B, REVERSE)
         q = q.to(tl.float32) * scale
         do = do.to(tl.float32)
@@ -615,23 +557,6 @@ def _state_terms(dk_state, h_dh, v, h, dh, b_ptr, v_off, v_in, HAS_B: tl.constex
     else:
         h_dh += tl.sum(h.to(tl.float32) * dh.to(tl.float32), axis=1)
     return dot(v, tl.trans(dh), dk_state, PRECISION), h_dh
-
-
-@triton.jit
-def _chunk_program(cu_ptr, state_index_ptr, slot_sequence_ptr, ROWS: tl.constexpr,
-                   C: tl.constexpr, REVERSE: tl.constexpr):
-    """A gradient kernel's program (grid: SLOTS, HEADS, blocks): its chunk's slot and head,
-    whether the slot holds a chunk, and the chunk's rows (``_chunk_walk``; none inside for a
-    slot past the last chunk)."""
-    slot = tl.program_id(0)
-    head = tl.program_id(1)
-    sequence = tl.load(slot_sequence_ptr + slot)
-    used = sequence >= 0
-    sequence = tl.maximum(sequence, 0)
-    start, end, _ = _segment(sequence, cu_ptr, ROWS, C)
-    first, step, count = _chunk_walk(slot - tl.load(state_index_ptr + sequence), start, end, C,
-                                     REVERSE)
-    return slot, head, used, first, step, tl.where(used, count, 0)
 
 
 @triton.jit
