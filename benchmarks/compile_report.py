@@ -6,6 +6,7 @@ wheel carries ptxas and cuobjdump.
         [--precision tf32|bf16] [--span 64 --scores-block-k 16 --bonus --gate-v
          --key-block-k 16 --key-program-k 16 --tame-key-block-k 16 --tame-key-program-k 128
          --float32-states]   (gla: the backend's defaults for bf16 inputs)
+        [--bf16-saved]   (rwkv7: KernelConfig.bf16_saved)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
@@ -95,6 +96,9 @@ def main():
     parser.add_argument("--float32-states", action="store_true",
                         help="gla family: the saved states and their gradients in float32 (as "
                         "for float32 inputs; bf16 inputs save them in bfloat16)")
+    parser.add_argument("--bf16-saved", action="store_true",
+                        help="rwkv7 family: the saved states and dH in bfloat16 "
+                        "(KernelConfig.bf16_saved)")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
     args = parser.parse_args()
     bk = max(16, 1 << (args.key - 1).bit_length())
@@ -139,6 +143,8 @@ def main():
          {n: x for n, x in k_side.items() if n != "LEVELS"}),
     ]
     tame_constexprs = {}  # kernel name -> the tame path's own constexprs
+    if args.family == "rwkv7" and args.bf16_saved:
+        inputs.update(states_ptr=bf16, dstates_ptr=bf16)
     if args.family == "gla":
         if not args.float32_states:
             inputs.update(states_ptr=bf16, dstates_ptr=bf16)

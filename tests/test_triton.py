@@ -188,6 +188,18 @@ def test_packed_sequences_with_initial_states_bfloat16():
           seed=7)
 
 
+@pytest.mark.parametrize("decay, hard, fused", [("model", "", True), ("model", "", False),
+                                                ("model", "every third -1e9", False)])
+def test_bfloat16_saved_states(decay, hard, fused):
+    """KernelConfig.bf16_saved: the saved states and dH in bfloat16 (16-bit inputs), read by
+    every gradient kernel: tame (fused K-side kernel or two) and exact, packed with an empty
+    segment, several spans and V blocks."""
+    check(Case(steps=60, heads=2, key=32, value=32, decay=decay, hard=hard, dtype="bfloat16",
+               cu_seqlens=(0, 0, 17, 57, 60),
+               config=dict(SHORT_SPANS, block_v=16, fused_tame_gradient=fused,
+                           bf16_saved=True)), seed=13)
+
+
 @pytest.mark.parametrize("key, value, block_v, fused", [
     (32, 32, 16, True), (32, 32, 16, False), (128, 64, 64, True), (16, 48, 32, True)])
 def test_head_sizes_and_v_blocks(key, value, block_v, fused):

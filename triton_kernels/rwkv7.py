@@ -655,10 +655,10 @@ def _partial(k_base, ROWS: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr,
 def _dh(dstates_ptr, chunk_slot, head, state_mask, v_cols, k_first, HEADS: tl.constexpr,
         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr):
     """The saved gradient of the state at the end of the chunk in chunk_slot (its K rows from
-    k_first)."""
+    k_first), in float32 (saved in float32 or bfloat16: KernelConfig.bf16_saved)."""
     return tl.load(dstates_ptr + k_first * V + state_offsets(chunk_slot, head, HEADS, K, V, BK,
                                                              v_cols),
-                   mask=state_mask, other=0.0)
+                   mask=state_mask, other=0.0).to(tl.float32)
 
 
 # The gradient kernels: one program per (span slot, head, V block), all at once (see the module
@@ -788,7 +788,7 @@ def rwkv7_query_gradient_kernel(
                                         CHUNKS_PER_STATE, K_BLOCKS)
     h = tl.load(states_ptr + k_first * V + state_offsets(tl.program_id(0), head, HEADS, K, V, BK,
                                                          v_cols),
-                mask=state_mask & used, other=0.0)
+                mask=state_mask & used, other=0.0).to(tl.float32)
     while c < last:
         # e^g H adds e^g sum(H dH) to the gradient of g (first: dH's tile is then dead).
         h_dh = tl.sum(h * _dh(dstates_ptr, clamped(first_chunk_slot + c, CHUNK_SLOTS), head,
@@ -863,7 +863,7 @@ def rwkv7_tame_gradient_kernel(
                                         CHUNKS_PER_STATE, K_BLOCKS)
     h = tl.load(states_ptr + k_first * V + state_offsets(tl.program_id(0), head, HEADS, K, V, BK,
                                                          v_cols),
-                mask=state_mask & used, other=0.0)
+                mask=state_mask & used, other=0.0).to(tl.float32)
     while c < last:
         (k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a,
          b) = _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr,

@@ -72,6 +72,11 @@ class KernelConfig:
     # power of two dividing K): their K-side tiles and states are per K row, so blocks of K
     # need fewer registers at the cost of reading the V-side tiles once per block.
     gradient_block_k: int | None = None
+    # 16-bit inputs: the states saved every span and dH saved at every chunk's end in bfloat16
+    # (half their bytes: at B=8 T=4096 H=32 K=V=128, dH is 4.3 GB in float32; float32 inputs
+    # keep float32). Not yet timed on a GPU, so off by default; on the CPU interpreter the
+    # errors against float64 are in BENCHMARKS.md (session 10).
+    bf16_saved: bool = False
 
 
 def _pow2_at_least(n, floor=16):
@@ -135,6 +140,12 @@ class _Static:
     @property
     def span(self):
         return CHUNK * self.config.chunks_per_state
+
+    @property
+    def saved_dtype(self):
+        """Of the saved states and dH (KernelConfig.bf16_saved)."""
+        sixteen_bit = self.precision != "tf32x3"
+        return jnp.bfloat16 if self.config.bf16_saved and sixteen_bit else jnp.float32
 
     def constexprs(self, *names):
         """The kernels' compile-time arguments, those named."""
@@ -238,15 +249,16 @@ def _forward(static, r, w, k, v, a, b, h0, cu, save, tame):
     rows = r.shape[0]
     sequences = cu.shape[0] - 1
     state_shape = (sequences, static.heads, static.k_size, static.v_size)
-    saved = lambda shape: jax.ShapeDtypeStruct(shape if save else (1,), jnp.float32)
+    saved = lambda shape, dtype: jax.ShapeDtypeStruct(shape if save else (1,), dtype)
     matrices, chunk_index = _in_chunk_matrices(static, r, w, k, a, b, cu, tame)
     o, ht, states, u = _launch.launch(
         _kernels.rwkv7_forward_kernel,
         (r, w, k, v, a, b, h0, matrices, cu, _first_slots(cu, static.span)[1], chunk_index),
         (jax.ShapeDtypeStruct((rows, static.heads, static.v_size), v.dtype),
          jax.ShapeDtypeStruct(state_shape, jnp.float32),
-         saved((_slot_count(rows, sequences, static.span),) + state_shape[1:]),
-         saved((rows, static.heads, static.v_size))),
+         saved((_slot_count(rows, sequences, static.span),) + state_shape[1:],
+               static.saved_dtype),
+         saved((rows, static.heads, static.v_size), jnp.float32)),
         SAVE=save, TOTAL_ROWS=rows,
         STATE_SLOTS=_slot_count(rows, sequences, static.span) if save else 1,
         CHUNK_SLOTS=matrices.shape[0], CHUNKS_PER_STATE=static.config.chunks_per_state,
@@ -290,7 +302,8 @@ def _state_gradient(static, r, w, a, b, matrices, cu, do, dht):
         _kernels.rwkv7_state_gradient_kernel,
         (r, w, a, b, do, dht.astype(jnp.float32), matrices, cu, _first_slots(cu, CHUNK)[1]),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
-         jax.ShapeDtypeStruct((_slot_count(rows, sequences, CHUNK),) + state_shape, jnp.float32),
+         jax.ShapeDtypeStruct((_slot_count(rows, sequences, CHUNK),) + state_shape,
+                              static.saved_dtype),
          jax.ShapeDtypeStruct((rows, static.heads, static.v_size), jnp.float32)),
         TOTAL_ROWS=rows, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
         **static.recurrence_launch(sequences))
