@@ -417,7 +417,11 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
         # K=128, the key and query gradient kernels on every K row. Measured and not kept:
         # gradient kernels at 8 warps (session 5); the sequential passes at 8 warps or with V
         # blocks of 32 (session 6; BENCHMARKS.md).
-        variants = [dict(fused_tame_gradient=not default.fused_tame_gradient)]
+        variants = [dict(fused_tame_gradient=not default.fused_tame_gradient),
+                    # the saved states and dH in bfloat16 (untimed in session 10; the fused
+                    # tame kernel spills more with them: sm_90 352 -> 536 B at K=64)
+                    dict(bf16_saved=True),
+                    dict(bf16_saved=True, fused_tame_gradient=not default.fused_tame_gradient)]
         if default.gradient_block_k:
             variants.append(dict(gradient_block_k=None))
         for change in variants:
