@@ -175,7 +175,7 @@ def gla_kernels(shapes, inputs, bonus, gate_v, span, scores_block_k, key_block_k
                   da_ptr="*fp32", db_ptr="*fp32", du_ptr="*fp32")
     shapes = {n: x for n, x in shapes.items() if n != "TOTAL_ROWS"}  # RWKV-7's
     shapes = dict(shapes, ROWS=8 * 4096, HAS_A=True, HAS_B=gate_v, BONUS=bonus, REVERSE=False,
-                  FLOOR=-128.0, C=span, LEVELS=span.bit_length() - 1)
+                  FLOOR=-128.0, C=span, LEVELS=span.bit_length() - 1, BLOCKS_FASTEST=False)
     rows = shapes["ROWS"]
     blocked = dict(shapes, BK=min(64, shapes["BK"]))  # K in blocks as V
     without = lambda names, **more: {n: x for n, x in dict(blocked, **more).items()

@@ -161,3 +161,19 @@ def test_sixteen_bit_path_only_without_float32():
     assert static.bf16_states and static.precision == "tf32"
     static = triton_backend._gla_static(x, x, x, x.astype(jnp.float32), None, None, 1.0, False)
     assert not static.bf16_states and static.precision == "tf32x3"
+
+
+@pytest.mark.parametrize("op, decay", [("gated_linear_attention", ("uniform", -0.2)),
+                                       ("rwkv6", "strong")])
+def test_blocks_fastest_launch_order(monkeypatch, op, decay):
+    """_GlaStatic.blocks_fastest: every kernel's grid flattened with its blocks fastest. K = 128
+    (two K blocks in the state passes; the exact K-side kernel's programs of 16 keys) and V = 96
+    (two V blocks, one partial), packed with an empty segment; GLA's gk on the tame path,
+    RWKV-6 with strong decays on the exact one."""
+    _chunks(monkeypatch, 64)
+    monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", {"blocks_fastest": True})
+    drawn = dict(batch=1, steps=140, key=128, value=96, state_rows=3, decay=decay)
+    options = dict(cu_seqlens=[0, 5, 5, 140])
+    if op == "gated_linear_attention":
+        drawn["gates"] = ("gk",)
+    check_case("triton", Case(op, drawn, options), seed=23)

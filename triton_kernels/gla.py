@@ -111,20 +111,47 @@ def _state_tile(slot, head, k_cols, v_cols, HEADS: tl.constexpr, K: tl.constexpr
 
 
 @triton.jit
+def _program_ids(BLOCKS: tl.constexpr, BLOCKS_FASTEST: tl.constexpr):
+    """A program's (outer, middle, block) on the grid (outer, middle, BLOCKS), or with
+    BLOCKS_FASTEST on that grid flattened to (outer * BLOCKS, middle), the blocks fastest: the
+    programs of one chunk (or sequence and head) then run side by side, and all but the first
+    find the tiles they share (q, k, the gates) in L2 rather than in memory."""
+    if BLOCKS_FASTEST:
+        outer = tl.program_id(0) // BLOCKS
+        block = tl.program_id(0) % BLOCKS
+    else:
+        outer = tl.program_id(0)
+        block = tl.program_id(2)
+    return outer, tl.program_id(1), block
+
+
+@triton.jit
+def _state_program(HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, BLOCKS_FASTEST: tl.constexpr):
+    """A sequential pass's program (grid: sequences * HEADS, 1, K blocks * V blocks, the K
+    blocks faster; ``_program_ids``): its sequence, head, K rows and V columns. A state block
+    advances on its own rows and columns, so K is split into blocks as V is."""
+    K_BLOCKS: tl.constexpr = (K + BK - 1) // BK
+    stream, _, block = _program_ids(K_BLOCKS * ((V + BV - 1) // BV), BLOCKS_FASTEST)
+    return (stream // HEADS, stream % HEADS, (block % K_BLOCKS) * BK + tl.arange(0, BK),
+            (block // K_BLOCKS) * BV + tl.arange(0, BV))
+
+
+@triton.jit
 def _chunk_program(cu_ptr, state_index_ptr, slot_sequence_ptr, ROWS: tl.constexpr,
-                   C: tl.constexpr, REVERSE: tl.constexpr):
-    """A parallel kernel's program (grid: SLOTS, HEADS, blocks): its chunk's slot and head,
-    whether the slot holds a chunk, and the chunk's rows (``_chunk_walk``; none inside for a
-    slot past the last chunk)."""
-    slot = tl.program_id(0)
-    head = tl.program_id(1)
+                   C: tl.constexpr, REVERSE: tl.constexpr, BLOCKS: tl.constexpr,
+                   BLOCKS_FASTEST: tl.constexpr):
+    """A parallel kernel's program (grid: SLOTS, HEADS, BLOCKS; ``_program_ids``): its chunk's
+    slot, head and block, whether the slot holds a chunk, and the chunk's rows
+    (``_chunk_walk``; none inside for a slot past the last chunk)."""
+    slot, head, block = _program_ids(BLOCKS, BLOCKS_FASTEST)
     sequence = tl.load(slot_sequence_ptr + slot)
     used = sequence >= 0
     sequence = tl.maximum(sequence, 0)
     start, end, _ = _segment(sequence, cu_ptr, ROWS, C)
     first, step, count = _chunk_walk(slot - tl.load(state_index_ptr + sequence), start, end, C,
                                      REVERSE)
-    return slot, head, used, first, step, tl.where(used, count, 0)
+    return slot, head, block, used, first, step, tl.where(used, count, 0)
 
 
 @triton.jit
@@ -224,8 +251,8 @@ def _middle_factors(a, A, BONUS: tl.constexpr, C: tl.constexpr):
     (rows t) and e^{A_m - A} (columns i), whose product is the pair factor e^{R_t - A_i}. Each
     exponent, and each pair's, is a sum of gates of one chunk, within e^(+-GLA_TAME_SUM) on a
     tame call (the backend's criterion; float32 reaches e^88), so one tensor-core product of
-    [C, BK] tiles carrying them forms every pair at once; each kept pair's term keeps its own rounding (no cancellation), and the pairs
-    i > t, whose product may be large, are masked."""
+    [C, BK] tiles carrying them forms every pair at once; each kept pair's term keeps its own
+    rounding (no cancellation), and the pairs i > t, whose product may be large, are masked."""
     t = tl.arange(0, C)
     middle = tl.sum(tl.where(t[:, None] == C // 2 - 1, A, 0.0), axis=0)[None, :]
     R = A - a if BONUS else A
@@ -276,15 +303,12 @@ def gla_state_kernel(
     HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr, SLOTS: tl.constexpr,
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, REVERSE: tl.constexpr, FLOOR: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
 ):
-    """Grid (sequences * HEADS, K blocks, V blocks): the state pass. states [SLOTS, HEADS, K, V]
-    float32, the state at the start of every chunk; ht [N, HEADS, K, V] float32. A state block
-    advances on its own K rows, so K is split into blocks as V is (more programs)."""
-    sequence = tl.program_id(0) // HEADS
-    head = tl.program_id(0) % HEADS
-    k_cols = tl.program_id(1) * BK + tl.arange(0, BK)
-    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    """One program per (sequence, head, K block, V block) (``_state_program``): the state pass.
+    states [SLOTS, HEADS, K, V] float32 or bfloat16, the state at the start of every chunk; ht
+    [N, HEADS, K, V] float32."""
+    sequence, head, k_cols, v_cols = _state_program(HEADS, K, V, BK, BV, BLOCKS_FASTEST)
     start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
     local, block, state_mask = _state_tile(sequence, head, k_cols, v_cols, HEADS, K, V, BK, BV)
     first_slot = tl.load(state_index_ptr + sequence)
@@ -341,16 +365,17 @@ def gla_scores_kernel(
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
     C: tl.constexpr, ROWS: tl.constexpr, HAS_A: tl.constexpr, BONUS: tl.constexpr,
     REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCKS_FASTEST: tl.constexpr,
 ):
     """Grid (SLOTS, HEADS), the exact path only (the tame one forms the scores inside the
-    output kernel): every chunk's scores S[t, i] (i <= t, with the diagonal) into
-    [SLOTS, HEADS, C, C] float32 (pairs i > t are not written), summed over K in blocks of BK.
-    The pairs come level by level (module docstring), each level only as its blocks: level
-    S >= 16 pairs rows (2p + 1) S + t with columns 2p S + i as a batched [C / 2S, S, S] product;
-    the levels S < 16 stay inside the chunk's 16-token sub-blocks, batched [C / 16, 16, 16]. No [C, C] tile is held (registers:
-    several programs per SM)."""
-    slot, head, used, first, step, count = _chunk_program(cu_ptr, state_index_ptr,
-                                                          slot_sequence_ptr, ROWS, C, REVERSE)
+    output kernel): every chunk's scores S[t, i] (i <= t, with the diagonal) into [SLOTS,
+    HEADS, C, C] float32 (pairs i > t are not written), summed over K in blocks of BK. The
+    pairs come level by level (module docstring), each level only as its blocks: level S >= 16
+    pairs rows (2p + 1) S + t with columns 2p S + i as a batched [C / 2S, S, S] product; the
+    levels S < 16 stay inside the chunk's 16-token sub-blocks, batched [C / 16, 16, 16]. No [C,
+    C] tile is held (registers: several programs per SM)."""
+    slot, head, _, used, first, step, count = _chunk_program(
+        cu_ptr, state_index_ptr, slot_sequence_ptr, ROWS, C, REVERSE, 1, BLOCKS_FASTEST)
     SUB: tl.constexpr = 16
     NB: tl.constexpr = C // SUB
     t16 = tl.arange(0, SUB)
@@ -432,17 +457,19 @@ def gla_output_kernel(
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
     ROWS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
     REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr, TAME: tl.constexpr,
+    BLOCKS_FASTEST: tl.constexpr,
 ):
-    """Grid (SLOTS, HEADS, V blocks): the outputs of one chunk, all C tokens at once, from the
-    state at its start (its slot of ``states``) and its scores; the read of H sums over K in
-    blocks of BK. o [rows, HEADS, V].
+    """Grid (SLOTS, HEADS, V blocks; ``_program_ids``): the outputs of one chunk, all C tokens
+    at once, from the state at its start (its slot of ``states``) and its scores; the read of H
+    sums over K in blocks of BK. o [rows, HEADS, V].
 
     TAME: the scores are formed here, in the same loop over K, with the factors referenced to
     the chunk's middle (``_middle_factors``), one [C, BK] x [BK, C] product per K block.
     Otherwise they are read from ``scores`` (gla_scores_kernel, exact)."""
-    slot, head, used, first, step, count = _chunk_program(cu_ptr, state_index_ptr,
-                                                          slot_sequence_ptr, ROWS, C, REVERSE)
-    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    slot, head, v_block, used, first, step, count = _chunk_program(
+        cu_ptr, state_index_ptr, slot_sequence_ptr, ROWS, C, REVERSE, (V + BV - 1) // BV,
+        BLOCKS_FASTEST)
+    v_cols = v_block * BV + tl.arange(0, BV)
     v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
     t = tl.arange(0, C)
     o = tl.zeros([C, BV], tl.float32)
@@ -503,15 +530,14 @@ def gla_state_gradient_kernel(
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
     ROWS: tl.constexpr, SLOTS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
     BONUS: tl.constexpr, REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCKS_FASTEST: tl.constexpr,
 ):
-    """Grid (sequences * HEADS, K blocks, V blocks): each block of the state gradient needs only
-    its own rows and columns. dh0 [N, HEADS, K, V] float32; dstates [SLOTS, HEADS, K, V] float32,
-    the gradient of the state at the end of every chunk (the slot of the state at its start).
-    One product per chunk: dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B)."""
-    sequence = tl.program_id(0) // HEADS
-    head = tl.program_id(0) % HEADS
-    k_cols = tl.program_id(1) * BK + tl.arange(0, BK)
-    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    """One program per (sequence, head, K block, V block) (``_state_program``): each block of
+    the state gradient needs only its own rows and columns. dh0 [N, HEADS, K, V] float32;
+    dstates [SLOTS, HEADS, K, V] float32 or bfloat16, the gradient of the state at the end of
+    every chunk (the slot of the state at its start). One product per chunk:
+    dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B)."""
+    sequence, head, k_cols, v_cols = _state_program(HEADS, K, V, BK, BV, BLOCKS_FASTEST)
     start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
     first_slot = tl.load(state_index_ptr + sequence)
     local, block, state_mask = _state_tile(sequence, head, k_cols, v_cols, HEADS, K, V, BK, BV)
@@ -568,16 +594,18 @@ def gla_key_gradient_kernel(
     BK: tl.constexpr, KEYS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     LEVELS: tl.constexpr, ROWS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
     BONUS: tl.constexpr, REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
-    TAME: tl.constexpr,
+    TAME: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
 ):
-    """Grid (SLOTS, HEADS, K / KEYS): every K-side gradient of one chunk's block of KEYS keys,
-    in steps of BK keys. First the scores' gradient, summed over all V in blocks of BV (once
-    for all the program's keys), then per step of BK keys: the read of H over V, the pairs
-    (q and k of these keys only), then the state's gradients (exact path: in a second pass
-    over V, after the levels; tame path: in the first). dq, dk [rows, HEADS, K]; da [rows,
-    HEADS, K] float32 (if HAS_A); du [SLOTS, HEADS, K] float32, each chunk's sum (if BONUS)."""
-    slot, head, used, first, step, count = _chunk_program(cu_ptr, state_index_ptr,
-                                                          slot_sequence_ptr, ROWS, C, REVERSE)
+    """Grid (SLOTS, HEADS, K / KEYS; ``_program_ids``): every K-side gradient of one chunk's
+    block of KEYS keys, in steps of BK keys. First the scores' gradient, summed over all V in
+    blocks of BV (once for all the program's keys), then per step of BK keys: the read of H
+    over V, the pairs (q and k of these keys only), then the state's gradients (exact path: in
+    a second pass over V, after the levels; tame path: in the first). dq, dk [rows, HEADS, K];
+    da [rows, HEADS, K] float32 (if HAS_A); du [SLOTS, HEADS, K] float32, each chunk's sum (if
+    BONUS)."""
+    slot, head, key_block, used, first, step, count = _chunk_program(
+        cu_ptr, state_index_ptr, slot_sequence_ptr, ROWS, C, REVERSE, (K + KEYS - 1) // KEYS,
+        BLOCKS_FASTEST)
     # Through the outputs' pairs, summed over V: the scores' gradient.
     d_scores = tl.zeros([C, C], tl.float32)
     for v_block in range((V + BV - 1) // BV):
@@ -606,7 +634,7 @@ def gla_key_gradient_kernel(
     # (in_range's masks take steps of BK that tile K exactly as all inside: so must KEYS)
     tl.static_assert(KEYS % BK == 0 and (K % KEYS == 0 or K % BK != 0))
     for key_step in range(KEYS // BK):
-        k_cols = tl.program_id(2) * KEYS + key_step * BK + tl.arange(0, BK)
+        k_cols = key_block * KEYS + key_step * BK + tl.arange(0, BK)
         k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
         # The read of H, summed over V (and on the tame path, which has no levels' tiles to
         # keep out of it, the state's terms too).
@@ -717,13 +745,15 @@ def gla_value_gradient_kernel(
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
     ROWS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
     REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr, TAME: tl.constexpr,
+    BLOCKS_FASTEST: tl.constexpr,
 ):
-    """Grid (SLOTS, HEADS, V blocks): every V-side gradient of one chunk's block of BV values,
-    the sums over K (the scores, k's part of dv through the state, the read of H) in blocks of
-    BK first. dv [rows, HEADS, V]; db [rows, HEADS, V] float32 (if HAS_B)."""
-    slot, head, used, first, step, count = _chunk_program(cu_ptr, state_index_ptr,
-                                                          slot_sequence_ptr, ROWS, C, REVERSE)
-    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    """Grid (SLOTS, HEADS, V blocks; ``_program_ids``): every V-side gradient of one chunk's
+    block of BV values, the sums over K (the scores, k's part of dv through the state, the read
+    of H) in blocks of BK first. dv [rows, HEADS, V]; db [rows, HEADS, V] float32 (if HAS_B)."""
+    slot, head, v_block, used, first, step, count = _chunk_program(
+        cu_ptr, state_index_ptr, slot_sequence_ptr, ROWS, C, REVERSE, (V + BV - 1) // BV,
+        BLOCKS_FASTEST)
+    v_cols = v_block * BV + tl.arange(0, BV)
     v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
     scores = tl.zeros([C, C], tl.float32)
     dv_state = tl.zeros([C, BV], tl.float32)  # (k e^{A_C - A}) dH, times e^{B_C - B} below

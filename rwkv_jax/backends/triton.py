@@ -471,6 +471,11 @@ class _GlaStatic:
     # fwd / fwd+bwd ms: GLA 4.04 / 15.88 -> 3.94 / 14.31, RWKV-6 4.07 / 18.28 -> 3.93 / 16.69,
     # errors against float64 unchanged (2.0-2.2e-3; BENCHMARKS.md session 10)
     bf16_states: bool = False
+    # Launch order: a chunk's (or a sequence-head's) blocks fastest, so that its programs run
+    # side by side and share their common tiles through L2 (K or V above 64: the output and
+    # V-side kernels read q, k and the gates once per V block, the state passes k or q once
+    # per block of the other side). Not yet timed on a GPU: off by default.
+    blocks_fastest: bool = False
 
     def __post_init__(self):
         if self.span not in (16, 32, 64):
@@ -487,6 +492,10 @@ class _GlaStatic:
     @property
     def states_dtype(self):
         return jnp.bfloat16 if self.bf16_states else jnp.float32
+
+    def grid(self, outer, middle, blocks):
+        """A launch grid over (outer, middle, blocks) as the kernels' _program_ids take it."""
+        return (outer * blocks, middle, 1) if self.blocks_fastest else (outer, middle, blocks)
 
     @property
     def v_blocks(self):
@@ -510,7 +519,8 @@ class _GlaStatic:
                     BK=_pow2_at_least(self.k_size), BV=self.block_v, C=chunk,
                     LEVELS=chunk.bit_length() - 1, ROWS=self.rows,
                     HAS_A=self.has_a, HAS_B=self.has_b, BONUS=self.bonus, REVERSE=self.reverse,
-                    FLOOR=LOG_DECAY_FLOOR, PRECISION=self.precision), **more}
+                    FLOOR=LOG_DECAY_FLOOR, PRECISION=self.precision,
+                    BLOCKS_FASTEST=self.blocks_fastest), **more}
 
 
 def _gla_slots(cu, rows, span):
@@ -559,7 +569,8 @@ def _gla_states(static, k, v, a, b, h0, cu):
         _gla_kernels.gla_state_kernel, _present(k, v, a, b, h0, cu, state_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((slots,) + state_shape, static.states_dtype)),
-        (sequences * static.heads, -(-static.k_size // static.state_block_k), static.v_blocks),
+        static.grid(sequences * static.heads, 1,
+                    -(-static.k_size // static.state_block_k) * static.v_blocks),
         num_warps=static.state_warps, **constexprs)
 
 
@@ -588,7 +599,7 @@ def _gla_outputs(static, TAME, q, k, v, a, b, u, states, cu):
     (o,) = _launch.launch(
         _gla_kernels.gla_output_kernel, _present(q, k, v, a, b, u, states, scores) + parallel,
         (jax.ShapeDtypeStruct(v.shape, v.dtype),),
-        (slots, static.heads, -(-static.v_size // static.output_block_v)),
+        static.grid(slots, static.heads, -(-static.v_size // static.output_block_v)),
         num_warps=static.output_warps,
         **dict(constexprs, TAME=TAME, BK=static.output_block_k, BV=static.output_block_v))
     return o
@@ -624,7 +635,7 @@ def _gla_state_gradient(static, q, a, b, do, dht, cu):
         _present(q, a, b, do, dht.astype(jnp.float32), cu, state_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((slots,) + state_shape, static.states_dtype)),
-        (sequences * static.heads, static.k_blocks, static.v_blocks),
+        static.grid(sequences * static.heads, 1, static.k_blocks * static.v_blocks),
         num_warps=static.state_gradient_warps, **static.backward_constexprs(SLOTS=slots))
 
 
@@ -643,7 +654,7 @@ def _gla_key_gradients(static, TAME, q, k, v, a, b, u, do, states, dstates, cu):
          jax.ShapeDtypeStruct(q.shape, jnp.float32) if static.has_a else _UNUSED,
          jax.ShapeDtypeStruct((slots, static.heads, static.k_size), jnp.float32)
          if static.bonus else _UNUSED),
-        (slots, static.heads, -(-static.k_size // program_k)),
+        static.grid(slots, static.heads, -(-static.k_size // program_k)),
         num_warps=static.tame_key_gradient_warps if TAME else static.key_gradient_warps,
         **static.backward_constexprs(block_k, KEYS=program_k, TAME=TAME))
 
@@ -656,7 +667,7 @@ def _gla_value_gradients(static, TAME, q, k, v, a, b, u, do, states, dstates, cu
         + parallel,
         (jax.ShapeDtypeStruct(v.shape, v.dtype),
          jax.ShapeDtypeStruct(v.shape, jnp.float32) if static.has_b else _UNUSED),
-        (slots, static.heads, static.v_blocks),
+        static.grid(slots, static.heads, static.v_blocks),
         num_warps=static.tame_value_gradient_warps if TAME else static.value_gradient_warps,
         **static.backward_constexprs(TAME=TAME))
 
