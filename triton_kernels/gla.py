@@ -365,17 +365,16 @@ def gla_scores_kernel(
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
     C: tl.constexpr, ROWS: tl.constexpr, HAS_A: tl.constexpr, BONUS: tl.constexpr,
     REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCKS_FASTEST: tl.constexpr,
 ):
     """Grid (SLOTS, HEADS), the exact path only (the tame one forms the scores inside the
-    output kernel): every chunk's scores S[t, i] (i <= t, with the diagonal) into [SLOTS,
-    HEADS, C, C] float32 (pairs i > t are not written), summed over K in blocks of BK. The
-    pairs come level by level (module docstring), each level only as its blocks: level S >= 16
-    pairs rows (2p + 1) S + t with columns 2p S + i as a batched [C / 2S, S, S] product; the
-    levels S < 16 stay inside the chunk's 16-token sub-blocks, batched [C / 16, 16, 16]. No [C,
-    C] tile is held (registers: several programs per SM)."""
+    output kernel): every chunk's scores S[t, i] (i <= t, with the diagonal) into
+    [SLOTS, HEADS, C, C] float32 (pairs i > t are not written), summed over K in blocks of BK.
+    The pairs come level by level (module docstring), each level only as its blocks: level
+    S >= 16 pairs rows (2p + 1) S + t with columns 2p S + i as a batched [C / 2S, S, S]
+    product; the levels S < 16 stay inside the chunk's 16-token sub-blocks, batched
+    [C / 16, 16, 16]. No [C, C] tile is held (registers: several programs per SM)."""
     slot, head, _, used, first, step, count = _chunk_program(
-        cu_ptr, state_index_ptr, slot_sequence_ptr, ROWS, C, REVERSE, 1, BLOCKS_FASTEST)
+        cu_ptr, state_index_ptr, slot_sequence_ptr, ROWS, C, REVERSE, 1, False)  # (one block)
     SUB: tl.constexpr = 16
     NB: tl.constexpr = C // SUB
     t16 = tl.arange(0, SUB)

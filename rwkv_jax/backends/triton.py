@@ -589,7 +589,7 @@ def _gla_outputs(static, TAME, q, k, v, a, b, u, states, cu):
     scores = jnp.zeros((1,), jnp.float32)
     if not TAME:
         scores_constexprs = dict(constexprs, BK=min(static.scores_block_k, static.block_k))
-        for name in ("V", "BV", "HAS_B", "LEVELS"):
+        for name in ("V", "BV", "HAS_B", "LEVELS", "BLOCKS_FASTEST"):
             del scores_constexprs[name]
         (scores,) = _launch.launch(
             _gla_kernels.gla_scores_kernel, _present(q, k, a, u) + parallel,
