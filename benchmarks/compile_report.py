@@ -34,7 +34,7 @@ TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 SASS = ("HGMMA", "HMMA", "LDL", "STL", "BAR.SYNC", "LDS", "STS", "LDG", "STG")
 
 
-def compile_for_hopper(kernel, pointer_types, constexprs, warps):
+def compile_for_hopper(kernel, pointer_types, constexprs, warps, stages=3):
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else pointer_types[n] for n in names}
     # Launches pass 16-byte aligned pointers; say so, or loads would not be vectorised.
@@ -42,7 +42,7 @@ def compile_for_hopper(kernel, pointer_types, constexprs, warps):
     source = ASTSource(kernel, signature, {(names.index(n),): v for n, v in constexprs.items()},
                        aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps})
+                          options={"num_warps": warps, "num_stages": stages})
 
 
 def resources(compiled):
@@ -91,6 +91,11 @@ def main():
     parser.add_argument("--tame-key-program-k", type=int, default=128,
                         help="gla family: --key-program-k on the tame path")
     parser.add_argument("--gate-v", action="store_true", help="gla family: with a value gate")
+    parser.add_argument("--stages", type=int, default=3,
+                        help="gla family: num_stages of the sequential passes (their pipeline)")
+    parser.add_argument("--rounded", action="store_true",
+                        help="gla family: the sequential passes' decayed operands rounded to "
+                             "bf16 (_GlaStatic.rounded_products)")
     parser.add_argument("--precision", default="tf32",
                         help="of the matrix products (gla family: tf32 or bf16)")
     parser.add_argument("--float32-states", action="store_true",
@@ -120,7 +125,7 @@ def main():
                   u_ptr=f32, dx_ptr=f32, dw_part_ptr=f32, ht_ptr=f32, dh0_ptr=f32, o_ptr=bf16,
                   dv_ptr=bf16,
                   matrices_ptr=f32, cu_ptr=i32, state_index_ptr=i32, chunk_index_ptr=i32,
-                  slot_sequence_ptr=i32, chunk_sequence_ptr=i32, scores_ptr=f32)
+                  slot_sequence_ptr=i32, chunk_sequence_ptr=i32, scores_ptr=f32, low_ptr=f32)
     k_grads = f32 if v_blocks > 1 else bf16  # float32 partial sums with several V blocks
     inputs.update({f"d{n}_ptr": k_grads for n in "rwkab"})
     gradient = dict(shapes, CHUNKS_PER_STATE=8, SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
@@ -149,7 +154,8 @@ def main():
         if not args.float32_states:
             inputs.update(states_ptr=bf16, dstates_ptr=bf16)
         kernels = gla_kernels(shapes, inputs, args.bonus, args.gate_v, args.span,
-                              args.scores_block_k, args.key_block_k, args.key_program_k)
+                              args.scores_block_k, args.key_block_k, args.key_program_k,
+                              args.rounded)
         tame_constexprs["key gradient"] = dict(BK=min(args.tame_key_block_k, bk),
                                                KEYS=min(args.tame_key_program_k, bk))
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
@@ -163,12 +169,14 @@ def main():
             for warps in (int(w) for w in args.warps.split(",")):
                 options = constexprs if tame is None else dict(
                     constexprs, TAME=tame, **tame_constexprs.get(name, {}) if tame else {})
-                compiled = compile_for_hopper(kernel, inputs, options, warps)
+                sequential = args.family == "gla" and "ROUNDED" in kernel.arg_names
+                compiled = compile_for_hopper(kernel, inputs, options, warps,
+                                              args.stages if sequential else 3)
                 print(f"{name:15s} {path:5s} {warps} warps: {resources(compiled)}")
 
 
 def gla_kernels(shapes, inputs, bonus, gate_v, span, scores_block_k, key_block_k,
-                key_program_k):
+                key_program_k, rounded):
     """GLA (key gate only, as benchmarked, or with a value gate) or RWKV-6: the pointer types
     and constexprs."""
     inputs.update(q_ptr=inputs["r_ptr"], dq_ptr=inputs["dr_ptr"], dk_ptr="*bf16",
@@ -182,12 +190,13 @@ def gla_kernels(shapes, inputs, bonus, gate_v, span, scores_block_k, key_block_k
                                      if n not in names}
     return [
         ("state pass", gla.gla_state_kernel,
-         without(("scale", "LEVELS", "BONUS"), SLOTS=rows // span + 8)),
+         without(("scale", "LEVELS", "BONUS"), SLOTS=rows // span + 8, ROUNDED=rounded)),
         ("scores", gla.gla_scores_kernel,
          without(("V", "BV", "HAS_B", "LEVELS", "BLOCKS_FASTEST"),
                  BK=min(scores_block_k, blocked["BK"]))),
         ("output", gla.gla_output_kernel, blocked),
-        ("state gradient", gla.gla_state_gradient_kernel, dict(blocked, SLOTS=rows // span + 8)),
+        ("state gradient", gla.gla_state_gradient_kernel,
+         without(("LEVELS",), SLOTS=rows // span + 8, ROUNDED=rounded)),
         ("key gradient", gla.gla_key_gradient_kernel,
          dict(blocked, BK=min(key_block_k, blocked["BK"]),
               KEYS=min(key_program_k, shapes["BK"]))),

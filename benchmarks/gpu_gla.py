@@ -161,7 +161,7 @@ def kernel_times(op, x_jax, d_out, d_state):
     q, k, v, a, do = (rows(t) for t in (q, k, v, a, d_out))
     h0 = jnp.zeros((cu.shape[0] - 1,) + d_state.shape[1:], jnp.float32)
     states_fn = jax.jit(lambda k, v, a: tb._gla_states(static, k, v, a, None, h0, cu))
-    _, states = states_fn(k, v, a)
+    _, states, _ = states_fn(k, v, a)
     gradient_fn = jax.jit(lambda q, a, do: tb._gla_state_gradient(static, q, a, None, do,
                                                                    d_state, cu))
     _, dstates = gradient_fn(q, a, do)
@@ -235,9 +235,31 @@ def bench_fla(op, x, d_out, d_state, ref):
                                       grad_to_none=fresh, return_mode="median")
     peaks = torch_peak_bytes((forward_backward, forward), fresh,
                              held=[*x.values(), d_out, d_state])
+    for label, fn in (("forward", forward), ("forward+backward", forward_backward)):
+        log(f"  fla {op} {label}, per kernel: " + fla_kernel_times(fn, fresh))
     return dict(name=f"fla {fla_op.__name__}", forward_ms=forward_ms, forward_backward_ms=both_ms,
                 peak_bytes=peaks[0], forward_peak_bytes=peaks[1], errors=errors,
                 compile_s=compile_s)
+
+
+def fla_kernel_times(fn, fresh, calls=10):
+    """fla's GPU time per kernel name and call (torch's profiler), the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            for t in fresh:
+                t.grad = None
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        ms = getattr(event, "device_time_total", 0) / 1e3 / calls
+        if ms > 0.005:
+            times[event.key[:60]] = ms
+    return ", ".join(f"{name} {ms:.3f}" for name, ms in
+                     sorted(times.items(), key=lambda item: -item[1])[:14])
 
 
 def describe(row):

@@ -22,6 +22,17 @@ def _chunks(monkeypatch, span):
     monkeypatch.setattr(triton_backend, "GLA_SPAN", span)
 
 
+def _tame(a, cu, reverse=False):
+    """Whether the state pass sends key gates ``a`` ([rows, H, K]) of sequences ``cu`` (in
+    their direction) down the tame path."""
+    x = jnp.ones((1,) + a.shape, jnp.float32)
+    static = triton_backend._gla_static(x, x, x, a[None], None, None, 1.0, reverse)
+    h0 = jnp.zeros((len(cu) - 1,) + a.shape[1:] + a.shape[-1:], jnp.float32)
+    states = jax.jit(lambda a: triton_backend._gla_states(static, x[0], x[0], a, None, h0,
+                                                          jnp.asarray(cu, jnp.int32)))
+    return bool(states(a)[2])
+
+
 # Chunks (spans) of the forward and backward: shorter than the default so that short sequences
 # cross several (every test's), and the others.
 CHUNKS = [32, 16, 64]
@@ -118,23 +129,27 @@ def test_tame_and_exact_paths_per_call(monkeypatch, op, decay, tame, key, value)
     else:  # the key-side log gate the backend sums
         a = (x["gk"].astype(jnp.float32) + x["g"].astype(jnp.float32)[..., None]
              + x["g_gamma"].astype(jnp.float32)[:, None])
-    assert bool(jax.jit(triton_backend.gla_tame_path, static_argnums=1)(a, 64)) is tame
+    assert _tame(a[0], options["cu_seqlens"], options.get("reverse", False)) is tame
     check_case("triton", case, seed=17)
     if tame:
         monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", {"tame": False})
         check_case("triton", case, seed=17)
 
 
-def test_tame_path_criterion():
-    """Every chunk lies inside two neighbouring blocks of ``span`` rows: their gates' sum is
-    what decides, whatever the sequences' boundaries; -inf and NaN take the exact path."""
-    tame = jax.jit(triton_backend.gla_tame_path, static_argnums=1)
-    gates = jnp.full((100, 2, 3), -0.4)  # two blocks of 32 sum to -25.6, of 64 to -51.2
-    assert bool(tame(gates, 32)) and bool(tame(gates, 64))
-    assert not bool(tame(gates * 2, 64))  # -102.4 over two blocks of 64
-    for value in (-jnp.inf, jnp.nan, -70.0):
-        assert not bool(tame(gates.at[99, 1, 2].set(value), 32))
-    assert bool(tame(gates.at[99, 1, 2].set(-30.0), 32))
+def test_tame_path_criterion(monkeypatch):
+    """The state pass sums every chunk's key gates per channel: a call is tame while none sums
+    below -GLA_TAME_SUM (64). The chunks are the kernels' (from each sequence's start, or its
+    end if reverse); -inf and NaN take the exact path."""
+    _chunks(monkeypatch, 64)
+    gates = jnp.full((100, 2, 3), -0.9)  # chunks of 64 rows sum to -57.6, of 36 to -32.4
+    assert _tame(gates, [0, 100]) and _tame(gates, [0, 100], reverse=True)
+    assert not _tame(gates * 1.2, [0, 100])  # -69.1
+    assert _tame(gates * 1.2, [0, 50, 100])  # two sequences of 50 rows: -54
+    for value in (-jnp.inf, jnp.nan, -10.0):  # in the first chunk: -66.7 with -10
+        assert not _tame(gates.at[10, 1, 2].set(value), [0, 100])
+    # In the chunk of 36 rows, the first in reverse: -41.5
+    assert _tame(gates.at[10, 1, 2].set(-10.0), [0, 100], reverse=True)
+    assert _tame(gates.at[70, 1, 2].set(-30.0), [0, 100])  # -61.5
 
 
 @pytest.mark.parametrize("op, decay", [("gated_linear_attention", ("uniform", -0.2)),

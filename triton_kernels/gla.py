@@ -46,8 +46,8 @@ end in the chunk's slot), parallel over blocks of K and of V; then two kernels p
 (chunk, head, block): the K-side gradients (dq, dk, da, du) of a block of keys, summing over V
 in blocks, and the V-side ones (dv, db) of a block of values, summing over K in blocks. Their
 loops over the levels are not unrolled (``_level``), so that one level's tiles are live at a
-time. The sequential passes issue the next chunk's loads before the current chunk's products,
-so that their latency overlaps the products: Triton pipelines no ``while`` loop.
+time. The sequential passes loop over chunks with ``for``, which Triton pipelines (the launch's
+num_stages): the next chunks' loads are in flight during the current chunk's product.
 
 Gate gradients: a log gate multiplies a factor x = y e^z, so dz = x dx; summed over the chunk's
 factors that gives dR = q dq, dA = -k dk and the per-token gradient is their reverse cumulative
@@ -66,7 +66,7 @@ flattened inputs, clamped to [0, ROWS) in the kernel, and saved-state slots are 
 import triton
 import triton.language as tl
 
-from .common import clamped_rows, diagonal_tile, dot, in_range, level_factors, stored
+from .common import INTERPRETED, clamped_rows, diagonal_tile, dot, in_range, level_factors, stored
 
 
 @triton.jit
@@ -80,7 +80,7 @@ def _segment(sequence, cu_ptr, ROWS: tl.constexpr, C: tl.constexpr):
 def _chunk_walk(c, start, end, C: tl.constexpr, REVERSE: tl.constexpr):
     """Chunk c of a sequence in processing order: the row of its first position, the step
     between its rows' (+1, or -1 if REVERSE) and how many of its positions lie inside the
-    sequence (none for a prefetch before the first chunk, c = -1, or past the last)."""
+    sequence (none for c = -1 or past the last chunk)."""
     if REVERSE:
         first = end - 1 - c * C
         step = -1
@@ -129,11 +129,11 @@ def _program_ids(BLOCKS: tl.constexpr, BLOCKS_FASTEST: tl.constexpr):
 def _state_program(HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, BLOCKS_FASTEST: tl.constexpr):
     """A sequential pass's program (grid: sequences * HEADS, 1, K blocks * V blocks, the K
-    blocks faster; ``_program_ids``): its sequence, head, K rows and V columns. A state block
+    blocks faster; ``_program_ids``): its sequence, head, block, K rows and V columns. A state block
     advances on its own rows and columns, so K is split into blocks as V is."""
     K_BLOCKS: tl.constexpr = (K + BK - 1) // BK
     stream, _, block = _program_ids(K_BLOCKS * ((V + BV - 1) // BV), BLOCKS_FASTEST)
-    return (stream // HEADS, stream % HEADS, (block % K_BLOCKS) * BK + tl.arange(0, BK),
+    return (stream // HEADS, stream % HEADS, block, (block % K_BLOCKS) * BK + tl.arange(0, BK),
             (block // K_BLOCKS) * BV + tl.arange(0, BV))
 
 
@@ -192,7 +192,7 @@ def _sequential_loads(c, start, end, head, k_cols, v_cols, x_ptr, y_ptr, a_ptr, 
                       HAS_B: tl.constexpr, REVERSE: tl.constexpr):
     """A sequential pass's loads of chunk c as stored: the K-wide tile of x (the state pass's k,
     the state gradient's q), the V-wide tile of y (v; dO) and the gates (rows outside the
-    sequence, as those of a prefetch past either end, read as zeros)."""
+    sequence read as zeros)."""
     first, step, count = _chunk_walk(c, start, end, C, REVERSE)
     k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
     v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
@@ -203,10 +203,10 @@ def _sequential_loads(c, start, end, head, k_cols, v_cols, x_ptr, y_ptr, a_ptr, 
 
 @triton.jit
 def _to_end(raw, FLOOR: tl.constexpr):
-    """Of a chunk's stored log gates: e^{G_end - G_i} (the gates after i, summed in reverse:
-    no difference of large cumulative sums) and e^{G_end}, all <= 1."""
+    """Of a chunk's stored log gates: e^{G_end - G_i} (<= 1; the gates after i, summed in
+    reverse: no difference of large cumulative sums) and G_end, their sum."""
     gate = tl.maximum(raw.to(tl.float32), FLOOR)
-    return tl.exp(tl.cumsum(gate, axis=0, reverse=True) - gate), tl.exp(tl.sum(gate, axis=0))
+    return tl.exp(tl.cumsum(gate, axis=0, reverse=True) - gate), tl.sum(gate, axis=0)
 
 
 @triton.jit
@@ -297,49 +297,78 @@ def _value_pairs(x, y, b, C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.c
 
 
 @triton.jit
+def _decayed(x, factor, ROUNDED: tl.constexpr):
+    """A stored tile times its decay factors (float32), rounded back to its stored type if
+    ROUNDED (16-bit inputs: the sequential passes' products then take 16-bit operands)."""
+    y = x.to(tl.float32) * factor
+    if ROUNDED:
+        y = y.to(x.dtype)
+    return y
+
+
+@triton.jit
+def _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr,
+                b_ptr, states_ptr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, SLOTS: tl.constexpr,
+                HAS_A: tl.constexpr, HAS_B: tl.constexpr, REVERSE: tl.constexpr,
+                FLOOR: tl.constexpr, PRECISION: tl.constexpr, ROUNDED: tl.constexpr):
+    """Chunk c of the state pass: the state at its start saved (slot first_slot + c), then
+    H' = (e^{A_end} e^{B_end}^T) * H + (k e^{A_end - A})^T (v e^{B_end - B}); ``low`` lowered
+    to the least of the chunk's key gates summed per channel (the tame-path criterion)."""
+    slot = first_slot + c
+    saved, tile, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
+    tl.store(states_ptr + saved + tile, h, mask=state_mask & (slot < SLOTS))
+    k, v, a_raw, b_raw = _sequential_loads(c, start, end, head, k_cols, v_cols, k_ptr, v_ptr,
+                                           a_ptr, b_ptr, HEADS, K, V, BK, BV, C, HAS_A, HAS_B,
+                                           REVERSE)
+    if HAS_A:
+        k_to_end, a_sum = _to_end(a_raw, FLOOR)
+        k = _decayed(k, k_to_end, ROUNDED)
+        h = h * tl.exp(a_sum)[:, None]
+        # (NaN as -inf: the interpreter's maximum, unlike the GPU's, keeps a NaN gate)
+        low = tl.minimum(low, tl.min(tl.where(a_sum == a_sum, a_sum, float("-inf")), axis=0))
+    if HAS_B:
+        v_to_end, b_sum = _to_end(b_raw, FLOOR)
+        v = _decayed(v, v_to_end, ROUNDED)
+        h = h * tl.exp(b_sum)[None, :]
+    return dot(tl.trans(k), v, h, PRECISION), low
+
+
+@triton.jit
 def gla_state_kernel(
     k_ptr, v_ptr, a_ptr, b_ptr, h0_ptr, cu_ptr, state_index_ptr,  # inputs
-    ht_ptr, states_ptr,                                          # outputs
+    ht_ptr, states_ptr, low_ptr,                                 # outputs
     HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr, SLOTS: tl.constexpr,
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, REVERSE: tl.constexpr, FLOOR: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
+    PRECISION: tl.constexpr, ROUNDED: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
 ):
-    """One program per (sequence, head, K block, V block) (``_state_program``): the state pass.
-    states [SLOTS, HEADS, K, V] float32 or bfloat16, the state at the start of every chunk; ht
-    [N, HEADS, K, V] float32."""
-    sequence, head, k_cols, v_cols = _state_program(HEADS, K, V, BK, BV, BLOCKS_FASTEST)
+    """One program per (sequence, head, K block, V block) (``_state_program``): the state pass
+    (``_state_step`` per chunk). states [SLOTS, HEADS, K, V] float32 or bfloat16, the state at
+    the start of every chunk; ht [N, HEADS, K, V] float32; low [N, HEADS, blocks] float32, the
+    least sum of one chunk's key gates in one channel of the program's K block (0 without
+    chunks or key gates)."""
+    sequence, head, block, k_cols, v_cols = _state_program(HEADS, K, V, BK, BV, BLOCKS_FASTEST)
     start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
-    local, block, state_mask = _state_tile(sequence, head, k_cols, v_cols, HEADS, K, V, BK, BV)
+    local, tile, state_mask = _state_tile(sequence, head, k_cols, v_cols, HEADS, K, V, BK, BV)
     first_slot = tl.load(state_index_ptr + sequence)
-    h = tl.load(h0_ptr + local + block, mask=state_mask, other=0.0)
-    # Chunk c + 1's loads issued before chunk c's product (Triton pipelines no ``while``).
-    k_next, v_next, a_next, b_next = _sequential_loads(
-        0, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr, b_ptr, HEADS, K, V, BK, BV, C,
-        HAS_A, HAS_B, REVERSE)
-    c = 0
-    while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
-        slot = first_slot + c
-        saved, _, _ = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
-        tl.store(states_ptr + saved + block, h, mask=state_mask & (slot < SLOTS))
-        k, v, a_raw, b_raw = k_next, v_next, a_next, b_next
-        k_next, v_next, a_next, b_next = _sequential_loads(
-            c + 1, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr, b_ptr, HEADS, K, V, BK,
-            BV, C, HAS_A, HAS_B, REVERSE)
-        # H' = (e^{A_end} e^{B_end}^T) * H + (k e^{A_end - A})^T (v e^{B_end - B})
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-        if HAS_A:
-            k_to_end, a_decay = _to_end(a_raw, FLOOR)
-            k = k * k_to_end
-            h = h * a_decay[:, None]
-        if HAS_B:
-            v_to_end, b_decay = _to_end(b_raw, FLOOR)
-            v = v * v_to_end
-            h = h * b_decay[None, :]
-        h = dot(tl.trans(k), v, h, PRECISION)
-        c += 1
-    tl.store(ht_ptr + local + block, h, mask=state_mask)
+    h = tl.load(h0_ptr + local + tile, mask=state_mask, other=0.0)
+    low = tl.full([], 0.0, tl.float32)
+    if INTERPRETED:  # (whose ``range`` takes no run-time bound)
+        c = 0
+        while c < chunks:
+            h, low = _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr,
+                                 v_ptr, a_ptr, b_ptr, states_ptr, HEADS, K, V, BK, BV, C, SLOTS,
+                                 HAS_A, HAS_B, REVERSE, FLOOR, PRECISION, ROUNDED)
+            c += 1
+    else:  # a ``for`` loop, which Triton pipelines: the next chunks' loads overlap this one's
+        for c in range(chunks):
+            h, low = _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr,
+                                 v_ptr, a_ptr, b_ptr, states_ptr, HEADS, K, V, BK, BV, C, SLOTS,
+                                 HAS_A, HAS_B, REVERSE, FLOOR, PRECISION, ROUNDED)
+    tl.store(ht_ptr + local + tile, h, mask=state_mask)
+    blocks: tl.constexpr = ((K + BK - 1) // BK) * ((V + BV - 1) // BV)
+    tl.store(low_ptr + (sequence * HEADS + head) * blocks + block, low)
 
 
 @triton.jit
@@ -522,49 +551,64 @@ def gla_output_kernel(
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
+def _state_gradient_step(c, dh, first_slot, start, end, head, k_cols, v_cols, q_ptr, do_ptr,
+                         a_ptr, b_ptr, dstates_ptr, scale: tl.constexpr, HEADS: tl.constexpr,
+                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         C: tl.constexpr, SLOTS: tl.constexpr, HAS_A: tl.constexpr,
+                         HAS_B: tl.constexpr, BONUS: tl.constexpr, REVERSE: tl.constexpr,
+                         FLOOR: tl.constexpr, PRECISION: tl.constexpr, ROUNDED: tl.constexpr):
+    """Chunk c of the state-gradient pass: dH at its end saved (slot first_slot + c), then
+    dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B)."""
+    slot = first_slot + c
+    saved, tile, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
+    tl.store(dstates_ptr + saved + tile, dh, mask=state_mask & (slot < SLOTS))
+    q, do, a_raw, b_raw = _sequential_loads(c, start, end, head, k_cols, v_cols, q_ptr, do_ptr,
+                                            a_ptr, b_ptr, HEADS, K, V, BK, BV, C, HAS_A, HAS_B,
+                                            REVERSE)
+    a, A, A_end, _ = _gate_sums(a_raw, FLOOR)
+    q = _decayed(q, scale * tl.exp(A - a if BONUS else A), ROUNDED)
+    if HAS_B:
+        _, B, B_end, _ = _gate_sums(b_raw, FLOOR)
+        do = _decayed(do, tl.exp(B), ROUNDED)
+        dh = dh * tl.exp(B_end)[None, :]
+    return dot(tl.trans(q), do, tl.exp(A_end)[:, None] * dh, PRECISION)
+
+
+@triton.jit
 def gla_state_gradient_kernel(
     q_ptr, a_ptr, b_ptr, do_ptr, dht_ptr, cu_ptr, state_index_ptr,  # inputs
     dh0_ptr, dstates_ptr,                                          # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
-    ROWS: tl.constexpr, SLOTS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
-    BONUS: tl.constexpr, REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr,
+    SLOTS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
+    REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr, ROUNDED: tl.constexpr,
     BLOCKS_FASTEST: tl.constexpr,
 ):
     """One program per (sequence, head, K block, V block) (``_state_program``): each block of
-    the state gradient needs only its own rows and columns. dh0 [N, HEADS, K, V] float32;
-    dstates [SLOTS, HEADS, K, V] float32 or bfloat16, the gradient of the state at the end of
-    every chunk (the slot of the state at its start). One product per chunk:
-    dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B)."""
-    sequence, head, k_cols, v_cols = _state_program(HEADS, K, V, BK, BV, BLOCKS_FASTEST)
+    the state gradient needs only its own rows and columns (``_state_gradient_step`` per chunk,
+    last to first). dh0 [N, HEADS, K, V] float32; dstates [SLOTS, HEADS, K, V] float32 or
+    bfloat16, the gradient of the state at the end of every chunk (the slot of the state at its
+    start)."""
+    sequence, head, _, k_cols, v_cols = _state_program(HEADS, K, V, BK, BV, BLOCKS_FASTEST)
     start, end, chunks = _segment(sequence, cu_ptr, ROWS, C)
+    local, tile, state_mask = _state_tile(sequence, head, k_cols, v_cols, HEADS, K, V, BK, BV)
     first_slot = tl.load(state_index_ptr + sequence)
-    local, block, state_mask = _state_tile(sequence, head, k_cols, v_cols, HEADS, K, V, BK, BV)
-    dh = tl.load(dht_ptr + local + block, mask=state_mask, other=0.0)
-    c = chunks - 1
-    # Chunk c - 1's loads issued before chunk c's product (Triton pipelines no `while` loop).
-    q_next, do_next, a_next, b_next = _sequential_loads(
-        c, start, end, head, k_cols, v_cols, q_ptr, do_ptr, a_ptr, b_ptr, HEADS, K, V, BK, BV, C,
-        HAS_A, HAS_B, REVERSE)
-    while c >= 0:  # not `for ... in range`: the interpreter cannot take a run-time bound
-        slot = first_slot + c
-        saved, _, _ = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
-        tl.store(dstates_ptr + saved + block, dh, mask=state_mask & (slot < SLOTS))
-        q, do, a_raw, b_raw = q_next, do_next, a_next, b_next
-        q_next, do_next, a_next, b_next = _sequential_loads(
-            c - 1, start, end, head, k_cols, v_cols, q_ptr, do_ptr, a_ptr, b_ptr, HEADS, K, V,
-            BK, BV, C, HAS_A, HAS_B, REVERSE)
-        q = q.to(tl.float32) * scale
-        do = do.to(tl.float32)
-        a, A, A_end, _ = _gate_sums(a_raw, FLOOR)
-        R = A - a if BONUS else A
-        if HAS_B:
-            _, B, B_end, _ = _gate_sums(b_raw, FLOOR)
-            do = do * tl.exp(B)
-            dh = dh * tl.exp(B_end)[None, :]
-        dh = dot(tl.trans(q * tl.exp(R)), do, tl.exp(A_end)[:, None] * dh, PRECISION)
-        c -= 1
-    tl.store(dh0_ptr + local + block, dh, mask=state_mask)
+    dh = tl.load(dht_ptr + local + tile, mask=state_mask, other=0.0)
+    if INTERPRETED:  # (whose ``range`` takes no run-time bound)
+        c = chunks - 1
+        while c >= 0:
+            dh = _state_gradient_step(c, dh, first_slot, start, end, head, k_cols, v_cols, q_ptr,
+                                      do_ptr, a_ptr, b_ptr, dstates_ptr, scale, HEADS, K, V, BK,
+                                      BV, C, SLOTS, HAS_A, HAS_B, BONUS, REVERSE, FLOOR,
+                                      PRECISION, ROUNDED)
+            c -= 1
+    else:  # a ``for`` loop, which Triton pipelines: the next chunks' loads overlap this one's
+        for done in range(chunks):
+            dh = _state_gradient_step(chunks - 1 - done, dh, first_slot, start, end, head,
+                                      k_cols, v_cols, q_ptr, do_ptr, a_ptr, b_ptr, dstates_ptr,
+                                      scale, HEADS, K, V, BK, BV, C, SLOTS, HAS_A, HAS_B, BONUS,
+                                      REVERSE, FLOOR, PRECISION, ROUNDED)
+    tl.store(dh0_ptr + local + tile, dh, mask=state_mask)
 
 
 @triton.jit

@@ -476,6 +476,11 @@ class _GlaStatic:
     # V-side kernels read q, k and the gates once per V block, the state passes k or q once
     # per block of the other side). Not yet timed on a GPU: off by default.
     blocks_fastest: bool = False
+    # The sequential passes: their decayed operands rounded back to the 16-bit input type, so
+    # that the product takes 16-bit operands (fla's choice), and their loops' pipeline depth
+    # (the launch's num_stages)
+    rounded_products: bool = False
+    sequential_stages: int = 3
 
     def __post_init__(self):
         if self.span not in (16, 32, 64):
@@ -533,23 +538,13 @@ def _gla_slots(cu, rows, span):
     return spans, first, _slot_count(rows, cu.shape[0] - 1, span)
 
 
-def gla_tame_path(a, span):
-    """Whether a call with log gates ``a`` (rows layout [rows, H, K], or [B, T, H, K]) takes the
-    tame path (GLA_TAME_SUM): its gates summed over blocks of ``span`` rows, two neighbouring
-    blocks at a time (whatever the sequences' boundaries and direction, every chunk lies inside
-    two neighbouring blocks, and gates are <= 0), none below -GLA_TAME_SUM."""
-    a = jnp.maximum(a.reshape(-1, *a.shape[-2:]).astype(jnp.float32), LOG_DECAY_FLOOR)
-    a = jnp.pad(a, ((0, -a.shape[0] % span + span), (0, 0), (0, 0)))
-    blocks = a.reshape(-1, span, *a.shape[1:]).sum(1)
-    return jnp.min(blocks[:-1] + blocks[1:]) >= -GLA_TAME_SUM
-
-
-def _gla_on_path(static, a, launch):
-    """launch(TAME) on the path the call's log gates pick, on the device (as RWKV-7's
-    _on_path: each path its own compiled kernel). Without a key-side gate every factor is 1."""
-    if a is None or not static.tame:
-        return launch(a is None)
-    return lax.cond(gla_tame_path(a, static.span), lambda: launch(True), lambda: launch(False))
+def _gla_on_path(static, tame, launch):
+    """launch(TAME) on the path the call's log gates pick (``tame``, from the state pass), on
+    the device (as RWKV-7's _on_path: each path its own compiled kernel). Without a key-side
+    gate every factor is 1."""
+    if not static.has_a or not static.tame:
+        return launch(not static.has_a)
+    return lax.cond(tame, lambda: launch(True), lambda: launch(False))
 
 
 def _present(*arrays):
@@ -558,20 +553,25 @@ def _present(*arrays):
 
 
 def _gla_states(static, k, v, a, b, h0, cu):
-    """The state pass: the final states and the state at the start of every chunk."""
+    """The state pass: the final states, the state at the start of every chunk and whether the
+    call takes the tame path: no chunk's key gates sum below -GLA_TAME_SUM in any channel (the
+    pass sums them per chunk for its decays; -inf and NaN take the exact path)."""
     sequences = cu.shape[0] - 1
     _, state_index, slots = _gla_slots(cu, static.rows, static.span)
     state_shape = (static.heads, static.k_size, static.v_size)
-    constexprs = static.constexprs(static.span, BK=static.state_block_k, SLOTS=slots)
+    blocks = -(-static.k_size // static.state_block_k) * static.v_blocks
+    constexprs = static.constexprs(static.span, BK=static.state_block_k, SLOTS=slots,
+                                   ROUNDED=static.rounded_products)
     for name in ("scale", "LEVELS", "BONUS"):
         del constexprs[name]
-    return _launch.launch(
+    ht, states, low = _launch.launch(
         _gla_kernels.gla_state_kernel, _present(k, v, a, b, h0, cu, state_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
-         jax.ShapeDtypeStruct((slots,) + state_shape, static.states_dtype)),
-        static.grid(sequences * static.heads, 1,
-                    -(-static.k_size // static.state_block_k) * static.v_blocks),
-        num_warps=static.state_warps, **constexprs)
+         jax.ShapeDtypeStruct((slots,) + state_shape, static.states_dtype),
+         jax.ShapeDtypeStruct((sequences, static.heads, blocks), jnp.float32)),
+        static.grid(sequences * static.heads, 1, blocks), num_warps=static.state_warps,
+        num_stages=static.sequential_stages, **constexprs)
+    return ht, states, jnp.min(low, initial=0.0) >= -GLA_TAME_SUM
 
 
 def _gla_parallel(static, cu):
@@ -607,21 +607,21 @@ def _gla_outputs(static, TAME, q, k, v, a, b, u, states, cu):
 
 def _gla_forward(static, q, k, v, a, b, u, h0, cu):
     """The state pass, then the outputs on the path the call's log gates pick."""
-    ht, states = _gla_states(static, k, v, a, b, h0, cu)
-    o = _gla_on_path(static, a, lambda TAME: _gla_outputs(static, TAME, q, k, v, a, b, u,
-                                                          states, cu))
-    return o, ht, states
+    ht, states, tame = _gla_states(static, k, v, a, b, h0, cu)
+    o = _gla_on_path(static, tame, lambda TAME: _gla_outputs(static, TAME, q, k, v, a, b, u,
+                                                             states, cu))
+    return o, ht, states, tame
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gla(static, q, k, v, a, b, u, h0, cu):
-    o, ht, _ = _gla_forward(static, q, k, v, a, b, u, h0, cu)
+    o, ht, _, _ = _gla_forward(static, q, k, v, a, b, u, h0, cu)
     return o, ht
 
 
 def _gla_fwd(static, q, k, v, a, b, u, h0, cu):
-    o, ht, states = _gla_forward(static, q, k, v, a, b, u, h0, cu)
-    return (o, ht), (q, k, v, a, b, u, states, cu)
+    o, ht, states, tame = _gla_forward(static, q, k, v, a, b, u, h0, cu)
+    return (o, ht), (q, k, v, a, b, u, states, tame, cu)
 
 
 def _gla_state_gradient(static, q, a, b, do, dht, cu):
@@ -630,13 +630,15 @@ def _gla_state_gradient(static, q, a, b, do, dht, cu):
     sequences = cu.shape[0] - 1
     state_shape = (static.heads, static.k_size, static.v_size)
     _, state_index, slots = _gla_slots(cu, static.rows, static.span)
+    constexprs = static.backward_constexprs(SLOTS=slots, ROUNDED=static.rounded_products)
+    del constexprs["LEVELS"]
     return _launch.launch(
         _gla_kernels.gla_state_gradient_kernel,
         _present(q, a, b, do, dht.astype(jnp.float32), cu, state_index),
         (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
          jax.ShapeDtypeStruct((slots,) + state_shape, static.states_dtype)),
         static.grid(sequences * static.heads, 1, static.k_blocks * static.v_blocks),
-        num_warps=static.state_gradient_warps, **static.backward_constexprs(SLOTS=slots))
+        num_warps=static.state_gradient_warps, num_stages=static.sequential_stages, **constexprs)
 
 
 _UNUSED = jax.ShapeDtypeStruct((1,), jnp.float32)  # an output a kernel's options leave out
@@ -673,7 +675,7 @@ def _gla_value_gradients(static, TAME, q, k, v, a, b, u, do, states, dstates, cu
 
 
 def _gla_bwd(static, residuals, cotangents):
-    q, k, v, a, b, u, states, cu = residuals
+    q, k, v, a, b, u, states, tame, cu = residuals
     do, dht = cotangents
     do = do.astype(v.dtype)
     dh0, dstates = _gla_state_gradient(static, q, a, b, do, dht, cu)
@@ -681,7 +683,7 @@ def _gla_bwd(static, residuals, cotangents):
     # gates pick: the K-side gradients summing over V in blocks, the V-side ones over K.
     inputs = (q, k, v, a, b, u, do, states, dstates, cu)
     dq, dk, da, du, dv, db = _gla_on_path(
-        static, a, lambda TAME: (_gla_key_gradients(static, TAME, *inputs)
+        static, tame, lambda TAME: (_gla_key_gradients(static, TAME, *inputs)
                                  + _gla_value_gradients(static, TAME, *inputs)))
     return (dq, dk, dv, da.astype(a.dtype) if static.has_a else None,
             db.astype(b.dtype) if static.has_b else None,
