@@ -194,7 +194,7 @@ def gla_kernels(shapes, inputs, bonus, gate_v, span, scores_block_k, key_block_k
         ("scores", gla.gla_scores_kernel,
          without(("V", "BV", "HAS_B", "LEVELS", "BLOCKS_FASTEST"),
                  BK=min(scores_block_k, blocked["BK"]))),
-        ("output", gla.gla_output_kernel, blocked),
+        ("output", gla.gla_output_kernel, dict(blocked, ROUNDED=rounded)),
         ("state gradient", gla.gla_state_gradient_kernel,
          without(("LEVELS",), SLOTS=rows // span + 8, ROUNDED=rounded)),
         ("key gradient", gla.gla_key_gradient_kernel,

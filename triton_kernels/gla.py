@@ -314,7 +314,7 @@ def _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr, 
                 FLOOR: tl.constexpr, PRECISION: tl.constexpr, ROUNDED: tl.constexpr):
     """Chunk c of the state pass: the state at its start saved (slot first_slot + c), then
     H' = (e^{A_end} e^{B_end}^T) * H + (k e^{A_end - A})^T (v e^{B_end - B}); ``low`` lowered
-    to the least of the chunk's key gates summed per channel (the tame-path criterion)."""
+    per channel to the chunk's key gates summed (the tame-path criterion)."""
     slot = first_slot + c
     saved, tile, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
     tl.store(states_ptr + saved + tile, h, mask=state_mask & (slot < SLOTS))
@@ -326,7 +326,7 @@ def _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr, 
         k = _decayed(k, k_to_end, ROUNDED)
         h = h * tl.exp(a_sum)[:, None]
         # (NaN as -inf: the interpreter's maximum, unlike the GPU's, keeps a NaN gate)
-        low = tl.minimum(low, tl.min(tl.where(a_sum == a_sum, a_sum, float("-inf")), axis=0))
+        low = tl.minimum(low, tl.where(a_sum == a_sum, a_sum, float("-inf")))
     if HAS_B:
         v_to_end, b_sum = _to_end(b_raw, FLOOR)
         v = _decayed(v, v_to_end, ROUNDED)
@@ -353,7 +353,7 @@ def gla_state_kernel(
     local, tile, state_mask = _state_tile(sequence, head, k_cols, v_cols, HEADS, K, V, BK, BV)
     first_slot = tl.load(state_index_ptr + sequence)
     h = tl.load(h0_ptr + local + tile, mask=state_mask, other=0.0)
-    low = tl.full([], 0.0, tl.float32)
+    low = tl.zeros([BK], tl.float32)
     if INTERPRETED:  # (whose ``range`` takes no run-time bound)
         c = 0
         while c < chunks:
@@ -368,7 +368,7 @@ def gla_state_kernel(
                                  HAS_A, HAS_B, REVERSE, FLOOR, PRECISION, ROUNDED)
     tl.store(ht_ptr + local + tile, h, mask=state_mask)
     blocks: tl.constexpr = ((K + BK - 1) // BK) * ((V + BV - 1) // BV)
-    tl.store(low_ptr + (sequence * HEADS + head) * blocks + block, low)
+    tl.store(low_ptr + (sequence * HEADS + head) * blocks + block, tl.min(low, axis=0))
 
 
 @triton.jit
@@ -485,7 +485,7 @@ def gla_output_kernel(
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
     ROWS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
     REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr, TAME: tl.constexpr,
-    BLOCKS_FASTEST: tl.constexpr,
+    ROUNDED: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
 ):
     """Grid (SLOTS, HEADS, V blocks; ``_program_ids``): the outputs of one chunk, all C tokens
     at once, from the state at its start (its slot of ``states``) and its scores; the read of H
@@ -493,7 +493,9 @@ def gla_output_kernel(
 
     TAME: the scores are formed here, in the same loop over K, with the factors referenced to
     the chunk's middle (``_middle_factors``), one [C, BK] x [BK, C] product per K block.
-    Otherwise they are read from ``scores`` (gla_scores_kernel, exact)."""
+    Otherwise they are read from ``scores`` (gla_scores_kernel, exact). ROUNDED (16-bit
+    inputs): the decayed q and the scores rounded to the inputs' type, so that their products
+    with the stored states and v take 16-bit operands."""
     slot, head, v_block, used, first, step, count = _chunk_program(
         cu_ptr, state_index_ptr, slot_sequence_ptr, ROWS, C, REVERSE, (V + BV - 1) // BV,
         BLOCKS_FASTEST)
@@ -504,7 +506,7 @@ def gla_output_kernel(
     if TAME:
         scores = tl.zeros([C, C], tl.float32)
         diagonal = tl.zeros([C], tl.float32)
-    for block in tl.static_range(triton.cdiv(K, BK)):
+    for block in range(triton.cdiv(K, BK)):  # (a loop, not unrolled: one block live)
         k_cols = block * BK + tl.arange(0, BK)
         k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
         q = _load(q_ptr + k_base, k_off, k_in) * scale
@@ -525,23 +527,24 @@ def gla_output_kernel(
             scores = dot(q, tl.trans(k), scores, PRECISION)
         state, block_off, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK,
                                                    BV)
-        h = tl.load(states_ptr + state + block_off, mask=state_mask & used, other=0.0)
-        o = dot(q, h, o, PRECISION)
+        h = stored(states_ptr + state, block_off, state_mask & used)
+        o = dot(q.to(h.dtype) if ROUNDED else q, h, o, PRECISION)
     if TAME:
         scores = tl.where(_strictly_lower(C), scores, diagonal_tile(diagonal, C))
     else:
         scores = tl.load(
             scores_ptr + _scores_offsets(slot, head, t[:, None], t[None, :], HEADS, C),
             mask=(t[:, None] >= t[None, :]) & used, other=0.0)
-    v = _load(v_ptr + v_base, v_off, v_in)
+    v = stored(v_ptr + v_base, v_off, v_in)
     if HAS_B:
+        v = v.to(tl.float32)
         b, B, _, _ = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
         mixed, _ = _value_mixes(scores, v, v, b, C, LEVELS, PRECISION)
         diagonal = t[:, None] == t[None, :]
         o = (o * tl.exp(B) + mixed
              + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * v)
     else:
-        o = dot(scores, v, o, PRECISION)
+        o = dot(scores.to(v.dtype) if ROUNDED else scores, v, o, PRECISION)
     tl.store(o_ptr + v_base + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)
 
 

@@ -476,11 +476,12 @@ class _GlaStatic:
     # V-side kernels read q, k and the gates once per V block, the state passes k or q once
     # per block of the other side). Not yet timed on a GPU: off by default.
     blocks_fastest: bool = False
-    # The sequential passes: their decayed operands rounded back to the 16-bit input type, so
-    # that the product takes 16-bit operands (fla's choice), and their loops' pipeline depth
-    # (the launch's num_stages)
+    # 16-bit inputs: the sequential passes' decayed operands and the output kernel's decayed q
+    # and scores rounded to the inputs' type, so that their products take 16-bit operands
+    # (fla's choice); and the sequential passes' pipeline depth (the launch's num_stages)
     rounded_products: bool = False
     sequential_stages: int = 3
+    output_stages: int = 3  # the output kernel's loop over K blocks (pipeline depth)
 
     def __post_init__(self):
         if self.span not in (16, 32, 64):
@@ -600,8 +601,9 @@ def _gla_outputs(static, TAME, q, k, v, a, b, u, states, cu):
         _gla_kernels.gla_output_kernel, _present(q, k, v, a, b, u, states, scores) + parallel,
         (jax.ShapeDtypeStruct(v.shape, v.dtype),),
         static.grid(slots, static.heads, -(-static.v_size // static.output_block_v)),
-        num_warps=static.output_warps,
-        **dict(constexprs, TAME=TAME, BK=static.output_block_k, BV=static.output_block_v))
+        num_warps=static.output_warps, num_stages=static.output_stages,
+        **dict(constexprs, TAME=TAME, BK=static.output_block_k, BV=static.output_block_v,
+               ROUNDED=static.rounded_products))
     return o
 
 
@@ -748,7 +750,8 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
     static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
-        GLA_SPAN, GLA_SCORES_BLOCK_K, bf16_states=not precise,
+        GLA_SPAN, GLA_SCORES_BLOCK_K, bf16_states=not precise, rounded_products=not precise,
+        blocks_fastest=True,
         **_gla_warps(k_size, block_v, b is not None, u is not None, not precise))
     return dataclasses.replace(static, **GLA_OVERRIDES)
 
