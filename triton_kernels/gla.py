@@ -186,13 +186,18 @@ def _log_gate(ptr, off, mask, HAS: tl.constexpr, FLOOR: tl.constexpr, C: tl.cons
 
 
 @triton.jit
-def _sequential_loads(c, start, end, head, k_cols, v_cols, x_ptr, y_ptr, a_ptr, b_ptr,
-                      HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, C: tl.constexpr, HAS_A: tl.constexpr,
-                      HAS_B: tl.constexpr, REVERSE: tl.constexpr):
-    """A sequential pass's loads of chunk c as stored: the K-wide tile of x (the state pass's k,
+def _sequential_chunk(c, carried, first_slot, start, end, head, k_cols, v_cols, x_ptr, y_ptr,
+                      a_ptr, b_ptr, saved_ptr, HEADS: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                      SLOTS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
+                      REVERSE: tl.constexpr):
+    """Chunk c of a sequential pass: the carried block (H, or dH) saved in slot first_slot + c
+    of saved_ptr, then the chunk's loads as stored: the K-wide tile of x (the state pass's k,
     the state gradient's q), the V-wide tile of y (v; dO) and the gates (rows outside the
     sequence read as zeros)."""
+    slot = first_slot + c
+    saved, tile, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
+    tl.store(saved_ptr + saved + tile, carried, mask=state_mask & (slot < SLOTS))
     first, step, count = _chunk_walk(c, start, end, C, REVERSE)
     k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
     v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
@@ -312,15 +317,12 @@ def _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr, 
                 BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, SLOTS: tl.constexpr,
                 HAS_A: tl.constexpr, HAS_B: tl.constexpr, REVERSE: tl.constexpr,
                 FLOOR: tl.constexpr, PRECISION: tl.constexpr, ROUNDED: tl.constexpr):
-    """Chunk c of the state pass: the state at its start saved (slot first_slot + c), then
+    """Chunk c of the state pass: the state at its start saved (``_sequential_chunk``), then
     H' = (e^{A_end} e^{B_end}^T) * H + (k e^{A_end - A})^T (v e^{B_end - B}); ``low`` lowered
     per channel to the chunk's key gates summed (the tame-path criterion)."""
-    slot = first_slot + c
-    saved, tile, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
-    tl.store(states_ptr + saved + tile, h, mask=state_mask & (slot < SLOTS))
-    k, v, a_raw, b_raw = _sequential_loads(c, start, end, head, k_cols, v_cols, k_ptr, v_ptr,
-                                           a_ptr, b_ptr, HEADS, K, V, BK, BV, C, HAS_A, HAS_B,
-                                           REVERSE)
+    k, v, a_raw, b_raw = _sequential_chunk(c, h, first_slot, start, end, head, k_cols, v_cols,
+                                           k_ptr, v_ptr, a_ptr, b_ptr, states_ptr, HEADS, K, V,
+                                           BK, BV, C, SLOTS, HAS_A, HAS_B, REVERSE)
     if HAS_A:
         k_to_end, a_sum = _to_end(a_raw, FLOOR)
         k = _decayed(k, k_to_end, ROUNDED)
@@ -560,14 +562,11 @@ def _state_gradient_step(c, dh, first_slot, start, end, head, k_cols, v_cols, q_
                          C: tl.constexpr, SLOTS: tl.constexpr, HAS_A: tl.constexpr,
                          HAS_B: tl.constexpr, BONUS: tl.constexpr, REVERSE: tl.constexpr,
                          FLOOR: tl.constexpr, PRECISION: tl.constexpr, ROUNDED: tl.constexpr):
-    """Chunk c of the state-gradient pass: dH at its end saved (slot first_slot + c), then
+    """Chunk c of the state-gradient pass: dH at its end saved (``_sequential_chunk``), then
     dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B)."""
-    slot = first_slot + c
-    saved, tile, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK, BV)
-    tl.store(dstates_ptr + saved + tile, dh, mask=state_mask & (slot < SLOTS))
-    q, do, a_raw, b_raw = _sequential_loads(c, start, end, head, k_cols, v_cols, q_ptr, do_ptr,
-                                            a_ptr, b_ptr, HEADS, K, V, BK, BV, C, HAS_A, HAS_B,
-                                            REVERSE)
+    q, do, a_raw, b_raw = _sequential_chunk(c, dh, first_slot, start, end, head, k_cols,
+                                            v_cols, q_ptr, do_ptr, a_ptr, b_ptr, dstates_ptr,
+                                            HEADS, K, V, BK, BV, C, SLOTS, HAS_A, HAS_B, REVERSE)
     a, A, A_end, _ = _gate_sums(a_raw, FLOOR)
     q = _decayed(q, scale * tl.exp(A - a if BONUS else A), ROUNDED)
     if HAS_B:

@@ -474,14 +474,22 @@ class _GlaStatic:
     # Launch order: a chunk's (or a sequence-head's) blocks fastest, so that its programs run
     # side by side and share their common tiles through L2 (K or V above 64: the output and
     # V-side kernels read q, k and the gates once per V block, the state passes k or q once
-    # per block of the other side). Not yet timed on a GPU: off by default.
+    # per block of the other side). On by default (_gla_static): H100 K=128 with rounded
+    # products, GLA 3.39 / 11.04 -> 3.37 / 11.02 ms, RWKV-6 3.40 / 13.75 -> 3.41 / 13.74 (even)
     blocks_fastest: bool = False
     # 16-bit inputs: the sequential passes' decayed operands and the output kernel's decayed q
     # and scores rounded to the inputs' type, so that their products take 16-bit operands
-    # (fla's choice); and the sequential passes' pipeline depth (the launch's num_stages)
+    # (fla's choice; _gla_static sets it for calls without float32). H100, B=8 T=4096 K=V=128
+    # bf16, fwd / fwd+bwd ms, sequential passes only: GLA 3.83 / 11.89 -> 3.39 / 11.04, RWKV-6
+    # 3.82 / 14.48 -> 3.40 / 13.75; errors against float64: output 2.1e-3 -> 2.6e-3 with the
+    # output kernel's too (fla 2.5e-3), gradients unchanged (BENCHMARKS.md session 11)
     rounded_products: bool = False
+    # Pipeline depths (the launches' num_stages): the sequential passes' loops over chunks (1,
+    # no pipelining: GLA K=128 4.16 / 12.43 against 3.83 / 11.89 at 3; 2 and 4 within noise of
+    # 3) and the output kernel's over K blocks (GLA K=128 2.99 / 10.59 at 1, 2.87 / 10.34 at 2,
+    # 2.77 / 10.31 at 3)
     sequential_stages: int = 3
-    output_stages: int = 3  # the output kernel's loop over K blocks (pipeline depth)
+    output_stages: int = 3
 
     def __post_init__(self):
         if self.span not in (16, 32, 64):
@@ -695,7 +703,7 @@ def _gla_bwd(static, residuals, cotangents):
 _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
-def _gla_warps(k_size, block_v, has_b, bonus, bf16_states):
+def _gla_warps(k_size, block_v, has_b, bf16_states):
     """Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md session 8), fwd+bwd ms: the
     state-gradient pass at 4 warps (GLA K=64 10.97 -> 10.83, K=128 18.45 -> 18.02), the tame
     K-side kernel at 4 warps (10.97 -> 8.86, 18.45 -> 16.13), the tame V-side kernel at 4 warps
@@ -708,8 +716,9 @@ def _gla_warps(k_size, block_v, has_b, bonus, bf16_states):
     the state pass and the output kernel take 8 (4 spill 216 B and 1.4 KB; 8: none and 16 B).
     The backward over 64-token chunks, by sm_90 compile reports only (GLA with gk
     and RWKV-6, benchmarks/compile_report.py; not yet timed), no spills at K=V=64 and 128: the
-    state-gradient pass with 8 warps (204-207 registers; 4 warps spill 32 B with the prefetched
-    [64, 64] tiles). Exact path: the K-side gradient kernel with 8 warps and 16 keys per
+    state-gradient pass with 8 warps (204-207 registers; 4 warps spilled 32 B with the [64, 64]
+    tiles it then prefetched in registers; session 11's pipelined loop: 218-253 at 4 warps, no
+    spills). Exact path: the K-side gradient kernel with 8 warps and 16 keys per
     program (GLA 247 registers at K=64, 213 at K=128; RWKV-6 255, 207; 4 warps spill 92-112 B
     at K=64; 32 keys per program spill 140-152 B at K=64); the V-side one with 8 warps (245-255
     registers; 4 warps spill 104-344 B). Tame path: the K-side kernel with 8 warps and every
@@ -721,12 +730,13 @@ def _gla_warps(k_size, block_v, has_b, bonus, bf16_states):
     spills at K=64: 424 B exact, 644 B tame.
     With bfloat16 saved states (session 10) the tame V-side kernel fits 4 warps at K=V=128 too
     (255 registers, no spills, GLA and RWKV-6 alike): GLA K=128 fwd+bwd 12.91 -> 11.75 ms
-    (H100). RWKV-6 and a value gate at K=128 were not timed with it and keep 8 warps."""
+    (H100), RWKV-6 K=128 14.94 -> 13.99 (session 11, before its other changes). A value gate at
+    K=128 was not timed with it and keeps 8 warps."""
     gated = 8 if has_b else 4
     block_k = min(_pow2_at_least(k_size), 64)
     # The tame V-side kernel at 4 warps where that was measured faster
     tame_value_warps = 4 if (_pow2_at_least(k_size) * block_v <= 64 * 64
-                             or bf16_states and not (bonus or has_b)) else 8
+                             or bf16_states and not has_b) else 8
     return dict(state_block_k=block_k, output_block_k=block_k, output_block_v=block_v,
                 state_warps=gated, scores_warps=4, output_warps=gated, state_gradient_warps=4,
                 key_gradient_warps=8, value_gradient_warps=8,
@@ -752,7 +762,7 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
         GLA_SPAN, GLA_SCORES_BLOCK_K, bf16_states=not precise, rounded_products=not precise,
         blocks_fastest=True,
-        **_gla_warps(k_size, block_v, b is not None, u is not None, not precise))
+        **_gla_warps(k_size, block_v, b is not None, not precise))
     return dataclasses.replace(static, **GLA_OVERRIDES)
 
 
