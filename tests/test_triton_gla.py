@@ -178,15 +178,19 @@ def test_sixteen_bit_path_only_without_float32():
     assert not static.bf16_states and static.precision == "tf32x3"
 
 
-@pytest.mark.parametrize("op, decay", [("gated_linear_attention", ("uniform", -0.2)),
-                                       ("rwkv6", "strong")])
-def test_blocks_fastest_launch_order(monkeypatch, op, decay):
-    """_GlaStatic.blocks_fastest: every kernel's grid flattened with its blocks fastest. K = 128
+@pytest.mark.parametrize("op, decay, overrides", [
+    ("gated_linear_attention", ("uniform", -0.2), {"blocks_fastest": False}),
+    ("rwkv6", "strong", {"blocks_fastest": False}),
+    ("gated_linear_attention", ("uniform", -0.2), {"state_block_v": 128}),
+    ("rwkv6", "strong", {"state_block_v": 32})])
+def test_launch_orders_and_state_blocks(monkeypatch, op, decay, overrides):
+    """Grids with the blocks slowest (the default has them fastest, _GlaStatic.blocks_fastest)
+    and state passes on V blocks of their own (one block wider than V, three blocks). K = 128
     (two K blocks in the state passes; the exact K-side kernel's programs of 16 keys) and V = 96
     (two V blocks, one partial), packed with an empty segment; GLA's gk on the tame path,
     RWKV-6 with strong decays on the exact one."""
     _chunks(monkeypatch, 64)
-    monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", {"blocks_fastest": True})
+    monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", overrides)
     drawn = dict(batch=1, steps=140, key=128, value=96, state_rows=3, decay=decay)
     options = dict(cu_seqlens=[0, 5, 5, 140])
     if op == "gated_linear_attention":

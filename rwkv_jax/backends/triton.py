@@ -447,6 +447,7 @@ class _GlaStatic:
     span: int            # tokens per chunk of the forward and backward (states at each start)
     scores_block_k: int  # K columns per step of the forward's scores kernel
     state_block_k: int   # K rows per program of the forward's state pass
+    state_block_v: int   # V columns per program of it
     output_block_k: int  # K columns per step of the output kernel
     output_block_v: int  # V columns per program of the output kernel
     state_warps: int           # of the forward's state pass
@@ -568,9 +569,9 @@ def _gla_states(static, k, v, a, b, h0, cu):
     sequences = cu.shape[0] - 1
     _, state_index, slots = _gla_slots(cu, static.rows, static.span)
     state_shape = (static.heads, static.k_size, static.v_size)
-    blocks = -(-static.k_size // static.state_block_k) * static.v_blocks
-    constexprs = static.constexprs(static.span, BK=static.state_block_k, SLOTS=slots,
-                                   ROUNDED=static.rounded_products)
+    blocks = -(-static.k_size // static.state_block_k) * -(-static.v_size // static.state_block_v)
+    constexprs = static.constexprs(static.span, BK=static.state_block_k, BV=static.state_block_v,
+                                   SLOTS=slots, ROUNDED=static.rounded_products)
     for name in ("scale", "LEVELS", "BONUS"):
         del constexprs[name]
     ht, states, low = _launch.launch(
@@ -737,7 +738,8 @@ def _gla_warps(k_size, block_v, has_b, bf16_states):
     # The tame V-side kernel at 4 warps where that was measured faster
     tame_value_warps = 4 if (_pow2_at_least(k_size) * block_v <= 64 * 64
                              or bf16_states and not has_b) else 8
-    return dict(state_block_k=block_k, output_block_k=block_k, output_block_v=block_v,
+    return dict(state_block_k=block_k, state_block_v=block_v, output_block_k=block_k,
+                output_block_v=block_v,
                 state_warps=gated, scores_warps=4, output_warps=gated, state_gradient_warps=4,
                 key_gradient_warps=8, value_gradient_warps=8,
                 key_block_k=min(_pow2_at_least(k_size), 16),
