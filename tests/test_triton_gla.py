@@ -155,10 +155,12 @@ def test_tame_path_criterion(monkeypatch):
 @pytest.mark.parametrize("op, decay", [("gated_linear_attention", ("uniform", -0.2)),
                                        ("rwkv6", "strong")])
 def test_bfloat16_inputs(monkeypatch, op, decay):
-    """16-bit inputs: the states saved per chunk (and their gradients) in bfloat16, and the
-    K-side gradient kernel's products of two stored 16-bit tiles (dO v^T, dO H^T, v dH^T) taken
-    as they are (common.dot); GLA's gk on the tame path with reverse, RWKV-6 with strong decays
-    on the exact one; packed sequences of several chunks, an empty segment, two V blocks."""
+    """bfloat16 inputs: the states saved per chunk (and their gradients) in bfloat16, the K-side
+    gradient kernel's products of two stored 16-bit tiles (dO v^T, dO H^T, v dH^T) taken as
+    they are (common.dot), and the decayed operands of the sequential passes and the output
+    kernel rounded to bfloat16 (rounded_products); GLA's gk on the tame path with reverse,
+    RWKV-6 with strong decays on the exact one; packed sequences of several chunks, an empty
+    segment, two V blocks."""
     _chunks(monkeypatch, 64)
     drawn = dict(batch=1, steps=140, key=32, value=96, state_rows=3, decay=decay)
     options = dict(cu_seqlens=[0, 5, 5, 140])
@@ -169,13 +171,18 @@ def test_bfloat16_inputs(monkeypatch, op, decay):
 
 
 def test_sixteen_bit_path_only_without_float32():
-    """bfloat16 saved states and tf32 products for 16-bit inputs; float32 anywhere (here the key
-    gate GLA sums with a float32 g_gamma) keeps float32 states and tf32x3."""
+    """bfloat16 saved states and tf32 products for 16-bit inputs, and rounded 16-bit operands
+    for bfloat16 ones (not float16: its range would not hold every score); float32 anywhere
+    (here the key gate GLA sums with a float32 g_gamma) keeps float32 states and tf32x3."""
     x = jnp.ones((1, 4, 2, 16), jnp.bfloat16)
     static = triton_backend._gla_static(x, x, x, x, None, None, 1.0, False)
-    assert static.bf16_states and static.precision == "tf32"
+    assert static.bf16_states and static.precision == "tf32" and static.rounded_products
+    half = x.astype(jnp.float16)
+    static = triton_backend._gla_static(half, half, half, half, None, None, 1.0, False)
+    assert static.bf16_states and not static.rounded_products
     static = triton_backend._gla_static(x, x, x, x.astype(jnp.float32), None, None, 1.0, False)
     assert not static.bf16_states and static.precision == "tf32x3"
+    assert not static.rounded_products
 
 
 @pytest.mark.parametrize("op, decay, overrides", [

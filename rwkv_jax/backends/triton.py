@@ -478,9 +478,9 @@ class _GlaStatic:
     # per block of the other side). On by default (_gla_static): H100 K=128 with rounded
     # products, GLA 3.39 / 11.04 -> 3.37 / 11.02 ms, RWKV-6 3.40 / 13.75 -> 3.41 / 13.74 (even)
     blocks_fastest: bool = False
-    # 16-bit inputs: the sequential passes' decayed operands and the output kernel's decayed q
+    # bfloat16 inputs: the sequential passes' decayed operands and the output kernel's decayed q
     # and scores rounded to the inputs' type, so that their products take 16-bit operands
-    # (fla's choice; _gla_static sets it for calls without float32). H100, B=8 T=4096 K=V=128
+    # (fla's choice; _gla_static sets it for bfloat16 calls). H100, B=8 T=4096 K=V=128
     # bf16, fwd / fwd+bwd ms, sequential passes only: GLA 3.83 / 11.89 -> 3.39 / 11.04, RWKV-6
     # 3.82 / 14.48 -> 3.40 / 13.75; errors against float64: output 2.1e-3 -> 2.6e-3 with the
     # output kernel's too (fla 2.5e-3), gradients unchanged (BENCHMARKS.md session 11)
@@ -762,8 +762,9 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
     static = _GlaStatic(
         float(scale), heads, k_size, v_size, batch * steps, a is not None, b is not None,
         u is not None, bool(reverse), "tf32x3" if precise else "tf32", block_v,
-        GLA_SPAN, GLA_SCORES_BLOCK_K, bf16_states=not precise, rounded_products=not precise,
-        blocks_fastest=True,
+        GLA_SPAN, GLA_SCORES_BLOCK_K, bf16_states=not precise,
+        # (bfloat16 only: float16's range would not hold every score, and it is more precise)
+        rounded_products=not precise and q.dtype == jnp.bfloat16, blocks_fastest=True,
         **_gla_warps(k_size, block_v, b is not None, not precise))
     return dataclasses.replace(static, **GLA_OVERRIDES)
 
