@@ -5,7 +5,8 @@ wheel carries ptxas and cuobjdump.
     python benchmarks/compile_report.py [--family rwkv7|gla] [--key 64] [--value 64] [--warps 4,8]
         [--precision tf32|bf16] [--span 64 --scores-block-k 16 --bonus --gate-v
          --key-block-k 16 --key-program-k 16 --tame-key-block-k 16 --tame-key-program-k 128
-         --float32-states]   (gla: the backend's defaults for bf16 inputs)
+         --float32-states --no-rounded --stages 3]   (gla: the backend's defaults for bf16
+         inputs)
         [--bf16-saved]   (rwkv7: KernelConfig.bf16_saved)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
@@ -93,9 +94,9 @@ def main():
     parser.add_argument("--gate-v", action="store_true", help="gla family: with a value gate")
     parser.add_argument("--stages", type=int, default=3,
                         help="gla family: num_stages of the sequential passes (their pipeline)")
-    parser.add_argument("--rounded", action="store_true",
-                        help="gla family: the sequential passes' decayed operands rounded to "
-                             "bf16 (_GlaStatic.rounded_products)")
+    parser.add_argument("--rounded", action=argparse.BooleanOptionalAction, default=True,
+                        help="gla family: decayed operands rounded to bf16 "
+                             "(_GlaStatic.rounded_products, the default for bf16 inputs)")
     parser.add_argument("--precision", default="tf32",
                         help="of the matrix products (gla family: tf32 or bf16)")
     parser.add_argument("--float32-states", action="store_true",
