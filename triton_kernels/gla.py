@@ -304,7 +304,7 @@ def _value_pairs(x, y, b, C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.c
 @triton.jit
 def _decayed(x, factor, ROUNDED: tl.constexpr):
     """A stored tile times its decay factors (float32), rounded back to its stored type if
-    ROUNDED (16-bit inputs: the sequential passes' products then take 16-bit operands)."""
+    ROUNDED (bfloat16 inputs: the sequential passes' products then take 16-bit operands)."""
     y = x.to(tl.float32) * factor
     if ROUNDED:
         y = y.to(x.dtype)
