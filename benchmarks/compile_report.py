@@ -7,7 +7,7 @@ wheel carries ptxas and cuobjdump.
          --key-block-k 16 --key-program-k 16 --tame-key-block-k 16 --tame-key-program-k 128
          --float32-states --no-rounded --stages 3]   (gla: the backend's defaults for bf16
          inputs)
-        [--bf16-saved]   (rwkv7: KernelConfig.bf16_saved)
+        [--bf16-saved --rounded]   (rwkv7: KernelConfig.bf16_saved, KernelConfig.rounded)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
@@ -94,9 +94,10 @@ def main():
     parser.add_argument("--gate-v", action="store_true", help="gla family: with a value gate")
     parser.add_argument("--stages", type=int, default=3,
                         help="gla family: num_stages of the sequential passes (their pipeline)")
-    parser.add_argument("--rounded", action=argparse.BooleanOptionalAction, default=True,
-                        help="gla family: decayed operands rounded to bf16 "
-                             "(_GlaStatic.rounded_products, the default for bf16 inputs)")
+    parser.add_argument("--rounded", action=argparse.BooleanOptionalAction, default=None,
+                        help="decayed operands rounded to bf16 against stored tiles (gla: "
+                             "_GlaStatic.rounded_products, on by default as for bf16 inputs; "
+                             "rwkv7: KernelConfig.rounded, off by default)")
     parser.add_argument("--precision", default="tf32",
                         help="of the matrix products (gla family: tf32 or bf16)")
     parser.add_argument("--float32-states", action="store_true",
@@ -107,6 +108,7 @@ def main():
                         "(KernelConfig.bf16_saved)")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
     args = parser.parse_args()
+    rounded = args.family == "gla" if args.rounded is None else args.rounded
     bk = max(16, 1 << (args.key - 1).bit_length())
     bv = min(args.block_v, max(16, 1 << (args.value - 1).bit_length()))
     v_blocks = -(-args.value // bv)
@@ -117,7 +119,7 @@ def main():
                                             "TOTAL_ROWS", "PRECISION")},
                     SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
                     INVERSE_PRECISION="tf32")
-    recurrence = dict({n: x for n, x in shapes.items() if n != "LEVELS"},
+    recurrence = dict({n: x for n, x in shapes.items() if n != "LEVELS"}, ROUNDED=rounded,
                       BV=min(args.recurrence_block_v or bv, bv * v_blocks),
                       CHUNK_SLOTS=rows // 16 + 8)
     bf16, f32, i32 = "*bf16", "*fp32", "*i32"
@@ -156,7 +158,7 @@ def main():
             inputs.update(states_ptr=bf16, dstates_ptr=bf16)
         kernels = gla_kernels(shapes, inputs, args.bonus, args.gate_v, args.span,
                               args.scores_block_k, args.key_block_k, args.key_program_k,
-                              args.rounded)
+                              rounded)
         tame_constexprs["key gradient"] = dict(BK=min(args.tame_key_block_k, bk),
                                                KEYS=min(args.tame_key_program_k, bk))
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")

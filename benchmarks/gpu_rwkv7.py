@@ -421,7 +421,10 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
                     # the saved states and dH in bfloat16 (untimed in session 10; the fused
                     # tame kernel spills more with them: sm_90 352 -> 536 B at K=64)
                     dict(bf16_saved=True),
-                    dict(bf16_saved=True, fused_tame_gradient=not default.fused_tame_gradient)]
+                    dict(bf16_saved=True, fused_tame_gradient=not default.fused_tame_gradient),
+                    # the sequential passes' products with v and dO in bf16 (untimed in
+                    # session 11; GLA's state pass gained 27 % from the same)
+                    dict(rounded=True), dict(rounded=True, bf16_saved=True)]
         if default.gradient_block_k:
             variants.append(dict(gradient_block_k=None))
         for change in variants:

@@ -200,6 +200,17 @@ def test_bfloat16_saved_states(decay, hard, fused):
                            bf16_saved=True)), seed=13)
 
 
+@pytest.mark.parametrize("hard", ["", "every third -1e9"])
+def test_rounded_products(hard):
+    """KernelConfig.rounded: with bfloat16 inputs the sequential passes multiply v and dO as
+    stored, against the A matrices and the decayed k and q rounded to bfloat16; model decays
+    (and the same with every third token at -1e9), packed with an empty segment, several spans
+    and V blocks."""
+    check(Case(steps=60, heads=2, key=32, value=32, decay="model", hard=hard, dtype="bfloat16",
+               cu_seqlens=(0, 0, 17, 57, 60),
+               config=dict(SHORT_SPANS, block_v=16, rounded=True)), seed=29)
+
+
 @pytest.mark.parametrize("key, value, block_v, fused", [
     (32, 32, 16, True), (32, 32, 16, False), (128, 64, 64, True), (16, 48, 32, True)])
 def test_head_sizes_and_v_blocks(key, value, block_v, fused):

@@ -72,7 +72,7 @@ which keeps registers free and loads and stores vectorised.
 import triton
 import triton.language as tl
 
-from .common import (PREFETCH_UP_TO, clamped, clamped_rows, diagonal_tile as _diagonal,
+from .common import (PREFETCH_UP_TO, clamped, clamped_rows, diagonal_tile as _diagonal, dot,
                      level_factors as _level, program, row_bases, rows, state_offsets, stored)
 
 
@@ -374,6 +374,16 @@ def _state_gradient_chunk(c, chunks, start, end, first_chunk_slot, r_ptr, w_ptr,
             _load_matrix(matrices_ptr, slot, inside, head, INVERSE, HEADS, C, True))
 
 
+@triton.jit
+def _against(x, tile, ROUNDED: tl.constexpr):
+    """x (float32) to multiply a tile as stored (v, dO): rounded to bfloat16 where ROUNDED and
+    the tile is bfloat16, so that the product takes 16-bit operands (KernelConfig.rounded);
+    else as it is (common.dot then multiplies in float32 at PRECISION)."""
+    if ROUNDED and tile.dtype == tl.bfloat16:
+        x = x.to(tl.bfloat16)
+    return x
+
+
 # The two sequential passes load every tile and matrix of a chunk first, so that their loads
 # are in flight together rather than each before its product (H100, B=8, T=4096, bf16, 4 warps:
 # forward 3.86 -> 2.59 ms at K=64 and 5.37 -> 4.48 at K=128, state gradient 3.45 -> 2.57 and
@@ -397,6 +407,7 @@ def rwkv7_forward_kernel(
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
     TOTAL_ROWS: tl.constexpr, STATE_SLOTS: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
     CHUNKS_PER_STATE: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
+    ROUNDED: tl.constexpr,
 ):
     """Grid (sequences * HEADS, V blocks); matrices: the in-chunk kernels', whose slots
     ``chunk_index`` gives. o [rows, HEADS, V]; ht [N, HEADS, K, V] float32; if SAVE: states
@@ -439,26 +450,29 @@ def rwkv7_forward_kernel(
                 c, chunks, start, end, first_chunk_slot, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr,
                 b_ptr, matrices_ptr, head, k_tile, k_cols_in, v_tile, v_cols_in, HEADS, K, V, C,
                 CHUNK_SLOTS)
-        v = v.to(tl.float32)
+        if not ROUNDED:
+            v = v.to(tl.float32)
         w = tl.maximum(w.to(tl.float32), FLOOR)
         a = a.to(tl.float32)
         q = q.to(tl.float32) * scale
         k = k.to(tl.float32)
         b = b.to(tl.float32)
         gi, ge, g_end, to_end = _decays(w, 0)
-        # X = A_ak V + a~ H, U = (I - A_ab)^-1 X, O = q~ H + A_qk V + A_qb U.
-        x = tl.dot(a * tl.exp(ge), h, tl.dot(A_ak, v, input_precision=PRECISION),
+        # X = A_ak V + a~ H, U = (I - A_ab)^-1 X, O = q~ H + A_qk V + A_qb U (V as stored:
+        # ``_against``).
+        x = tl.dot(a * tl.exp(ge), h, dot(_against(A_ak, v, ROUNDED), v, None, PRECISION),
                    input_precision=PRECISION)
         u = tl.dot(inverse, x, input_precision=PRECISION)
         if SAVE:
             tl.store(u_ptr + v_base + v_tile, u, mask=v_in)
         o = tl.dot(q * tl.exp(gi), h, input_precision=PRECISION)
-        o = tl.dot(A_qk, v, o, input_precision=PRECISION)
+        o = dot(_against(A_qk, v, ROUNDED), v, o, PRECISION)
         o = tl.dot(A_qb, u, o, input_precision=PRECISION)
         tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
         # H' = e^g H + k^T V + b^T U.
         to_end = tl.exp(to_end)
-        h = tl.dot(tl.trans(k * to_end), v, tl.exp(g_end)[:, None] * h, input_precision=PRECISION)
+        h = dot(tl.trans(_against(k * to_end, v, ROUNDED)), v, tl.exp(g_end)[:, None] * h,
+                PRECISION)
         h = tl.dot(tl.trans(b * to_end), u, h, input_precision=PRECISION)
         c += 1
     tl.store(_state(ht_ptr, sequence, head, HEADS, K, V, BK, v_cols), h, mask=state_mask)
@@ -472,6 +486,7 @@ def rwkv7_state_gradient_kernel(
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
     TOTAL_ROWS: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+    ROUNDED: tl.constexpr,
 ):
     """Grid as the forward's; matrices: the in-chunk kernels'. dh0 [N, HEADS, K, V]
     float32; dstates [CHUNK_SLOTS, HEADS, K, V] float32: the gradient of the state at the end
@@ -508,19 +523,21 @@ def rwkv7_state_gradient_kernel(
                 c, chunks, start, end, first_slot, r_ptr, w_ptr, a_ptr, b_ptr, do_ptr,
                 matrices_ptr, head, k_tile, k_cols_in, v_tile, v_cols_in, HEADS, K, V, C,
                 CHUNK_SLOTS)
-        do = do.to(tl.float32)
+        if not ROUNDED:
+            do = do.to(tl.float32)
         w = tl.maximum(w.to(tl.float32), FLOOR)
         b = b.to(tl.float32)
         q = q.to(tl.float32) * scale
         a = a.to(tl.float32)
         gi, ge, g_end, to_end = _decays(w, 0)
-        # dU = b^ dH + A_qb^T dO, dX = (I - A_ab)^-T dU, dH_prev = e^g dH + q~^T dO + a~^T dX.
-        du = tl.dot(b * tl.exp(to_end), dh, tl.dot(A_qb_t, do, input_precision=PRECISION),
-                    input_precision=PRECISION)
+        # dU = b^ dH + A_qb^T dO, dX = (I - A_ab)^-T dU, dH_prev = e^g dH + q~^T dO + a~^T dX
+        # (dO as stored: ``_against``).
+        du = tl.dot(b * tl.exp(to_end), dh, dot(_against(A_qb_t, do, ROUNDED), do, None,
+                                                 PRECISION), input_precision=PRECISION)
         dx = tl.dot(inverse_t, du, input_precision=PRECISION)
         tl.store(dx_ptr + v_base + v_tile, dx, mask=v_in)
-        dh = tl.dot(tl.trans(q * tl.exp(gi)), do, tl.exp(g_end)[:, None] * dh,
-                    input_precision=PRECISION)
+        dh = dot(tl.trans(_against(q * tl.exp(gi), do, ROUNDED)), do,
+                 tl.exp(g_end)[:, None] * dh, PRECISION)
         dh = tl.dot(tl.trans(a * tl.exp(ge)), dx, dh, input_precision=PRECISION)
         c -= 1
     tl.store(_state(dh0_ptr, sequence, head, HEADS, K, V, BK, v_cols), dh, mask=state_mask)

@@ -77,6 +77,11 @@ class KernelConfig:
     # keep float32). Not yet timed on a GPU, so off by default; on the CPU interpreter the
     # errors against float64 are in BENCHMARKS.md (session 10).
     bf16_saved: bool = False
+    # bfloat16 inputs: the sequential passes multiply v and dO as stored, against the A
+    # matrices and the decayed k and q rounded to bfloat16 (16-bit operands, as GLA/RWKV-6's
+    # rounded_products: H100 K=128 GLA state pass 1.53 -> 1.12 ms there). Not yet timed for
+    # RWKV-7: off by default.
+    rounded: bool = False
 
 
 def _pow2_at_least(n, floor=16):
@@ -124,7 +129,7 @@ def _check_head_sizes(k_size, v_size):
 
 
 # The compile-time arguments of the two sequential passes.
-_RECURRENCE = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "FLOOR", "PRECISION")
+_RECURRENCE = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "FLOOR", "PRECISION", "ROUNDED")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +158,7 @@ class _Static:
                      BK=_pow2_at_least(self.k_size), BV=self.config.block_v, C=CHUNK,
                      LEVELS=LEVELS, FLOOR=LOG_DECAY_FLOOR,
                      CHUNKS_PER_STATE=self.config.chunks_per_state, PRECISION=self.precision,
+                     ROUNDED=self.config.rounded,
                      INVERSE_PRECISION=self.config.inverse_precision or (
                          "ieee" if self.precision == "tf32x3" else "tf32"))
         return {name: every[name] for name in names}
