@@ -92,6 +92,8 @@ def main():
     parser.add_argument("--tame-key-program-k", type=int, default=128,
                         help="gla family: --key-program-k on the tame path")
     parser.add_argument("--gate-v", action="store_true", help="gla family: with a value gate")
+    parser.add_argument("--sums-by-product", action="store_true",
+                        help="gla family: _GlaStatic.gate_sums_by_product")
     parser.add_argument("--stages", type=int, default=3,
                         help="gla family: num_stages of the sequential passes (their pipeline)")
     parser.add_argument("--rounded", action=argparse.BooleanOptionalAction, default=None,
@@ -158,7 +160,7 @@ def main():
             inputs.update(states_ptr=bf16, dstates_ptr=bf16)
         kernels = gla_kernels(shapes, inputs, args.bonus, args.gate_v, args.span,
                               args.scores_block_k, args.key_block_k, args.key_program_k,
-                              rounded)
+                              rounded, args.sums_by_product)
         tame_constexprs["key gradient"] = dict(BK=min(args.tame_key_block_k, bk),
                                                KEYS=min(args.tame_key_program_k, bk))
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
@@ -179,7 +181,7 @@ def main():
 
 
 def gla_kernels(shapes, inputs, bonus, gate_v, span, scores_block_k, key_block_k,
-                key_program_k, rounded):
+                key_program_k, rounded, sums_by_product):
     """GLA (key gate only, as benchmarked, or with a value gate) or RWKV-6: the pointer types
     and constexprs."""
     inputs.update(q_ptr=inputs["r_ptr"], dq_ptr=inputs["dr_ptr"], dk_ptr="*bf16",
@@ -193,7 +195,8 @@ def gla_kernels(shapes, inputs, bonus, gate_v, span, scores_block_k, key_block_k
                                      if n not in names}
     return [
         ("state pass", gla.gla_state_kernel,
-         without(("scale", "LEVELS", "BONUS"), SLOTS=rows // span + 8, ROUNDED=rounded)),
+         without(("scale", "LEVELS", "BONUS"), SLOTS=rows // span + 8, ROUNDED=rounded,
+                 SUMS_BY_PRODUCT=sums_by_product)),
         ("scores", gla.gla_scores_kernel,
          without(("V", "BV", "HAS_B", "LEVELS", "BLOCKS_FASTEST"),
                  BK=min(scores_block_k, blocked["BK"]))),

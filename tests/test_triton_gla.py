@@ -136,12 +136,16 @@ def test_tame_and_exact_paths_per_call(monkeypatch, op, decay, tame, key, value)
         check_case("triton", case, seed=17)
 
 
-def test_tame_path_criterion(monkeypatch):
+@pytest.mark.parametrize("dtype, by_product", [("float32", False), ("bfloat16", True)])
+def test_tame_path_criterion(monkeypatch, dtype, by_product):
     """The state pass sums every chunk's key gates per channel: a call is tame while none sums
     below -GLA_TAME_SUM (64). The chunks are the kernels' (from each sequence's start, or its
-    end if reverse); -inf and NaN take the exact path."""
+    end if reverse); -inf and NaN take the exact path. Also with the sums as products
+    (_GlaStatic.gate_sums_by_product, bfloat16 gates)."""
     _chunks(monkeypatch, 64)
-    gates = jnp.full((100, 2, 3), -0.9)  # chunks of 64 rows sum to -57.6, of 36 to -32.4
+    monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", {"gate_sums_by_product": by_product})
+    # Chunks of 64 rows sum to -57.6 (bfloat16: -57.5), of 36 to -32.4
+    gates = jnp.full((100, 2, 3), -0.9, dtype)
     assert _tame(gates, [0, 100]) and _tame(gates, [0, 100], reverse=True)
     assert not _tame(gates * 1.2, [0, 100])  # -69.1
     assert _tame(gates * 1.2, [0, 50, 100])  # two sequences of 50 rows: -54
@@ -152,16 +156,20 @@ def test_tame_path_criterion(monkeypatch):
     assert _tame(gates.at[70, 1, 2].set(-30.0), [0, 100])  # -61.5
 
 
+@pytest.mark.parametrize("overrides", [{}, {"gate_sums_by_product": True}],
+                         ids=["default", "sums_by_product"])
 @pytest.mark.parametrize("op, decay", [("gated_linear_attention", ("uniform", -0.2)),
                                        ("rwkv6", "strong")])
-def test_bfloat16_inputs(monkeypatch, op, decay):
+def test_bfloat16_inputs(monkeypatch, op, decay, overrides):
     """bfloat16 inputs: the states saved per chunk (and their gradients) in bfloat16, the K-side
     gradient kernel's products of two stored 16-bit tiles (dO v^T, dO H^T, v dH^T) taken as
     they are (common.dot), and the decayed operands of the sequential passes and the output
-    kernel rounded to bfloat16 (rounded_products); GLA's gk on the tame path with reverse,
-    RWKV-6 with strong decays on the exact one; packed sequences of several chunks, an empty
-    segment, two V blocks."""
+    kernel rounded to bfloat16 (rounded_products); also with the state pass's key-gate sums as
+    products (gate_sums_by_product). GLA's gk on the tame path with reverse, RWKV-6 with strong
+    decays on the exact one; packed sequences of several chunks, an empty segment, two V
+    blocks."""
     _chunks(monkeypatch, 64)
+    monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", overrides)
     drawn = dict(batch=1, steps=140, key=32, value=96, state_rows=3, decay=decay)
     options = dict(cu_seqlens=[0, 5, 5, 140])
     if op == "gated_linear_attention":

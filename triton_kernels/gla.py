@@ -312,21 +312,41 @@ def _decayed(x, factor, ROUNDED: tl.constexpr):
 
 
 @triton.jit
+def _key_decays_by_product(raw, FLOOR: tl.constexpr, C: tl.constexpr, BV: tl.constexpr):
+    """``_to_end`` of bfloat16 log gates as two tensor-core products instead of a scan and a
+    reduction across rows: e^{G_end - G_i} (<= 1) from the sums of the gates after i (a [C, C]
+    triangle of ones times the gates: exact products, float32 sums, no difference of sums), and
+    G_end as a [BK, BV] tile, each row's sum across the state block's columns (the gates'
+    transpose times ones)."""
+    gate = tl.maximum(raw.to(tl.float32), FLOOR).to(tl.bfloat16)  # (FLOOR is a bfloat16)
+    t = tl.arange(0, C)
+    after = tl.where(t[None, :] > t[:, None], 1.0, 0.0).to(tl.bfloat16)
+    return (tl.exp(dot(after, gate, None, "tf32")),
+            dot(tl.trans(gate), tl.full([C, BV], 1.0, tl.float32).to(tl.bfloat16), None, "tf32"))
+
+
+@triton.jit
 def _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr,
                 b_ptr, states_ptr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, SLOTS: tl.constexpr,
                 HAS_A: tl.constexpr, HAS_B: tl.constexpr, REVERSE: tl.constexpr,
-                FLOOR: tl.constexpr, PRECISION: tl.constexpr, ROUNDED: tl.constexpr):
+                FLOOR: tl.constexpr, PRECISION: tl.constexpr, ROUNDED: tl.constexpr,
+                SUMS_BY_PRODUCT: tl.constexpr):
     """Chunk c of the state pass: the state at its start saved (``_sequential_chunk``), then
     H' = (e^{A_end} e^{B_end}^T) * H + (k e^{A_end - A})^T (v e^{B_end - B}); ``low`` lowered
-    per channel to the chunk's key gates summed (the tame-path criterion)."""
+    per channel to the chunk's key gates summed (the tame-path criterion). SUMS_BY_PRODUCT
+    (bfloat16 gates): the key gates' sums as products (``_key_decays_by_product``)."""
     k, v, a_raw, b_raw = _sequential_chunk(c, h, first_slot, start, end, head, k_cols, v_cols,
                                            k_ptr, v_ptr, a_ptr, b_ptr, states_ptr, HEADS, K, V,
                                            BK, BV, C, SLOTS, HAS_A, HAS_B, REVERSE)
     if HAS_A:
-        k_to_end, a_sum = _to_end(a_raw, FLOOR)
+        if SUMS_BY_PRODUCT and a_raw.dtype == tl.bfloat16:
+            k_to_end, a_sum = _key_decays_by_product(a_raw, FLOOR, C, BV)  # a_sum: [BK, BV]
+            h = h * tl.exp(a_sum)
+        else:
+            k_to_end, a_sum = _to_end(a_raw, FLOOR)
+            h = h * tl.exp(a_sum)[:, None]
         k = _decayed(k, k_to_end, ROUNDED)
-        h = h * tl.exp(a_sum)[:, None]
         # (NaN as -inf: the interpreter's maximum, unlike the GPU's, keeps a NaN gate)
         low = tl.minimum(low, tl.where(a_sum == a_sum, a_sum, float("-inf")))
     if HAS_B:
@@ -343,7 +363,8 @@ def gla_state_kernel(
     HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr, SLOTS: tl.constexpr,
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, REVERSE: tl.constexpr, FLOOR: tl.constexpr,
-    PRECISION: tl.constexpr, ROUNDED: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
+    PRECISION: tl.constexpr, ROUNDED: tl.constexpr, SUMS_BY_PRODUCT: tl.constexpr,
+    BLOCKS_FASTEST: tl.constexpr,
 ):
     """One program per (sequence, head, K block, V block) (``_state_program``): the state pass
     (``_state_step`` per chunk). states [SLOTS, HEADS, K, V] float32 or bfloat16, the state at
@@ -355,21 +376,29 @@ def gla_state_kernel(
     local, tile, state_mask = _state_tile(sequence, head, k_cols, v_cols, HEADS, K, V, BK, BV)
     first_slot = tl.load(state_index_ptr + sequence)
     h = tl.load(h0_ptr + local + tile, mask=state_mask, other=0.0)
-    low = tl.zeros([BK], tl.float32)
+    by_product: tl.constexpr = SUMS_BY_PRODUCT and a_ptr.dtype.element_ty == tl.bfloat16
+    if by_product:
+        low = tl.zeros([BK, BV], tl.float32)  # (the sums come as [BK, BV] tiles)
+    else:
+        low = tl.zeros([BK], tl.float32)
     if INTERPRETED:  # (whose ``range`` takes no run-time bound)
         c = 0
         while c < chunks:
             h, low = _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr,
                                  v_ptr, a_ptr, b_ptr, states_ptr, HEADS, K, V, BK, BV, C, SLOTS,
-                                 HAS_A, HAS_B, REVERSE, FLOOR, PRECISION, ROUNDED)
+                                 HAS_A, HAS_B, REVERSE, FLOOR, PRECISION, ROUNDED,
+                                 SUMS_BY_PRODUCT)
             c += 1
     else:  # a ``for`` loop, which Triton pipelines: the next chunks' loads overlap this one's
         for c in range(chunks):
             h, low = _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr,
                                  v_ptr, a_ptr, b_ptr, states_ptr, HEADS, K, V, BK, BV, C, SLOTS,
-                                 HAS_A, HAS_B, REVERSE, FLOOR, PRECISION, ROUNDED)
+                                 HAS_A, HAS_B, REVERSE, FLOOR, PRECISION, ROUNDED,
+                                 SUMS_BY_PRODUCT)
     tl.store(ht_ptr + local + tile, h, mask=state_mask)
     blocks: tl.constexpr = ((K + BK - 1) // BK) * ((V + BV - 1) // BV)
+    if by_product:
+        low = tl.min(low, axis=1)
     tl.store(low_ptr + (sequence * HEADS + head) * blocks + block, tl.min(low, axis=0))
 
 
