@@ -156,18 +156,21 @@ def test_tame_path_criterion(monkeypatch, dtype, by_product):
     assert _tame(gates.at[70, 1, 2].set(-30.0), [0, 100])  # -61.5
 
 
-@pytest.mark.parametrize("overrides", [{}, {"gate_sums_by_product": True}],
-                         ids=["default", "sums_by_product"])
-@pytest.mark.parametrize("op, decay", [("gated_linear_attention", ("uniform", -0.2)),
-                                       ("rwkv6", "strong")])
+BY_PRODUCT = {"gate_sums_by_product": True}
+
+
+@pytest.mark.parametrize("op, decay, overrides", [
+    ("gated_linear_attention", ("uniform", -0.2), {}), ("rwkv6", "strong", {}),
+    ("gated_linear_attention", ("uniform", -0.2), BY_PRODUCT), ("rwkv6", "strong", BY_PRODUCT),
+    ("rwkv6", ("uniform", -0.5), BY_PRODUCT)])
 def test_bfloat16_inputs(monkeypatch, op, decay, overrides):
     """bfloat16 inputs: the states saved per chunk (and their gradients) in bfloat16, the K-side
     gradient kernel's products of two stored 16-bit tiles (dO v^T, dO H^T, v dH^T) taken as
     they are (common.dot), and the decayed operands of the sequential passes and the output
     kernel rounded to bfloat16 (rounded_products); also with the state pass's key-gate sums as
     products (gate_sums_by_product). GLA's gk on the tame path with reverse, RWKV-6 with strong
-    decays on the exact one; packed sequences of several chunks, an empty segment, two V
-    blocks."""
+    decays on the exact one (and model ones on the tame one); packed sequences of several
+    chunks, an empty segment, two V blocks."""
     _chunks(monkeypatch, 64)
     monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", overrides)
     drawn = dict(batch=1, steps=140, key=32, value=96, state_rows=3, decay=decay)

@@ -264,6 +264,54 @@ def _middle_factors(a, A, BONUS: tl.constexpr, C: tl.constexpr):
     return tl.exp(R - middle), tl.exp(middle - A)
 
 
+# Sums of bfloat16 log gates as tensor-core products (_GlaStatic.gate_sums_by_product), instead
+# of scans and reductions across a tile's rows: a [C, C] matrix of 0, 1 and -1 (which rows to
+# add, and subtract) times the gates. The products are exact and the sums float32, and every
+# sum is formed as itself (the gates after i, or up to the middle row), never as a difference
+# of two cumulative sums. Only gates stored as bfloat16 (tested where used, `raw.dtype ==
+# tl.bfloat16`: a compile-time choice) are exact operands; others take the scans.
+
+@triton.jit
+def _gate_tile(raw, FLOOR: tl.constexpr):
+    """bfloat16 log gates raised to FLOOR, still bfloat16 (FLOOR is one)."""
+    return tl.maximum(raw.to(tl.float32), FLOOR).to(tl.bfloat16)
+
+
+@triton.jit
+def _row_sums(gate, plus, minus):
+    """sum_j (plus[t, j] - minus[t, j]) gate_j for every row t, as one product ([C, BLOCK])."""
+    selection = tl.where(plus, 1.0, 0.0) - tl.where(minus, 1.0, 0.0)
+    return dot(selection.to(tl.bfloat16), gate, None, "tf32")
+
+
+@triton.jit
+def _chunk_totals(gate, C: tl.constexpr, BV: tl.constexpr):
+    """Each channel's sum over the chunk as a [BLOCK, BV] tile (row k: channel k's sum in every
+    column), the gates' transpose times ones: ready to scale a state block's rows."""
+    return dot(tl.trans(gate), tl.full([C, BV], 1.0, tl.float32).to(tl.bfloat16), None, "tf32")
+
+
+@triton.jit
+def _read_by_product(gate, BONUS: tl.constexpr, C: tl.constexpr):
+    """The read decay's exponent R: the gates up to t (GLA's A), or before t (RWKV-6's A - a)."""
+    t = tl.arange(0, C)
+    return _row_sums(gate, t[None, :] < t[:, None] if BONUS else t[None, :] <= t[:, None], False)
+
+
+@triton.jit
+def _middle_by_product(gate, BONUS: tl.constexpr, C: tl.constexpr):
+    """``_middle_factors`` by products: e^{R_t - A_m} and e^{A_m - A_i} (m = C/2 - 1)."""
+    t = tl.arange(0, C)
+    upto = t[None, :] <= t[:, None]
+    middle = (t[None, :] <= C // 2 - 1) & (t[:, None] >= 0)  # (every row: the rows up to m)
+    row = _row_sums(gate, t[None, :] < t[:, None] if BONUS else upto, middle)
+    if BONUS:
+        column = _row_sums(gate, middle, upto)
+    else:
+        column = -row  # (A_m - A_i = -(A_i - A_m))
+    return tl.exp(row), tl.exp(column)
+
+
 @triton.jit
 def _scores_diagonal(q, k, u, BONUS: tl.constexpr, C: tl.constexpr):
     """The scores' diagonal as a [C, C] tile: q_t . k_t (GLA: the factor is e^0) or
@@ -312,20 +360,6 @@ def _decayed(x, factor, ROUNDED: tl.constexpr):
 
 
 @triton.jit
-def _key_decays_by_product(raw, FLOOR: tl.constexpr, C: tl.constexpr, BV: tl.constexpr):
-    """``_to_end`` of bfloat16 log gates as two tensor-core products instead of a scan and a
-    reduction across rows: e^{G_end - G_i} (<= 1) from the sums of the gates after i (a [C, C]
-    triangle of ones times the gates: exact products, float32 sums, no difference of sums), and
-    G_end as a [BK, BV] tile, each row's sum across the state block's columns (the gates'
-    transpose times ones)."""
-    gate = tl.maximum(raw.to(tl.float32), FLOOR).to(tl.bfloat16)  # (FLOOR is a bfloat16)
-    t = tl.arange(0, C)
-    after = tl.where(t[None, :] > t[:, None], 1.0, 0.0).to(tl.bfloat16)
-    return (tl.exp(dot(after, gate, None, "tf32")),
-            dot(tl.trans(gate), tl.full([C, BV], 1.0, tl.float32).to(tl.bfloat16), None, "tf32"))
-
-
-@triton.jit
 def _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr, v_ptr, a_ptr,
                 b_ptr, states_ptr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, SLOTS: tl.constexpr,
@@ -335,13 +369,16 @@ def _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr, 
     """Chunk c of the state pass: the state at its start saved (``_sequential_chunk``), then
     H' = (e^{A_end} e^{B_end}^T) * H + (k e^{A_end - A})^T (v e^{B_end - B}); ``low`` lowered
     per channel to the chunk's key gates summed (the tame-path criterion). SUMS_BY_PRODUCT
-    (bfloat16 gates): the key gates' sums as products (``_key_decays_by_product``)."""
+    (bfloat16 gates): the key gates' sums as products (``_row_sums``, ``_chunk_totals``)."""
     k, v, a_raw, b_raw = _sequential_chunk(c, h, first_slot, start, end, head, k_cols, v_cols,
                                            k_ptr, v_ptr, a_ptr, b_ptr, states_ptr, HEADS, K, V,
                                            BK, BV, C, SLOTS, HAS_A, HAS_B, REVERSE)
     if HAS_A:
         if SUMS_BY_PRODUCT and a_raw.dtype == tl.bfloat16:
-            k_to_end, a_sum = _key_decays_by_product(a_raw, FLOOR, C, BV)  # a_sum: [BK, BV]
+            gate = _gate_tile(a_raw, FLOOR)
+            t = tl.arange(0, C)
+            k_to_end = tl.exp(_row_sums(gate, t[None, :] > t[:, None], False))  # after i
+            a_sum = _chunk_totals(gate, C, BV)  # [BK, BV]
             h = h * tl.exp(a_sum)
         else:
             k_to_end, a_sum = _to_end(a_raw, FLOOR)
@@ -516,7 +553,7 @@ def gla_output_kernel(
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
     ROWS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
     REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr, TAME: tl.constexpr,
-    ROUNDED: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
+    ROUNDED: tl.constexpr, SUMS_BY_PRODUCT: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
 ):
     """Grid (SLOTS, HEADS, V blocks; ``_program_ids``): the outputs of one chunk, all C tokens
     at once, from the state at its start (its slot of ``states``) and its scores; the read of H
@@ -524,9 +561,10 @@ def gla_output_kernel(
 
     TAME: the scores are formed here, in the same loop over K, with the factors referenced to
     the chunk's middle (``_middle_factors``), one [C, BK] x [BK, C] product per K block.
-    Otherwise they are read from ``scores`` (gla_scores_kernel, exact). ROUNDED (16-bit
+    Otherwise they are read from ``scores`` (gla_scores_kernel, exact). ROUNDED (bfloat16
     inputs): the decayed q and the scores rounded to the inputs' type, so that their products
-    with the stored states and v take 16-bit operands."""
+    with the stored states and v take 16-bit operands. SUMS_BY_PRODUCT (bfloat16 gates): the
+    key gates' sums as products (``_read_by_product``, ``_middle_by_product``)."""
     slot, head, v_block, used, first, step, count = _chunk_program(
         cu_ptr, state_index_ptr, slot_sequence_ptr, ROWS, C, REVERSE, (V + BV - 1) // BV,
         BLOCKS_FASTEST)
@@ -549,11 +587,20 @@ def gla_output_kernel(
             else:
                 diagonal += tl.sum(q * k, axis=1)
         if HAS_A:
-            a, A, _, _ = _log_gate(a_ptr + k_base, k_off, k_in, True, FLOOR, C, BK)
+            raw = _raw_gate(a_ptr + k_base, k_off, k_in, True, C, BK)
+            if SUMS_BY_PRODUCT and raw.dtype == tl.bfloat16:
+                gate = _gate_tile(raw, FLOOR)
+                read = _read_by_product(gate, BONUS, C)
+                if TAME:
+                    row_factor, column_factor = _middle_by_product(gate, BONUS, C)
+            else:
+                a, A, _, _ = _gate_sums(raw, FLOOR)
+                read = A - a if BONUS else A
+                if TAME:
+                    row_factor, column_factor = _middle_factors(a, A, BONUS, C)
             if TAME:
-                row_factor, column_factor = _middle_factors(a, A, BONUS, C)
                 scores = dot(q * row_factor, tl.trans(k * column_factor), scores, PRECISION)
-            q = q * tl.exp(A - a if BONUS else A)
+            q = q * tl.exp(read)
         elif TAME:
             scores = dot(q, tl.trans(k), scores, PRECISION)
         state, block_off, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK,
@@ -590,19 +637,28 @@ def _state_gradient_step(c, dh, first_slot, start, end, head, k_cols, v_cols, q_
                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          C: tl.constexpr, SLOTS: tl.constexpr, HAS_A: tl.constexpr,
                          HAS_B: tl.constexpr, BONUS: tl.constexpr, REVERSE: tl.constexpr,
-                         FLOOR: tl.constexpr, PRECISION: tl.constexpr, ROUNDED: tl.constexpr):
+                         FLOOR: tl.constexpr, PRECISION: tl.constexpr, ROUNDED: tl.constexpr,
+                         SUMS_BY_PRODUCT: tl.constexpr):
     """Chunk c of the state-gradient pass: dH at its end saved (``_sequential_chunk``), then
-    dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B)."""
+    dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B) (SUMS_BY_PRODUCT: the key gates'
+    sums as products)."""
     q, do, a_raw, b_raw = _sequential_chunk(c, dh, first_slot, start, end, head, k_cols,
                                             v_cols, q_ptr, do_ptr, a_ptr, b_ptr, dstates_ptr,
                                             HEADS, K, V, BK, BV, C, SLOTS, HAS_A, HAS_B, REVERSE)
-    a, A, A_end, _ = _gate_sums(a_raw, FLOOR)
-    q = _decayed(q, scale * tl.exp(A - a if BONUS else A), ROUNDED)
+    if SUMS_BY_PRODUCT and a_raw.dtype == tl.bfloat16:
+        gate = _gate_tile(a_raw, FLOOR)
+        read = _read_by_product(gate, BONUS, C)
+        decay = tl.exp(_chunk_totals(gate, C, BV))
+    else:
+        a, A, A_end, _ = _gate_sums(a_raw, FLOOR)
+        read = A - a if BONUS else A
+        decay = tl.exp(A_end)[:, None]
+    q = _decayed(q, scale * tl.exp(read), ROUNDED)
     if HAS_B:
         _, B, B_end, _ = _gate_sums(b_raw, FLOOR)
         do = _decayed(do, tl.exp(B), ROUNDED)
         dh = dh * tl.exp(B_end)[None, :]
-    return dot(tl.trans(q), do, tl.exp(A_end)[:, None] * dh, PRECISION)
+    return dot(tl.trans(q), do, decay * dh, PRECISION)
 
 
 @triton.jit
@@ -613,7 +669,7 @@ def gla_state_gradient_kernel(
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr,
     SLOTS: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, BONUS: tl.constexpr,
     REVERSE: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr, ROUNDED: tl.constexpr,
-    BLOCKS_FASTEST: tl.constexpr,
+    SUMS_BY_PRODUCT: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
 ):
     """One program per (sequence, head, K block, V block) (``_state_program``): each block of
     the state gradient needs only its own rows and columns (``_state_gradient_step`` per chunk,
@@ -631,14 +687,14 @@ def gla_state_gradient_kernel(
             dh = _state_gradient_step(c, dh, first_slot, start, end, head, k_cols, v_cols, q_ptr,
                                       do_ptr, a_ptr, b_ptr, dstates_ptr, scale, HEADS, K, V, BK,
                                       BV, C, SLOTS, HAS_A, HAS_B, BONUS, REVERSE, FLOOR,
-                                      PRECISION, ROUNDED)
+                                      PRECISION, ROUNDED, SUMS_BY_PRODUCT)
             c -= 1
     else:  # a ``for`` loop, which Triton pipelines: the next chunks' loads overlap this one's
         for done in range(chunks):
             dh = _state_gradient_step(chunks - 1 - done, dh, first_slot, start, end, head,
                                       k_cols, v_cols, q_ptr, do_ptr, a_ptr, b_ptr, dstates_ptr,
                                       scale, HEADS, K, V, BK, BV, C, SLOTS, HAS_A, HAS_B, BONUS,
-                                      REVERSE, FLOOR, PRECISION, ROUNDED)
+                                      REVERSE, FLOOR, PRECISION, ROUNDED, SUMS_BY_PRODUCT)
     tl.store(dh0_ptr + local + tile, dh, mask=state_mask)
 
 

@@ -497,9 +497,9 @@ class _GlaStatic:
     # 2.77 / 10.31 at 3)
     sequential_stages: int = 3
     output_stages: int = 3
-    # The state pass's key-gate sums (bfloat16 gates) as two tensor-core products rather than a
-    # scan and a reduction across rows (sm_90 at K=128, 4 warps: 230 registers against 255,
-    # shared loads 179 -> 62, barriers 18 -> 16). Not yet timed: off by default.
+    # The key gates' in-chunk sums (bfloat16 gates) of the state pass, the output kernel and the
+    # state-gradient pass as tensor-core products rather than scans and reductions across rows
+    # (gla.py's _row_sums; sm_90 in BENCHMARKS.md session 11). Not yet timed: off by default.
     gate_sums_by_product: bool = False
 
     def __post_init__(self):
@@ -623,7 +623,7 @@ def _gla_outputs(static, TAME, q, k, v, a, b, u, states, cu):
         static.grid(slots, static.heads, -(-static.v_size // static.output_block_v)),
         num_warps=static.output_warps, num_stages=static.output_stages,
         **dict(constexprs, TAME=TAME, BK=static.output_block_k, BV=static.output_block_v,
-               ROUNDED=static.rounded_products))
+               ROUNDED=static.rounded_products, SUMS_BY_PRODUCT=static.gate_sums_by_product))
     return o
 
 
@@ -652,7 +652,8 @@ def _gla_state_gradient(static, q, a, b, do, dht, cu):
     sequences = cu.shape[0] - 1
     state_shape = (static.heads, static.k_size, static.v_size)
     _, state_index, slots = _gla_slots(cu, static.rows, static.span)
-    constexprs = static.backward_constexprs(SLOTS=slots, ROUNDED=static.rounded_products)
+    constexprs = static.backward_constexprs(SLOTS=slots, ROUNDED=static.rounded_products,
+                                            SUMS_BY_PRODUCT=static.gate_sums_by_product)
     del constexprs["LEVELS"]
     return _launch.launch(
         _gla_kernels.gla_state_gradient_kernel,
