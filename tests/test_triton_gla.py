@@ -159,6 +159,20 @@ def test_tame_path_criterion(monkeypatch, dtype, by_product):
 BY_PRODUCT = {"gate_sums_by_product": True}
 
 
+def _check_packed_with_overrides(monkeypatch, op, decay, overrides, key, reverse, dtype, seed):
+    """One op under _GlaStatic overrides on the default span: packed sequences of several
+    chunks (one empty, one shorter than a chunk) with V = 96 (two V blocks, one partial); GLA
+    with its key gate gk (in ``reverse`` if asked)."""
+    _chunks(monkeypatch, 64)
+    monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", overrides)
+    drawn = dict(batch=1, steps=140, key=key, value=96, state_rows=3, decay=decay)
+    options = dict(cu_seqlens=[0, 5, 5, 140])
+    if op == "gated_linear_attention":
+        drawn["gates"] = ("gk",)
+        options["reverse"] = reverse
+    check_case("triton", Case(op, drawn, options, dtype=dtype), seed=seed)
+
+
 @pytest.mark.parametrize("op, decay, overrides", [
     ("gated_linear_attention", ("uniform", -0.2), {}), ("rwkv6", "strong", {}),
     ("gated_linear_attention", ("uniform", -0.2), BY_PRODUCT), ("rwkv6", "strong", BY_PRODUCT),
@@ -171,14 +185,8 @@ def test_bfloat16_inputs(monkeypatch, op, decay, overrides):
     products (gate_sums_by_product). GLA's gk on the tame path with reverse, RWKV-6 with strong
     decays on the exact one (and model ones on the tame one); packed sequences of several
     chunks, an empty segment, two V blocks."""
-    _chunks(monkeypatch, 64)
-    monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", overrides)
-    drawn = dict(batch=1, steps=140, key=32, value=96, state_rows=3, decay=decay)
-    options = dict(cu_seqlens=[0, 5, 5, 140])
-    if op == "gated_linear_attention":
-        drawn["gates"] = ("gk",)
-        options["reverse"] = True
-    check_case("triton", Case(op, drawn, options, dtype="bfloat16"), seed=19)
+    _check_packed_with_overrides(monkeypatch, op, decay, overrides, key=32, reverse=True,
+                                 dtype="bfloat16", seed=19)
 
 
 def test_sixteen_bit_path_only_without_float32():
@@ -207,10 +215,5 @@ def test_launch_orders_and_state_blocks(monkeypatch, op, decay, overrides):
     (two K blocks in the state passes; the exact K-side kernel's programs of 16 keys) and V = 96
     (two V blocks, one partial), packed with an empty segment; GLA's gk on the tame path,
     RWKV-6 with strong decays on the exact one."""
-    _chunks(monkeypatch, 64)
-    monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", overrides)
-    drawn = dict(batch=1, steps=140, key=128, value=96, state_rows=3, decay=decay)
-    options = dict(cu_seqlens=[0, 5, 5, 140])
-    if op == "gated_linear_attention":
-        drawn["gates"] = ("gk",)
-    check_case("triton", Case(op, drawn, options), seed=23)
+    _check_packed_with_overrides(monkeypatch, op, decay, overrides, key=128, reverse=False,
+                                 dtype="float32", seed=23)

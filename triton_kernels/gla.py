@@ -365,16 +365,17 @@ def _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr, 
                 BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, SLOTS: tl.constexpr,
                 HAS_A: tl.constexpr, HAS_B: tl.constexpr, REVERSE: tl.constexpr,
                 FLOOR: tl.constexpr, PRECISION: tl.constexpr, ROUNDED: tl.constexpr,
-                SUMS_BY_PRODUCT: tl.constexpr):
+                BY_PRODUCT: tl.constexpr):
     """Chunk c of the state pass: the state at its start saved (``_sequential_chunk``), then
     H' = (e^{A_end} e^{B_end}^T) * H + (k e^{A_end - A})^T (v e^{B_end - B}); ``low`` lowered
-    per channel to the chunk's key gates summed (the tame-path criterion). SUMS_BY_PRODUCT
-    (bfloat16 gates): the key gates' sums as products (``_row_sums``, ``_chunk_totals``)."""
+    per channel to the chunk's key gates summed (the tame-path criterion). BY_PRODUCT (the
+    kernel's choice, for bfloat16 gates): the key gates' sums as products (``_row_sums``,
+    ``_chunk_totals``); ``low`` is then a [BK, BV] tile."""
     k, v, a_raw, b_raw = _sequential_chunk(c, h, first_slot, start, end, head, k_cols, v_cols,
                                            k_ptr, v_ptr, a_ptr, b_ptr, states_ptr, HEADS, K, V,
                                            BK, BV, C, SLOTS, HAS_A, HAS_B, REVERSE)
     if HAS_A:
-        if SUMS_BY_PRODUCT and a_raw.dtype == tl.bfloat16:
+        if BY_PRODUCT:
             gate = _gate_tile(a_raw, FLOOR)
             t = tl.arange(0, C)
             k_to_end = tl.exp(_row_sums(gate, t[None, :] > t[:, None], False))  # after i
@@ -413,9 +414,10 @@ def gla_state_kernel(
     local, tile, state_mask = _state_tile(sequence, head, k_cols, v_cols, HEADS, K, V, BK, BV)
     first_slot = tl.load(state_index_ptr + sequence)
     h = tl.load(h0_ptr + local + tile, mask=state_mask, other=0.0)
+    # (the sums by product need bfloat16 gates, and give the chunk sums as [BK, BV] tiles)
     by_product: tl.constexpr = SUMS_BY_PRODUCT and a_ptr.dtype.element_ty == tl.bfloat16
     if by_product:
-        low = tl.zeros([BK, BV], tl.float32)  # (the sums come as [BK, BV] tiles)
+        low = tl.zeros([BK, BV], tl.float32)
     else:
         low = tl.zeros([BK], tl.float32)
     if INTERPRETED:  # (whose ``range`` takes no run-time bound)
@@ -424,14 +426,14 @@ def gla_state_kernel(
             h, low = _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr,
                                  v_ptr, a_ptr, b_ptr, states_ptr, HEADS, K, V, BK, BV, C, SLOTS,
                                  HAS_A, HAS_B, REVERSE, FLOOR, PRECISION, ROUNDED,
-                                 SUMS_BY_PRODUCT)
+                                 by_product)
             c += 1
     else:  # a ``for`` loop, which Triton pipelines: the next chunks' loads overlap this one's
         for c in range(chunks):
             h, low = _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr,
                                  v_ptr, a_ptr, b_ptr, states_ptr, HEADS, K, V, BK, BV, C, SLOTS,
                                  HAS_A, HAS_B, REVERSE, FLOOR, PRECISION, ROUNDED,
-                                 SUMS_BY_PRODUCT)
+                                 by_product)
     tl.store(ht_ptr + local + tile, h, mask=state_mask)
     blocks: tl.constexpr = ((K + BK - 1) // BK) * ((V + BV - 1) // BV)
     if by_product:
