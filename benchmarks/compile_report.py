@@ -92,8 +92,8 @@ def main():
     parser.add_argument("--tame-key-program-k", type=int, default=128,
                         help="gla family: --key-program-k on the tame path")
     parser.add_argument("--gate-v", action="store_true", help="gla family: with a value gate")
-    parser.add_argument("--sums-by-product", action="store_true",
-                        help="gla family: _GlaStatic.gate_sums_by_product")
+    parser.add_argument("--sums-by-product", action=argparse.BooleanOptionalAction,
+                        default=True, help="gla family: _GlaStatic.gate_sums_by_product")
     parser.add_argument("--stages", type=int, default=3,
                         help="gla family: num_stages of the sequential passes (their pipeline)")
     parser.add_argument("--rounded", action=argparse.BooleanOptionalAction, default=None,

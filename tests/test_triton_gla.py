@@ -156,7 +156,7 @@ def test_tame_path_criterion(monkeypatch, dtype, by_product):
     assert _tame(gates.at[70, 1, 2].set(-30.0), [0, 100])  # -61.5
 
 
-BY_PRODUCT = {"gate_sums_by_product": True}
+SCANS = {"gate_sums_by_product": False}
 
 
 def _check_packed_with_overrides(monkeypatch, op, decay, overrides, key, reverse, dtype, seed):
@@ -175,14 +175,14 @@ def _check_packed_with_overrides(monkeypatch, op, decay, overrides, key, reverse
 
 @pytest.mark.parametrize("op, decay, overrides", [
     ("gated_linear_attention", ("uniform", -0.2), {}), ("rwkv6", "strong", {}),
-    ("gated_linear_attention", ("uniform", -0.2), BY_PRODUCT), ("rwkv6", "strong", BY_PRODUCT),
-    ("rwkv6", ("uniform", -0.5), BY_PRODUCT)])
+    ("gated_linear_attention", ("uniform", -0.2), SCANS), ("rwkv6", "strong", SCANS),
+    ("rwkv6", ("uniform", -0.5), {})])
 def test_bfloat16_inputs(monkeypatch, op, decay, overrides):
     """bfloat16 inputs: the states saved per chunk (and their gradients) in bfloat16, the K-side
     gradient kernel's products of two stored 16-bit tiles (dO v^T, dO H^T, v dH^T) taken as
     they are (common.dot), and the decayed operands of the sequential passes and the output
-    kernel rounded to bfloat16 (rounded_products); also with the state pass's key-gate sums as
-    products (gate_sums_by_product). GLA's gk on the tame path with reverse, RWKV-6 with strong
+    kernel rounded to bfloat16 (rounded_products); the key-gate sums as products
+    (gate_sums_by_product, the default for bfloat16 gates) and as scans. GLA's gk on the tame path with reverse, RWKV-6 with strong
     decays on the exact one (and model ones on the tame one); packed sequences of several
     chunks, an empty segment, two V blocks."""
     _check_packed_with_overrides(monkeypatch, op, decay, overrides, key=32, reverse=True,

@@ -499,8 +499,11 @@ class _GlaStatic:
     output_stages: int = 3
     # The key gates' in-chunk sums (bfloat16 gates) of the state pass, the output kernel and the
     # state-gradient pass as tensor-core products rather than scans and reductions across rows
-    # (gla.py's _row_sums; sm_90 in BENCHMARKS.md session 11). Not yet timed: off by default.
-    gate_sums_by_product: bool = False
+    # (gla.py's _row_sums). H100, B=8 T=4096 bf16, fwd / fwd+bwd ms, same process: K=64 GLA
+    # 1.66 / 6.79 -> 1.35 / 6.53, RWKV-6 1.72 / 7.80 -> 1.63 / 7.66; K=128 GLA 2.85 / 10.61 ->
+    # 2.34 / 9.92, RWKV-6 2.85 / 12.27 -> 2.16 / 11.21; errors against float64 unchanged
+    # (BENCHMARKS.md session 12). Other gates' dtypes keep the scans.
+    gate_sums_by_product: bool = True
 
     def __post_init__(self):
         if self.span not in (16, 32, 64):
