@@ -131,12 +131,13 @@ def main():
                   dv_ptr=bf16,
                   matrices_ptr=f32, cu_ptr=i32, state_index_ptr=i32, chunk_index_ptr=i32,
                   slot_sequence_ptr=i32, chunk_sequence_ptr=i32, scores_ptr=f32, low_ptr=f32)
-    k_grads = f32 if v_blocks > 1 else bf16  # float32 partial sums with several V blocks
-    inputs.update({f"d{n}_ptr": k_grads for n in "rwkab"})
-    gradient = dict(shapes, CHUNKS_PER_STATE=8, SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
-                    ROWS=rows if v_blocks > 1 else 0)
+    # The K-side gradients: the last V block's launch (with several, it adds the earlier sums)
+    inputs.update({f"d{n}_ptr": bf16 for n in "rwkab"})
+    inputs.update({f"earlier_d{n}_ptr": f32 for n in "rwkab"})
+    gradient = dict(shapes, CHUNKS_PER_STATE=8, SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8)
     block_k = args.gradient_block_k or (64 if bk == 128 else bk)
-    k_side = dict(gradient, BK=block_k, K_BLOCKS=bk // block_k)
+    k_side = dict(gradient, BK=block_k, K_BLOCKS=bk // block_k, V_BLOCK=v_blocks - 1,
+                  ACCUMULATE=v_blocks > 1)
     kernels = [
         ("tame in-chunk", rwkv7.rwkv7_tame_in_chunk_kernel,
          dict(in_chunk, GROUP=4, KI=min(64, bk))),
@@ -145,7 +146,7 @@ def main():
          dict(recurrence, CHUNKS_PER_STATE=8, SAVE=True, STATE_SLOTS=spans)),
         ("state gradient", rwkv7.rwkv7_state_gradient_kernel, recurrence),
         ("value gradient", rwkv7.rwkv7_value_gradient_kernel,
-         dict({n: x for n, x in gradient.items() if n not in ("ROWS", "scale", "LEVELS")},
+         dict({n: x for n, x in gradient.items() if n not in ("scale", "LEVELS")},
               BK=min(bk, 64), K_PIECES=-(-bk // 64))),
         ("key gradient", rwkv7.rwkv7_key_gradient_kernel, k_side),
         ("query gradient", rwkv7.rwkv7_query_gradient_kernel, k_side),

@@ -86,9 +86,11 @@ def run(kernel_name, warps, size, recurrence_block_v, gradient_block_k):
     slot_sequence = torch.full((slots,), -1, device=device, dtype=torch.int32)
     slot_sequence[:rows // span] = torch.arange(batch, device=device, dtype=torch.int32
                                                 ).repeat_interleave(steps // span)
-    # The K-side gradients: float32 partial sums per V block when there are several.
+    # The K-side gradients: one launch per V block, float32 sums when there are several (each
+    # launch here adds the same zero earlier sums, so that repeated launches write the same).
     k_side = dict(dtype=torch.bfloat16) if v_blocks == 1 else dict(dtype=torch.float32)
-    k_shape = shape if v_blocks == 1 else (v_blocks,) + shape
+    k_shape = shape
+    earlier = [torch.zeros(shape, device=device) for _ in range(3)]
     outputs = {w: dict(dv=[torch.full(shape, float("nan"), device=device, dtype=torch.bfloat16)],
                        key=[torch.full(k_shape, float("nan"), device=device, **k_side)
                             for _ in range(2)] + [empty(*k_shape)],
@@ -101,8 +103,7 @@ def run(kernel_name, warps, size, recurrence_block_v, gradient_block_k):
     block_k = gradient_block_k or (64 if size == 128 else size)
     k_blocks = size // block_k
     k_side_sizes = dict(gradient_sizes, BK=block_k, K_BLOCKS=k_blocks)
-    k_side_grid = (slots, heads, v_blocks * k_blocks)
-    rows_option = rows if v_blocks > 1 else 0
+    k_side_grid = (slots, heads, k_blocks)
     indices = (cu, index(steps // span), index(steps // chunk), slot_sequence)
 
     def value_gradient(warps):
@@ -113,14 +114,18 @@ def run(kernel_name, warps, size, recurrence_block_v, gradient_block_k):
                     if n not in ("scale", "LEVELS", "TAME")}, BK=min(size, 64)))
 
     def key_gradient(warps):
-        rwkv7.rwkv7_key_gradient_kernel[k_side_grid](
-            *x.values(), do, u, dstates, dx, *indices, *outputs[warps]["key"], ROWS=rows_option,
-            num_warps=warps, **k_side_sizes)
+        for v_block in range(v_blocks):
+            rwkv7.rwkv7_key_gradient_kernel[k_side_grid](
+                *x.values(), do, u, dstates, dx, *earlier[:2], *indices,
+                *outputs[warps]["key"], V_BLOCK=v_block, ACCUMULATE=v_block > 0,
+                num_warps=warps, **k_side_sizes)
 
     def query_gradient(warps):
-        rwkv7.rwkv7_query_gradient_kernel[k_side_grid](
-            *x.values(), do, states, u, dstates, dx, outputs[4]["key"][2], *indices,
-            *outputs[warps]["query"], ROWS=rows_option, num_warps=warps, **k_side_sizes)
+        for v_block in range(v_blocks):
+            rwkv7.rwkv7_query_gradient_kernel[k_side_grid](
+                *x.values(), do, states, u, dstates, dx, outputs[4]["key"][2], *earlier,
+                *indices, *outputs[warps]["query"], V_BLOCK=v_block, ACCUMULATE=v_block > 0,
+                num_warps=warps, **k_side_sizes)
 
     in_chunk(4)
     forward(4)

@@ -212,10 +212,13 @@ def test_rounded_products(hard):
 
 
 @pytest.mark.parametrize("key, value, block_v, fused", [
-    (32, 32, 16, True), (32, 32, 16, False), (128, 64, 64, True), (16, 48, 32, True)])
+    (32, 32, 16, True), (32, 32, 16, False), (128, 64, 64, True), (16, 48, 32, True),
+    (16, 48, 16, False)])
 def test_head_sizes_and_v_blocks(key, value, block_v, fused):
-    """Several V blocks per head (their K-side partial gradients are summed); padded sizes;
-    the tame path's K-side gradients in one kernel or two (at K=128 in blocks of 64 K rows)."""
+    """Several V blocks per head (the K-side gradient kernels launched once per V block, each
+    launch adding the float32 sums of the one before; three launches in the last case); padded
+    sizes; the tame path's K-side gradients in one kernel or two (at K=128 in blocks of 64 K
+    rows)."""
     check(Case(steps=20, heads=2, key=key, value=value,
                config=dict(block_v=block_v, fused_tame_gradient=fused)), seed=key + value)
 

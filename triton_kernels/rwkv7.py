@@ -61,8 +61,10 @@ sequence n in the saved-state buffer (one state per span of CHUNK * CHUNKS_PER_S
 ``chunk_index[n]`` its first slot in the per-chunk dH buffer, and ``slot_sequence[s]`` the
 sequence of span slot s (-1 for the slots past the last span: the buffers have a static size).
 
-K-side gradients (r, w, k, a, b) sum over V, so with several V blocks (ROWS > 0) each
-program writes its own partial [V blocks, rows, heads, K] slice and the caller sums them.
+K-side gradients (r, w, k, a, b) sum over V, so with several V blocks the caller launches
+their kernels once per V block (V_BLOCK): each launch after the first adds the float32 sums of
+the one before (ACCUMULATE), and the last writes the gradients' dtype. That keeps one float32
+buffer per gradient, in a fixed order of summation (deterministic).
 
 Tiles are addressed as a scalar row base plus offsets within a chunk that are the same for
 every chunk (computed once per program), and masks are row masks unless K or V needs padding,
@@ -604,8 +606,9 @@ def _exact_column_gradients(q, a, w, dA_qk, dA_qb, dA_ak, dA_ab, dk, db, C: tl.c
 def _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr, HEADS: tl.constexpr,
           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
           TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
-          K_BLOCKS: tl.constexpr):
-    """A gradient program's span (grid: span slots, HEADS, V blocks * K_BLOCKS): whether the
+          K_BLOCKS: tl.constexpr, V_BLOCK: tl.constexpr):
+    """A gradient program's span (grid: span slots, HEADS, V blocks * K_BLOCKS; its V block
+    counted from V_BLOCK, the first of a launch that takes only some): whether the
     slot is used, its tiles and masks, the sequence's rows, its span's chunks [c, last) (none
     for an unused slot), the head, the slot of the sequence's first chunk (for ``_dh``) and
     the first K row of its block (K_BLOCKS > 1: K = K_BLOCKS * BK; the K-side tiles and states
@@ -615,8 +618,8 @@ def _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr, HEADS: tl
     used = sequence >= 0
     sequence = clamped(sequence, SEQUENCES)
     v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
-        sequence, tl.program_id(1), tl.program_id(2) // K_BLOCKS, cu_ptr, HEADS, K, V, BK, BV, C,
-        True)
+        sequence, tl.program_id(1), V_BLOCK + tl.program_id(2) // K_BLOCKS, cu_ptr, HEADS, K, V,
+        BK, BV, C, True)
     start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
     c = tl.maximum((slot - tl.load(state_index_ptr + sequence)) * CHUNKS_PER_STATE, 0)
     last = tl.where(used, tl.minimum(c + CHUNKS_PER_STATE, chunks), c)
@@ -659,13 +662,12 @@ def _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr
 
 
 @triton.jit
-def _partial(k_base, ROWS: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr,
-             K_BLOCKS: tl.constexpr):
-    """Where a program writes its chunk's K-side gradients: with several V blocks (ROWS > 0),
-    its V block's float32 partial sums [V blocks, ROWS, HEADS, K]."""
-    if ROWS > 0:
-        k_base += (tl.program_id(2) // K_BLOCKS).to(tl.int64) * (ROWS * HEADS * K)
-    return k_base
+def _store_sum(out_ptr, earlier_ptr, offsets, mask, value, ACCUMULATE: tl.constexpr):
+    """Store a K-side gradient (a sum over V) of this launch's V block, plus (ACCUMULATE) the
+    float32 sums of the earlier V blocks' launches."""
+    if ACCUMULATE:
+        value += tl.load(earlier_ptr + offsets, mask=mask, other=0.0)
+    tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -687,8 +689,9 @@ def _dh(dstates_ptr, chunk_slot, head, state_mask, v_cols, k_first, HEADS: tl.co
 # tiles are held transposed, [K, C] and [V, C], so that the products with the states and with
 # the [C, C] matrices have K or V (64 or more) rows, which Hopper's warpgroup MMA takes from
 # shared memory (fewer registers than the [C, *] orientation; blocks of 32 K rows lose it).
-# Layouts: dv [rows, HEADS, V]; the K-side gradients (dr, dw, dk, da, db) [rows, HEADS, K], or
-# float32 partial sums [V blocks, ROWS, HEADS, K] when ROWS > 0 (several V blocks).
+# Layouts: dv [rows, HEADS, V]; the K-side gradients (dr, dw, dk, da, db) [rows, HEADS, K]
+# (float32 sums up to this launch's V block when it is not the last; the earlier launches' sums
+# are the inputs named earlier_*: unread, any array, in the first).
 
 @triton.jit
 def rwkv7_value_gradient_kernel(
@@ -707,7 +710,7 @@ def rwkv7_value_gradient_kernel(
     (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
      first_chunk_slot, _) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr,
                                   HEADS, K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES, CHUNKS_PER_STATE,
-                                  1)
+                                  1, 0)
     while c < last:
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, True)
@@ -731,20 +734,23 @@ def rwkv7_value_gradient_kernel(
 @triton.jit
 def rwkv7_key_gradient_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dstates_ptr, dx_ptr,
+    earlier_dk_ptr, earlier_db_ptr,
     cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,               # inputs
     dk_ptr, db_ptr, dw_part_ptr,                                               # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
     FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
-    ROWS: tl.constexpr, K_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
+    K_BLOCKS: tl.constexpr, V_BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """dk, db (the columns of the A matrices, and k^, b^ of the state's update) and their
-    share of dw, dw_part (float32 always; ``rwkv7_query_gradient_kernel`` finishes dw)."""
+    share of dw, dw_part (float32 always, this V block's alone: ``rwkv7_query_gradient_kernel``
+    adds it to dw)."""
     (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
      first_chunk_slot, k_first) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr,
                                         cu_ptr, HEADS, K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES,
-                                        CHUNKS_PER_STATE, K_BLOCKS)
+                                        CHUNKS_PER_STATE, K_BLOCKS, V_BLOCK)
     while c < last:
         (k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a,
          b) = _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr,
@@ -777,9 +783,8 @@ def rwkv7_key_gradient_kernel(
         # k_i, b_i enter a chunk only as x_i e^-gi_i (the e^g of k^ and b^ is in dg_end): their
         # share of the gradient of gi is -k dk - b db (dw: see the query-side kernel).
         dw = tl.cumsum(-(k * dk + b * db), axis=1, reverse=True) + dg_end[:, None]
-        k_base = _partial(k_base, ROWS, HEADS, K, K_BLOCKS)
-        tl.store(dk_ptr + k_base + k_tile, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
-        tl.store(db_ptr + k_base + k_tile, db.to(db_ptr.dtype.element_ty), mask=k_in)
+        _store_sum(dk_ptr, earlier_dk_ptr, k_base + k_tile, k_in, dk, ACCUMULATE)
+        _store_sum(db_ptr, earlier_db_ptr, k_base + k_tile, k_in, db, ACCUMULATE)
         tl.store(dw_part_ptr + k_base + k_tile, dw, mask=k_in)
         c += 1
 
@@ -787,14 +792,15 @@ def rwkv7_key_gradient_kernel(
 @triton.jit
 def rwkv7_query_gradient_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, states_ptr, u_ptr, dstates_ptr, dx_ptr,
-    dw_part_ptr, cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,  # inputs
+    dw_part_ptr, earlier_dr_ptr, earlier_dw_ptr, earlier_da_ptr,
+    cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,               # inputs
     dr_ptr, dw_ptr, da_ptr,                                                    # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
     FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
-    SEQUENCES: tl.constexpr,
-    CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr, ROWS: tl.constexpr,
-    K_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
+    SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
+    K_BLOCKS: tl.constexpr, V_BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """dr, da (the rows of the A matrices, and q~ H, a~ H) and dw, finished from the key
     side's share dw_part: the kernel that needs the state H, its saved H advanced over the
@@ -802,7 +808,7 @@ def rwkv7_query_gradient_kernel(
     (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
      first_chunk_slot, k_first) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr,
                                         cu_ptr, HEADS, K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES,
-                                        CHUNKS_PER_STATE, K_BLOCKS)
+                                        CHUNKS_PER_STATE, K_BLOCKS, V_BLOCK)
     h = tl.load(states_ptr + k_first * V + state_offsets(tl.program_id(0), head, HEADS, K, V, BK,
                                                          v_cols),
                 mask=state_mask & used, other=0.0).to(tl.float32)
@@ -843,28 +849,28 @@ def rwkv7_query_gradient_kernel(
         dg_end = tl.exp(g_end) * h_dh
         if not TAME:  # (a tame call has no decay below FLOOR)
             floored = rows(w_ptr, k_base, k_tile, k_in) < FLOOR
-        k_base = _partial(k_base, ROWS, HEADS, K, K_BLOCKS)
         d_ge = a * da
         dw = (tl.load(dw_part_ptr + k_base + k_tile, mask=k_in, other=0.0)
               + tl.cumsum(q * dq + d_ge, axis=1, reverse=True) - d_ge + dg_end[:, None])
         if not TAME:
             dw = tl.where(floored, 0.0, dw)
-        tl.store(dr_ptr + k_base + k_tile, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
-        tl.store(dw_ptr + k_base + k_tile, dw.to(dw_ptr.dtype.element_ty), mask=k_in)
-        tl.store(da_ptr + k_base + k_tile, da.to(da_ptr.dtype.element_ty), mask=k_in)
+        _store_sum(dr_ptr, earlier_dr_ptr, k_base + k_tile, k_in, dq * scale, ACCUMULATE)
+        _store_sum(dw_ptr, earlier_dw_ptr, k_base + k_tile, k_in, dw, ACCUMULATE)
+        _store_sum(da_ptr, earlier_da_ptr, k_base + k_tile, k_in, da, ACCUMULATE)
         c += 1
 
 
 @triton.jit
 def rwkv7_tame_gradient_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, states_ptr, u_ptr, dstates_ptr, dx_ptr,
+    earlier_dr_ptr, earlier_dw_ptr, earlier_dk_ptr, earlier_da_ptr, earlier_db_ptr,
     cu_ptr, state_index_ptr, chunk_index_ptr, slot_sequence_ptr,               # inputs
     dr_ptr, dw_ptr, dk_ptr, da_ptr, db_ptr,                                    # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
     TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
-    CHUNKS_PER_STATE: tl.constexpr, ROWS: tl.constexpr, K_BLOCKS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    CHUNKS_PER_STATE: tl.constexpr, K_BLOCKS: tl.constexpr, V_BLOCK: tl.constexpr,
+    ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The key and query gradient kernels in one, for tame calls only (their TAME path): it
     reads the inputs and dH once instead of twice. With dV in it too (before the value kernel
@@ -877,7 +883,7 @@ def rwkv7_tame_gradient_kernel(
     (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
      first_chunk_slot, k_first) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr,
                                         cu_ptr, HEADS, K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES,
-                                        CHUNKS_PER_STATE, K_BLOCKS)
+                                        CHUNKS_PER_STATE, K_BLOCKS, V_BLOCK)
     h = tl.load(states_ptr + k_first * V + state_offsets(tl.program_id(0), head, HEADS, K, V, BK,
                                                          v_cols),
                 mask=state_mask & used, other=0.0).to(tl.float32)
@@ -917,10 +923,10 @@ def rwkv7_tame_gradient_kernel(
         d_ge = a * da
         dw = (tl.cumsum(q * dq - k * dk - b * db + d_ge, axis=1, reverse=True) - d_ge
               + dg_end[:, None])
-        k_base = _partial(k_base, ROWS, HEADS, K, K_BLOCKS)
-        tl.store(dr_ptr + k_base + k_tile, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
-        tl.store(dw_ptr + k_base + k_tile, dw.to(dw_ptr.dtype.element_ty), mask=k_in)
-        tl.store(dk_ptr + k_base + k_tile, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
-        tl.store(da_ptr + k_base + k_tile, da.to(da_ptr.dtype.element_ty), mask=k_in)
-        tl.store(db_ptr + k_base + k_tile, db.to(db_ptr.dtype.element_ty), mask=k_in)
+        offsets = k_base + k_tile
+        _store_sum(dr_ptr, earlier_dr_ptr, offsets, k_in, dq * scale, ACCUMULATE)
+        _store_sum(dw_ptr, earlier_dw_ptr, offsets, k_in, dw, ACCUMULATE)
+        _store_sum(dk_ptr, earlier_dk_ptr, offsets, k_in, dk, ACCUMULATE)
+        _store_sum(da_ptr, earlier_da_ptr, offsets, k_in, da, ACCUMULATE)
+        _store_sum(db_ptr, earlier_db_ptr, offsets, k_in, db, ACCUMULATE)
         c += 1
