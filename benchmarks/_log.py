@@ -1,5 +1,5 @@
 """The GPU scripts' log: every line is printed and, once ``open_log`` has named a file, written
-there too (flushed, so a run cut short keeps what it printed)."""
+there too (flushed, so a run cut short keeps what it printed). Also their per-kernel profile."""
 
 _file = None
 
@@ -15,3 +15,26 @@ def log(*parts):
     if _file:
         _file.write(line + "\n")
         _file.flush()
+
+
+def profile_kernels(fn, before=None, calls=10):
+    """GPU time per kernel name and call of ``fn`` (which waits for its work; ``before`` runs
+    ahead of each call, untimed), the largest first, as one line. torch's profiler records
+    through CUPTI every kernel of the process, fla's and those XLA launches for JAX alike."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            if before is not None:
+                before()
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        ms = getattr(event, "device_time_total", 0) / 1e3 / calls
+        if ms > 0.005:
+            times[event.key[:60]] = ms
+    return ", ".join(f"{name} {ms:.3f}" for name, ms in
+                     sorted(times.items(), key=lambda item: -item[1])[:14])

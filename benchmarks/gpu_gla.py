@@ -35,7 +35,7 @@ import torch  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import reference  # noqa: E402
-from _log import log, open_log  # noqa: E402  (benchmarks/_log.py)
+from _log import log, open_log, profile_kernels  # noqa: E402  (benchmarks/_log.py)
 from gpu_rwkv7 import jax_peak_bytes, time_jax, torch_peak_bytes, within  # noqa: E402
 from reference import relative_error  # noqa: E402
 
@@ -236,30 +236,11 @@ def bench_fla(op, x, d_out, d_state, ref):
     peaks = torch_peak_bytes((forward_backward, forward), fresh,
                              held=[*x.values(), d_out, d_state])
     for label, fn in (("forward", forward), ("forward+backward", forward_backward)):
-        log(f"  fla {op} {label}, per kernel: " + fla_kernel_times(fn, fresh))
+        log(f"  fla {op} {label}, per kernel: " + profile_kernels(
+            fn, lambda: [setattr(t, "grad", None) for t in fresh]))
     return dict(name=f"fla {fla_op.__name__}", forward_ms=forward_ms, forward_backward_ms=both_ms,
                 peak_bytes=peaks[0], forward_peak_bytes=peaks[1], errors=errors,
                 compile_s=compile_s)
-
-
-def fla_kernel_times(fn, fresh, calls=10):
-    """fla's GPU time per kernel name and call (torch's profiler), the largest first."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            for t in fresh:
-                t.grad = None
-            fn()
-        torch.cuda.synchronize()
-    times = {}
-    for event in prof.key_averages():
-        ms = getattr(event, "device_time_total", 0) / 1e3 / calls
-        if ms > 0.005:
-            times[event.key[:60]] = ms
-    return ", ".join(f"{name} {ms:.3f}" for name, ms in
-                     sorted(times.items(), key=lambda item: -item[1])[:14])
 
 
 def describe(row):

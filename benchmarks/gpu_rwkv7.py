@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import reference  # noqa: E402
-from _log import log, open_log  # noqa: E402  (benchmarks/_log.py)
+from _log import log, open_log, profile_kernels  # noqa: E402  (benchmarks/_log.py)
 from reference import relative_error  # noqa: E402
 
 import rwkv_jax  # noqa: E402
@@ -227,6 +227,9 @@ def bench_jax(label, x_jax, d_out, d_state, ref, backend="triton", config=None,
         if backend == "triton":
             saving = jax.jit(lambda x: jax.vjp(op, x)[0])
             row["forward_saving_states_ms"] = time_jax(saving, x_jax)
+            row["profile"] = profile_kernels(
+                lambda: jax.block_until_ready(both(x_jax, d_out, d_state)))
+            log(f"  {label} forward+backward, per kernel: {row['profile']}")
             row["config"] = dataclasses.asdict(triton_backend.CONFIG_OVERRIDES.get(
                 (size, size), triton_backend.default_config(size, size)))
     finally:
@@ -271,6 +274,8 @@ def bench_fla(label, x, d_out, d_state, ref, cu_seqlens=None, **options):
     out, state = forward()
     forward_backward()
     grads = {n: t.grad.float().cpu().numpy() for n, t in leaves.items()}
+    log(f"  {label} forward+backward, per kernel: " + profile_kernels(
+        forward_backward, lambda: [setattr(t, "grad", None) for t in leaves.values()]))
     errors = slice_errors(out.float().cpu().numpy(), state.float().cpu().numpy(), grads, ref)
     fresh = list(leaves.values())
     forward_ms = triton.testing.do_bench(forward, warmup=100, rep=500, return_mode="median")
@@ -424,7 +429,9 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
                     dict(bf16_saved=True, fused_tame_gradient=not default.fused_tame_gradient),
                     # the sequential passes' products with v and dO in bf16 (untimed in
                     # session 11; GLA's state pass gained 27 % from the same)
-                    dict(rounded=True), dict(rounded=True, bf16_saved=True)]
+                    dict(rounded=True), dict(rounded=True, bf16_saved=True),
+                    # the K-side gradient kernels at 8 warps (fewer spills; untimed, session 12)
+                    dict(k_side_warps=8)]
         if default.gradient_block_k:
             variants.append(dict(gradient_block_k=None))
         for change in variants:

@@ -82,6 +82,10 @@ class KernelConfig:
     # rounded_products: H100 K=128 GLA state pass 1.53 -> 1.12 ms there). Not yet timed for
     # RWKV-7: off by default.
     rounded: bool = False
+    # Warps of the K-side gradient kernels (None: backward_warps). sm_90, bf16, the fused tame
+    # kernel: 4 warps spill 288 B at K=64 and 344 B at K=128, 8 warps 192 and 196 B. Not yet
+    # timed (the value kernel keeps backward_warps: Triton 3.6 miscompiles its products at 8).
+    k_side_warps: int | None = None
 
 
 def _pow2_at_least(n, floor=16):
@@ -359,7 +363,8 @@ def _k_side_gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dstates
     if options["BK"] % block_k or (block_k < options["BK"] and static.k_size % block_k):
         raise ValueError(f"KernelConfig.gradient_block_k must divide K = {static.k_size} "
                          f"(a power of two); got {block_k}")
-    k_side = dict(options, scale=static.scale, BK=block_k, K_BLOCKS=options["BK"] // block_k)
+    k_side = dict(options, scale=static.scale, BK=block_k, K_BLOCKS=options["BK"] // block_k,
+                  num_warps=static.config.k_side_warps or static.config.backward_warps)
     grid = (slots, heads, k_side["K_BLOCKS"])
     fused = TAME and static.config.fused_tame_gradient
     if not fused:
