@@ -182,9 +182,9 @@ def test_bfloat16_inputs(monkeypatch, op, decay, overrides):
     gradient kernel's products of two stored 16-bit tiles (dO v^T, dO H^T, v dH^T) taken as
     they are (common.dot), and the decayed operands of the sequential passes and the output
     kernel rounded to bfloat16 (rounded_products); the key-gate sums as products
-    (gate_sums_by_product, the default for bfloat16 gates) and as scans. GLA's gk on the tame path with reverse, RWKV-6 with strong
-    decays on the exact one (and model ones on the tame one); packed sequences of several
-    chunks, an empty segment, two V blocks."""
+    (gate_sums_by_product, the default for bfloat16 gates) and as scans. GLA's gk on the tame
+    path with reverse, RWKV-6 with strong decays on the exact one (and model ones on the tame
+    one); packed sequences of several chunks, an empty segment, two V blocks."""
     _check_packed_with_overrides(monkeypatch, op, decay, overrides, key=32, reverse=True,
                                  dtype="bfloat16", seed=19)
 
