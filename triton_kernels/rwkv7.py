@@ -607,8 +607,8 @@ def _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr, cu_ptr, HEADS: tl
           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
           TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
           K_BLOCKS: tl.constexpr, V_BLOCK: tl.constexpr):
-    """A gradient program's span (grid: span slots, HEADS, V blocks * K_BLOCKS; its V block
-    counted from V_BLOCK, the first of a launch that takes only some): whether the
+    """A gradient program's span (grid: span slots, HEADS, V blocks * K_BLOCKS, its V block
+    counted from V_BLOCK: the K-side kernels launch one V block at a time): whether the
     slot is used, its tiles and masks, the sequence's rows, its span's chunks [c, last) (none
     for an unused slot), the head, the slot of the sequence's first chunk (for ``_dh``) and
     the first K row of its block (K_BLOCKS > 1: K = K_BLOCKS * BK; the K-side tiles and states
