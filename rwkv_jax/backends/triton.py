@@ -414,6 +414,8 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
 # 64-token chunks (docs/RWKV7-CHUNK64.md): a forward prototype, not yet the op's (no backward).
 CHUNK64 = 64
 LEVELS64 = CHUNK64.bit_length() - 1
+# Diagonal blocks of the in-chunk inverse (rwkv7.py's _wy_inverse: the plan's 16-token blocks).
+INVERSE_BLOCK64 = 16
 
 
 def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqlens=None,
@@ -455,6 +457,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         (chunk_slots, heads), scale=float(scale), TAME=TAME, LEVELS=LEVELS64,
         KI=min(block_k_in_chunk, block_k), VI=block_v, SEQUENCES=sequences,
         CHUNK_SLOTS=chunk_slots, INVERSE_PRECISION="ieee" if precise else "tf32",
+        INVERSE_BLOCK_LEVELS=INVERSE_BLOCK64.bit_length() - 1,
         **dict(common, BV=-(-v_size // block_v) * block_v))
     # tame_path's bound (-TAME_SUM / CHUNK = -1) is the 64-token chunk's too: 64 x -1 = -64,
     # which keeps the middle-referenced factors within e^(+-32).
