@@ -31,6 +31,7 @@ class Case:
     exact: bool = False  # force the exact in-chunk path
     options: dict = dataclasses.field(default_factory=dict)  # forward_chunk64's block sizes
     correlated: bool = False  # keys as _correlated_keys draws them
+    initial: bool = True  # an initial state (else None: zeros)
 
 
 # Log decays past the reference's kinds, [B, T, H, K]: whole tokens at -1e9 and -inf inside and
@@ -75,7 +76,7 @@ def check(case, seed):
     drawn = reference.random_inputs(
         "rwkv7", rng, batch=case.batch, steps=case.steps, heads=case.heads, key=case.key,
         value=case.value, decay="model" if hard else case.decay,
-        state_rows=len(case.cu_seqlens) - 1 if packed else None)
+        state_rows=len(case.cu_seqlens) - 1 if packed else None, initial_state=case.initial)
     if hard:
         drawn["w"] = HARD[case.decay](rng, drawn["w"])
     if case.correlated:
@@ -89,7 +90,7 @@ def check(case, seed):
     @jax.jit
     def run(x, cu_seqlens):
         return triton_backend.forward_chunk64(
-            *(x[n] for n in "rwkvab"), scale=0.5, initial_state=x["initial_state"],
+            *(x[n] for n in "rwkvab"), scale=0.5, initial_state=x.get("initial_state"),
             cu_seqlens=cu_seqlens, exact=case.exact, **case.options)
 
     out, state = run(x, jnp.asarray(case.cu_seqlens, jnp.int32) if packed else None)
@@ -126,18 +127,20 @@ def test_hard_decays(decay):
     check(Case(steps=133, decay=decay), seed=2)
 
 
-@pytest.mark.parametrize("steps", [1, 64, 70])
-def test_lengths(steps):
+@pytest.mark.parametrize("steps, initial", [(1, True), (64, True), (70, False)])
+def test_lengths(steps, initial):
     """One token, exactly one chunk, and one chunk and a bit (rows past the end read as zeros
-    and are not stored)."""
-    check(Case(steps=steps, batch=2), seed=steps)
+    and are not stored); the last without an initial state (zeros)."""
+    check(Case(steps=steps, batch=2, initial=initial), seed=steps)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_packed_sequences_with_initial_states(dtype):
+@pytest.mark.parametrize("dtype, decay", [("float32", "model"), ("bfloat16", "model"),
+                                          ("bfloat16", "-1e9 and -inf tokens")])
+def test_packed_sequences_with_initial_states(dtype, decay):
     """Segments of 0, 70, 3 and 67 tokens (an empty one, several chunks, a short one), each
-    with its initial state; bfloat16 inputs against the looser contract."""
-    check(Case(steps=140, heads=2, cu_seqlens=(0, 0, 70, 73, 140), dtype=dtype), seed=7)
+    with its initial state; bfloat16 inputs against the looser contract, on both paths."""
+    check(Case(steps=140, heads=2, cu_seqlens=(0, 0, 70, 73, 140), dtype=dtype, decay=decay),
+          seed=7)
 
 
 @pytest.mark.parametrize("decay", ["model", "-1e9 and -inf tokens"])
