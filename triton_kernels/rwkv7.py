@@ -976,9 +976,10 @@ def _wy_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C: tl.constexpr
 
 
 @triton.jit
-def _wy_pairs(x, y, z, w, STRICT: tl.constexpr, TAME: tl.constexpr, C: tl.constexpr,
+def _wy_pairs(x, y, z, w, xy, xz, STRICT: tl.constexpr, TAME: tl.constexpr, C: tl.constexpr,
               LEVELS: tl.constexpr, PRECISION: tl.constexpr):
-    """Two [C, C] in-chunk matrices of one part of K's columns, from [C, *] tiles: sum_k x_t
+    """Two [C, C] in-chunk matrices, xy and xz, plus their terms of one part of K's columns
+    (added in place: no second pair of [C, C] sums held), from [C, *] tiles: sum_k x_t
     y_i and x_t z_i times e^(gi_t - gi_i) for i <= t (A_qk, A_qb: x = q), or times
     e^(ge_t - gi_i) for i < t if STRICT (A_ak, A_ab: x = a). TAME: one product each, factors
     referenced to the chunk's middle row (``_middle``; at C = 64 within e^(+-32) for log decays
@@ -999,17 +1000,14 @@ def _wy_pairs(x, y, z, w, STRICT: tl.constexpr, TAME: tl.constexpr, C: tl.conste
         column = tl.exp(middle - gi)
         # tl.where, not a multiplication: the entries dropped (i > t) are no factors of the math
         # and may be large (up to e^64).
-        xy = tl.where(keep_all, tl.dot(x_f, tl.trans(y * column), input_precision=PRECISION),
-                      0.0)
-        xz = tl.where(keep_all, tl.dot(x_f, tl.trans(z * column), input_precision=PRECISION),
-                      0.0)
+        xy += tl.where(keep_all, tl.dot(x_f, tl.trans(y * column), input_precision=PRECISION),
+                       0.0)
+        xz += tl.where(keep_all, tl.dot(x_f, tl.trans(z * column), input_precision=PRECISION),
+                       0.0)
     else:
-        if STRICT:
-            xy = tl.zeros([C, C], tl.float32)
-            xz = tl.zeros([C, C], tl.float32)
-        else:  # the diagonal: factor e^0
-            xy = _diagonal(tl.sum(x * y, axis=1), C)
-            xz = _diagonal(tl.sum(x * z, axis=1), C)
+        if not STRICT:  # the diagonal: factor e^0
+            xy += _diagonal(tl.sum(x * y, axis=1), C)
+            xz += _diagonal(tl.sum(x * z, axis=1), C)
         for level in tl.static_range(LEVELS):
             row, row_strict, column, keep = _level(w, C >> (level + 1), 0, C)
             if STRICT:
@@ -1096,12 +1094,10 @@ def rwkv7_wy_kernel(
         k_cols = part * KI + tl.arange(0, KI)
         k_in = rows_in & (k_cols < K)[None, :]
         k_tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
-        A_ak_part, A_ab_part = _wy_pairs(
+        A_ak, A_ab = _wy_pairs(
             rows(a_ptr, k_base, k_tile, k_in), rows(k_ptr, k_base, k_tile, k_in),
             rows(b_ptr, k_base, k_tile, k_in), _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR),
-            True, TAME, C, LEVELS, PRECISION)
-        A_ak += A_ak_part
-        A_ab += A_ab_part
+            A_ak, A_ab, True, TAME, C, LEVELS, PRECISION)
     inverse = _wy_inverse(A_ab, C, LEVELS, INVERSE_BLOCK_LEVELS, INVERSE_PRECISION)
     # U0 = T (A_ak V) = (T A_ak) V: one [C, C] product, then one per part of V.
     inverse_ak = tl.dot(inverse, A_ak, input_precision=INVERSE_PRECISION)
@@ -1126,12 +1122,10 @@ def rwkv7_wy_kernel(
         k_cols = part * KI + tl.arange(0, KI)
         k_in = rows_in & (k_cols < K)[None, :]
         k_tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
-        A_qk_part, A_qb_part = _wy_pairs(
+        A_qk, A_qb = _wy_pairs(
             rows(r_ptr, k_base, k_tile, k_in) * scale, rows(k_ptr, k_base, k_tile, k_in),
             rows(b_ptr, k_base, k_tile, k_in), _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR),
-            False, TAME, C, LEVELS, PRECISION)
-        A_qk += A_qk_part
-        A_qb += A_qb_part
+            A_qk, A_qb, False, TAME, C, LEVELS, PRECISION)
     tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C), A_qk, mask=used)
     tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C), A_qb, mask=used)
 
