@@ -416,20 +416,33 @@ CHUNK64 = 64
 LEVELS64 = CHUNK64.bit_length() - 1
 # Diagonal blocks of the in-chunk inverse (rwkv7.py's _wy_inverse: the plan's 16-token blocks).
 INVERSE_BLOCK64 = 16
+# The tame path's bound on a 64-token chunk's log decays, per channel: its middle-referenced
+# factors stay within e^(+-TAME_SUM64 / 2). Calls whose every log decay is >= -TAME_SUM64 /
+# CHUNK64 = -1 take it: the bound of tame_path (-TAME_SUM / CHUNK), so model-range decays
+# (>= -e^-0.5) do.
+TAME_SUM64 = 64.0
+
+
+def tame_path64(w):
+    """tame_path at 64-token chunks: every log decay >= -1 (a traced boolean)."""
+    return jnp.min(w, initial=0.0).astype(jnp.float32) * CHUNK64 >= -TAME_SUM64
 
 
 def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqlens=None,
-                    exact=False, block_v=64, block_k_in_chunk=32):
+                    exact=False, block_v=64, block_k_in_chunk=32, warps=None):
     """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
     "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
     inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
     ``initial_state`` [N, H, K, V], zeros when None). Three launches: the in-chunk kernel (W, U0,
-    A_qk, A_qb; tame or exact path per call on the device, ``tame_path``: every log decay >= -1,
+    A_qk, A_qb; tame or exact path per call on the device, ``tame_path64``: every log decay >= -1,
     so that every 64-token chunk sums to >= -64 per channel; ``exact`` forces the exact path),
     the state pass (U, the state at every chunk's start, ht) and the outputs. ``block_v``: V
     columns per program of the state pass and the outputs (and of each U0 product);
-    ``block_k_in_chunk``: K columns per part of the in-chunk sums. A prototype for timing: not
-    wired into the public op, which has no 64-token backward yet."""
+    ``block_k_in_chunk``: K columns per part of the in-chunk sums. ``warps``: those of the
+    in-chunk kernel's tame and exact paths, the state pass and the outputs (a dict, keys
+    "tame", "exact", "state", "output"; the defaults are from sm_90 compile reports only, the
+    fewest spills: docs/RWKV7-CHUNK64.md). A prototype for timing: not wired into the public
+    op, which has no 64-token backward yet."""
     batch, steps, heads, k_size = r.shape
     v_size = v.shape[-1]
     _check_head_sizes(k_size, v_size)
@@ -444,6 +457,8 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     common = dict(HEADS=heads, K=k_size, V=v_size, BK=block_k, BV=block_v, C=CHUNK64,
                   FLOOR=LOG_DECAY_FLOOR, TOTAL_ROWS=rows,
                   PRECISION="tf32x3" if precise else "tf32")
+    warps = dict(dict(tame=4, exact=8, state=4 if block_k <= 64 else 8, output=4),
+                 **(warps or {}))
     chunks, chunk_index = _first_slots(cu, CHUNK64)
     chunk_slots = _slot_count(rows, sequences, CHUNK64)
     chunk_sequence = _slot_sequences(chunks, chunk_index, chunk_slots)
@@ -454,17 +469,16 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         (jax.ShapeDtypeStruct((rows, heads, k_size), jnp.float32),
          jax.ShapeDtypeStruct((rows, heads, v_size), jnp.float32),
          jax.ShapeDtypeStruct((chunk_slots, heads, 2, CHUNK64, CHUNK64), jnp.float32)),
-        (chunk_slots, heads), scale=float(scale), TAME=TAME, LEVELS=LEVELS64,
-        KI=min(block_k_in_chunk, block_k), VI=block_v, SEQUENCES=sequences,
-        CHUNK_SLOTS=chunk_slots, INVERSE_PRECISION="ieee" if precise else "tf32",
+        (chunk_slots, heads), num_warps=warps["tame" if TAME else "exact"], scale=float(scale),
+        TAME=TAME, LEVELS=LEVELS64, KI=min(block_k_in_chunk, block_k), VI=block_v,
+        SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots,
+        INVERSE_PRECISION="ieee" if precise else "tf32",
         INVERSE_BLOCK_LEVELS=INVERSE_BLOCK64.bit_length() - 1,
         **dict(common, BV=-(-v_size // block_v) * block_v))
-    # tame_path's bound (-TAME_SUM / CHUNK = -1) is the 64-token chunk's too: 64 x -1 = -64,
-    # which keeps the middle-referenced factors within e^(+-32).
     if exact:
         wy, u0, matrices = in_chunk(False)
     else:
-        wy, u0, matrices = lax.cond(tame_path(w), lambda: in_chunk(True),
+        wy, u0, matrices = lax.cond(tame_path64(w), lambda: in_chunk(True),
                                     lambda: in_chunk(False))
     # 2. The state pass: U, the state at every chunk's start, the final states.
     v_blocks = -(-v_size // block_v)
@@ -473,13 +487,14 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         (jax.ShapeDtypeStruct((sequences, heads, k_size, v_size), jnp.float32),
          jax.ShapeDtypeStruct((chunk_slots, heads, k_size, v_size), jnp.float32),
          jax.ShapeDtypeStruct((rows, heads, v_size), jnp.float32)),
-        (sequences * heads, v_blocks), CHUNK_SLOTS=chunk_slots, **common)
+        (sequences * heads, v_blocks), num_warps=warps["state"], CHUNK_SLOTS=chunk_slots,
+        **common)
     # 3. The outputs, all chunks at once.
     (o,) = _launch.launch(
         _kernels.rwkv7_wy_output_kernel, (r, w, v, u, states, matrices, *index),
         (jax.ShapeDtypeStruct((rows, heads, v_size), v.dtype),),
-        (chunk_slots, heads, v_blocks), scale=float(scale), SEQUENCES=sequences,
-        CHUNK_SLOTS=chunk_slots, **common)
+        (chunk_slots, heads, v_blocks), num_warps=warps["output"], scale=float(scale),
+        SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots, **common)
     return o.reshape(batch, steps, heads, v_size), ht
 
 
