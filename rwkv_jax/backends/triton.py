@@ -472,7 +472,10 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         (chunk_slots, heads), num_warps=warps["tame" if TAME else "exact"], scale=float(scale),
         TAME=TAME, LEVELS=LEVELS64, KI=min(block_k_in_chunk, block_k), VI=block_v,
         SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots,
-        INVERSE_PRECISION="ieee" if precise else "tf32",
+        # float32 inputs: tf32x3 (split products, float32's precision), not the 16-token
+        # kernels' "ieee": ten [64, 64] products without tensor cores spilled 8.6 KB at K=32
+        # (sm_90, 4 warps; tf32x3: 328 B tame, 1.4 KB exact).
+        INVERSE_PRECISION=common["PRECISION"],
         INVERSE_BLOCK_LEVELS=INVERSE_BLOCK64.bit_length() - 1,
         **dict(common, BV=-(-v_size // block_v) * block_v))
     if exact:
