@@ -74,8 +74,9 @@ which keeps registers free and loads and stores vectorised.
 import triton
 import triton.language as tl
 
-from .common import (PREFETCH_UP_TO, clamped, clamped_rows, diagonal_tile as _diagonal, dot,
-                     level_factors as _level, program, row_bases, rows, state_offsets, stored)
+from .common import (PREFETCH_UP_TO, chunk_tiles, clamped, clamped_rows,
+                     diagonal_tile as _diagonal, dot, level_factors as _level, program,
+                     row_bases, rows, state_offsets, stored)
 
 
 @triton.jit
@@ -930,3 +931,274 @@ def rwkv7_tame_gradient_kernel(
         _store_sum(da_ptr, earlier_da_ptr, offsets, k_in, da, ACCUMULATE)
         _store_sum(db_ptr, earlier_db_ptr, offsets, k_in, db, ACCUMULATE)
         c += 1
+
+
+# =============================================================================================
+# 64-token chunks (docs/RWKV7-CHUNK64.md): the forward in the WY form.
+#
+# A prototype beside the 16-token kernels above (which it does not change): three kernels,
+#   1. rwkv7_wy_kernel (parallel, a program per chunk and head): the in-chunk matrices,
+#      T = (I - A_ab)^-1, W = T a~ [C, K] and U0 = T A_ak V [C, V] per token, A_qk and A_qb per
+#      chunk ([chunk slots, HEADS, 2, C, C]);
+#   2. rwkv7_wy_state_kernel (sequential, a program per sequence, head and V block): H at every
+#      chunk's start, U = W H + U0 and H' = e^g H + k^T V + b^T U (no [C, C] matrix);
+#   3. rwkv7_wy_output_kernel (parallel, a program per chunk, head and V block):
+#      O = q~ H + A_qk V + A_qb U from the chunk's saved H.
+# Chunk slots are those of the 16-token kernels' in-chunk buffer, at C = 64 (``_chunk_rows``):
+# ``chunk_index[n]`` is sequence n's first, ``chunk_sequence[s]`` the sequence of slot s (-1
+# past the last chunk: such slots read and write nothing).
+# =============================================================================================
+
+# A chunk's matrices in the buffer [chunk slots, HEADS, 2, C, C] (float32) of the 64-token
+# forward, in this order.
+WY_A_QK, WY_A_QB = (tl.constexpr(i) for i in range(2))
+
+
+@triton.jit
+def _wy_matrix(matrices_ptr, slot, head, WHICH: tl.constexpr, HEADS: tl.constexpr,
+               C: tl.constexpr):
+    """Pointers to one of a chunk's two stored matrices (WY_A_QK, WY_A_QB), [C, C]."""
+    index = tl.arange(0, C)
+    return (matrices_ptr + ((slot.to(tl.int64) * HEADS + head) * 2 + WHICH) * (C * C)
+            + (index[:, None] * C + index[None, :]))
+
+
+@triton.jit
+def _wy_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C: tl.constexpr,
+              TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr):
+    """``_chunk_rows`` of one chunk slot, as scalars: whether it is a chunk, its first row and
+    the end of its rows (its first row for an unused slot: every row masked out)."""
+    used, first, end = _chunk_rows(slot + tl.arange(0, 1), cu_ptr, chunk_index_ptr,
+                                   chunk_sequence_ptr, C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    used = tl.sum(used.to(tl.int32), axis=0) > 0
+    first = tl.sum(first, axis=0)
+    return used, first, tl.where(used, tl.sum(end, axis=0), first)
+
+
+@triton.jit
+def _wy_pairs(x, y, z, w, xy, xz, STRICT: tl.constexpr, TAME: tl.constexpr, C: tl.constexpr,
+              LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """Two [C, C] in-chunk matrices, xy and xz, plus their terms of one part of K's columns
+    (added in place: no second pair of [C, C] sums held), from [C, *] tiles: sum_k x_t
+    y_i and x_t z_i times e^(gi_t - gi_i) for i <= t (A_qk, A_qb: x = q), or times
+    e^(ge_t - gi_i) for i < t if STRICT (A_ak, A_ab: x = a). TAME: one product each, factors
+    referenced to the chunk's middle row (``_middle``; at C = 64 within e^(+-32) for log decays
+    >= -1, and each kept pair's term is still its own factor <= 1). Else level by level
+    (``_level``: LEVELS = log2(C), every factor <= 1, exact for every decay)."""
+    index = tl.arange(0, C)
+    if STRICT:
+        keep_all = index[:, None] > index[None, :]
+    else:
+        keep_all = index[:, None] >= index[None, :]
+    if TAME:
+        gi = tl.cumsum(w, axis=0)
+        middle = _middle(gi, 0, C)
+        if STRICT:
+            x_f = x * tl.exp(gi - w - middle)
+        else:
+            x_f = x * tl.exp(gi - middle)
+        column = tl.exp(middle - gi)
+        # tl.where, not a multiplication: the entries dropped (i > t) are no factors of the math
+        # and may be large (up to e^64).
+        xy += tl.where(keep_all, tl.dot(x_f, tl.trans(y * column), input_precision=PRECISION),
+                       0.0)
+        xz += tl.where(keep_all, tl.dot(x_f, tl.trans(z * column), input_precision=PRECISION),
+                       0.0)
+    else:
+        if not STRICT:  # the diagonal: factor e^0
+            xy += _diagonal(tl.sum(x * y, axis=1), C)
+            xz += _diagonal(tl.sum(x * z, axis=1), C)
+        for level in tl.static_range(LEVELS):
+            row, row_strict, column, keep = _level(w, C >> (level + 1), 0, C)
+            if STRICT:
+                x_f = x * row_strict
+            else:
+                x_f = x * row
+            xy += tl.where(keep, tl.dot(x_f, tl.trans(y * column), input_precision=PRECISION),
+                           0.0)
+            xz += tl.where(keep, tl.dot(x_f, tl.trans(z * column), input_precision=PRECISION),
+                           0.0)
+    return xy, xz
+
+
+@triton.jit
+def _wy_inverse(lower, C: tl.constexpr, LEVELS: tl.constexpr, BLOCK_LEVELS: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """T = (I - lower)^-1 for a strictly lower-triangular [C, C] tile (C = 2^LEVELS),
+    blockwise (the plan's form, on whole tiles): with D the diagonal BLOCK x BLOCK blocks
+    (BLOCK = 2^BLOCK_LEVELS) of lower and R the rest,
+    I - D - R = (I - D)(I - T_D R), so T = (I - M)^-1 T_D with T_D = (I - D)^-1 and M = T_D R.
+    T_D by repeated squaring inside the blocks, (I + D)(I + D^2)...(I + D^(BLOCK/2)) (as
+    ``_inverse_unit_lower``: D^BLOCK = 0); M is strictly lower by blocks, M^(C/BLOCK) = 0, so
+    (I - M)^-1 = (I + M)(I + M^2)...: at C = 64, BLOCK = 16, T = (I + M)(I + M^2) T_D, the
+    terms of the plan's T[J,I] = T[J,J] sum_M A_ab[J,M] T[M,I] (its four-block substitution
+    expanded). Ten [C, C] products.
+
+    Not repeated squaring over all 64 rows, (I + L)(I + L^2)...(I + L^32): that sums chains of
+    up to 63 factors of A_ab, whose terms grow like binomials (up to C(62, 31) ~ 5e17 times
+    |A_ab|^31) while T itself stays small (|T| <= 1 for the model's a = -kk, b = kk * iclr), so
+    float32 loses everything where consecutive keys are correlated (numpy, float32, zero decay,
+    keys at correlation 0.8: relative error of T 2e8 by squaring, 4e-5 blockwise, 1e-7 by
+    substitution). Blockwise, the chains are at most 15 factors inside a block (as the 16-token
+    kernels' inverse) and 3 between blocks, each between inverses that are themselves small.
+    No slicing of register tiles is needed: D and R are masks of the one [C, C] tile, and every
+    product is a whole-tile tensor-core product (4x the arithmetic of [16, 16] blocks for T_D:
+    to be timed)."""
+    index = tl.arange(0, C)
+    identity = tl.where(index[:, None] == index[None, :], 1.0, 0.0)
+    same_block = (index[:, None] >> BLOCK_LEVELS) == (index[None, :] >> BLOCK_LEVELS)
+    diagonal = tl.where(same_block, lower, 0.0)
+    inverse = identity + diagonal
+    power = diagonal
+    for _ in tl.static_range(BLOCK_LEVELS - 1):  # BLOCK = 16: D^2, D^4, D^8
+        power = tl.dot(power, power, input_precision=PRECISION)
+        inverse = tl.dot(inverse, identity + power, input_precision=PRECISION)
+    power = tl.dot(inverse, tl.where(same_block, 0.0, lower), input_precision=PRECISION)
+    series = identity + power
+    for _ in tl.static_range(LEVELS - BLOCK_LEVELS - 1):  # C = 4 BLOCK: M^2
+        power = tl.dot(power, power, input_precision=PRECISION)
+        series = tl.dot(series, identity + power, input_precision=PRECISION)
+    return tl.dot(series, inverse, input_precision=PRECISION)
+
+
+@triton.jit
+def rwkv7_wy_kernel(
+    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,
+    wy_ptr, u0_ptr, matrices_ptr,                                              # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, KI: tl.constexpr, VI: tl.constexpr, C: tl.constexpr,
+    LEVELS: tl.constexpr, FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+    INVERSE_PRECISION: tl.constexpr, INVERSE_BLOCK_LEVELS: tl.constexpr,
+):
+    """Grid (chunk slots, HEADS), one 64-token chunk per program. wy [rows, HEADS, K] float32:
+    W = T a~; u0 [rows, HEADS, V] float32: U0 = T A_ak V; matrices [chunk slots, HEADS, 2, C, C]
+    float32: A_qk, A_qb (``_wy_matrix``). Rows past the sequence's end read as zeros (w = 0)
+    and are not stored; nor is anything of an unused slot.
+
+    In three passes over K (KI columns at a time: [C, KI] tiles) so that at most two [C, C]
+    sums are built at once: A_ak and A_ab, then T = (I - A_ab)^-1 and T A_ak; U0 (VI columns of
+    V at a time) and W (a~ per K part); last A_qk and A_qb, stored. Each pass rereads its K
+    tiles (k and b twice in all), which costs less than holding four [C, C] sums."""
+    head = tl.program_id(1)
+    slot = tl.program_id(0)
+    used, first, end = _wy_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
+                                 TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    steps = tl.arange(0, C)
+    rows_in = (first + steps < end)[:, None]
+    k_base = (first * HEADS + head) * K
+    v_base = (first * HEADS + head) * V
+    A_ak = tl.zeros([C, C], tl.float32)
+    A_ab = tl.zeros([C, C], tl.float32)
+    for part in tl.static_range(BK // KI):
+        k_cols = part * KI + tl.arange(0, KI)
+        k_in = rows_in & (k_cols < K)[None, :]
+        k_tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
+        A_ak, A_ab = _wy_pairs(
+            rows(a_ptr, k_base, k_tile, k_in), rows(k_ptr, k_base, k_tile, k_in),
+            rows(b_ptr, k_base, k_tile, k_in), _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR),
+            A_ak, A_ab, True, TAME, C, LEVELS, PRECISION)
+    inverse = _wy_inverse(A_ab, C, LEVELS, INVERSE_BLOCK_LEVELS, INVERSE_PRECISION)
+    # U0 = T (A_ak V) = (T A_ak) V: one [C, C] product, then one per part of V.
+    inverse_ak = tl.dot(inverse, A_ak, input_precision=INVERSE_PRECISION)
+    for part in tl.static_range(BV // VI):
+        v_cols = part * VI + tl.arange(0, VI)
+        v_in = rows_in & (v_cols < V)[None, :]
+        v_tile = steps[:, None] * (HEADS * V) + v_cols[None, :]
+        u0 = tl.dot(inverse_ak, rows(v_ptr, v_base, v_tile, v_in), input_precision=PRECISION)
+        tl.store(u0_ptr + v_base + v_tile, u0, mask=v_in)
+    # W = T a~, a~ = a e^ge (per K column: ge is a cumulative sum down the chunk, <= 0).
+    for part in tl.static_range(BK // KI):
+        k_cols = part * KI + tl.arange(0, KI)
+        k_in = rows_in & (k_cols < K)[None, :]
+        k_tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
+        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+        decayed = rows(a_ptr, k_base, k_tile, k_in) * tl.exp(tl.cumsum(w, axis=0) - w)
+        tl.store(wy_ptr + k_base + k_tile,
+                 tl.dot(inverse, decayed, input_precision=PRECISION), mask=k_in)
+    A_qk = tl.zeros([C, C], tl.float32)
+    A_qb = tl.zeros([C, C], tl.float32)
+    for part in tl.static_range(BK // KI):
+        k_cols = part * KI + tl.arange(0, KI)
+        k_in = rows_in & (k_cols < K)[None, :]
+        k_tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
+        A_qk, A_qb = _wy_pairs(
+            rows(r_ptr, k_base, k_tile, k_in) * scale, rows(k_ptr, k_base, k_tile, k_in),
+            rows(b_ptr, k_base, k_tile, k_in), _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR),
+            A_qk, A_qb, False, TAME, C, LEVELS, PRECISION)
+    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C), A_qk, mask=used)
+    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C), A_qb, mask=used)
+
+
+@triton.jit
+def rwkv7_wy_state_kernel(
+    w_ptr, k_ptr, v_ptr, b_ptr, wy_ptr, u0_ptr, h0_ptr, cu_ptr, chunk_index_ptr,  # inputs
+    ht_ptr, states_ptr, u_ptr,                                                   # outputs
+    HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (sequences * HEADS, V blocks of BV): the state recurrence, chunk by chunk. h0, ht
+    [N, HEADS, K, V] float32; states [chunk slots, HEADS, K, V] float32: H at the start of
+    every chunk (in its chunk slot); u [rows, HEADS, V] float32: U = W H + U0. Then
+    H' = e^g H + k^T V + b^T U with k^ = k e^(g - gi), b^ = b e^(g - gi), g - gi summed from
+    the chunk's end (``_decays``: never a difference of large cumulative sums)."""
+    sequence = tl.program_id(0) // HEADS
+    head = tl.program_id(0) % HEADS
+    v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
+        sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, False)
+    start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
+    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
+    h = tl.load(_state(h0_ptr, sequence, head, HEADS, K, V, BK, v_cols), mask=state_mask,
+                other=0.0)
+    c = 0
+    while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
+        slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
+        tl.store(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols), h, mask=state_mask)
+        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
+                                                HEADS, K, V, C, False)
+        u = tl.dot(rows(wy_ptr, k_base, k_tile, k_in), h, rows(u0_ptr, v_base, v_tile, v_in),
+                   input_precision=PRECISION)
+        tl.store(u_ptr + v_base + v_tile, u, mask=v_in)
+        _, _, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
+        to_end = tl.exp(to_end)
+        h = tl.dot(tl.trans(rows(k_ptr, k_base, k_tile, k_in) * to_end),
+                   rows(v_ptr, v_base, v_tile, v_in), tl.exp(g_end)[:, None] * h,
+                   input_precision=PRECISION)
+        h = tl.dot(tl.trans(rows(b_ptr, k_base, k_tile, k_in) * to_end), u, h,
+                   input_precision=PRECISION)
+        c += 1
+    tl.store(_state(ht_ptr, sequence, head, HEADS, K, V, BK, v_cols), h, mask=state_mask)
+
+
+@triton.jit
+def rwkv7_wy_output_kernel(
+    r_ptr, w_ptr, v_ptr, u_ptr, states_ptr, matrices_ptr, cu_ptr, chunk_index_ptr,
+    chunk_sequence_ptr,                                                          # inputs
+    o_ptr,                                                                       # output
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+    TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grid (chunk slots, HEADS, V blocks of BV): O = q~ H + A_qk V + A_qb U, all chunks at once,
+    from the chunk's H saved by the state pass (in the same chunk slot) and its A_qk, A_qb
+    (``rwkv7_wy_kernel``). o [rows, HEADS, V] in its dtype."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    used, first, end = _wy_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
+                                 TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    k_tile, k_cols_in, v_tile, v_cols_in = chunk_tiles(v_cols, HEADS, K, V, BK, BV, C, False)
+    k_base, k_in, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V,
+                                            C, False)
+    h = tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                mask=(tl.trans(k_cols_in) & v_cols_in) & used, other=0.0)
+    q = rows(r_ptr, k_base, k_tile, k_in) * scale
+    gi = tl.cumsum(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), axis=0)
+    o = tl.dot(q * tl.exp(gi), h, input_precision=PRECISION)
+    A_qk = tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C), mask=used, other=0.0)
+    o = tl.dot(A_qk, rows(v_ptr, v_base, v_tile, v_in), o, input_precision=PRECISION)
+    A_qb = tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C), mask=used, other=0.0)
+    o = tl.dot(A_qb, rows(u_ptr, v_base, v_tile, v_in), o, input_precision=PRECISION)
+    tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
