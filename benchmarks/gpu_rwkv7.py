@@ -254,6 +254,19 @@ def torch_peak_bytes(fns, leaves, held):
     return peaks
 
 
+def bench_forward_chunk64(label, x_jax, ref, exact=False):
+    """The 64-token forward prototype (triton_backend.forward_chunk64; docs/RWKV7-CHUNK64.md):
+    forward time, profile and errors against float64. It has no backward yet: one log line, no
+    row."""
+    forward = jax.jit(lambda x: triton_backend.forward_chunk64(*(x[n] for n in NAMES),
+                                                               exact=exact))
+    out, state = jax.block_until_ready(forward(x_jax))
+    errors = slice_errors(out, state, None, ref)
+    profile = profile_kernels(lambda: jax.block_until_ready(forward(x_jax)))
+    log(f"  {label}: fwd {time_jax(forward, x_jax):7.3f} ms  err out {errors['out']:.1e} "
+        f"state {errors['state']:.1e}; per kernel: {profile}")
+
+
 def bench_fla(label, x, d_out, d_state, ref, cu_seqlens=None, **options):
     import triton.testing
     from fla.ops.rwkv7 import chunk_rwkv7
@@ -413,6 +426,10 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
                 cap=480 if fla_first else 330, **fastest)
     if fla_first:
         ours()
+    for exact in (False, True):  # the 64-token forward prototype, tame and exact paths
+        within("forward_chunk64", deadline, 90, bench_forward_chunk64,
+               f"K={size} triton forward_chunk64 prototype{' (exact path)' if exact else ''}",
+               x_jax, ref, exact)
     default = triton_backend.default_config(size, size)
     # Every chunk through the level-by-level path (what chunks with strong decays take).
     attempt(bench_jax, "triton, every chunk level by level", x_jax, d_out_jax, d_state_jax, ref,

@@ -322,6 +322,25 @@ def _state(ptr, slot, head, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexp
 
 
 @triton.jit
+def _recurrence(cu_ptr, chunk_index_ptr, carried_ptr, HEADS: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                TOTAL_ROWS: tl.constexpr):
+    """A sequential pass's program (grid: sequences * HEADS, V blocks): its sequence and head,
+    tiles and masks (``program``), rows [start, end) clamped to the arrays with their chunk
+    count, the slot of the sequence's first chunk, and the state it starts from
+    (carried: the initial state, or the final state's gradient), float32 [BK, BV]."""
+    sequence = tl.program_id(0) // HEADS
+    head = tl.program_id(0) % HEADS
+    v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
+        sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, False)
+    start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
+    carried = tl.load(_state(carried_ptr, sequence, head, HEADS, K, V, BK, v_cols),
+                      mask=state_mask, other=0.0)
+    return (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end,
+            chunks, tl.load(chunk_index_ptr + sequence), carried)
+
+
+@triton.jit
 def _chunk_bases(c, chunks, start, end, head, k_cols_in, v_cols_in, HEADS: tl.constexpr,
                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
     """Chunk c's row bases and masks (``row_bases``), and whether it is one of the sequence's
@@ -416,15 +435,10 @@ def rwkv7_forward_kernel(
     ``chunk_index`` gives. o [rows, HEADS, V]; ht [N, HEADS, K, V] float32; if SAVE: states
     [STATE_SLOTS, HEADS, K, V] float32, the state at the start of every span, and u [rows,
     HEADS, V] float32."""
-    sequence = tl.program_id(0) // HEADS
-    head = tl.program_id(0) % HEADS
-    v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
-        sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, False)
-    start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
+    (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
+     first_chunk_slot, h) = _recurrence(cu_ptr, chunk_index_ptr, h0_ptr, HEADS, K, V, BK, BV, C,
+                                        TOTAL_ROWS)
     first_slot = tl.load(state_index_ptr + sequence)
-    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
-    h = tl.load(_state(h0_ptr, sequence, head, HEADS, K, V, BK, v_cols), mask=state_mask,
-                other=0.0)
     if BK <= PREFETCH_UP_TO:
         v_next, w_next, a_next, r_next, k_next, b_next, A_ak_next, inverse_next, A_qk_next, \
             A_qb_next = _forward_chunk(0, chunks, start, end, first_chunk_slot, r_ptr, w_ptr,
@@ -494,14 +508,9 @@ def rwkv7_state_gradient_kernel(
     """Grid as the forward's; matrices: the in-chunk kernels'. dh0 [N, HEADS, K, V]
     float32; dstates [CHUNK_SLOTS, HEADS, K, V] float32: the gradient of the state at the end
     of every chunk; dx [rows, HEADS, V] float32."""
-    sequence = tl.program_id(0) // HEADS
-    head = tl.program_id(0) % HEADS
-    v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
-        sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, False)
-    start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
-    first_slot = tl.load(chunk_index_ptr + sequence)
-    dh = tl.load(_state(dht_ptr, sequence, head, HEADS, K, V, BK, v_cols), mask=state_mask,
-                 other=0.0)
+    (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
+     first_slot, dh) = _recurrence(cu_ptr, chunk_index_ptr, dht_ptr, HEADS, K, V, BK, BV, C,
+                                   TOTAL_ROWS)
     c = chunks - 1
     if BK <= PREFETCH_UP_TO:
         do_next, w_next, b_next, r_next, a_next, A_qb_t_next, inverse_t_next = \
@@ -1143,14 +1152,9 @@ def rwkv7_wy_state_kernel(
     every chunk (in its chunk slot); u [rows, HEADS, V] float32: U = W H + U0. Then
     H' = e^g H + k^T V + b^T U with k^ = k e^(g - gi), b^ = b e^(g - gi), g - gi summed from
     the chunk's end (``_decays``: never a difference of large cumulative sums)."""
-    sequence = tl.program_id(0) // HEADS
-    head = tl.program_id(0) % HEADS
-    v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks = program(
-        sequence, head, tl.program_id(1), cu_ptr, HEADS, K, V, BK, BV, C, False)
-    start, end, chunks = clamped_rows(start, end, TOTAL_ROWS, C)
-    first_chunk_slot = tl.load(chunk_index_ptr + sequence)
-    h = tl.load(_state(h0_ptr, sequence, head, HEADS, K, V, BK, v_cols), mask=state_mask,
-                other=0.0)
+    (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
+     first_chunk_slot, h) = _recurrence(cu_ptr, chunk_index_ptr, h0_ptr, HEADS, K, V, BK, BV, C,
+                                        TOTAL_ROWS)
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
         slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)

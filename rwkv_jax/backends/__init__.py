@@ -71,8 +71,8 @@ DEFAULTS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
         "chunked 250 / 1259"),
     ("rwkv6", "gpu"): (("triton", "ffi", "native", "chunked"),
         "H100 B=8 T=4096 H=64 K=64 bf16 fwd / fwd+bwd: triton 1.63 / 7.66 ms (session 12; fla "
-        "4.00 / 14.35), ffi 7.1 / 68.6 (ffi stays the step path); at B=8 T=1024 H=32 (main job) fwd: triton 1.10 ms, "
-        "ffi 1.96, chunked 2.90, native 21.3"),
+        "4.00 / 14.35), ffi 7.1 / 68.6 (ffi stays the step path); at B=8 T=1024 H=32 (main "
+        "job) fwd: triton 1.10 ms, ffi 1.96, chunked 2.90, native 21.3"),
     ("rwkv6", "cpu"): (("ffi", "chunked", "native"),
         "2-core CPU B=4 T=1024 H=8 K=64 f32 fwd / fwd+bwd: ffi 18.5 / 124 ms, chunked 84.0 / 769, "
         "native 105.8 / 854"),
