@@ -947,8 +947,8 @@ def rwkv7_tame_gradient_kernel(
 #
 # A prototype beside the 16-token kernels above (which it does not change): three kernels,
 #   1. rwkv7_wy_kernel (parallel, a program per chunk and head): the in-chunk matrices,
-#      T = (I - A_ab)^-1, W = T a~ [C, K] and U0 = T A_ak V [C, V] per token, A_qk and A_qb per
-#      chunk ([chunk slots, HEADS, 2, C, C]);
+#      T = (I - A_ab)^-1, W = T a~ [C, K] and U0 = T A_ak V [C, V] per token, A_qk, A_qb,
+#      A_ak and T per chunk ([chunk slots, HEADS, 4, C, C]; the last two for the backward);
 #   2. rwkv7_wy_state_kernel (sequential, a program per sequence, head and V block): H at every
 #      chunk's start, U = W H + U0 and H' = e^g H + k^T V + b^T U (no [C, C] matrix);
 #   3. rwkv7_wy_output_kernel (parallel, a program per chunk, head and V block):
@@ -958,18 +958,30 @@ def rwkv7_tame_gradient_kernel(
 # past the last chunk: such slots read and write nothing).
 # =============================================================================================
 
-# A chunk's matrices in the buffer [chunk slots, HEADS, 2, C, C] (float32) of the 64-token
-# forward, in this order.
-WY_A_QK, WY_A_QB = (tl.constexpr(i) for i in range(2))
+# A chunk's matrices in the buffer [chunk slots, HEADS, 4, C, C] (float32) of the 64-token
+# forward, in this order: the outputs read the first two, the backward all four.
+WY_A_QK, WY_A_QB, WY_A_AK, WY_T = (tl.constexpr(i) for i in range(4))
 
 
 @triton.jit
 def _wy_matrix(matrices_ptr, slot, head, WHICH: tl.constexpr, HEADS: tl.constexpr,
-               C: tl.constexpr):
-    """Pointers to one of a chunk's two stored matrices (WY_A_QK, WY_A_QB), [C, C]."""
+               C: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Pointers to one of a chunk's four stored matrices (WY_A_QK, ...), [C, C], or to its
+    transpose (the backward's products)."""
     index = tl.arange(0, C)
-    return (matrices_ptr + ((slot.to(tl.int64) * HEADS + head) * 2 + WHICH) * (C * C)
-            + (index[:, None] * C + index[None, :]))
+    if TRANSPOSED:
+        within = index[:, None] + index[None, :] * C
+    else:
+        within = index[:, None] * C + index[None, :]
+    return matrices_ptr + ((slot.to(tl.int64) * HEADS + head) * 4 + WHICH) * (C * C) + within
+
+
+@triton.jit
+def _wy_load(matrices_ptr, slot, used, head, WHICH: tl.constexpr, HEADS: tl.constexpr,
+             C: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """One of a chunk's stored matrices (or its transpose), zeros unless ``used``."""
+    return tl.load(_wy_matrix(matrices_ptr, slot, head, WHICH, HEADS, C, TRANSPOSED),
+                   mask=used, other=0.0)
 
 
 @triton.jit
@@ -1081,9 +1093,10 @@ def rwkv7_wy_kernel(
     INVERSE_PRECISION: tl.constexpr, INVERSE_BLOCK_LEVELS: tl.constexpr,
 ):
     """Grid (chunk slots, HEADS), one 64-token chunk per program. wy [rows, HEADS, K] float32:
-    W = T a~; u0 [rows, HEADS, V] float32: U0 = T A_ak V; matrices [chunk slots, HEADS, 2, C, C]
-    float32: A_qk, A_qb (``_wy_matrix``). Rows past the sequence's end read as zeros (w = 0)
-    and are not stored; nor is anything of an unused slot.
+    W = T a~; u0 [rows, HEADS, V] float32: U0 = T A_ak V; matrices [chunk slots, HEADS, 4, C, C]
+    float32: A_qk, A_qb, A_ak, T (``_wy_matrix``; the last two only the backward reads). Rows
+    past the sequence's end read as zeros (w = 0) and are not stored; nor is anything of an
+    unused slot.
 
     In three passes over K (KI columns at a time: [C, KI] tiles) so that at most two [C, C]
     sums are built at once: A_ak and A_ab, then T = (I - A_ab)^-1 and T A_ak; U0 (VI columns of
@@ -1108,6 +1121,8 @@ def rwkv7_wy_kernel(
             rows(b_ptr, k_base, k_tile, k_in), _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR),
             A_ak, A_ab, True, TAME, C, LEVELS, PRECISION)
     inverse = _wy_inverse(A_ab, C, LEVELS, INVERSE_BLOCK_LEVELS, INVERSE_PRECISION)
+    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_AK, HEADS, C, False), A_ak, mask=used)
+    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_T, HEADS, C, False), inverse, mask=used)
     # U0 = T (A_ak V) = (T A_ak) V: one [C, C] product, then one per part of V.
     inverse_ak = tl.dot(inverse, A_ak, input_precision=INVERSE_PRECISION)
     for part in tl.static_range(BV // VI):
@@ -1135,8 +1150,8 @@ def rwkv7_wy_kernel(
             rows(r_ptr, k_base, k_tile, k_in) * scale, rows(k_ptr, k_base, k_tile, k_in),
             rows(b_ptr, k_base, k_tile, k_in), _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR),
             A_qk, A_qb, False, TAME, C, LEVELS, PRECISION)
-    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C), A_qk, mask=used)
-    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C), A_qb, mask=used)
+    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C, False), A_qk, mask=used)
+    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, False), A_qb, mask=used)
 
 
 @triton.jit
@@ -1201,8 +1216,9 @@ def rwkv7_wy_output_kernel(
     q = rows(r_ptr, k_base, k_tile, k_in) * scale
     gi = tl.cumsum(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), axis=0)
     o = tl.dot(q * tl.exp(gi), h, input_precision=PRECISION)
-    A_qk = tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C), mask=used, other=0.0)
+    A_qk = _wy_load(matrices_ptr, slot, used, head, WY_A_QK, HEADS, C, False)
     o = tl.dot(A_qk, rows(v_ptr, v_base, v_tile, v_in), o, input_precision=PRECISION)
-    A_qb = tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C), mask=used, other=0.0)
+    A_qb = _wy_load(matrices_ptr, slot, used, head, WY_A_QB, HEADS, C, False)
     o = tl.dot(A_qb, rows(u_ptr, v_base, v_tile, v_in), o, input_precision=PRECISION)
     tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
+
