@@ -945,7 +945,7 @@ def rwkv7_tame_gradient_kernel(
 # =============================================================================================
 # 64-token chunks (docs/RWKV7-CHUNK64.md): the forward in the WY form.
 #
-# A prototype beside the 16-token kernels above (which it does not change): three kernels,
+# A prototype beside the 16-token kernels above (which it does not change): three forward kernels,
 #   1. rwkv7_wy_kernel (parallel, a program per chunk and head): the in-chunk matrices,
 #      T = (I - A_ab)^-1, W = T a~ [C, K] and U0 = T A_ak V [C, V] per token, A_qk, A_qb,
 #      A_ak and T per chunk ([chunk slots, HEADS, 4, C, C]; the last two for the backward);
@@ -953,6 +953,9 @@ def rwkv7_tame_gradient_kernel(
 #      chunk's start, U = W H + U0 and H' = e^g H + k^T V + b^T U (no [C, C] matrix);
 #   3. rwkv7_wy_output_kernel (parallel, a program per chunk, head and V block):
 #      O = q~ H + A_qk V + A_qb U from the chunk's saved H.
+# and the first two kernels of the backward (below, not yet wired into the op):
+#   4. rwkv7_wy_state_gradient_kernel (sequential, reverse): dH' per chunk, dU, dh0;
+#   5. rwkv7_wy_value_gradient_kernel (parallel, per chunk, head and V block): dX, dV.
 # Chunk slots are those of the 16-token kernels' in-chunk buffer, at C = 64 (``_chunk_rows``):
 # ``chunk_index[n]`` is sequence n's first, ``chunk_sequence[s]`` the sequence of slot s (-1
 # past the last chunk: such slots read and write nothing).
@@ -1222,3 +1225,83 @@ def rwkv7_wy_output_kernel(
     o = tl.dot(A_qb, rows(u_ptr, v_base, v_tile, v_in), o, input_precision=PRECISION)
     tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
 
+
+# The 64-token backward, build step 2 (a prototype, not yet the op's): the state-gradient pass
+# and the V-side gradients. Given dO and the gradient dH' of a chunk's end state:
+#   dU = A_qb^T dO + b^ dH',  dX = T^T dU  (U = T X, X = a~ H + A_ak V),
+#   dH = e^g dH' + q~^T dO + W^T dU  (a~^T T^T = W^T: no [C, C] matrix in the recurrence),
+#   dV = A_qk^T dO + A_ak^T dX + k^ dH'.
+# The K-side gradients (kernel 6, to come) read dU, dX, dH' and the forward's H and U.
+
+@triton.jit
+def rwkv7_wy_state_gradient_kernel(
+    r_ptr, w_ptr, b_ptr, do_ptr, wy_ptr, matrices_ptr, dht_ptr, cu_ptr,           # inputs
+    chunk_index_ptr,
+    dh0_ptr, dstates_ptr, du_ptr,                                                 # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+    TOTAL_ROWS: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (sequences * HEADS, V blocks of BV): the reverse recurrence, from each sequence's
+    last chunk, carrying dH (from dht [N, HEADS, K, V]). dstates [chunk slots, HEADS, K, V]
+    float32: dH' (the gradient of the chunk's end state) in every chunk's slot; du
+    [rows, HEADS, V] float32: dU; dh0 [N, HEADS, K, V] float32. wy and matrices: the forward's
+    (``rwkv7_wy_kernel``). b^ = b e^(g - gi), q~ = q e^gi (``_decays``)."""
+    (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
+     first_chunk_slot, dh) = _recurrence(cu_ptr, chunk_index_ptr, dht_ptr, HEADS, K, V, BK, BV, C,
+                                         TOTAL_ROWS)
+    c = chunks - 1
+    while c >= 0:  # not `for ... in range`: the interpreter cannot take a run-time bound
+        slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
+        tl.store(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols), dh, mask=state_mask)
+        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
+                                                HEADS, K, V, C, False)
+        do = rows(do_ptr, v_base, v_tile, v_in)
+        gi, _, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
+        A_qb_t = tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, True))
+        du = tl.dot(rows(b_ptr, k_base, k_tile, k_in) * tl.exp(to_end), dh,
+                    tl.dot(A_qb_t, do, input_precision=PRECISION), input_precision=PRECISION)
+        tl.store(du_ptr + v_base + v_tile, du, mask=v_in)
+        q = rows(r_ptr, k_base, k_tile, k_in) * scale
+        dh = tl.dot(tl.trans(q * tl.exp(gi)), do, tl.exp(g_end)[:, None] * dh,
+                    input_precision=PRECISION)
+        dh = tl.dot(tl.trans(rows(wy_ptr, k_base, k_tile, k_in)), du, dh,
+                    input_precision=PRECISION)
+        c -= 1
+    tl.store(_state(dh0_ptr, sequence, head, HEADS, K, V, BK, v_cols), dh, mask=state_mask)
+
+
+@triton.jit
+def rwkv7_wy_value_gradient_kernel(
+    w_ptr, k_ptr, do_ptr, du_ptr, dstates_ptr, matrices_ptr, cu_ptr, chunk_index_ptr,
+    chunk_sequence_ptr,                                                          # inputs
+    dv_ptr, dx_ptr,                                                              # outputs
+    HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (chunk slots, HEADS, V blocks of BV), all chunks at once: dX = T^T dU and
+    dV = A_qk^T dO + A_ak^T dX + k^ dH' (k^ = k e^(g - gi)), from the state-gradient pass's dU
+    and dH' (same chunk slot) and the forward's matrices. dv [rows, HEADS, V] in its dtype; dx
+    [rows, HEADS, V] float32. An unused slot reads and writes nothing."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    used, first, end = _wy_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
+                                 TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    k_tile, k_cols_in, v_tile, v_cols_in = chunk_tiles(v_cols, HEADS, K, V, BK, BV, C, False)
+    k_base, k_in, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V,
+                                            C, False)
+    dx = tl.dot(_wy_load(matrices_ptr, slot, used, head, WY_T, HEADS, C, True),
+                rows(du_ptr, v_base, v_tile, v_in), input_precision=PRECISION)
+    tl.store(dx_ptr + v_base + v_tile, dx, mask=v_in)
+    dv = tl.dot(_wy_load(matrices_ptr, slot, used, head, WY_A_QK, HEADS, C, True),
+                rows(do_ptr, v_base, v_tile, v_in), input_precision=PRECISION)
+    dv = tl.dot(_wy_load(matrices_ptr, slot, used, head, WY_A_AK, HEADS, C, True), dx, dv,
+                input_precision=PRECISION)
+    dh = tl.load(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                 mask=(tl.trans(k_cols_in) & v_cols_in) & used, other=0.0)
+    _, _, _, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
+    dv = tl.dot(rows(k_ptr, k_base, k_tile, k_in) * tl.exp(to_end), dh, dv,
+                input_precision=PRECISION)
+    tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)

@@ -411,7 +411,8 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     return o.reshape(batch, steps, heads, v_size), ht
 
 
-# 64-token chunks (docs/RWKV7-CHUNK64.md): a forward prototype, not yet the op's (no backward).
+# 64-token chunks (docs/RWKV7-CHUNK64.md): a forward prototype and the backward's first two
+# kernels, not yet the op's (no K-side gradients).
 CHUNK64 = 64
 LEVELS64 = CHUNK64.bit_length() - 1
 # Diagonal blocks of the in-chunk inverse (rwkv7.py's _wy_inverse: the plan's 16-token blocks).
@@ -519,6 +520,43 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     if residuals:
         return o, ht, dict(states=states, u=u, wy=wy, matrices=matrices)
     return o, ht
+
+
+def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
+                            cu_seqlens=None, block_v=64, warps=None):
+    """The first two kernels of the 64-token backward (a prototype, not wired into the op):
+    from the inputs as :func:`forward_chunk64` took them, its ``residuals`` and the cotangents
+    ``do`` [B, T, H, V] and ``dht`` [N, H, K, V] (of o and ht), (dv [B, T, H, V] in v's dtype,
+    dh0 [N, H, K, V] float32, dstates [chunk slots, H, K, V] float32: the gradient of every
+    chunk's end state, du and dx [B * T, H, V] float32). Two launches: the state-gradient pass
+    (sequential, reverse: dH', dU, dh0) and the V-side gradients (all chunks at once: dX, dV).
+    ``warps``: a dict, keys "state" and "value" (untuned)."""
+    call = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
+    r, w, k, v, a, b = call["inputs"]
+    rows, heads, k_size = r.shape
+    v_size = v.shape[-1]
+    common, index = call["common"], call["index"]
+    sequences, chunk_slots, v_blocks = call["sequences"], call["chunk_slots"], call["v_blocks"]
+    warps = dict(dict(state=4 if common["BK"] <= 64 else 8, value=4), **(warps or {}))
+    do = do.reshape(rows, heads, v_size)
+    state = lambda slots: jax.ShapeDtypeStruct((slots, heads, k_size, v_size), jnp.float32)
+    per_row = jax.ShapeDtypeStruct((rows, heads, v_size), jnp.float32)
+    # 4. The state gradient, each sequence from its last chunk.
+    dh0, dstates, du = _launch.launch(
+        _kernels.rwkv7_wy_state_gradient_kernel,
+        (r, w, b, do, residuals["wy"], residuals["matrices"], dht.astype(jnp.float32),
+         call["cu"], call["chunk_index"]),
+        (state(sequences), state(chunk_slots), per_row),
+        (sequences * heads, v_blocks), num_warps=warps["state"], scale=float(scale),
+        CHUNK_SLOTS=chunk_slots, **common)
+    # 5. The V-side gradients, all chunks at once.
+    dv, dx = _launch.launch(
+        _kernels.rwkv7_wy_value_gradient_kernel,
+        (w, k, do, du, dstates, residuals["matrices"], *index),
+        (jax.ShapeDtypeStruct((rows, heads, v_size), v.dtype), per_row),
+        (chunk_slots, heads, v_blocks), num_warps=warps["value"], SEQUENCES=sequences,
+        CHUNK_SLOTS=chunk_slots, **common)
+    return dv.reshape(call["shape"]), dh0, dstates, du, dx
 
 
 # ==============================================================================================
