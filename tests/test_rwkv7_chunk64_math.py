@@ -58,11 +58,12 @@ def _chunk(q, w, k, a, b):
                 A_qk=A_qk, A_qb=A_qb, A_ak=A_ak, T=_blockwise_inverse(A_ab))
 
 
-def _forward(x, h0):
-    """Outputs, final state, and each chunk's start state, U and matrices."""
+def _forward(x, h0, chunk=CHUNK):
+    """Outputs, final state, and each chunk's start state, U and matrices (x padded to whole
+    chunks of ``chunk`` rows)."""
     h, outputs, saved = h0, [], []
-    for start in range(0, len(x["w"]), CHUNK):
-        q, w, k, v, a, b = (x[n][start:start + CHUNK] for n in "qwkvab")
+    for start in range(0, len(x["w"]), chunk):
+        q, w, k, v, a, b = (x[n][start:start + chunk] for n in "qwkvab")
         m = _chunk(q, w, k, a, b)
         W, U0 = m["T"] @ m["a_"], m["T"] @ m["A_ak"] @ v
         u = W @ h + U0
@@ -72,17 +73,20 @@ def _forward(x, h0):
     return np.concatenate(outputs), h, saved
 
 
-def _backward(x, saved, d_out, d_state):
-    """The plan's backward, chunk by chunk from the last, carrying dH'."""
+def _backward(x, saved, d_out, d_state, chunk=CHUNK):
+    """The plan's backward, chunk by chunk from the last, carrying dH'. Also returns, under
+    "chunks", each chunk's dH' (its end state's gradient), dU and dX, in chunk order."""
     grads = {n: np.zeros_like(x[n]) for n in "qwkvab"}
+    grads["chunks"] = [None] * len(saved)
     dh = d_state
     for index in reversed(range(len(saved))):
         h, u, W, m = saved[index]
-        rows = slice(index * CHUNK, (index + 1) * CHUNK)
+        rows = slice(index * chunk, (index + 1) * chunk)
         q, w, k, v, a, b = (x[n][rows] for n in "qwkvab")
         do = d_out[rows]
         du = m["A_qb"].T @ do + m["b_"] @ dh
         dx = m["T"].T @ du
+        grads["chunks"][index] = (dh, du, dx)
         grads["v"][rows] = m["A_qk"].T @ do + m["A_ak"].T @ dx + m["k_"] @ dh
         strict = np.tril(np.ones((len(w), len(w))), -1)
         dA_qk, dA_qb = np.tril(do @ v.T), np.tril(do @ u.T)

@@ -3,7 +3,10 @@ kernels in triton_kernels/rwkv7.py's section "64-token chunks") against the floa
 on CPU through Triton's interpreter: both in-chunk paths (tame, exact, and tame-range decays
 forced onto the exact one), strong, zero, -1e9 and -inf decays, T = 1, lengths that are no
 multiple of 64, several chunks, packed sequences with an empty segment, initial states, several
-V blocks and K parts, float32 and bfloat16. Shapes are tiny: the interpreter is slow."""
+V blocks and K parts, float32 and bfloat16. Then the backward's first two kernels
+(``triton.backward_chunk64_v_side``: dv, dh0 against the reference's exact gradients; dH', dU,
+dX per chunk against the plan's float64 formulas, tests/test_rwkv7_chunk64_math.py) on the same
+cases. Shapes are tiny: the interpreter is slow."""
 
 import dataclasses
 
@@ -13,6 +16,7 @@ import numpy as np
 import pytest
 
 import reference
+import test_rwkv7_chunk64_math as plan
 from reference import relative_error
 from conftest import has_gpu, tolerance
 from rwkv_jax.backends import triton as triton_backend
@@ -68,9 +72,9 @@ def _correlated_keys(rng, x):
     return dict(x, k=k, a=-kk, b=kk * rng.uniform(0.9, 1.0, k.shape))
 
 
-def check(case, seed):
-    """Outputs and final states against the float64 reference; every value finite."""
-    rng = np.random.default_rng(seed)
+def _draw(case, rng):
+    """The case's inputs (jax arrays in its dtype, initial state float32) and the same values in
+    float64 for the references."""
     packed = bool(case.cu_seqlens)
     hard = case.decay in HARD
     drawn = reference.random_inputs(
@@ -83,7 +87,13 @@ def check(case, seed):
         drawn = _correlated_keys(rng, drawn)
     x = {n: jnp.asarray(a, jnp.float32 if n == "initial_state" else case.dtype)
          for n, a in drawn.items()}
-    x64 = {n: np.asarray(a, np.float64) for n, a in x.items()}
+    return x, {n: np.asarray(a, np.float64) for n, a in x.items()}
+
+
+def check(case, seed):
+    """Outputs and final states against the float64 reference; every value finite."""
+    packed = bool(case.cu_seqlens)
+    x, x64 = _draw(case, np.random.default_rng(seed))
     options = dict(cu_seqlens=np.asarray(case.cu_seqlens)) if packed else {}
     ref_out, ref_state = reference.forward("rwkv7", x64, scale=0.5, **options)
 
@@ -168,6 +178,139 @@ def test_invalid_traced_offsets_stay_in_bounds():
     x = {n: jnp.asarray(a, jnp.float32) for n, a in drawn.items()}
     run = jax.jit(lambda x, cu: triton_backend.forward_chunk64(
         *(x[n] for n in "rwkvab"), initial_state=x["initial_state"], cu_seqlens=cu))
-    _, state = run(x, jnp.asarray([-100, 50, 20, 500, 10**6], jnp.int32))
+    cu = jnp.asarray([-100, 50, 20, 500, 10**6], jnp.int32)
+    _, state = run(x, cu)
     assert state.shape == (4, 1, 16, 16)
     assert np.all(np.isfinite(np.asarray(state)))
+
+
+def test_backward_invalid_traced_offsets_stay_in_bounds():
+    """The same offsets through the backward's two kernels: they run and write a finite dh0."""
+    rng = np.random.default_rng(6)
+    drawn = reference.random_inputs("rwkv7", rng, batch=1, steps=70, heads=1, key=16,
+                                    value=16, state_rows=4)
+    x = {n: jnp.asarray(a, jnp.float32) for n, a in drawn.items()}
+
+    @jax.jit
+    def run(x, cu, do, dht):
+        inputs = [x[n] for n in "rwkvab"]
+        _, _, residuals = triton_backend.forward_chunk64(
+            *inputs, initial_state=x["initial_state"], cu_seqlens=cu, residuals=True)
+        return triton_backend.backward_chunk64_v_side(*inputs, residuals, do, dht,
+                                                      cu_seqlens=cu)
+
+    _, dh0, _, _, _ = run(x, jnp.asarray([-100, 50, 20, 500, 10**6], jnp.int32),
+                          jnp.ones_like(x["v"]), jnp.ones((4, 1, 16, 16), jnp.float32))
+    assert dh0.shape == (4, 1, 16, 16)
+    assert np.all(np.isfinite(np.asarray(dh0)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward's state-gradient pass and V-side gradients (kernels 4 and 5).
+# ---------------------------------------------------------------------------------------------
+
+def _plan_per_chunk(x64, cu, d_out, d_state, scale):
+    """The plan's backward (float64 numpy, test_rwkv7_chunk64_math) per sequence and head, at
+    64-token chunks: dH' [chunk slots, H, K, V] (zeros in unused slots), dU and dX [rows, H, V],
+    dh0 [N, H, K, V]; chunk slots as the kernels number them (each sequence's chunks in order)."""
+    rows = lambda a: a.reshape((-1,) + a.shape[2:])
+    x = {n: rows(x64[n]) for n in "rwkvab"}
+    d_out = rows(d_out)
+    heads, key, value = x["k"].shape[1], x["k"].shape[2], x["v"].shape[2]
+    chunks = [-(-(end - start) // triton_backend.CHUNK64) for start, end in zip(cu, cu[1:])]
+    dstates = np.zeros((sum(chunks) + 1, heads, key, value))
+    du, dx = np.zeros_like(d_out), np.zeros_like(d_out)
+    dh0 = np.zeros((len(chunks), heads, key, value))
+    for n, (start, end) in enumerate(zip(cu, cu[1:])):
+        if end == start:  # no chunk: the state passes through
+            dh0[n] = d_state[n]
+            continue
+        pad = ((0, chunks[n] * triton_backend.CHUNK64 - (end - start)), (0, 0))
+        for head in range(heads):
+            seq = {name: np.pad(x[name][start:end, head], pad) for name in "rwkvab"}
+            seq["q"] = scale * seq.pop("r")
+            seq["floored"] = seq["w"] < plan.FLOOR
+            seq["w"] = np.maximum(seq["w"], plan.FLOOR)
+            h0 = x64["initial_state"][n, head] if "initial_state" in x64 else np.zeros(
+                (key, value))
+            _, _, saved = plan._forward(seq, h0, triton_backend.CHUNK64)
+            grads = plan._backward(seq, saved, np.pad(d_out[start:end, head], pad),
+                                   d_state[n, head], triton_backend.CHUNK64)
+            dh0[n, head] = grads["initial_state"]
+            for c, (dh, du_c, dx_c) in enumerate(grads["chunks"]):
+                dstates[sum(chunks[:n]) + c, head] = dh
+                first = start + c * triton_backend.CHUNK64
+                count = min(end, first + triton_backend.CHUNK64) - first
+                du[first:first + count, head] = du_c[:count]
+                dx[first:first + count, head] = dx_c[:count]
+    return dstates, du, dx, dh0
+
+
+def check_backward(case, seed):
+    """dv and dh0 against the reference's exact gradients; dH' (used slots), dU, dX and dh0
+    against the plan's formulas; every value finite. float32 to INTERPRETED_FLOAT32 (on the
+    interpreter), bfloat16 to the backend's gradient contract (dv is stored in bfloat16; the
+    float32 buffers keep float32's bound)."""
+    packed = bool(case.cu_seqlens)
+    rng = np.random.default_rng(seed)
+    x, x64 = _draw(case, rng)
+    sequences = len(case.cu_seqlens) - 1 if packed else case.batch
+    cu = list(case.cu_seqlens) if packed else [n * case.steps for n in range(case.batch + 1)]
+    do = jnp.asarray(rng.standard_normal(x["v"].shape), case.dtype)
+    dht = jnp.asarray(rng.standard_normal((sequences, case.heads, case.key, case.value)),
+                      jnp.float32)
+    d_out, d_state = np.asarray(do, np.float64), np.asarray(dht, np.float64)
+    options = dict(cu_seqlens=np.asarray(case.cu_seqlens)) if packed else {}
+    expected = reference.gradients("rwkv7", x64, d_out, d_state, scale=0.5, **options)
+
+    @jax.jit
+    def run(x, cu_seqlens, do, dht):
+        inputs = [x[n] for n in "rwkvab"]
+        _, _, residuals = triton_backend.forward_chunk64(
+            *inputs, scale=0.5, initial_state=x.get("initial_state"), cu_seqlens=cu_seqlens,
+            exact=case.exact, residuals=True, **case.options)
+        return triton_backend.backward_chunk64_v_side(
+            *inputs, residuals, do, dht, scale=0.5, cu_seqlens=cu_seqlens,
+            block_v=case.options.get("block_v", 64))
+
+    dv, dh0, dstates, du, dx = run(x, jnp.asarray(cu, jnp.int32) if packed else None, do, dht)
+    assert dv.dtype == x["v"].dtype and dv.shape == x["v"].shape
+    plan_dstates, plan_du, plan_dx, plan_dh0 = _plan_per_chunk(x64, cu, d_out, d_state, 0.5)
+    used = plan_dstates.shape[0] - 1
+    ours = {"dv": dv, "dh0": dh0, "dH'": np.asarray(dstates)[:used], "dU": du, "dX": dx}
+    for name, value in ours.items():
+        assert np.all(np.isfinite(np.asarray(value, np.float64))), f"non-finite {name}"
+    bound = INTERPRETED_FLOAT32 if not has_gpu() else tolerance("triton", "float32", "gradient")
+    v_bound = bound if case.dtype == "float32" else tolerance("triton", case.dtype, "gradient")
+    errors = {"dv": relative_error(dv, expected["v"]),
+              "dh0 (plan)": relative_error(dh0, plan_dh0),
+              "dH'": relative_error(ours["dH'"], plan_dstates[:used]),
+              "dU": relative_error(du, plan_du), "dX": relative_error(dx, plan_dx)}
+    if "initial_state" in expected:
+        errors["dh0"] = relative_error(dh0, expected["initial_state"])
+    bounds = dict({name: bound for name in errors}, dv=v_bound)
+    assert all(errors[name] <= bounds[name] for name in errors), errors
+    return errors
+
+
+@pytest.mark.parametrize("decay, exact", [("model", False), ("model", True), ("strong", False),
+                                          ("zero", False)] + [(d, False) for d in sorted(HARD)])
+def test_backward_v_side_decays(decay, exact):
+    """Tame and exact paths, strong and zero decays, -1e9 and -inf tokens, uniform down to
+    -1e3; two heads, V != K, 133 tokens (two full chunks and a partial one)."""
+    check_backward(Case(steps=133, heads=2, key=32, value=16, decay=decay, exact=exact), seed=3)
+
+
+@pytest.mark.parametrize("steps, initial", [(1, True), (70, False)])
+def test_backward_v_side_lengths(steps, initial):
+    """One token, and one chunk and a bit without an initial state (dh0 still its gradient)."""
+    check_backward(Case(steps=steps, batch=2, initial=initial), seed=steps + 1)
+
+
+@pytest.mark.parametrize("dtype, decay", [("float32", "model"), ("bfloat16", "model"),
+                                          ("bfloat16", "-1e9 and -inf tokens")])
+def test_backward_v_side_packed(dtype, decay):
+    """Segments of 0, 70, 3 and 67 tokens with initial states, and several V blocks (V = 32 in
+    blocks of 16); bfloat16 inputs and cotangents (dv in bfloat16)."""
+    check_backward(Case(steps=140, heads=2, cu_seqlens=(0, 0, 70, 73, 140), dtype=dtype,
+                        decay=decay, options=dict(block_v=16)), seed=8)

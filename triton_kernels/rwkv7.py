@@ -945,31 +945,46 @@ def rwkv7_tame_gradient_kernel(
 # =============================================================================================
 # 64-token chunks (docs/RWKV7-CHUNK64.md): the forward in the WY form.
 #
-# A prototype beside the 16-token kernels above (which it does not change): three kernels,
+# A prototype beside the 16-token kernels above (which it does not change): three forward kernels,
 #   1. rwkv7_wy_kernel (parallel, a program per chunk and head): the in-chunk matrices,
-#      T = (I - A_ab)^-1, W = T a~ [C, K] and U0 = T A_ak V [C, V] per token, A_qk and A_qb per
-#      chunk ([chunk slots, HEADS, 2, C, C]);
+#      T = (I - A_ab)^-1, W = T a~ [C, K] and U0 = T A_ak V [C, V] per token, A_qk, A_qb,
+#      A_ak and T per chunk ([chunk slots, HEADS, 4, C, C]; the last two for the backward);
 #   2. rwkv7_wy_state_kernel (sequential, a program per sequence, head and V block): H at every
 #      chunk's start, U = W H + U0 and H' = e^g H + k^T V + b^T U (no [C, C] matrix);
 #   3. rwkv7_wy_output_kernel (parallel, a program per chunk, head and V block):
 #      O = q~ H + A_qk V + A_qb U from the chunk's saved H.
+# and the first two kernels of the backward (below, not yet wired into the op):
+#   4. rwkv7_wy_state_gradient_kernel (sequential, reverse): dH' per chunk, dU, dh0;
+#   5. rwkv7_wy_value_gradient_kernel (parallel, per chunk, head and V block): dX, dV.
 # Chunk slots are those of the 16-token kernels' in-chunk buffer, at C = 64 (``_chunk_rows``):
 # ``chunk_index[n]`` is sequence n's first, ``chunk_sequence[s]`` the sequence of slot s (-1
 # past the last chunk: such slots read and write nothing).
 # =============================================================================================
 
-# A chunk's matrices in the buffer [chunk slots, HEADS, 2, C, C] (float32) of the 64-token
-# forward, in this order.
-WY_A_QK, WY_A_QB = (tl.constexpr(i) for i in range(2))
+# A chunk's matrices in the buffer [chunk slots, HEADS, 4, C, C] (float32) of the 64-token
+# forward, in this order: the outputs read the first two, the backward all four.
+WY_A_QK, WY_A_QB, WY_A_AK, WY_T = (tl.constexpr(i) for i in range(4))
 
 
 @triton.jit
 def _wy_matrix(matrices_ptr, slot, head, WHICH: tl.constexpr, HEADS: tl.constexpr,
-               C: tl.constexpr):
-    """Pointers to one of a chunk's two stored matrices (WY_A_QK, WY_A_QB), [C, C]."""
+               C: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Pointers to one of a chunk's four stored matrices (WY_A_QK, ...), [C, C], or to its
+    transpose (the backward's products)."""
     index = tl.arange(0, C)
-    return (matrices_ptr + ((slot.to(tl.int64) * HEADS + head) * 2 + WHICH) * (C * C)
-            + (index[:, None] * C + index[None, :]))
+    if TRANSPOSED:
+        within = index[:, None] + index[None, :] * C
+    else:
+        within = index[:, None] * C + index[None, :]
+    return matrices_ptr + ((slot.to(tl.int64) * HEADS + head) * 4 + WHICH) * (C * C) + within
+
+
+@triton.jit
+def _wy_load(matrices_ptr, slot, used, head, WHICH: tl.constexpr, HEADS: tl.constexpr,
+             C: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """One of a chunk's stored matrices (or its transpose), zeros unless ``used``."""
+    return tl.load(_wy_matrix(matrices_ptr, slot, head, WHICH, HEADS, C, TRANSPOSED),
+                   mask=used, other=0.0)
 
 
 @triton.jit
@@ -1081,9 +1096,10 @@ def rwkv7_wy_kernel(
     INVERSE_PRECISION: tl.constexpr, INVERSE_BLOCK_LEVELS: tl.constexpr,
 ):
     """Grid (chunk slots, HEADS), one 64-token chunk per program. wy [rows, HEADS, K] float32:
-    W = T a~; u0 [rows, HEADS, V] float32: U0 = T A_ak V; matrices [chunk slots, HEADS, 2, C, C]
-    float32: A_qk, A_qb (``_wy_matrix``). Rows past the sequence's end read as zeros (w = 0)
-    and are not stored; nor is anything of an unused slot.
+    W = T a~; u0 [rows, HEADS, V] float32: U0 = T A_ak V; matrices [chunk slots, HEADS, 4, C, C]
+    float32: A_qk, A_qb, A_ak, T (``_wy_matrix``; the last two only the backward reads). Rows
+    past the sequence's end read as zeros (w = 0) and are not stored; nor is anything of an
+    unused slot.
 
     In three passes over K (KI columns at a time: [C, KI] tiles) so that at most two [C, C]
     sums are built at once: A_ak and A_ab, then T = (I - A_ab)^-1 and T A_ak; U0 (VI columns of
@@ -1108,6 +1124,8 @@ def rwkv7_wy_kernel(
             rows(b_ptr, k_base, k_tile, k_in), _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR),
             A_ak, A_ab, True, TAME, C, LEVELS, PRECISION)
     inverse = _wy_inverse(A_ab, C, LEVELS, INVERSE_BLOCK_LEVELS, INVERSE_PRECISION)
+    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_AK, HEADS, C, False), A_ak, mask=used)
+    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_T, HEADS, C, False), inverse, mask=used)
     # U0 = T (A_ak V) = (T A_ak) V: one [C, C] product, then one per part of V.
     inverse_ak = tl.dot(inverse, A_ak, input_precision=INVERSE_PRECISION)
     for part in tl.static_range(BV // VI):
@@ -1135,8 +1153,8 @@ def rwkv7_wy_kernel(
             rows(r_ptr, k_base, k_tile, k_in) * scale, rows(k_ptr, k_base, k_tile, k_in),
             rows(b_ptr, k_base, k_tile, k_in), _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR),
             A_qk, A_qb, False, TAME, C, LEVELS, PRECISION)
-    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C), A_qk, mask=used)
-    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C), A_qb, mask=used)
+    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C, False), A_qk, mask=used)
+    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, False), A_qb, mask=used)
 
 
 @triton.jit
@@ -1201,8 +1219,89 @@ def rwkv7_wy_output_kernel(
     q = rows(r_ptr, k_base, k_tile, k_in) * scale
     gi = tl.cumsum(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), axis=0)
     o = tl.dot(q * tl.exp(gi), h, input_precision=PRECISION)
-    A_qk = tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C), mask=used, other=0.0)
+    A_qk = _wy_load(matrices_ptr, slot, used, head, WY_A_QK, HEADS, C, False)
     o = tl.dot(A_qk, rows(v_ptr, v_base, v_tile, v_in), o, input_precision=PRECISION)
-    A_qb = tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C), mask=used, other=0.0)
+    A_qb = _wy_load(matrices_ptr, slot, used, head, WY_A_QB, HEADS, C, False)
     o = tl.dot(A_qb, rows(u_ptr, v_base, v_tile, v_in), o, input_precision=PRECISION)
     tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
+
+
+# The 64-token backward, build step 2 (a prototype, not yet the op's): the state-gradient pass
+# and the V-side gradients. Given dO and the gradient dH' of a chunk's end state:
+#   dU = A_qb^T dO + b^ dH',  dX = T^T dU  (U = T X, X = a~ H + A_ak V),
+#   dH = e^g dH' + q~^T dO + W^T dU  (a~^T T^T = W^T: no [C, C] matrix in the recurrence),
+#   dV = A_qk^T dO + A_ak^T dX + k^ dH'.
+# The K-side gradients (kernel 6, to come) read dU, dX, dH' and the forward's H and U.
+
+@triton.jit
+def rwkv7_wy_state_gradient_kernel(
+    r_ptr, w_ptr, b_ptr, do_ptr, wy_ptr, matrices_ptr, dht_ptr, cu_ptr,           # inputs
+    chunk_index_ptr,
+    dh0_ptr, dstates_ptr, du_ptr,                                                 # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+    TOTAL_ROWS: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (sequences * HEADS, V blocks of BV): the reverse recurrence, from each sequence's
+    last chunk, carrying dH (from dht [N, HEADS, K, V]). dstates [chunk slots, HEADS, K, V]
+    float32: dH' (the gradient of the chunk's end state) in every chunk's slot; du
+    [rows, HEADS, V] float32: dU; dh0 [N, HEADS, K, V] float32. wy and matrices: the forward's
+    (``rwkv7_wy_kernel``). b^ = b e^(g - gi), q~ = q e^gi (``_decays``)."""
+    (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
+     first_chunk_slot, dh) = _recurrence(cu_ptr, chunk_index_ptr, dht_ptr, HEADS, K, V, BK, BV, C,
+                                         TOTAL_ROWS)
+    c = chunks - 1
+    while c >= 0:  # not `for ... in range`: the interpreter cannot take a run-time bound
+        slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
+        tl.store(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols), dh, mask=state_mask)
+        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
+                                                HEADS, K, V, C, False)
+        do = rows(do_ptr, v_base, v_tile, v_in)
+        gi, _, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
+        A_qb_t = tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, True))
+        du = tl.dot(rows(b_ptr, k_base, k_tile, k_in) * tl.exp(to_end), dh,
+                    tl.dot(A_qb_t, do, input_precision=PRECISION), input_precision=PRECISION)
+        tl.store(du_ptr + v_base + v_tile, du, mask=v_in)
+        q = rows(r_ptr, k_base, k_tile, k_in) * scale
+        dh = tl.dot(tl.trans(q * tl.exp(gi)), do, tl.exp(g_end)[:, None] * dh,
+                    input_precision=PRECISION)
+        dh = tl.dot(tl.trans(rows(wy_ptr, k_base, k_tile, k_in)), du, dh,
+                    input_precision=PRECISION)
+        c -= 1
+    tl.store(_state(dh0_ptr, sequence, head, HEADS, K, V, BK, v_cols), dh, mask=state_mask)
+
+
+@triton.jit
+def rwkv7_wy_value_gradient_kernel(
+    w_ptr, k_ptr, do_ptr, du_ptr, dstates_ptr, matrices_ptr, cu_ptr, chunk_index_ptr,
+    chunk_sequence_ptr,                                                          # inputs
+    dv_ptr, dx_ptr,                                                              # outputs
+    HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (chunk slots, HEADS, V blocks of BV), all chunks at once: dX = T^T dU and
+    dV = A_qk^T dO + A_ak^T dX + k^ dH' (k^ = k e^(g - gi)), from the state-gradient pass's dU
+    and dH' (same chunk slot) and the forward's matrices. dv [rows, HEADS, V] in its dtype; dx
+    [rows, HEADS, V] float32. An unused slot reads and writes nothing."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    used, first, end = _wy_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
+                                 TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    k_tile, k_cols_in, v_tile, v_cols_in = chunk_tiles(v_cols, HEADS, K, V, BK, BV, C, False)
+    k_base, k_in, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V,
+                                            C, False)
+    dx = tl.dot(_wy_load(matrices_ptr, slot, used, head, WY_T, HEADS, C, True),
+                rows(du_ptr, v_base, v_tile, v_in), input_precision=PRECISION)
+    tl.store(dx_ptr + v_base + v_tile, dx, mask=v_in)
+    dv = tl.dot(_wy_load(matrices_ptr, slot, used, head, WY_A_QK, HEADS, C, True),
+                rows(do_ptr, v_base, v_tile, v_in), input_precision=PRECISION)
+    dv = tl.dot(_wy_load(matrices_ptr, slot, used, head, WY_A_AK, HEADS, C, True), dx, dv,
+                input_precision=PRECISION)
+    dh = tl.load(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                 mask=(tl.trans(k_cols_in) & v_cols_in) & used, other=0.0)
+    _, _, _, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
+    dv = tl.dot(rows(k_ptr, k_base, k_tile, k_in) * tl.exp(to_end), dh, dv,
+                input_precision=PRECISION)
+    tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)

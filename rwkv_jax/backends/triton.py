@@ -411,7 +411,8 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     return o.reshape(batch, steps, heads, v_size), ht
 
 
-# 64-token chunks (docs/RWKV7-CHUNK64.md): a forward prototype, not yet the op's (no backward).
+# 64-token chunks (docs/RWKV7-CHUNK64.md): a forward prototype and the backward's first two
+# kernels, not yet the op's (no K-side gradients).
 CHUNK64 = 64
 LEVELS64 = CHUNK64.bit_length() - 1
 # Diagonal blocks of the in-chunk inverse (rwkv7.py's _wy_inverse: the plan's 16-token blocks).
@@ -428,21 +429,9 @@ def tame_path64(w):
     return jnp.min(w, initial=0.0).astype(jnp.float32) * CHUNK64 >= -TAME_SUM64
 
 
-def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqlens=None,
-                    exact=False, block_v=64, block_k_in_chunk=32, warps=None):
-    """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
-    "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
-    inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
-    ``initial_state`` [N, H, K, V], zeros when None). Three launches: the in-chunk kernel (W, U0,
-    A_qk, A_qb; tame or exact path per call on the device, ``tame_path64``: every log decay >= -1,
-    so that every 64-token chunk sums to >= -64 per channel; ``exact`` forces the exact path),
-    the state pass (U, the state at every chunk's start, ht) and the outputs. ``block_v``: V
-    columns per program of the state pass and the outputs (and of each U0 product);
-    ``block_k_in_chunk``: K columns per part of the in-chunk sums. ``warps``: those of the
-    in-chunk kernel's tame and exact paths, the state pass and the outputs (a dict, keys
-    "tame", "exact", "state", "output"; the defaults are from sm_90 compile reports only, the
-    fewest spills: docs/RWKV7-CHUNK64.md). A prototype for timing: not wired into the public
-    op, which has no 64-token backward yet."""
+def _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v):
+    """What every 64-token launch shares: the inputs flattened to rows, ``cu`` and the initial
+    states, the chunk slots' index arrays, and the common compile-time arguments."""
     batch, steps, heads, k_size = r.shape
     v_size = v.shape[-1]
     _check_head_sizes(k_size, v_size)
@@ -450,25 +439,54 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     rows = batch * steps
     sequences = cu.shape[0] - 1
     flat = lambda x: x.reshape(rows, heads, x.shape[-1])
-    r, w, k, v, a, b = map(flat, (r, w, k, v, a, b))
     precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
     block_k = _pow2_at_least(k_size)
     block_v = min(block_v, _pow2_at_least(v_size))
-    common = dict(HEADS=heads, K=k_size, V=v_size, BK=block_k, BV=block_v, C=CHUNK64,
-                  FLOOR=LOG_DECAY_FLOOR, TOTAL_ROWS=rows,
-                  PRECISION="tf32x3" if precise else "tf32")
-    warps = dict(dict(tame=4, exact=8, state=4 if block_k <= 64 else 8, output=4),
-                 **(warps or {}))
     chunks, chunk_index = _first_slots(cu, CHUNK64)
     chunk_slots = _slot_count(rows, sequences, CHUNK64)
-    chunk_sequence = _slot_sequences(chunks, chunk_index, chunk_slots)
-    index = (cu, chunk_index, chunk_sequence)
-    # 1. In-chunk: W, U0 per token, A_qk and A_qb per chunk, on the call's path.
+    return dict(
+        inputs=tuple(map(flat, (r, w, k, v, a, b))), cu=cu, h0=h0, sequences=sequences,
+        chunk_index=chunk_index, chunk_slots=chunk_slots,
+        index=(cu, chunk_index, _slot_sequences(chunks, chunk_index, chunk_slots)),
+        v_blocks=-(-v_size // block_v), shape=(batch, steps, heads, v_size),
+        common=dict(HEADS=heads, K=k_size, V=v_size, BK=block_k, BV=block_v, C=CHUNK64,
+                    FLOOR=LOG_DECAY_FLOOR, TOTAL_ROWS=rows,
+                    PRECISION="tf32x3" if precise else "tf32"))
+
+
+def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqlens=None,
+                    exact=False, block_v=64, block_k_in_chunk=32, warps=None, residuals=False):
+    """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
+    "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
+    inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
+    ``initial_state`` [N, H, K, V], zeros when None). Three launches: the in-chunk kernel (W, U0,
+    A_qk, A_qb, A_ak, T; tame or exact path per call on the device, ``tame_path64``: every log
+    decay >= -1, so that every 64-token chunk sums to >= -64 per channel; ``exact`` forces the
+    exact path), the state pass (U, the state at every chunk's start, ht) and the outputs.
+    ``block_v``: V columns per program of the state pass and the outputs (and of each U0
+    product); ``block_k_in_chunk``: K columns per part of the in-chunk sums. ``warps``: those of
+    the in-chunk kernel's tame and exact paths, the state pass and the outputs (a dict, keys
+    "tame", "exact", "state", "output"; the defaults are from sm_90 compile reports only, the
+    fewest spills: docs/RWKV7-CHUNK64.md). ``residuals``: also return what the backward reads
+    (a dict: ``states`` [chunk slots, H, K, V] float32, H at every chunk's start; ``u`` and
+    ``wy`` [B * T, H, V or K] float32, U and W; ``matrices`` [chunk slots, H, 4, 64, 64]
+    float32, A_qk, A_qb, A_ak, T). A prototype for timing: not wired into the public op, which
+    has no 64-token backward yet."""
+    call = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
+    r, w, k, v, a, b = call["inputs"]
+    rows, heads, k_size = r.shape
+    v_size = v.shape[-1]
+    common, index = call["common"], call["index"]
+    sequences, chunk_slots, v_blocks = call["sequences"], call["chunk_slots"], call["v_blocks"]
+    block_k, block_v = common["BK"], common["BV"]
+    warps = dict(dict(tame=4, exact=8, state=4 if block_k <= 64 else 8, output=4),
+                 **(warps or {}))
+    # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path.
     in_chunk = lambda TAME: _launch.launch(
         _kernels.rwkv7_wy_kernel, (r, w, k, v, a, b, *index),
         (jax.ShapeDtypeStruct((rows, heads, k_size), jnp.float32),
          jax.ShapeDtypeStruct((rows, heads, v_size), jnp.float32),
-         jax.ShapeDtypeStruct((chunk_slots, heads, 2, CHUNK64, CHUNK64), jnp.float32)),
+         jax.ShapeDtypeStruct((chunk_slots, heads, 4, CHUNK64, CHUNK64), jnp.float32)),
         (chunk_slots, heads), num_warps=warps["tame" if TAME else "exact"], scale=float(scale),
         TAME=TAME, LEVELS=LEVELS64, KI=min(block_k_in_chunk, block_k), VI=block_v,
         SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots,
@@ -477,16 +495,16 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         # (sm_90, 4 warps; tf32x3: 328 B tame, 1.4 KB exact).
         INVERSE_PRECISION=common["PRECISION"],
         INVERSE_BLOCK_LEVELS=INVERSE_BLOCK64.bit_length() - 1,
-        **dict(common, BV=-(-v_size // block_v) * block_v))
+        **dict(common, BV=v_blocks * block_v))
     if exact:
         wy, u0, matrices = in_chunk(False)
     else:
         wy, u0, matrices = lax.cond(tame_path64(w), lambda: in_chunk(True),
                                     lambda: in_chunk(False))
     # 2. The state pass: U, the state at every chunk's start, the final states.
-    v_blocks = -(-v_size // block_v)
     ht, states, u = _launch.launch(
-        _kernels.rwkv7_wy_state_kernel, (w, k, v, b, wy, u0, h0, cu, chunk_index),
+        _kernels.rwkv7_wy_state_kernel,
+        (w, k, v, b, wy, u0, call["h0"], call["cu"], call["chunk_index"]),
         (jax.ShapeDtypeStruct((sequences, heads, k_size, v_size), jnp.float32),
          jax.ShapeDtypeStruct((chunk_slots, heads, k_size, v_size), jnp.float32),
          jax.ShapeDtypeStruct((rows, heads, v_size), jnp.float32)),
@@ -498,7 +516,47 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         (jax.ShapeDtypeStruct((rows, heads, v_size), v.dtype),),
         (chunk_slots, heads, v_blocks), num_warps=warps["output"], scale=float(scale),
         SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots, **common)
-    return o.reshape(batch, steps, heads, v_size), ht
+    o = o.reshape(call["shape"])
+    if residuals:
+        return o, ht, dict(states=states, u=u, wy=wy, matrices=matrices)
+    return o, ht
+
+
+def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
+                            cu_seqlens=None, block_v=64, warps=None):
+    """The first two kernels of the 64-token backward (a prototype, not wired into the op):
+    from the inputs as :func:`forward_chunk64` took them, its ``residuals`` and the cotangents
+    ``do`` [B, T, H, V] and ``dht`` [N, H, K, V] (of o and ht), (dv [B, T, H, V] in v's dtype,
+    dh0 [N, H, K, V] float32, dstates [chunk slots, H, K, V] float32: the gradient of every
+    chunk's end state, du and dx [B * T, H, V] float32). Two launches: the state-gradient pass
+    (sequential, reverse: dH', dU, dh0) and the V-side gradients (all chunks at once: dX, dV).
+    ``warps``: a dict, keys "state" and "value" (untuned)."""
+    call = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
+    r, w, k, v, a, b = call["inputs"]
+    rows, heads, k_size = r.shape
+    v_size = v.shape[-1]
+    common, index = call["common"], call["index"]
+    sequences, chunk_slots, v_blocks = call["sequences"], call["chunk_slots"], call["v_blocks"]
+    warps = dict(dict(state=4 if common["BK"] <= 64 else 8, value=4), **(warps or {}))
+    do = do.reshape(rows, heads, v_size)
+    state = lambda slots: jax.ShapeDtypeStruct((slots, heads, k_size, v_size), jnp.float32)
+    per_row = jax.ShapeDtypeStruct((rows, heads, v_size), jnp.float32)
+    # 4. The state gradient, each sequence from its last chunk.
+    dh0, dstates, du = _launch.launch(
+        _kernels.rwkv7_wy_state_gradient_kernel,
+        (r, w, b, do, residuals["wy"], residuals["matrices"], dht.astype(jnp.float32),
+         call["cu"], call["chunk_index"]),
+        (state(sequences), state(chunk_slots), per_row),
+        (sequences * heads, v_blocks), num_warps=warps["state"], scale=float(scale),
+        CHUNK_SLOTS=chunk_slots, **common)
+    # 5. The V-side gradients, all chunks at once.
+    dv, dx = _launch.launch(
+        _kernels.rwkv7_wy_value_gradient_kernel,
+        (w, k, do, du, dstates, residuals["matrices"], *index),
+        (jax.ShapeDtypeStruct((rows, heads, v_size), v.dtype), per_row),
+        (chunk_slots, heads, v_blocks), num_warps=warps["value"], SEQUENCES=sequences,
+        CHUNK_SLOTS=chunk_slots, **common)
+    return dv.reshape(call["shape"]), dh0, dstates, du, dx
 
 
 # ==============================================================================================
