@@ -1000,6 +1000,26 @@ def _wy_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C: tl.constexpr
 
 
 @triton.jit
+def _wy_chunk_program(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, HEADS: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      C: tl.constexpr, TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr,
+                      CHUNK_SLOTS: tl.constexpr):
+    """A parallel kernel's program (grid: chunk slots, HEADS, V blocks of BV): its slot, head,
+    whether the slot is a chunk (``_wy_chunk``), its V columns, the chunk's tiles and masks
+    (``chunk_tiles``) and row bases (``row_bases``; no row of an unused slot)."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    used, first, end = _wy_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
+                                 TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    k_tile, k_cols_in, v_tile, v_cols_in = chunk_tiles(v_cols, HEADS, K, V, BK, BV, C, False)
+    k_base, k_in, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V,
+                                            C, False)
+    return (slot, head, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, k_base, k_in,
+            v_base, v_in)
+
+
+@triton.jit
 def _wy_pairs(x, y, z, w, xy, xz, STRICT: tl.constexpr, TAME: tl.constexpr, C: tl.constexpr,
               LEVELS: tl.constexpr, PRECISION: tl.constexpr):
     """Two [C, C] in-chunk matrices, xy and xz, plus their terms of one part of K's columns
@@ -1206,14 +1226,9 @@ def rwkv7_wy_output_kernel(
     """Grid (chunk slots, HEADS, V blocks of BV): O = q~ H + A_qk V + A_qb U, all chunks at once,
     from the chunk's H saved by the state pass (in the same chunk slot) and its A_qk, A_qb
     (``rwkv7_wy_kernel``). o [rows, HEADS, V] in its dtype."""
-    slot = tl.program_id(0)
-    head = tl.program_id(1)
-    used, first, end = _wy_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
-                                 TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
-    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
-    k_tile, k_cols_in, v_tile, v_cols_in = chunk_tiles(v_cols, HEADS, K, V, BK, BV, C, False)
-    k_base, k_in, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V,
-                                            C, False)
+    (slot, head, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, k_base, k_in, v_base,
+     v_in) = _wy_chunk_program(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, HEADS, K, V, BK, BV,
+                               C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
     h = tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
                 mask=(tl.trans(k_cols_in) & v_cols_in) & used, other=0.0)
     q = rows(r_ptr, k_base, k_tile, k_in) * scale
@@ -1284,14 +1299,9 @@ def rwkv7_wy_value_gradient_kernel(
     dV = A_qk^T dO + A_ak^T dX + k^ dH' (k^ = k e^(g - gi)), from the state-gradient pass's dU
     and dH' (same chunk slot) and the forward's matrices. dv [rows, HEADS, V] in its dtype; dx
     [rows, HEADS, V] float32. An unused slot reads and writes nothing."""
-    slot = tl.program_id(0)
-    head = tl.program_id(1)
-    used, first, end = _wy_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
-                                 TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
-    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
-    k_tile, k_cols_in, v_tile, v_cols_in = chunk_tiles(v_cols, HEADS, K, V, BK, BV, C, False)
-    k_base, k_in, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V,
-                                            C, False)
+    (slot, head, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, k_base, k_in, v_base,
+     v_in) = _wy_chunk_program(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, HEADS, K, V, BK, BV,
+                               C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
     dx = tl.dot(_wy_load(matrices_ptr, slot, used, head, WY_T, HEADS, C, True),
                 rows(du_ptr, v_base, v_tile, v_in), input_precision=PRECISION)
     tl.store(dx_ptr + v_base + v_tile, dx, mask=v_in)
