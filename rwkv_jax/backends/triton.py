@@ -417,16 +417,9 @@ CHUNK64 = 64
 LEVELS64 = CHUNK64.bit_length() - 1
 # Diagonal blocks of the in-chunk inverse (rwkv7.py's _wy_inverse: the plan's 16-token blocks).
 INVERSE_BLOCK64 = 16
-# The tame path's bound on a 64-token chunk's log decays, per channel: its middle-referenced
-# factors stay within e^(+-TAME_SUM64 / 2). Calls whose every log decay is >= -TAME_SUM64 /
-# CHUNK64 = -1 take it: the bound of tame_path (-TAME_SUM / CHUNK), so model-range decays
-# (>= -e^-0.5) do.
-TAME_SUM64 = 64.0
-
-
-def tame_path64(w):
-    """tame_path at 64-token chunks: every log decay >= -1 (a traced boolean)."""
-    return jnp.min(w, initial=0.0).astype(jnp.float32) * CHUNK64 >= -TAME_SUM64
+# The tame path at 64-token chunks is tame_path's: every log decay >= -TAME_SUM / CHUNK = -1,
+# so a chunk's log decays sum to >= -64 per channel and its middle-referenced factors stay
+# within e^(+-32); model-range decays (>= -e^-0.5) take it.
 
 
 def _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v):
@@ -460,7 +453,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
     inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
     ``initial_state`` [N, H, K, V], zeros when None). Three launches: the in-chunk kernel (W, U0,
-    A_qk, A_qb, A_ak, T; tame or exact path per call on the device, ``tame_path64``: every log
+    A_qk, A_qb, A_ak, T; tame or exact path per call on the device, ``tame_path``: every log
     decay >= -1, so that every 64-token chunk sums to >= -64 per channel; ``exact`` forces the
     exact path), the state pass (U, the state at every chunk's start, ht) and the outputs.
     ``block_v``: V columns per program of the state pass and the outputs (and of each U0
@@ -499,7 +492,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     if exact:
         wy, u0, matrices = in_chunk(False)
     else:
-        wy, u0, matrices = lax.cond(tame_path64(w), lambda: in_chunk(True),
+        wy, u0, matrices = lax.cond(tame_path(w), lambda: in_chunk(True),
                                     lambda: in_chunk(False))
     # 2. The state pass: U, the state at every chunk's start, the final states.
     ht, states, u = _launch.launch(
