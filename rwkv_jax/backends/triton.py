@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -422,9 +423,33 @@ INVERSE_BLOCK64 = 16
 # within e^(+-32); model-range decays (>= -e^-0.5) take it.
 
 
+class _Setup64(NamedTuple):
+    """What every 64-token launch shares (``_setup64``), and its buffers' shapes."""
+    inputs: tuple      # r, w, k, v, a, b flattened to [rows, H, *]
+    cu: jax.Array
+    h0: jax.Array      # [N, H, K, V] float32
+    chunk_index: jax.Array
+    index: tuple       # cu, chunk_index, chunk_sequence: the parallel kernels' index inputs
+    sequences: int
+    chunk_slots: int
+    v_blocks: int
+    shape: tuple       # [B, T, H, V]: of o and dv
+    common: dict       # the compile-time arguments of every launch
+
+    def per_row(self, width, dtype=jnp.float32):
+        """A [rows, H, width] buffer."""
+        return jax.ShapeDtypeStruct((self.common["TOTAL_ROWS"], self.common["HEADS"], width),
+                                    dtype)
+
+    def states(self, slots):
+        """A [slots, H, K, V] float32 buffer of states."""
+        c = self.common
+        return jax.ShapeDtypeStruct((slots, c["HEADS"], c["K"], c["V"]), jnp.float32)
+
+
 def _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v):
-    """What every 64-token launch shares: the inputs flattened to rows, ``cu`` and the initial
-    states, the chunk slots' index arrays, and the common compile-time arguments."""
+    """The inputs flattened to rows, ``cu`` and the initial states, the chunk slots' index
+    arrays, and the common compile-time arguments."""
     batch, steps, heads, k_size = r.shape
     v_size = v.shape[-1]
     _check_head_sizes(k_size, v_size)
@@ -433,17 +458,16 @@ def _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v):
     sequences = cu.shape[0] - 1
     flat = lambda x: x.reshape(rows, heads, x.shape[-1])
     precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
-    block_k = _pow2_at_least(k_size)
     block_v = min(block_v, _pow2_at_least(v_size))
     chunks, chunk_index = _first_slots(cu, CHUNK64)
     chunk_slots = _slot_count(rows, sequences, CHUNK64)
-    return dict(
-        inputs=tuple(map(flat, (r, w, k, v, a, b))), cu=cu, h0=h0, sequences=sequences,
-        chunk_index=chunk_index, chunk_slots=chunk_slots,
+    return _Setup64(
+        inputs=tuple(map(flat, (r, w, k, v, a, b))), cu=cu, h0=h0, chunk_index=chunk_index,
         index=(cu, chunk_index, _slot_sequences(chunks, chunk_index, chunk_slots)),
-        v_blocks=-(-v_size // block_v), shape=(batch, steps, heads, v_size),
-        common=dict(HEADS=heads, K=k_size, V=v_size, BK=block_k, BV=block_v, C=CHUNK64,
-                    FLOOR=LOG_DECAY_FLOOR, TOTAL_ROWS=rows,
+        sequences=sequences, chunk_slots=chunk_slots, v_blocks=-(-v_size // block_v),
+        shape=(batch, steps, heads, v_size),
+        common=dict(HEADS=heads, K=k_size, V=v_size, BK=_pow2_at_least(k_size), BV=block_v,
+                    C=CHUNK64, FLOOR=LOG_DECAY_FLOOR, TOTAL_ROWS=rows,
                     PRECISION="tf32x3" if precise else "tf32"))
 
 
@@ -465,30 +489,26 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     ``wy`` [B * T, H, V or K] float32, U and W; ``matrices`` [chunk slots, H, 4, 64, 64]
     float32, A_qk, A_qb, A_ak, T). A prototype for timing: not wired into the public op, which
     has no 64-token backward yet."""
-    call = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
-    r, w, k, v, a, b = call["inputs"]
-    rows, heads, k_size = r.shape
-    v_size = v.shape[-1]
-    common, index = call["common"], call["index"]
-    sequences, chunk_slots, v_blocks = call["sequences"], call["chunk_slots"], call["v_blocks"]
+    setup = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
+    r, w, k, v, a, b = setup.inputs
+    common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     block_k, block_v = common["BK"], common["BV"]
     warps = dict(dict(tame=4, exact=8, state=4 if block_k <= 64 else 8, output=4),
                  **(warps or {}))
     # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path.
     in_chunk = lambda TAME: _launch.launch(
-        _kernels.rwkv7_wy_kernel, (r, w, k, v, a, b, *index),
-        (jax.ShapeDtypeStruct((rows, heads, k_size), jnp.float32),
-         jax.ShapeDtypeStruct((rows, heads, v_size), jnp.float32),
-         jax.ShapeDtypeStruct((chunk_slots, heads, 4, CHUNK64, CHUNK64), jnp.float32)),
-        (chunk_slots, heads), num_warps=warps["tame" if TAME else "exact"], scale=float(scale),
+        _kernels.rwkv7_wy_kernel, (r, w, k, v, a, b, *setup.index),
+        (setup.per_row(common["K"]), setup.per_row(common["V"]),
+         jax.ShapeDtypeStruct((slots, heads, 4, CHUNK64, CHUNK64), jnp.float32)),
+        (slots, heads), num_warps=warps["tame" if TAME else "exact"], scale=float(scale),
         TAME=TAME, LEVELS=LEVELS64, KI=min(block_k_in_chunk, block_k), VI=block_v,
-        SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots,
+        SEQUENCES=setup.sequences, CHUNK_SLOTS=slots,
         # float32 inputs: tf32x3 (split products, float32's precision), not the 16-token
         # kernels' "ieee": ten [64, 64] products without tensor cores spilled 8.6 KB at K=32
         # (sm_90, 4 warps; tf32x3: 328 B tame, 1.4 KB exact).
         INVERSE_PRECISION=common["PRECISION"],
         INVERSE_BLOCK_LEVELS=INVERSE_BLOCK64.bit_length() - 1,
-        **dict(common, BV=v_blocks * block_v))
+        **dict(common, BV=setup.v_blocks * block_v))
     if exact:
         wy, u0, matrices = in_chunk(False)
     else:
@@ -497,19 +517,17 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     # 2. The state pass: U, the state at every chunk's start, the final states.
     ht, states, u = _launch.launch(
         _kernels.rwkv7_wy_state_kernel,
-        (w, k, v, b, wy, u0, call["h0"], call["cu"], call["chunk_index"]),
-        (jax.ShapeDtypeStruct((sequences, heads, k_size, v_size), jnp.float32),
-         jax.ShapeDtypeStruct((chunk_slots, heads, k_size, v_size), jnp.float32),
-         jax.ShapeDtypeStruct((rows, heads, v_size), jnp.float32)),
-        (sequences * heads, v_blocks), num_warps=warps["state"], CHUNK_SLOTS=chunk_slots,
+        (w, k, v, b, wy, u0, setup.h0, setup.cu, setup.chunk_index),
+        (setup.states(setup.sequences), setup.states(slots), setup.per_row(common["V"])),
+        (setup.sequences * heads, setup.v_blocks), num_warps=warps["state"], CHUNK_SLOTS=slots,
         **common)
     # 3. The outputs, all chunks at once.
     (o,) = _launch.launch(
-        _kernels.rwkv7_wy_output_kernel, (r, w, v, u, states, matrices, *index),
-        (jax.ShapeDtypeStruct((rows, heads, v_size), v.dtype),),
-        (chunk_slots, heads, v_blocks), num_warps=warps["output"], scale=float(scale),
-        SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots, **common)
-    o = o.reshape(call["shape"])
+        _kernels.rwkv7_wy_output_kernel, (r, w, v, u, states, matrices, *setup.index),
+        (setup.per_row(common["V"], v.dtype),), (slots, heads, setup.v_blocks),
+        num_warps=warps["output"], scale=float(scale), SEQUENCES=setup.sequences,
+        CHUNK_SLOTS=slots, **common)
+    o = o.reshape(setup.shape)
     if residuals:
         return o, ht, dict(states=states, u=u, wy=wy, matrices=matrices)
     return o, ht
@@ -524,32 +542,27 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
     chunk's end state, du and dx [B * T, H, V] float32). Two launches: the state-gradient pass
     (sequential, reverse: dH', dU, dh0) and the V-side gradients (all chunks at once: dX, dV).
     ``warps``: a dict, keys "state" and "value" (untuned)."""
-    call = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
-    r, w, k, v, a, b = call["inputs"]
-    rows, heads, k_size = r.shape
-    v_size = v.shape[-1]
-    common, index = call["common"], call["index"]
-    sequences, chunk_slots, v_blocks = call["sequences"], call["chunk_slots"], call["v_blocks"]
+    setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
+    r, w, k, v, a, b = setup.inputs
+    common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     warps = dict(dict(state=4 if common["BK"] <= 64 else 8, value=4), **(warps or {}))
-    do = do.reshape(rows, heads, v_size)
-    state = lambda slots: jax.ShapeDtypeStruct((slots, heads, k_size, v_size), jnp.float32)
-    per_row = jax.ShapeDtypeStruct((rows, heads, v_size), jnp.float32)
+    do = do.reshape(common["TOTAL_ROWS"], heads, common["V"])
     # 4. The state gradient, each sequence from its last chunk.
     dh0, dstates, du = _launch.launch(
         _kernels.rwkv7_wy_state_gradient_kernel,
         (r, w, b, do, residuals["wy"], residuals["matrices"], dht.astype(jnp.float32),
-         call["cu"], call["chunk_index"]),
-        (state(sequences), state(chunk_slots), per_row),
-        (sequences * heads, v_blocks), num_warps=warps["state"], scale=float(scale),
-        CHUNK_SLOTS=chunk_slots, **common)
+         setup.cu, setup.chunk_index),
+        (setup.states(setup.sequences), setup.states(slots), setup.per_row(common["V"])),
+        (setup.sequences * heads, setup.v_blocks), num_warps=warps["state"], scale=float(scale),
+        CHUNK_SLOTS=slots, **common)
     # 5. The V-side gradients, all chunks at once.
     dv, dx = _launch.launch(
         _kernels.rwkv7_wy_value_gradient_kernel,
-        (w, k, do, du, dstates, residuals["matrices"], *index),
-        (jax.ShapeDtypeStruct((rows, heads, v_size), v.dtype), per_row),
-        (chunk_slots, heads, v_blocks), num_warps=warps["value"], SEQUENCES=sequences,
-        CHUNK_SLOTS=chunk_slots, **common)
-    return dv.reshape(call["shape"]), dh0, dstates, du, dx
+        (w, k, do, du, dstates, residuals["matrices"], *setup.index),
+        (setup.per_row(common["V"], v.dtype), setup.per_row(common["V"])),
+        (slots, heads, setup.v_blocks), num_warps=warps["value"], SEQUENCES=setup.sequences,
+        CHUNK_SLOTS=slots, **common)
+    return dv.reshape(setup.shape), dh0, dstates, du, dx
 
 
 # ==============================================================================================
