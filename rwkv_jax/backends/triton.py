@@ -571,8 +571,6 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
 # w as the key-side log gate, the read before the update and the bonus u on the diagonal.
 # ==============================================================================================
 
-from . import LOG_DECAY_FLOOR  # noqa: E402
-
 _gla_kernels = _launch.kernels("gla")
 
 # The forward: a sequential state pass over chunks of GLA_SPAN tokens that saves the state at
