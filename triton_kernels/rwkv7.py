@@ -206,6 +206,18 @@ def _chunk_rows(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C: tl.constex
 
 
 @triton.jit
+def _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C: tl.constexpr,
+               TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr):
+    """``_chunk_rows`` of one chunk slot, as scalars: whether it is a chunk, its first row and
+    the end of its rows (its first row for an unused slot: every row masked out)."""
+    used, first, end = _chunk_rows(slot + tl.arange(0, 1), cu_ptr, chunk_index_ptr,
+                                   chunk_sequence_ptr, C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    used = tl.sum(used.to(tl.int32), axis=0) > 0
+    first = tl.sum(first, axis=0)
+    return used, first, tl.where(used, tl.sum(end, axis=0), first)
+
+
+@triton.jit
 def _store_matrices(matrices_ptr, slot, used, head, A_qk, A_qb, A_ak, A_ab,
                     HEADS: tl.constexpr, C: tl.constexpr, INVERSE_PRECISION: tl.constexpr):
     """A chunk's four matrices, (I - A_ab)^-1 in place of A_ab ([C, C]; or G chunks',
@@ -281,12 +293,10 @@ def rwkv7_in_chunk_kernel(
     program ([C, *] tiles: batched, the level-by-level build spills)."""
     head = tl.program_id(1)
     slot = tl.program_id(0)
-    used, first, end = _chunk_rows(slot + tl.arange(0, 1), cu_ptr, chunk_index_ptr,
-                                   chunk_sequence_ptr, C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
-    used = tl.sum(used.to(tl.int32), axis=0) > 0  # (scalars: one chunk)
-    first = tl.sum(first, axis=0)
+    used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
+                                  TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
     steps = tl.arange(0, C)
-    rows_in = ((first + steps < tl.sum(end, axis=0)) & used)[:, None]
+    rows_in = (first + steps < end)[:, None]
     k_base = (first * HEADS + head) * K
     A_qk = tl.zeros([C, C], tl.float32)
     A_qb = tl.zeros([C, C], tl.float32)
@@ -988,29 +998,17 @@ def _wy_load(matrices_ptr, slot, used, head, WHICH: tl.constexpr, HEADS: tl.cons
 
 
 @triton.jit
-def _wy_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C: tl.constexpr,
-              TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr):
-    """``_chunk_rows`` of one chunk slot, as scalars: whether it is a chunk, its first row and
-    the end of its rows (its first row for an unused slot: every row masked out)."""
-    used, first, end = _chunk_rows(slot + tl.arange(0, 1), cu_ptr, chunk_index_ptr,
-                                   chunk_sequence_ptr, C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
-    used = tl.sum(used.to(tl.int32), axis=0) > 0
-    first = tl.sum(first, axis=0)
-    return used, first, tl.where(used, tl.sum(end, axis=0), first)
-
-
-@triton.jit
 def _wy_chunk_program(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, HEADS: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       C: tl.constexpr, TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr,
                       CHUNK_SLOTS: tl.constexpr):
     """A parallel kernel's program (grid: chunk slots, HEADS, V blocks of BV): its slot, head,
-    whether the slot is a chunk (``_wy_chunk``), its V columns, the chunk's tiles and masks
+    whether the slot is a chunk (``_one_chunk``), its V columns, the chunk's tiles and masks
     (``chunk_tiles``) and row bases (``row_bases``; no row of an unused slot)."""
     slot = tl.program_id(0)
     head = tl.program_id(1)
-    used, first, end = _wy_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
-                                 TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
+                                  TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
     v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
     k_tile, k_cols_in, v_tile, v_cols_in = chunk_tiles(v_cols, HEADS, K, V, BK, BV, C, False)
     k_base, k_in, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V,
@@ -1127,8 +1125,8 @@ def rwkv7_wy_kernel(
     tiles (k and b twice in all), which costs less than holding four [C, C] sums."""
     head = tl.program_id(1)
     slot = tl.program_id(0)
-    used, first, end = _wy_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
-                                 TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
+                                  TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
     steps = tl.arange(0, C)
     rows_in = (first + steps < end)[:, None]
     k_base = (first * HEADS + head) * K
