@@ -89,12 +89,11 @@ def run(kernel_name, warps, size, recurrence_block_v, gradient_block_k):
     # The K-side gradients: one launch per V block, float32 sums when there are several (each
     # launch here adds the same zero earlier sums, so that repeated launches write the same).
     k_side = dict(dtype=torch.bfloat16) if v_blocks == 1 else dict(dtype=torch.float32)
-    k_shape = shape
     earlier = [torch.zeros(shape, device=device) for _ in range(3)]
     outputs = {w: dict(dv=[torch.full(shape, float("nan"), device=device, dtype=torch.bfloat16)],
-                       key=[torch.full(k_shape, float("nan"), device=device, **k_side)
-                            for _ in range(2)] + [empty(*k_shape)],
-                       query=[torch.full(k_shape, float("nan"), device=device, **k_side)
+                       key=[torch.full(shape, float("nan"), device=device, **k_side)
+                            for _ in range(2)] + [empty(*shape)],
+                       query=[torch.full(shape, float("nan"), device=device, **k_side)
                               for _ in range(3)]) for w in (4, warps)}
     gradient_grid = (slots, heads, v_blocks)
     gradient_sizes = dict(CHUNKS_PER_STATE=chunks_per_state, SEQUENCES=batch,
