@@ -60,7 +60,7 @@ def run(kernel_name, warps, size, recurrence_block_v, gradient_block_k):
     sizes = dict(scale=1.0, HEADS=heads, K=size, V=size, BK=size, BV=block_v, C=chunk, LEVELS=4,
                  FLOOR=-128.0, TAME=True, TOTAL_ROWS=rows, PRECISION="tf32")
     recurrence = dict({n: v for n, v in sizes.items() if n not in ("LEVELS", "TAME")},
-                      BV=recurrence_block_v, CHUNK_SLOTS=chunk_slots)
+                      BV=recurrence_block_v, CHUNK_SLOTS=chunk_slots, ROUNDED=False)
     grid = (batch * heads, size // recurrence_block_v)
 
     def in_chunk(warps, tame=True, group=4):
