@@ -565,6 +565,45 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
     return dv.reshape(setup.shape), dh0, dstates, du, dx
 
 
+# K rows per program of the 64-token K-side kernel where they tile K (K = 128: two blocks;
+# otherwise one block covers K).
+K_SIDE_BLOCK_K64 = 64
+
+
+def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, du, dx, *, scale=1.0,
+                            cu_seqlens=None, block_v=64, exact=False, warps=None):
+    """The last kernel of the 64-token backward (kernel 6; a prototype, not wired into the
+    op): from the inputs as :func:`forward_chunk64` took them, its ``residuals`` (the chunk
+    states H and U), the cotangent ``do`` [B, T, H, V] of o and what
+    :func:`backward_chunk64_v_side` returned (``dstates``: dH' per chunk; ``dx``: dX), the K-side
+    gradients (dr, dw, dk, da, db), each [B, T, H, K] in the dtype of r, w, k, a, b. One launch
+    of ``rwkv7_wy_key_gradient_kernel``, all chunks at once (a program per chunk, head and block
+    of K_SIDE_BLOCK_K64 keys, summing over V inside: no partial sums), on the tame or exact path
+    as :func:`tame_path` picks on the device (``exact`` forces the exact one). ``du`` is not
+    read (dX carries it; taken so that the V side's outputs pass straight through).
+    ``block_v``: V columns per step of the program's sums over V; ``warps``: a dict, keys
+    "tame" and "exact" (untuned)."""
+    del du
+    setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
+    r, w, k, v, a, b = setup.inputs
+    common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
+    block_k = K_SIDE_BLOCK_K64 if common["K"] % K_SIDE_BLOCK_K64 == 0 else common["BK"]
+    warps = dict(dict(tame=4, exact=4), **(warps or {}))
+    do = do.reshape(common["TOTAL_ROWS"], heads, common["V"])
+    launch = lambda TAME: _launch.launch(
+        _kernels.rwkv7_wy_key_gradient_kernel,
+        (r, w, k, v, a, b, do, residuals["u"], dx, residuals["states"], dstates, *setup.index),
+        tuple(setup.per_row(common["K"], x.dtype) for x in (r, w, k, a, b)),
+        (slots, heads, common["BK"] // block_k), num_warps=warps["tame" if TAME else "exact"],
+        scale=float(scale), LEVELS=LEVELS64, TAME=TAME, SEQUENCES=setup.sequences,
+        CHUNK_SLOTS=slots, **dict(common, BK=block_k))
+    if exact:
+        grads = launch(False)
+    else:
+        grads = lax.cond(tame_path(w), lambda: launch(True), lambda: launch(False))
+    return tuple(g.reshape(setup.shape[:3] + (common["K"],)) for g in grads)
+
+
 # ==============================================================================================
 # Gated linear attention and RWKV-6: one chunked kernel family (triton_kernels/gla.py).
 # The same layout, varlen scheme and buffers as RWKV-7 above; RWKV-6 is the recurrence with
