@@ -3,9 +3,10 @@ kernels in triton_kernels/rwkv7.py's section "64-token chunks") against the floa
 on CPU through Triton's interpreter: both in-chunk paths (tame, exact, and tame-range decays
 forced onto the exact one), strong, zero, -1e9 and -inf decays, T = 1, lengths that are no
 multiple of 64, several chunks, packed sequences with an empty segment, initial states, several
-V blocks and K parts, float32 and bfloat16. Then the backward's first two kernels
-(``triton.backward_chunk64_v_side``: dv, dh0 against the reference's exact gradients; dH', dU,
-dX per chunk against the plan's float64 formulas, tests/test_rwkv7_chunk64_math.py) on the same
+V blocks and K parts, float32 and bfloat16. Then the backward, chained as the op will chain
+it (``forward_chunk64(residuals=True)``, ``backward_chunk64_v_side``, ``backward_chunk64_k_side``):
+every gradient (dr, dw, dk, dv, da, db, dh0) against the reference's exact ones, and dH', dU, dX
+per chunk against the plan's float64 formulas (tests/test_rwkv7_chunk64_math.py), on the same
 cases. Shapes are tiny: the interpreter is slow."""
 
 import dataclasses
@@ -184,7 +185,8 @@ def test_invalid_traced_offsets_stay_in_bounds():
 
 
 def test_backward_invalid_traced_offsets_stay_in_bounds():
-    """The same offsets through the backward's two kernels: they run and write a finite dh0."""
+    """The same offsets through the backward's three launchers: they run and write finite
+    gradients."""
     rng = np.random.default_rng(6)
     drawn = reference.random_inputs("rwkv7", rng, batch=1, steps=70, heads=1, key=16,
                                     value=16, state_rows=4)
@@ -195,17 +197,22 @@ def test_backward_invalid_traced_offsets_stay_in_bounds():
         inputs = [x[n] for n in "rwkvab"]
         _, _, residuals = triton_backend.forward_chunk64(
             *inputs, initial_state=x["initial_state"], cu_seqlens=cu, residuals=True)
-        return triton_backend.backward_chunk64_v_side(*inputs, residuals, do, dht,
-                                                      cu_seqlens=cu)
+        dv, dh0, dstates, du, dx = triton_backend.backward_chunk64_v_side(
+            *inputs, residuals, do, dht, cu_seqlens=cu)
+        return (dh0, dv) + triton_backend.backward_chunk64_k_side(
+            *inputs, residuals, do, dstates, du, dx, cu_seqlens=cu)
 
-    _, dh0, _, _, _ = run(x, jnp.asarray([-100, 50, 20, 500, 10**6], jnp.int32),
-                          jnp.ones_like(x["v"]), jnp.ones((4, 1, 16, 16), jnp.float32))
-    assert dh0.shape == (4, 1, 16, 16)
-    assert np.all(np.isfinite(np.asarray(dh0)))
+    grads = run(x, jnp.asarray([-100, 50, 20, 500, 10**6], jnp.int32), jnp.ones_like(x["v"]),
+                jnp.ones((4, 1, 16, 16), jnp.float32))
+    assert grads[0].shape == (4, 1, 16, 16)
+    for grad, like in zip(grads[1:], "vrwkab"):
+        assert grad.shape == x[like].shape
+    assert all(np.all(np.isfinite(np.asarray(grad))) for grad in grads)
 
 
 # ---------------------------------------------------------------------------------------------
-# The backward's state-gradient pass and V-side gradients (kernels 4 and 5).
+# The backward: the state-gradient pass and V-side gradients (kernels 4 and 5), then the K-side
+# gradients (kernel 6).
 # ---------------------------------------------------------------------------------------------
 
 def _plan_per_chunk(x64, cu, d_out, d_state, scale):
@@ -246,10 +253,11 @@ def _plan_per_chunk(x64, cu, d_out, d_state, scale):
 
 
 def check_backward(case, seed):
-    """dv and dh0 against the reference's exact gradients; dH' (used slots), dU, dX and dh0
-    against the plan's formulas; every value finite. float32 to INTERPRETED_FLOAT32 (on the
-    interpreter), bfloat16 to the backend's gradient contract (dv is stored in bfloat16; the
-    float32 buffers keep float32's bound)."""
+    """dr, dw, dk, dv, da, db and dh0 against the reference's exact gradients; dH' (used
+    slots), dU, dX and dh0 against the plan's formulas; every value finite. float32 to
+    INTERPRETED_FLOAT32 (on the interpreter; correlated keys, as the forward's, to the
+    contract), bfloat16 to the backend's gradient contract (the input gradients are stored in
+    bfloat16; the float32 buffers keep float32's bound)."""
     packed = bool(case.cu_seqlens)
     rng = np.random.default_rng(seed)
     x, x64 = _draw(case, rng)
@@ -268,48 +276,84 @@ def check_backward(case, seed):
         _, _, residuals = triton_backend.forward_chunk64(
             *inputs, scale=0.5, initial_state=x.get("initial_state"), cu_seqlens=cu_seqlens,
             exact=case.exact, residuals=True, **case.options)
-        return triton_backend.backward_chunk64_v_side(
-            *inputs, residuals, do, dht, scale=0.5, cu_seqlens=cu_seqlens,
-            block_v=case.options.get("block_v", 64))
+        block_v = case.options.get("block_v", 64)
+        dv, dh0, dstates, du, dx = triton_backend.backward_chunk64_v_side(
+            *inputs, residuals, do, dht, scale=0.5, cu_seqlens=cu_seqlens, block_v=block_v)
+        k_side = triton_backend.backward_chunk64_k_side(
+            *inputs, residuals, do, dstates, du, dx, scale=0.5, cu_seqlens=cu_seqlens,
+            block_v=block_v, exact=case.exact)
+        return (dv, dh0, dstates, du, dx), dict(zip("rwkab", k_side))
 
-    dv, dh0, dstates, du, dx = run(x, jnp.asarray(cu, jnp.int32) if packed else None, do, dht)
-    assert dv.dtype == x["v"].dtype and dv.shape == x["v"].shape
+    (dv, dh0, dstates, du, dx), grads = run(x, jnp.asarray(cu, jnp.int32) if packed else None,
+                                            do, dht)
+    for name, grad in dict(grads, v=dv).items():
+        assert grad.dtype == x[name].dtype and grad.shape == x[name].shape, name
     plan_dstates, plan_du, plan_dx, plan_dh0 = _plan_per_chunk(x64, cu, d_out, d_state, 0.5)
     used = plan_dstates.shape[0] - 1
-    ours = {"dv": dv, "dh0": dh0, "dH'": np.asarray(dstates)[:used], "dU": du, "dX": dx}
+    ours = dict({"dv": dv, "dh0": dh0, "dH'": np.asarray(dstates)[:used], "dU": du, "dX": dx},
+                **{f"d{name}": grad for name, grad in grads.items()})
     for name, value in ours.items():
         assert np.all(np.isfinite(np.asarray(value, np.float64))), f"non-finite {name}"
     bound = INTERPRETED_FLOAT32 if not has_gpu() else tolerance("triton", "float32", "gradient")
-    v_bound = bound if case.dtype == "float32" else tolerance("triton", case.dtype, "gradient")
+    if case.correlated:
+        bound = tolerance("triton", "float32", "gradient")
+    # (the input gradients, stored in the inputs' dtype)
+    stored_bound = bound if case.dtype == "float32" else tolerance("triton", case.dtype,
+                                                                   "gradient")
     errors = {"dv": relative_error(dv, expected["v"]),
               "dh0 (plan)": relative_error(dh0, plan_dh0),
               "dH'": relative_error(ours["dH'"], plan_dstates[:used]),
               "dU": relative_error(du, plan_du), "dX": relative_error(dx, plan_dx)}
+    errors.update({f"d{name}": relative_error(grad, expected[name])
+                   for name, grad in grads.items()})
     if "initial_state" in expected:
         errors["dh0"] = relative_error(dh0, expected["initial_state"])
-    bounds = dict({name: bound for name in errors}, dv=v_bound)
+    bounds = dict({name: bound for name in errors},
+                  **{f"d{name}": stored_bound for name in "rwkvab"})
     assert all(errors[name] <= bounds[name] for name in errors), errors
+    # A log decay below the kernels' FLOOR has dw exactly 0 (the reference's is e^w times a
+    # bounded sum: 0 in float32), not the rounding left by the sums that cancel there.
+    floored = x64["w"] < plan.FLOOR
+    assert np.all(np.asarray(grads["w"], np.float64)[floored] == 0.0)
     return errors
 
 
 @pytest.mark.parametrize("decay, exact", [("model", False), ("model", True), ("strong", False),
                                           ("zero", False)] + [(d, False) for d in sorted(HARD)])
-def test_backward_v_side_decays(decay, exact):
-    """Tame and exact paths, strong and zero decays, -1e9 and -inf tokens, uniform down to
-    -1e3; two heads, V != K, 133 tokens (two full chunks and a partial one)."""
+def test_backward_decays(decay, exact):
+    """Tame and exact paths (and tame-range decays forced onto the exact one), strong and zero
+    decays, -1e9 and -inf tokens, uniform down to -1e3; two heads, V != K, 133 tokens (two full
+    chunks and a partial one)."""
     check_backward(Case(steps=133, heads=2, key=32, value=16, decay=decay, exact=exact), seed=3)
 
 
-@pytest.mark.parametrize("steps, initial", [(1, True), (70, False)])
-def test_backward_v_side_lengths(steps, initial):
-    """One token, and one chunk and a bit without an initial state (dh0 still its gradient)."""
+@pytest.mark.parametrize("steps, initial", [(1, True), (64, True), (70, False)])
+def test_backward_lengths(steps, initial):
+    """One token, exactly one chunk, and one chunk and a bit without an initial state (dh0
+    still its gradient)."""
     check_backward(Case(steps=steps, batch=2, initial=initial), seed=steps + 1)
 
 
 @pytest.mark.parametrize("dtype, decay", [("float32", "model"), ("bfloat16", "model"),
                                           ("bfloat16", "-1e9 and -inf tokens")])
-def test_backward_v_side_packed(dtype, decay):
+def test_backward_packed(dtype, decay):
     """Segments of 0, 70, 3 and 67 tokens with initial states, and several V blocks (V = 32 in
-    blocks of 16); bfloat16 inputs and cotangents (dv in bfloat16)."""
+    blocks of 16: the K side's sums over V in two steps); bfloat16 inputs and cotangents (the
+    input gradients in bfloat16), on both paths."""
     check_backward(Case(steps=140, heads=2, cu_seqlens=(0, 0, 70, 73, 140), dtype=dtype,
                         decay=decay, options=dict(block_v=16)), seed=8)
+
+
+@pytest.mark.parametrize("decay, exact", [("zero", False), ("model", True)])
+def test_backward_correlated_keys(decay, exact):
+    """The in-chunk inverse where its series cancels the most (``_correlated_keys``), through
+    the whole backward: w = 0 (tame path) and model decays on the exact path."""
+    check_backward(Case(steps=128, key=16, value=16, decay=decay, exact=exact, correlated=True),
+                   seed=17)
+
+
+@pytest.mark.parametrize("decay", ["model", "-1e9 and -inf tokens"])
+def test_backward_key_blocks(decay):
+    """K = 128: the K side in two programs of 64 keys per chunk (each summing over all of V,
+    here V = 16 < K); tame and exact."""
+    check_backward(Case(steps=70, key=128, value=16, decay=decay), seed=19)
