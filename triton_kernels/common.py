@@ -144,6 +144,22 @@ def level_factors(w, S: tl.constexpr, AXIS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def level_factors_at(a, level, LEVELS: tl.constexpr, C: tl.constexpr):
+    """level_factors(a, C >> (level + 1), 0, C) for a run-time ``level`` (one branch per
+    level): loops over the levels (GLA's backward and value gate, RWKV-7's 64-token K side)
+    are not unrolled, so that one level's tiles are live at a time (unrolled at C = 64, the
+    compiler schedules every level's factors at once and spills)."""
+    row = tl.zeros(a.shape, tl.float32)
+    row_strict = tl.zeros(a.shape, tl.float32)
+    column = tl.zeros(a.shape, tl.float32)
+    keep = tl.zeros([C, C], tl.int1)
+    for candidate in tl.static_range(LEVELS):
+        if level == candidate:
+            row, row_strict, column, keep = level_factors(a, C >> (candidate + 1), 0, C)
+    return row, row_strict, column, keep
+
+
+@triton.jit
 def dot(x, y, acc, PRECISION: tl.constexpr):
     """x @ y (+ acc), accumulated in float32. Operands that are both bfloat16 or both float16
     (tiles as stored: 16-bit inputs, bfloat16 saved states) multiply as they are, whatever

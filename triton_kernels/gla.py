@@ -66,7 +66,8 @@ flattened inputs, clamped to [0, ROWS) in the kernel, and saved-state slots are 
 import triton
 import triton.language as tl
 
-from .common import INTERPRETED, clamped_rows, diagonal_tile, dot, in_range, level_factors, stored
+from .common import (INTERPRETED, clamped_rows, diagonal_tile, dot, in_range, level_factors,
+                     level_factors_at as _level, stored)
 
 
 @triton.jit
@@ -212,22 +213,6 @@ def _to_end(raw, FLOOR: tl.constexpr):
     reverse: no difference of large cumulative sums) and G_end, their sum."""
     gate = tl.maximum(raw.to(tl.float32), FLOOR)
     return tl.exp(tl.cumsum(gate, axis=0, reverse=True) - gate), tl.sum(gate, axis=0)
-
-
-@triton.jit
-def _level(a, level, LEVELS: tl.constexpr, C: tl.constexpr):
-    """common.level_factors(a, C >> (level + 1), 0, C) for a run-time ``level`` (one branch per
-    level): loops over the levels (the backward's, the value gate's) are not unrolled, so that
-    one level's tiles are live at a time (unrolled at C = 64, the compiler schedules every
-    level's factors at once and spills)."""
-    row = tl.zeros(a.shape, tl.float32)
-    row_strict = tl.zeros(a.shape, tl.float32)
-    column = tl.zeros(a.shape, tl.float32)
-    keep = tl.zeros([C, C], tl.int1)
-    for candidate in tl.static_range(LEVELS):
-        if level == candidate:
-            row, row_strict, column, keep = level_factors(a, C >> (candidate + 1), 0, C)
-    return row, row_strict, column, keep
 
 
 @triton.jit
