@@ -74,7 +74,7 @@ which keeps registers free and loads and stores vectorised.
 import triton
 import triton.language as tl
 
-from .common import (PREFETCH_UP_TO, chunk_tiles, clamped, clamped_rows,
+from .common import (PREFETCH_UP_TO, chunk_tiles, clamped, clamped_rows, level_factors_at,
                      diagonal_tile as _diagonal, dot, level_factors as _level, program,
                      row_bases, rows, state_offsets, stored)
 
@@ -1315,6 +1315,8 @@ def rwkv7_wy_value_gradient_kernel(
     tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
 
 
+
+
 # Kernel 6, the K-side gradients (parallel, per chunk, head and block of BK keys, over all of V
 # inside the program): with dX (kernel 5), dH' (kernel 4) and the forward's H and U,
 #   dA_qk = tril(dO V^T), dA_qb = tril(dO U^T), dA_ak = strict(dX V^T), dA_ab = strict(dX U^T),
@@ -1323,60 +1325,84 @@ def rwkv7_wy_value_gradient_kernel(
 #   dw = reverse_cumsum(q dq - k dk - b db + a da) - a da + dg,
 #   dg = e^g rowsum(H dH') + sum_t (k^ dk^ + b^ db^)_t  (per K channel, within the chunk).
 
+# Which state product a pass over V of the K-side kernel sums beside its A matrix's gradient
+# (``_wy_pass``): D H^T (the rows' read of H), or Y dH'^T (the columns' k^, b^ in H'), the
+# latter optionally with rowsum(H dH') (e^g H in H').
+WY_READ, WY_UPDATE, WY_UPDATE_AND_DECAY = (tl.constexpr(i) for i in range(3))
+
+
 @triton.jit
-def _wy_pair_gradients(q, a, y, w, dA_q, dA_a, dq, da, dy, TAME: tl.constexpr, C: tl.constexpr,
-                       LEVELS: tl.constexpr, PRECISION: tl.constexpr):
-    """The backward of ``_wy_pairs`` for A_qy and A_ay (y = k or b), their pairs i < t only
-    (the diagonal's factor is e^0: the caller's): their terms added to dq, da (rows) and dy
-    (columns) from dA_q, dA_a ([C, C], entries i >= t ignored), through the forward's factors.
-    TAME: referenced to the chunk's middle row, one product each; else level by level
-    (``_level``, every factor <= 1, exact for every decay)."""
+def _wy_pass(d_ptr, y_ptr, states_ptr, dstates_ptr, slot, used, first, end, head,
+             STATE: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
+    """One pass over V (blocks of BV) of the K-side kernel: the gradient of one A matrix, D Y^T
+    ([C, C], unmasked; D = dO or dX, the rows' cotangent; Y = V or U, the columns' values),
+    and one state product ([C, BK]; STATE: D H^T, or Y dH'^T), with rowsum(H dH') ([BK]) if
+    STATE is WY_UPDATE_AND_DECAY (else zeros)."""
+    dA = tl.zeros([C, C], tl.float32)
+    product = tl.zeros([C, BK], tl.float32)
+    h_dh = tl.zeros([BK], tl.float32)
+    for v_block in range((V + BV - 1) // BV):
+        v_cols = v_block * BV + tl.arange(0, BV)
+        _, k_cols_in, v_tile, v_cols_in = chunk_tiles(v_cols, HEADS, K, V, BK, BV, C, False)
+        _, _, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V, C,
+                                       False)
+        state_in = (tl.trans(k_cols_in) & v_cols_in) & used
+        d = stored(d_ptr + v_base, v_tile, v_in)
+        y = stored(y_ptr + v_base, v_tile, v_in)
+        dA = dot(d, tl.trans(y), dA, PRECISION)
+        if STATE == WY_READ:
+            h = tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols), mask=state_in,
+                        other=0.0)
+            product = dot(d, tl.trans(h), product, PRECISION)
+        else:
+            dh = tl.load(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                         mask=state_in, other=0.0)
+            product = dot(y, tl.trans(dh), product, PRECISION)
+            if STATE == WY_UPDATE_AND_DECAY:
+                h = tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                            mask=state_in, other=0.0)
+                h_dh += tl.sum(h * dh, axis=1)
+    return dA, product, h_dh
+
+
+@triton.jit
+def _wy_pair_gradient(x, y, w, dA, dx, dy, STRICT: tl.constexpr, TAME: tl.constexpr,
+                      C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """The backward of one of ``_wy_pairs``' matrices, A_xy (x = q, or a if STRICT; y = k or
+    b), for its pairs i < t (the diagonal's factor is e^0: the caller's): their terms added to
+    dx (rows) and dy (columns) from dA ([C, C], entries i >= t ignored), through the forward's
+    factors: TAME, referenced to the chunk's middle row, one product each; else level by level
+    (``level_factors_at``: one level's tiles live at a time, every factor <= 1, exact for every
+    decay)."""
     if TAME:
         index = tl.arange(0, C)
-        strict = index[:, None] > index[None, :]
         gi = tl.cumsum(w, axis=0)
         middle = _middle(gi, 0, C)
-        row = tl.exp(gi - middle)
-        row_strict = tl.exp(gi - w - middle)
+        if STRICT:
+            row = tl.exp(gi - w - middle)
+        else:
+            row = tl.exp(gi - middle)
         column = tl.exp(middle - gi)
-        dA_q = tl.where(strict, dA_q, 0.0)
-        dA_a = tl.where(strict, dA_a, 0.0)
-        y_f = y * column
-        dq += row * tl.dot(dA_q, y_f, input_precision=PRECISION)
-        da += row_strict * tl.dot(dA_a, y_f, input_precision=PRECISION)
-        dy += column * tl.dot(tl.trans(dA_q), q * row, tl.dot(
-            tl.trans(dA_a), a * row_strict, input_precision=PRECISION), input_precision=PRECISION)
+        kept = tl.where(index[:, None] > index[None, :], dA, 0.0)
+        dx += row * tl.dot(kept, y * column, input_precision=PRECISION)
+        dy += column * tl.dot(tl.trans(kept), x * row, input_precision=PRECISION)
     else:
-        for level in tl.static_range(LEVELS):
-            row, row_strict, column, keep = _level(w, C >> (level + 1), 0, C)
-            kept_q = tl.where(keep, dA_q, 0.0)
-            kept_a = tl.where(keep, dA_a, 0.0)
-            y_f = y * column
-            dq += row * tl.dot(kept_q, y_f, input_precision=PRECISION)
-            da += row_strict * tl.dot(kept_a, y_f, input_precision=PRECISION)
-            dy += column * tl.dot(tl.trans(kept_q), q * row, tl.dot(
-                tl.trans(kept_a), a * row_strict, input_precision=PRECISION),
-                input_precision=PRECISION)
-    return dq, da, dy
+        for level in range(LEVELS):
+            row, row_strict, column, keep = level_factors_at(w, level, LEVELS, C)
+            if STRICT:
+                row = row_strict
+            kept = tl.where(keep, dA, 0.0)
+            dx += row * tl.dot(kept, y * column, input_precision=PRECISION)
+            dy += column * tl.dot(tl.trans(kept), x * row, input_precision=PRECISION)
+    return dx, dy
 
 
 @triton.jit
 def _wy_diagonal(x, C: tl.constexpr):
-    """The diagonal of a [C, C] tile, [C]."""
+    """The diagonal of a [C, C] tile as a column, [C, 1]."""
     index = tl.arange(0, C)
-    return tl.sum(tl.where(index[:, None] == index[None, :], x, 0.0), axis=1)
-
-
-@triton.jit
-def _wy_v_block(v_block, slot, used, first, end, head, HEADS: tl.constexpr, K: tl.constexpr,
-                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
-    """V block v_block of a chunk, for a program that loops over V: its columns, the row base,
-    offsets and mask of its [C, BV] tiles, and the mask of its [BK, BV] state tiles (none of an
-    unused slot)."""
-    v_cols = v_block * BV + tl.arange(0, BV)
-    _, k_cols_in, v_tile, v_cols_in = chunk_tiles(v_cols, HEADS, K, V, BK, BV, C, False)
-    _, _, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V, C, False)
-    return v_cols, v_base, v_tile, v_in, (tl.trans(k_cols_in) & v_cols_in) & used
+    return tl.sum(tl.where(index[:, None] == index[None, :], x, 0.0), axis=1)[:, None]
 
 
 @triton.jit
@@ -1393,13 +1419,15 @@ def rwkv7_wy_key_gradient_kernel(
     (BK divides K, or one block covers it), summed over all of V in blocks of BV inside the
     program, so that nothing is left for a later sum. dr, dw, dk, da, db [rows, HEADS, K] in
     their dtypes; u: the forward's U, states its H at every chunk's start, dstates dH' (kernel
-    4), dx (kernel 5), all float32, in the chunk's slot. Two passes over V, each summing one
-    pair of A matrices' gradients (with V: dA_qk, dA_ak; with U: dA_qb, dA_ab) and the state's
-    products that share its tiles, so that at most two [C, C] sums are held beside the four
-    [C, BK] gradients. The diagonal of A_qk and A_qb (factor e^0) is added to dq, dk, db after
-    dw: its terms in q dq - k dk - b db cancel exactly, and would leave rounding where strong
-    decays make dw small. A log decay raised to FLOOR has dw 0. Rows past the sequence's end
-    read as zeros (w = 0) and are not written; an unused slot reads and writes nothing."""
+    4), dx (kernel 5), all float32, in the chunk's slot.
+
+    Four passes over V (``_wy_pass``), one A matrix each, so that one [C, C] sum is held at a
+    time: A_qk with dO H^T, A_ak with V dH'^T (dk then done), A_qb with U dH'^T (dq done), A_ab
+    with dX H^T (da, db done). The diagonal of A_qk and A_qb (factor e^0) is added to dq, dk,
+    db outside dw: its terms in q dq - k dk - b db cancel exactly, and would leave rounding
+    where strong decays make dw small. A log decay raised to FLOOR has dw 0. Rows past the
+    sequence's end read as zeros (w = 0) and are not written; an unused slot reads and writes
+    nothing."""
     slot = tl.program_id(0)
     head = tl.program_id(1)
     k_first = tl.program_id(2) * BK
@@ -1409,77 +1437,66 @@ def rwkv7_wy_key_gradient_kernel(
     k_base, k_in, _, _ = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V, C,
                                    False)
     k_base += k_first
+    offsets = k_base + k_tile
     states_ptr += k_first * V  # (the program's K rows of the [K, V] states)
     dstates_ptr += k_first * V
-    q = rows(r_ptr, k_base, k_tile, k_in) * scale
+    # (The K-side tiles and the decays' factors are loaded and formed where each pass uses
+    # them, not held from one pass to the next.)
+    # A_qk (O = q~ H + A_qk V + A_qb U), with the read q~ H.
+    dA, dq, _ = _wy_pass(do_ptr, v_ptr, states_ptr, dstates_ptr, slot, used, first, end, head,
+                         WY_READ, HEADS, K, V, BK, BV, C, PRECISION)
+    d_qk = _wy_diagonal(dA, C)
     w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+    dq, dk = _wy_pair_gradient(
+        rows(r_ptr, k_base, k_tile, k_in) * scale, rows(k_ptr, k_base, k_tile, k_in), w, dA,
+        dq * tl.exp(tl.cumsum(w, axis=0)), tl.zeros([C, BK], tl.float32), False, TAME, C,
+        LEVELS, PRECISION)
+    # A_ak (X = a~ H + A_ak V), with k^ and e^g H in H' = e^g H + k^T V + b^T U.
+    dA, dk_state, h_dh = _wy_pass(dx_ptr, v_ptr, states_ptr, dstates_ptr, slot, used, first,
+                                  end, head, WY_UPDATE_AND_DECAY, HEADS, K, V, BK, BV, C,
+                                  PRECISION)
+    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+    _, _, g_end, to_end = _decays(w, 0)
+    dk_state *= tl.exp(to_end)
     k = rows(k_ptr, k_base, k_tile, k_in)
+    dg = tl.exp(g_end) * h_dh + tl.sum(k * dk_state, axis=0)
+    da, dk = _wy_pair_gradient(rows(a_ptr, k_base, k_tile, k_in), k, w, dA,
+                               tl.zeros([C, BK], tl.float32), dk + dk_state, True, TAME, C,
+                               LEVELS, PRECISION)
+    # (q_t enters a chunk only as q_t e^gi_t, a_t as a_t e^ge_t, k_i and b_i as x_i e^-gi_i
+    # and (k^, b^) x_i e^(g - gi_i), and H as e^g H: gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t;
+    # d_gates sums the gradients of gi (q dq - k dk - b db) and ge (a da).)
+    d_gates = -k * dk
+    tl.store(dk_ptr + offsets,
+             (dk + d_qk * rows(r_ptr, k_base, k_tile, k_in) * scale).to(dk_ptr.dtype.element_ty),
+             mask=k_in)
+    # A_qb, with b^ in H'.
+    dA, db_state, _ = _wy_pass(do_ptr, u_ptr, states_ptr, dstates_ptr, slot, used, first, end,
+                               head, WY_UPDATE, HEADS, K, V, BK, BV, C, PRECISION)
+    d_qb = _wy_diagonal(dA, C)
+    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+    db_state *= tl.exp(_decays(w, 0)[3])
+    b = rows(b_ptr, k_base, k_tile, k_in)
+    dg += tl.sum(b * db_state, axis=0)
+    q = rows(r_ptr, k_base, k_tile, k_in) * scale
+    dq, db = _wy_pair_gradient(q, b, w, dA, dq, db_state, False, TAME, C, LEVELS, PRECISION)
+    d_gates += q * dq
+    dq += d_qk * rows(k_ptr, k_base, k_tile, k_in) + d_qb * b
+    tl.store(dr_ptr + offsets, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
+    # A_ab, with the read a~ H.
+    dA, da_read, _ = _wy_pass(dx_ptr, u_ptr, states_ptr, dstates_ptr, slot, used, first, end,
+                              head, WY_READ, HEADS, K, V, BK, BV, C, PRECISION)
+    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
     a = rows(a_ptr, k_base, k_tile, k_in)
     b = rows(b_ptr, k_base, k_tile, k_in)
-    gi, ge, g_end, to_end = _decays(w, 0)
-    to_end = tl.exp(to_end)
-    # Pass 1, with V: dA_qk, dA_ak, and dO H^T, dX H^T, V dH'^T, sum_v H dH'.
-    dA_q = tl.zeros([C, C], tl.float32)
-    dA_a = tl.zeros([C, C], tl.float32)
-    dq = tl.zeros([C, BK], tl.float32)
-    da = tl.zeros([C, BK], tl.float32)
-    dk = tl.zeros([C, BK], tl.float32)
-    h_dh = tl.zeros([BK], tl.float32)
-    for v_block in range((V + BV - 1) // BV):
-        v_cols, v_base, v_tile, v_in, state_in = _wy_v_block(v_block, slot, used, first, end,
-                                                             head, HEADS, K, V, BK, BV, C)
-        do = stored(do_ptr + v_base, v_tile, v_in)
-        dx = rows(dx_ptr, v_base, v_tile, v_in)
-        v = stored(v_ptr + v_base, v_tile, v_in)
-        h = tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols), mask=state_in,
-                    other=0.0)
-        dh = tl.load(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols), mask=state_in,
-                     other=0.0)
-        dA_q = dot(do, tl.trans(v), dA_q, PRECISION)
-        dA_a = dot(dx, tl.trans(v), dA_a, PRECISION)
-        dq = dot(do, tl.trans(h), dq, PRECISION)
-        da = tl.dot(dx, tl.trans(h), da, input_precision=PRECISION)
-        dk = dot(v, tl.trans(dh), dk, PRECISION)
-        h_dh += tl.sum(h * dh, axis=1)
-    dq *= tl.exp(gi)
-    da *= tl.exp(ge)
-    dk *= to_end
-    dg = tl.exp(g_end) * h_dh + tl.sum(k * dk, axis=0)
-    d_qk = _wy_diagonal(dA_q, C)
-    dq, da, dk = _wy_pair_gradients(q, a, k, w, dA_q, dA_a, dq, da, dk, TAME, C, LEVELS,
-                                    PRECISION)
-    # Pass 2, with U: dA_qb, dA_ab and U dH'^T.
-    dA_q = tl.zeros([C, C], tl.float32)
-    dA_a = tl.zeros([C, C], tl.float32)
-    db = tl.zeros([C, BK], tl.float32)
-    for v_block in range((V + BV - 1) // BV):
-        v_cols, v_base, v_tile, v_in, state_in = _wy_v_block(v_block, slot, used, first, end,
-                                                             head, HEADS, K, V, BK, BV, C)
-        do = stored(do_ptr + v_base, v_tile, v_in)
-        u = rows(u_ptr, v_base, v_tile, v_in)
-        dh = tl.load(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols), mask=state_in,
-                     other=0.0)
-        dA_q = dot(do, tl.trans(u), dA_q, PRECISION)
-        dA_a = tl.dot(rows(dx_ptr, v_base, v_tile, v_in), tl.trans(u), dA_a,
-                      input_precision=PRECISION)
-        db = tl.dot(u, tl.trans(dh), db, input_precision=PRECISION)
-    db *= to_end
-    dg += tl.sum(b * db, axis=0)
-    d_qb = _wy_diagonal(dA_q, C)
-    dq, da, db = _wy_pair_gradients(q, a, b, w, dA_q, dA_a, dq, da, db, TAME, C, LEVELS,
-                                    PRECISION)
-    # q_t enters a chunk only as q_t e^gi_t, a_t as a_t e^ge_t, k_i and b_i as x_i e^-gi_i
-    # and (k^, b^) x_i e^(g - gi_i), and H as e^g H: gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t.
+    da, db = _wy_pair_gradient(a, b, w, dA, da + da_read * tl.exp(tl.cumsum(w, axis=0) - w),
+                               db, True, TAME, C, LEVELS, PRECISION)
+    tl.store(da_ptr + offsets, da.to(da_ptr.dtype.element_ty), mask=k_in)
+    tl.store(db_ptr + offsets,
+             (db + d_qb * rows(r_ptr, k_base, k_tile, k_in) * scale).to(db_ptr.dtype.element_ty),
+             mask=k_in)
     d_ge = a * da
-    dw = tl.cumsum(q * dq - k * dk - b * db + d_ge, axis=0, reverse=True) - d_ge + dg[None, :]
+    dw = tl.cumsum(d_gates - b * db + d_ge, axis=0, reverse=True) - d_ge + dg[None, :]
     if not TAME:  # (a tame call has no decay below FLOOR)
         dw = tl.where(rows(w_ptr, k_base, k_tile, k_in) < FLOOR, 0.0, dw)
-    dq += d_qk[:, None] * k + d_qb[:, None] * b
-    dk += d_qk[:, None] * q
-    db += d_qb[:, None] * q
-    offsets = k_base + k_tile
-    tl.store(dr_ptr + offsets, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
     tl.store(dw_ptr + offsets, dw.to(dw_ptr.dtype.element_ty), mask=k_in)
-    tl.store(dk_ptr + offsets, dk.to(dk_ptr.dtype.element_ty), mask=k_in)
-    tl.store(da_ptr + offsets, da.to(da_ptr.dtype.element_ty), mask=k_in)
-    tl.store(db_ptr + offsets, db.to(db_ptr.dtype.element_ty), mask=k_in)
