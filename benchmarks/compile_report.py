@@ -153,10 +153,11 @@ def main():
         ("tame gradient", rwkv7.rwkv7_tame_gradient_kernel,
          {n: x for n, x in k_side.items() if n != "LEVELS"}),
     ]
-    # The 64-token backward's K side (triton.backward_chunk64_k_side: one block of K, or 64
-    # rows where they tile K).
+    # The 64-token backward's K side, on triton.backward_chunk64_k_side's blocks (K_SIDE_BLOCK_K64,
+    # K_SIDE_BLOCK_V64).
     chunk64 = dict({n: x for n, x in gradient.items() if n not in ("CHUNKS_PER_STATE",)},
-                   C=64, LEVELS=6, CHUNK_SLOTS=rows // 64 + 8, BK=64 if args.key % 64 == 0 else bk)
+                   C=64, LEVELS=6, CHUNK_SLOTS=rows // 64 + 8, BV=min(bv, 32),
+                   BK=32 if args.key % 32 == 0 else bk)
     kernels.append(("wy key gradient", rwkv7.rwkv7_wy_key_gradient_kernel, chunk64))
     tame_constexprs = {}  # kernel name -> the tame path's own constexprs
     if args.family == "rwkv7" and args.bf16_saved:

@@ -357,3 +357,9 @@ def test_backward_key_blocks(decay):
     """K = 128: the K side in two programs of 64 keys per chunk (each summing over all of V,
     here V = 16 < K); tame and exact."""
     check_backward(Case(steps=70, key=128, value=16, decay=decay), seed=19)
+
+
+def test_backward_padded_head_sizes():
+    """K = V = 48: the K side's one block of 64 keys with masked columns (no block of 32 keys
+    tiles K), and its steps over V a full one of 32 and a masked one."""
+    check_backward(Case(steps=70, key=48, value=48, decay="-1e9 and -inf tokens"), seed=23)

@@ -565,9 +565,13 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
     return dv.reshape(setup.shape), dh0, dstates, du, dx
 
 
-# K rows per program of the 64-token K-side kernel where they tile K (K = 128: two blocks;
-# otherwise one block covers K).
-K_SIDE_BLOCK_K64 = 64
+# The 64-token K-side kernel's blocks: K rows per program where they tile K (else one block
+# covers K) and the most V columns per step of its sums over V. sm_90, bf16, 8 warps, spills
+# tame/exact: K=V=64 4/0 B (BK=64, BV=32: 672/836 B; BV=64: 1028/2280 B; 4 warps at BK=32:
+# 904/1092 B), K=V=128 52/36 B (BK=64: 752/840 B). Blocks of 32 keys redo the A matrices'
+# gradients (sums over V) once per block: the price of no spills, not yet timed.
+K_SIDE_BLOCK_K64 = 32
+K_SIDE_BLOCK_V64 = 32
 
 
 def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, du, dx, *, scale=1.0,
@@ -578,17 +582,18 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, du, dx, *,
     :func:`backward_chunk64_v_side` returned (``dstates``: dH' per chunk; ``dx``: dX), the K-side
     gradients (dr, dw, dk, da, db), each [B, T, H, K] in the dtype of r, w, k, a, b. One launch
     of ``rwkv7_wy_key_gradient_kernel``, all chunks at once (a program per chunk, head and block
-    of K_SIDE_BLOCK_K64 keys, summing over V inside: no partial sums), on the tame or exact path
-    as :func:`tame_path` picks on the device (``exact`` forces the exact one). ``du`` is not
-    read (dX carries it; taken so that the V side's outputs pass straight through).
-    ``block_v``: V columns per step of the program's sums over V; ``warps``: a dict, keys
-    "tame" and "exact" (untuned)."""
+    of K_SIDE_BLOCK_K64 keys, summing over all of V inside: no partial sums), on the tame or
+    exact path as :func:`tame_path` picks on the device (``exact`` forces the exact one).
+    ``du`` is not read (dX carries it; taken so that the V side's outputs pass straight
+    through). ``block_v``: V columns per step of the program's sums over V, at most
+    K_SIDE_BLOCK_V64; ``warps``: a dict, keys "tame" and "exact" (defaults from sm_90 compile
+    reports only: the fewest spills)."""
     del du
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     block_k = K_SIDE_BLOCK_K64 if common["K"] % K_SIDE_BLOCK_K64 == 0 else common["BK"]
-    warps = dict(dict(tame=4, exact=4), **(warps or {}))
+    warps = dict(dict(tame=8, exact=8), **(warps or {}))
     do = do.reshape(common["TOTAL_ROWS"], heads, common["V"])
     launch = lambda TAME: _launch.launch(
         _kernels.rwkv7_wy_key_gradient_kernel,
@@ -596,7 +601,7 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, du, dx, *,
         tuple(setup.per_row(common["K"], x.dtype) for x in (r, w, k, a, b)),
         (slots, heads, common["BK"] // block_k), num_warps=warps["tame" if TAME else "exact"],
         scale=float(scale), LEVELS=LEVELS64, TAME=TAME, SEQUENCES=setup.sequences,
-        CHUNK_SLOTS=slots, **dict(common, BK=block_k))
+        CHUNK_SLOTS=slots, **dict(common, BK=block_k, BV=min(common["BV"], K_SIDE_BLOCK_V64)))
     if exact:
         grads = launch(False)
     else:
