@@ -963,9 +963,11 @@ def rwkv7_tame_gradient_kernel(
 #      chunk's start, U = W H + U0 and H' = e^g H + k^T V + b^T U (no [C, C] matrix);
 #   3. rwkv7_wy_output_kernel (parallel, a program per chunk, head and V block):
 #      O = q~ H + A_qk V + A_qb U from the chunk's saved H.
-# and the first two kernels of the backward (below, not yet wired into the op):
+# and the backward's (below, not yet wired into the op):
 #   4. rwkv7_wy_state_gradient_kernel (sequential, reverse): dH' per chunk, dU, dh0;
-#   5. rwkv7_wy_value_gradient_kernel (parallel, per chunk, head and V block): dX, dV.
+#   5. rwkv7_wy_value_gradient_kernel (parallel, per chunk, head and V block): dX, dV;
+#   6. rwkv7_wy_key_gradient_kernel (parallel, per chunk, head and block of keys, over all of
+#      V inside): dr, dw, dk, da, db.
 # Chunk slots are those of the 16-token kernels' in-chunk buffer, at C = 64 (``_chunk_rows``):
 # ``chunk_index[n]`` is sequence n's first, ``chunk_sequence[s]`` the sequence of slot s (-1
 # past the last chunk: such slots read and write nothing).
@@ -1244,7 +1246,7 @@ def rwkv7_wy_output_kernel(
 #   dU = A_qb^T dO + b^ dH',  dX = T^T dU  (U = T X, X = a~ H + A_ak V),
 #   dH = e^g dH' + q~^T dO + W^T dU  (a~^T T^T = W^T: no [C, C] matrix in the recurrence),
 #   dV = A_qk^T dO + A_ak^T dX + k^ dH'.
-# The K-side gradients (kernel 6, to come) read dU, dX, dH' and the forward's H and U.
+# The K-side gradients (kernel 6, below) read dX, dH' and the forward's H and U.
 
 @triton.jit
 def rwkv7_wy_state_gradient_kernel(

@@ -412,8 +412,8 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     return o.reshape(batch, steps, heads, v_size), ht
 
 
-# 64-token chunks (docs/RWKV7-CHUNK64.md): a forward prototype and the backward's first two
-# kernels, not yet the op's (no K-side gradients).
+# 64-token chunks (docs/RWKV7-CHUNK64.md): a forward prototype and the backward's kernels, not
+# yet the op's.
 CHUNK64 = 64
 LEVELS64 = CHUNK64.bit_length() - 1
 # Diagonal blocks of the in-chunk inverse (rwkv7.py's _wy_inverse: the plan's 16-token blocks).
