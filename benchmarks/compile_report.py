@@ -197,7 +197,7 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk):
     return [
         ("wy in-chunk", rwkv7.rwkv7_wy_kernel,
          dict(parallel, scale=1.0, LEVELS=6, KI=min(block_k_in_chunk, shapes["BK"]),
-              VI=shapes["BV"], INVERSE_PRECISION=shapes["PRECISION"], INVERSE_BLOCK_LEVELS=4)),
+              VI=shapes["BV"], INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4)),
         ("wy state", rwkv7.rwkv7_wy_state_kernel, common),
         ("wy output", rwkv7.rwkv7_wy_output_kernel, dict(parallel, scale=1.0)),
     ]
