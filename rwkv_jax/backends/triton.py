@@ -419,8 +419,9 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
 # kernels, not yet the op's (no K-side gradients).
 CHUNK64 = 64
 LEVELS64 = CHUNK64.bit_length() - 1
-# Diagonal blocks of the in-chunk inverse (rwkv7.py's _wy_inverse: the plan's 16-token blocks).
-INVERSE_BLOCK64 = 16
+# The plan's 16-token blocks: of the exact path's in-chunk factors and of the in-chunk inverse's
+# diagonal (rwkv7.py's _wy_pairs, _wy_inverse).
+BLOCK64 = 16
 # The tame path at 64-token chunks is tame_path's: every log decay >= -TAME_SUM / CHUNK = -1,
 # so a chunk's log decays sum to >= -64 per channel and its middle-referenced factors stay
 # within e^(+-32); model-range decays (>= -e^-0.5) take it.
@@ -475,7 +476,7 @@ def _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v):
 
 
 def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqlens=None,
-                    exact=False, block_v=64, block_k_in_chunk=32, warps=None, residuals=False):
+                    exact=False, block_v=64, block_k_in_chunk=16, warps=None, residuals=False):
     """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
     "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
     inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
@@ -496,7 +497,10 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     block_k, block_v = common["BK"], common["BV"]
-    warps = dict(dict(tame=4, exact=8, state=4 if block_k <= 64 else 8, output=4),
+    # sm_90, bf16, K parts of 16 (benchmarks/compile_report.py --family rwkv7-64): the exact path
+    # spills 220 B at K=64 and 408 B at K=128 with 4 warps (336 and 544 B with 8); the tame one
+    # none at K=64, 40 B at K=128.
+    warps = dict(dict(tame=4, exact=4, state=4 if block_k <= 64 else 8, output=4),
                  **(warps or {}))
     # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path.
     in_chunk = lambda TAME: _launch.launch(
@@ -510,7 +514,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         # kernels' "ieee": ten [64, 64] products without tensor cores spilled 8.6 KB at K=32
         # (sm_90, 4 warps; tf32x3: 328 B tame, 1.4 KB exact).
         INVERSE_PRECISION=common["PRECISION"],
-        INVERSE_BLOCK_LEVELS=INVERSE_BLOCK64.bit_length() - 1,
+        BLOCK_LEVELS=BLOCK64.bit_length() - 1,
         **dict(common, BV=setup.v_blocks * block_v))
     if exact:
         wy, u0, matrices = in_chunk(False)
