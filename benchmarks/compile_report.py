@@ -81,7 +81,10 @@ def main():
                              "(0: default_config's, 64 at K=128, else all)")
     parser.add_argument("--scores-block-k", type=int, default=16,
                         help="gla family: K columns per step of the forward's scores kernel")
-    parser.add_argument("--family", choices=("rwkv7", "gla"), default="rwkv7")
+    parser.add_argument("--family", choices=("rwkv7", "gla", "rwkv7-64"), default="rwkv7",
+                        help="rwkv7-64: the 64-token forward prototype (forward_chunk64)")
+    parser.add_argument("--block-k-in-chunk", type=int, default=32,
+                        help="rwkv7-64: K columns per part of the in-chunk sums")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
     parser.add_argument("--key-block-k", type=int, default=16,
                         help="gla family: K columns per step of the K-side gradient kernel")
@@ -170,6 +173,8 @@ def main():
                               rounded, args.sums_by_product)
         tame_constexprs["key gradient"] = dict(BK=min(args.tame_key_block_k, bk),
                                                KEYS=min(args.tame_key_program_k, bk))
+    if args.family == "rwkv7-64":
+        kernels = chunk64_kernels(shapes, inputs, args.block_k_in_chunk)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
     # Each kernel's two compiled paths (TAME=True for model-range decays, the exact one).
     paths = ((True, "tame"), (False, "exact"))
@@ -185,6 +190,23 @@ def main():
                 compiled = compile_for_hopper(kernel, inputs, options, warps,
                                               args.stages if sequential else 3)
                 print(f"{name:15s} {path:5s} {warps} warps: {resources(compiled)}")
+
+
+def chunk64_kernels(shapes, inputs, block_k_in_chunk):
+    """The 64-token forward (triton.forward_chunk64's launches, bf16 inputs): the pointer types
+    and constexprs."""
+    inputs.update(wy_ptr="*fp32", u0_ptr="*fp32")
+    rows = shapes["TOTAL_ROWS"]
+    common = dict({n: x for n, x in shapes.items() if n not in ("scale", "LEVELS")}, C=64,
+                  CHUNK_SLOTS=rows // 64 + 8)
+    parallel = dict(common, SEQUENCES=8)
+    return [
+        ("wy in-chunk", rwkv7.rwkv7_wy_kernel,
+         dict(parallel, scale=1.0, LEVELS=6, KI=min(block_k_in_chunk, shapes["BK"]),
+              VI=shapes["BV"], INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4)),
+        ("wy state", rwkv7.rwkv7_wy_state_kernel, common),
+        ("wy output", rwkv7.rwkv7_wy_output_kernel, dict(parallel, scale=1.0)),
+    ]
 
 
 def gla_kernels(shapes, inputs, bonus, gate_v, span, scores_block_k, key_block_k,

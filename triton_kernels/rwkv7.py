@@ -74,8 +74,9 @@ which keeps registers free and loads and stores vectorised.
 import triton
 import triton.language as tl
 
-from .common import (PREFETCH_UP_TO, chunk_tiles, clamped, clamped_rows, level_factors_at,
-                     diagonal_tile as _diagonal, dot, level_factors as _level, program,
+from .common import (PREFETCH_UP_TO, chunk_tiles, clamped, clamped_rows,
+                     diagonal_tile as _diagonal, dot, in_range, level_factors as _level,
+                     level_factors_at, program,
                      row_bases, rows, state_offsets, stored)
 
 
@@ -1020,48 +1021,126 @@ def _wy_chunk_program(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, HEADS: tl.con
 
 
 @triton.jit
-def _wy_pairs(x, y, z, w, xy, xz, STRICT: tl.constexpr, TAME: tl.constexpr, C: tl.constexpr,
-              LEVELS: tl.constexpr, PRECISION: tl.constexpr):
-    """Two [C, C] in-chunk matrices, xy and xz, plus their terms of one part of K's columns
-    (added in place: no second pair of [C, C] sums held), from [C, *] tiles: sum_k x_t
-    y_i and x_t z_i times e^(gi_t - gi_i) for i <= t (A_qk, A_qb: x = q), or times
-    e^(ge_t - gi_i) for i < t if STRICT (A_ak, A_ab: x = a). TAME: one product each, factors
-    referenced to the chunk's middle row (``_middle``; at C = 64 within e^(+-32) for log decays
-    >= -1, and each kept pair's term is still its own factor <= 1). Else level by level
-    (``_level``: LEVELS = log2(C), every factor <= 1, exact for every decay)."""
+def _k_part(part, base, rows_in, steps, HEADS: tl.constexpr, K: tl.constexpr,
+            KI: tl.constexpr):
+    """The base, offsets and mask of a chunk's [C, KI] tile of K columns part * KI, ... (its
+    first row at ``base``). The offsets are those of every part (the part is in the scalar
+    base) and the mask a row mask where KI divides K: one tile of each held by the program,
+    not one per part and stage."""
+    k_cols = tl.arange(0, KI)
+    return (base + part * KI, steps[:, None] * (HEADS * K) + k_cols[None, :],
+            rows_in & in_range(part * KI + k_cols, K, KI)[None, :])
+
+
+@triton.jit
+def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.constexpr,
+              TAME: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+              KI: tl.constexpr, C: tl.constexpr, BLOCK_LEVELS: tl.constexpr,
+              FLOOR: tl.constexpr, PRECISION: tl.constexpr):
+    """Two [C, C] in-chunk matrices summed over K (KI columns at a time), xy and xz, from the
+    chunk's rows of x (times x_scale), y, z and w: sum_k x_t y_i and x_t z_i times
+    e^(gi_t - gi_i) for i <= t (A_qk, A_qb: x = q), or times e^(ge_t - gi_i) for i < t if STRICT
+    (A_ak, A_ab: x = a). Each mask is applied once, to products already summed over K (masks
+    of [C, C] held across the unrolled K parts cost hundreds of spilled bytes).
+
+    TAME: one product each, factors referenced to the chunk's middle row (``_middle``; at
+    C = 64 within e^(+-32) for log decays >= -1, and each kept pair's term is still its own
+    factor <= 1). Else exact for every decay, in blocks of BLOCK = 2^BLOCK_LEVELS rows (the
+    plan's 16-token blocks): row block J meets the columns of every earlier block with the
+    factor split at J's start s, e^(gi_t - gi_s) * e^(gi_s - gi_i), each <= 1 and each a sum of
+    log decays (J's own inclusive sums; the reverse sums of i's block plus the totals of the
+    blocks between), in one product per row block whose operands are zero outside its rows and
+    columns (so it adds into the sums with no mask); then the diagonal blocks level by level
+    inside them (``_level``, one mask per level)."""
     index = tl.arange(0, C)
-    if STRICT:
-        keep_all = index[:, None] > index[None, :]
-    else:
-        keep_all = index[:, None] >= index[None, :]
+    xy = tl.zeros([C, C], tl.float32)
+    xz = tl.zeros([C, C], tl.float32)
     if TAME:
-        gi = tl.cumsum(w, axis=0)
-        middle = _middle(gi, 0, C)
-        if STRICT:
-            x_f = x * tl.exp(gi - w - middle)
-        else:
-            x_f = x * tl.exp(gi - middle)
-        column = tl.exp(middle - gi)
+        for part in tl.static_range(BK // KI):
+            part_base, tile, mask = _k_part(part, base, rows_in, index, HEADS, K, KI)
+            w = _log_decays(w_ptr, part_base, tile, mask, FLOOR)
+            gi = tl.cumsum(w, axis=0)
+            middle = _middle(gi, 0, C)
+            x_f = rows(x_ptr, part_base, tile, mask) * x_scale
+            if STRICT:
+                x_f = x_f * tl.exp(gi - w - middle)
+            else:
+                x_f = x_f * tl.exp(gi - middle)
+            column = tl.exp(middle - gi)
+            xy = tl.dot(x_f, tl.trans(rows(y_ptr, part_base, tile, mask) * column), xy,
+                        input_precision=PRECISION)
+            xz = tl.dot(x_f, tl.trans(rows(z_ptr, part_base, tile, mask) * column), xz,
+                        input_precision=PRECISION)
         # tl.where, not a multiplication: the entries dropped (i > t) are no factors of the math
         # and may be large (up to e^64).
-        xy += tl.where(keep_all, tl.dot(x_f, tl.trans(y * column), input_precision=PRECISION),
-                       0.0)
-        xz += tl.where(keep_all, tl.dot(x_f, tl.trans(z * column), input_precision=PRECISION),
-                       0.0)
+        if STRICT:
+            keep = index[:, None] > index[None, :]
+        else:
+            keep = index[:, None] >= index[None, :]
+        xy = tl.where(keep, xy, 0.0)
+        xz = tl.where(keep, xz, 0.0)
     else:
-        if not STRICT:  # the diagonal: factor e^0
-            xy += _diagonal(tl.sum(x * y, axis=1), C)
-            xz += _diagonal(tl.sum(x * z, axis=1), C)
-        for level in tl.static_range(LEVELS):
-            row, row_strict, column, keep = _level(w, C >> (level + 1), 0, C)
+        BLOCK: tl.constexpr = 1 << BLOCK_LEVELS
+        BLOCKS: tl.constexpr = C // BLOCK
+        block = index // BLOCK
+        # The diagonal blocks' sums, [BLOCKS, BLOCK, BLOCK]: batched products, one per block
+        # (a quarter of the arithmetic of whole [C, C] tiles, and masks of BLOCK x BLOCK).
+        inner = tl.arange(0, BLOCK)
+        on_y = tl.zeros([BLOCKS, BLOCK, BLOCK], tl.float32)
+        on_z = tl.zeros([BLOCKS, BLOCK, BLOCK], tl.float32)
+        for part in tl.static_range(BK // KI):
+            part_base, tile, mask = _k_part(part, base, rows_in, index, HEADS, K, KI)
+            w = _log_decays(w_ptr, part_base, tile, mask, FLOOR)
+            x = rows(x_ptr, part_base, tile, mask) * x_scale
+            y = rows(y_ptr, part_base, tile, mask)
+            z = rows(z_ptr, part_base, tile, mask)
+            # Inclusive and reverse exclusive sums inside each block, every one <= 0.
+            blocks = tl.reshape(w, [BLOCKS, BLOCK, KI])
+            inclusive = tl.reshape(tl.cumsum(blocks, axis=1), w.shape)
+            after = tl.reshape(tl.cumsum(blocks, axis=1, reverse=True), w.shape) - w
             if STRICT:
-                x_f = x * row_strict
+                x_f = x * tl.exp(inclusive - w)
             else:
-                x_f = x * row
-            xy += tl.where(keep, tl.dot(x_f, tl.trans(y * column), input_precision=PRECISION),
-                           0.0)
-            xz += tl.where(keep, tl.dot(x_f, tl.trans(z * column), input_precision=PRECISION),
-                           0.0)
+                x_f = x * tl.exp(inclusive)
+            # column exponents gi_s - gi_i of row block J (s its start), for the columns of
+            # blocks before J: those of block J - 1 its reverse sums, earlier ones' plus its total
+            column = after
+            for J in tl.static_range(1, BLOCKS):
+                factor = tl.where((block < J)[:, None], tl.exp(column), 0.0)
+                x_J = tl.where((block == J)[:, None], x_f, 0.0)
+                xy = tl.dot(x_J, tl.trans(y * factor), xy, input_precision=PRECISION)
+                xz = tl.dot(x_J, tl.trans(z * factor), xz, input_precision=PRECISION)
+                if J + 1 < BLOCKS:
+                    total = tl.sum(tl.where((index == J * BLOCK + BLOCK - 1)[:, None],
+                                            inclusive, 0.0), axis=0)
+                    column = tl.where((block < J)[:, None], column + total[None, :], after)
+            if not STRICT:  # the diagonal, factor e^0
+                eye = (inner[:, None] == inner[None, :])[None, :, :]
+                on_y += tl.where(eye, tl.reshape(tl.sum(x * y, axis=1), [BLOCKS, BLOCK])[:, :, None],
+                                 0.0)
+                on_z += tl.where(eye, tl.reshape(tl.sum(x * z, axis=1), [BLOCKS, BLOCK])[:, :, None],
+                                 0.0)
+            for level in tl.static_range(BLOCK_LEVELS):
+                row, row_strict, column, _ = _level(w, BLOCK >> (level + 1), 0, C)
+                if STRICT:
+                    x_f = x * row_strict
+                else:
+                    x_f = x * row
+                segment = inner // (BLOCK >> (level + 1))
+                keep = ((segment[:, None] == segment[None, :] + 1)
+                        & (segment[None, :] % 2 == 0))[None, :, :]
+                x_f = tl.reshape(x_f, [BLOCKS, BLOCK, KI])
+                on_y += tl.where(keep, tl.dot(x_f, tl.permute(
+                    tl.reshape(y * column, [BLOCKS, BLOCK, KI]), (0, 2, 1)),
+                    input_precision=PRECISION), 0.0)
+                on_z += tl.where(keep, tl.dot(x_f, tl.permute(
+                    tl.reshape(z * column, [BLOCKS, BLOCK, KI]), (0, 2, 1)),
+                    input_precision=PRECISION), 0.0)
+        # the diagonal blocks into the [C, C] sums
+        blocks = tl.arange(0, BLOCKS)
+        same = (blocks[:, None, None, None] == blocks[None, None, :, None])
+        xy += tl.reshape(tl.where(same, on_y[:, :, None, :], 0.0), [C, C])
+        xz += tl.reshape(tl.where(same, on_z[:, :, None, :], 0.0), [C, C])
     return xy, xz
 
 
@@ -1113,7 +1192,7 @@ def rwkv7_wy_kernel(
     BK: tl.constexpr, BV: tl.constexpr, KI: tl.constexpr, VI: tl.constexpr, C: tl.constexpr,
     LEVELS: tl.constexpr, FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
-    INVERSE_PRECISION: tl.constexpr, INVERSE_BLOCK_LEVELS: tl.constexpr,
+    INVERSE_PRECISION: tl.constexpr, BLOCK_LEVELS: tl.constexpr,
 ):
     """Grid (chunk slots, HEADS), one 64-token chunk per program. wy [rows, HEADS, K] float32:
     W = T a~; u0 [rows, HEADS, V] float32: U0 = T A_ak V; matrices [chunk slots, HEADS, 4, C, C]
@@ -1133,17 +1212,9 @@ def rwkv7_wy_kernel(
     rows_in = (first + steps < end)[:, None]
     k_base = (first * HEADS + head) * K
     v_base = (first * HEADS + head) * V
-    A_ak = tl.zeros([C, C], tl.float32)
-    A_ab = tl.zeros([C, C], tl.float32)
-    for part in tl.static_range(BK // KI):
-        k_cols = part * KI + tl.arange(0, KI)
-        k_in = rows_in & (k_cols < K)[None, :]
-        k_tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
-        A_ak, A_ab = _wy_pairs(
-            rows(a_ptr, k_base, k_tile, k_in), rows(k_ptr, k_base, k_tile, k_in),
-            rows(b_ptr, k_base, k_tile, k_in), _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR),
-            A_ak, A_ab, True, TAME, C, LEVELS, PRECISION)
-    inverse = _wy_inverse(A_ab, C, LEVELS, INVERSE_BLOCK_LEVELS, INVERSE_PRECISION)
+    A_ak, A_ab = _wy_pairs(a_ptr, k_ptr, b_ptr, w_ptr, k_base, rows_in, 1.0, True, TAME, HEADS,
+                           K, BK, KI, C, BLOCK_LEVELS, FLOOR, PRECISION)
+    inverse = _wy_inverse(A_ab, C, LEVELS, BLOCK_LEVELS, INVERSE_PRECISION)
     tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_AK, HEADS, C, False), A_ak, mask=used)
     tl.store(_wy_matrix(matrices_ptr, slot, head, WY_T, HEADS, C, False), inverse, mask=used)
     # U0 = T (A_ak V) = (T A_ak) V: one [C, C] product, then one per part of V.
@@ -1156,23 +1227,13 @@ def rwkv7_wy_kernel(
         tl.store(u0_ptr + v_base + v_tile, u0, mask=v_in)
     # W = T a~, a~ = a e^ge (per K column: ge is a cumulative sum down the chunk, <= 0).
     for part in tl.static_range(BK // KI):
-        k_cols = part * KI + tl.arange(0, KI)
-        k_in = rows_in & (k_cols < K)[None, :]
-        k_tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
-        w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-        decayed = rows(a_ptr, k_base, k_tile, k_in) * tl.exp(tl.cumsum(w, axis=0) - w)
-        tl.store(wy_ptr + k_base + k_tile,
+        part_base, k_tile, k_in = _k_part(part, k_base, rows_in, steps, HEADS, K, KI)
+        w = _log_decays(w_ptr, part_base, k_tile, k_in, FLOOR)
+        decayed = rows(a_ptr, part_base, k_tile, k_in) * tl.exp(tl.cumsum(w, axis=0) - w)
+        tl.store(wy_ptr + part_base + k_tile,
                  tl.dot(inverse, decayed, input_precision=PRECISION), mask=k_in)
-    A_qk = tl.zeros([C, C], tl.float32)
-    A_qb = tl.zeros([C, C], tl.float32)
-    for part in tl.static_range(BK // KI):
-        k_cols = part * KI + tl.arange(0, KI)
-        k_in = rows_in & (k_cols < K)[None, :]
-        k_tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
-        A_qk, A_qb = _wy_pairs(
-            rows(r_ptr, k_base, k_tile, k_in) * scale, rows(k_ptr, k_base, k_tile, k_in),
-            rows(b_ptr, k_base, k_tile, k_in), _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR),
-            A_qk, A_qb, False, TAME, C, LEVELS, PRECISION)
+    A_qk, A_qb = _wy_pairs(r_ptr, k_ptr, b_ptr, w_ptr, k_base, rows_in, scale, False, TAME,
+                           HEADS, K, BK, KI, C, BLOCK_LEVELS, FLOOR, PRECISION)
     tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C, False), A_qk, mask=used)
     tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, False), A_qb, mask=used)
 
@@ -1373,10 +1434,11 @@ def _wy_pair_gradient(x, y, w, dA, dx, dy, STRICT: tl.constexpr, TAME: tl.conste
                       C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
     """The backward of one of ``_wy_pairs``' matrices, A_xy (x = q, or a if STRICT; y = k or
     b), for its pairs i < t (the diagonal's factor is e^0: the caller's): their terms added to
-    dx (rows) and dy (columns) from dA ([C, C], entries i >= t ignored), through the forward's
-    factors: TAME, referenced to the chunk's middle row, one product each; else level by level
-    (``level_factors_at``: one level's tiles live at a time, every factor <= 1, exact for every
-    decay)."""
+    dx (rows) and dy (columns) from dA ([C, C], entries i >= t ignored). TAME: the forward's
+    factors, referenced to the chunk's middle row, one product each; else level by level over
+    the chunk (``level_factors_at``: one level's tiles live at a time, every factor <= 1,
+    exact for every decay; the forward's exact path splits the same pairs' factors by 16-token
+    blocks instead)."""
     if TAME:
         index = tl.arange(0, C)
         gi = tl.cumsum(w, axis=0)

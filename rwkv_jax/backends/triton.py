@@ -74,9 +74,10 @@ class KernelConfig:
     # need fewer registers at the cost of reading the V-side tiles once per block.
     gradient_block_k: int | None = None
     # 16-bit inputs: the states saved every span and dH saved at every chunk's end in bfloat16
-    # (half their bytes: at B=8 T=4096 H=32 K=V=128, dH is 4.3 GB in float32; float32 inputs
-    # keep float32). Not yet timed on a GPU, so off by default; on the CPU interpreter the
-    # errors against float64 are in BENCHMARKS.md (session 10).
+    # (half their bytes; float32 inputs keep float32). H100, B=8 T=4096 bf16, same run
+    # (session 13): K=64 15.20 -> 14.63 ms forward+backward, peak 7.28 -> 6.15 GiB, errors
+    # unchanged; K=128 32.05 -> 32.54 (the fused K-side kernel spills more): default_config
+    # turns it on at K <= 64.
     bf16_saved: bool = False
     # bfloat16 inputs: the sequential passes multiply v and dO as stored, against the A
     # matrices and the decayed k and q rounded to bfloat16 (16-bit operands, as GLA/RWKV-6's
@@ -84,8 +85,9 @@ class KernelConfig:
     # RWKV-7: off by default.
     rounded: bool = False
     # Warps of the K-side gradient kernels (None: backward_warps). sm_90, bf16, the fused tame
-    # kernel: 4 warps spill 288 B at K=64 and 344 B at K=128, 8 warps 192 and 196 B. Not yet
-    # timed (the value kernel keeps backward_warps: Triton 3.6 miscompiles its products at 8).
+    # kernel: 4 warps spill 288 B at K=64 and 344 B at K=128, 8 warps 192 and 196 B, yet 8 are
+    # far slower (H100, session 13: that kernel 7.75 -> 13.94 ms at K=64, 18.84 -> 30.78 at
+    # K=128). The value kernel keeps backward_warps: Triton 3.6 miscompiles its products at 8.
     k_side_warps: int | None = None
 
 
@@ -112,13 +114,14 @@ def default_config(k_size: int, v_size: int, streams: int = FEW_RECURRENCE_PROGR
     # in-chunk matrices) at 4 warps at every head size (K=128: forward 5.29 ms, state gradient
     # 4.85, against 8.78 and 8.39 with 8 warps; V blocks of 32: 9.60 and 8.29). dv in its own
     # kernel and the tame path's K-side gradients in one kernel at every head size, on blocks
-    # of 64 K rows at K=128 (session 7, B=8 T=4096 bf16 forward+backward: K=64 15.53 ms against
-    # 18.14 in two K-side kernels; K=128 32.87 against 36.85, and 36.60 without K blocks).
+    # of 64 K rows at K=128 (session 13, B=8 T=4096 bf16 forward+backward: K=64 15.20 ms against
+    # 18.02 in two K-side kernels; K=128 32.05 against 36.54, and 39.09 without K blocks).
+    # bfloat16 saved states and dH at K <= 64 only (KernelConfig.bf16_saved).
     few = streams * -(-v_size // 64) < FEW_RECURRENCE_PROGRAMS and block_v >= 64
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
                         backward_warps=4, fused_tame_gradient=True,
                         gradient_block_k=64 if block_k == 128 else None,
-                        recurrence_block_v=32 if few else None)
+                        recurrence_block_v=32 if few else None, bf16_saved=block_k <= 64)
 
 
 # (K, V) -> KernelConfig, to try other settings (benchmarks/gpu_rwkv7.py) without editing code.
@@ -416,8 +419,9 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
 # yet the op's.
 CHUNK64 = 64
 LEVELS64 = CHUNK64.bit_length() - 1
-# Diagonal blocks of the in-chunk inverse (rwkv7.py's _wy_inverse: the plan's 16-token blocks).
-INVERSE_BLOCK64 = 16
+# The plan's 16-token blocks: of the exact path's in-chunk factors and of the in-chunk inverse's
+# diagonal (rwkv7.py's _wy_pairs, _wy_inverse).
+BLOCK64 = 16
 # The tame path at 64-token chunks is tame_path's: every log decay >= -TAME_SUM / CHUNK = -1,
 # so a chunk's log decays sum to >= -64 per channel and its middle-referenced factors stay
 # within e^(+-32); model-range decays (>= -e^-0.5) take it.
@@ -472,7 +476,7 @@ def _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v):
 
 
 def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqlens=None,
-                    exact=False, block_v=64, block_k_in_chunk=32, warps=None, residuals=False):
+                    exact=False, block_v=64, block_k_in_chunk=16, warps=None, residuals=False):
     """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
     "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
     inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
@@ -493,7 +497,10 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     block_k, block_v = common["BK"], common["BV"]
-    warps = dict(dict(tame=4, exact=8, state=4 if block_k <= 64 else 8, output=4),
+    # sm_90, bf16, K parts of 16 (benchmarks/compile_report.py --family rwkv7-64): the exact path
+    # spills 220 B at K=64 and 408 B at K=128 with 4 warps (336 and 544 B with 8); the tame one
+    # none at K=64, 40 B at K=128.
+    warps = dict(dict(tame=4, exact=4, state=4 if block_k <= 64 else 8, output=4),
                  **(warps or {}))
     # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path.
     in_chunk = lambda TAME: _launch.launch(
@@ -507,7 +514,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         # kernels' "ieee": ten [64, 64] products without tensor cores spilled 8.6 KB at K=32
         # (sm_90, 4 warps; tf32x3: 328 B tame, 1.4 KB exact).
         INVERSE_PRECISION=common["PRECISION"],
-        INVERSE_BLOCK_LEVELS=INVERSE_BLOCK64.bit_length() - 1,
+        BLOCK_LEVELS=BLOCK64.bit_length() - 1,
         **dict(common, BV=setup.v_blocks * block_v))
     if exact:
         wy, u0, matrices = in_chunk(False)
