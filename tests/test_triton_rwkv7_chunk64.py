@@ -361,5 +361,6 @@ def test_backward_key_blocks(decay):
 
 def test_backward_padded_head_sizes():
     """K = V = 48: the K side's one block of 64 keys with masked columns (no block of 32 keys
-    tiles K), and its steps over V a full one of 32 and a masked one."""
+    tiles K), and its steps over V a full one of 32 and a masked one; in the forward, K parts
+    of 16 of which only three reach into K."""
     check_backward(Case(steps=70, key=48, value=48, decay="-1e9 and -inf tokens"), seed=23)

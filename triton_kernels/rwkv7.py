@@ -1026,7 +1026,9 @@ def _k_part(part, base, rows_in, steps, HEADS: tl.constexpr, K: tl.constexpr,
     """The base, offsets and mask of a chunk's [C, KI] tile of K columns part * KI, ... (its
     first row at ``base``). The offsets are those of every part (the part is in the scalar
     base) and the mask a row mask where KI divides K: one tile of each held by the program,
-    not one per part and stage."""
+    not one per part and stage. The parts are those that reach into K, ceil(K / KI), not
+    BK / KI: where KI divides K the mask leaves the columns past K in (K = 48, BK = 64, KI = 16
+    read a fourth part out of bounds)."""
     k_cols = tl.arange(0, KI)
     return (base + part * KI, steps[:, None] * (HEADS * K) + k_cols[None, :],
             rows_in & in_range(part * KI + k_cols, K, KI)[None, :])
@@ -1056,7 +1058,7 @@ def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.con
     xy = tl.zeros([C, C], tl.float32)
     xz = tl.zeros([C, C], tl.float32)
     if TAME:
-        for part in tl.static_range(BK // KI):
+        for part in tl.static_range((K + KI - 1) // KI):
             part_base, tile, mask = _k_part(part, base, rows_in, index, HEADS, K, KI)
             w = _log_decays(w_ptr, part_base, tile, mask, FLOOR)
             gi = tl.cumsum(w, axis=0)
@@ -1088,7 +1090,7 @@ def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.con
         inner = tl.arange(0, BLOCK)
         on_y = tl.zeros([BLOCKS, BLOCK, BLOCK], tl.float32)
         on_z = tl.zeros([BLOCKS, BLOCK, BLOCK], tl.float32)
-        for part in tl.static_range(BK // KI):
+        for part in tl.static_range((K + KI - 1) // KI):
             part_base, tile, mask = _k_part(part, base, rows_in, index, HEADS, K, KI)
             w = _log_decays(w_ptr, part_base, tile, mask, FLOOR)
             x = rows(x_ptr, part_base, tile, mask) * x_scale
@@ -1226,7 +1228,7 @@ def rwkv7_wy_kernel(
         u0 = tl.dot(inverse_ak, rows(v_ptr, v_base, v_tile, v_in), input_precision=PRECISION)
         tl.store(u0_ptr + v_base + v_tile, u0, mask=v_in)
     # W = T a~, a~ = a e^ge (per K column: ge is a cumulative sum down the chunk, <= 0).
-    for part in tl.static_range(BK // KI):
+    for part in tl.static_range((K + KI - 1) // KI):
         part_base, k_tile, k_in = _k_part(part, k_base, rows_in, steps, HEADS, K, KI)
         w = _log_decays(w_ptr, part_base, k_tile, k_in, FLOOR)
         decayed = rows(a_ptr, part_base, k_tile, k_in) * tl.exp(tl.cumsum(w, axis=0) - w)
