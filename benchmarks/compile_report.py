@@ -82,7 +82,7 @@ def main():
     parser.add_argument("--scores-block-k", type=int, default=16,
                         help="gla family: K columns per step of the forward's scores kernel")
     parser.add_argument("--family", choices=("rwkv7", "gla", "rwkv7-64"), default="rwkv7",
-                        help="rwkv7-64: the 64-token forward prototype (forward_chunk64)")
+                        help="rwkv7-64: the 64-token prototypes (forward_chunk64, the K side)")
     parser.add_argument("--block-k-in-chunk", type=int, default=32,
                         help="rwkv7-64: K columns per part of the in-chunk sums")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
@@ -156,12 +156,6 @@ def main():
         ("tame gradient", rwkv7.rwkv7_tame_gradient_kernel,
          {n: x for n, x in k_side.items() if n != "LEVELS"}),
     ]
-    # The 64-token backward's K side, on triton.backward_chunk64_k_side's blocks (K_SIDE_BLOCK_K64,
-    # K_SIDE_BLOCK_V64).
-    chunk64 = dict({n: x for n, x in gradient.items() if n not in ("CHUNKS_PER_STATE",)},
-                   C=64, LEVELS=6, CHUNK_SLOTS=rows // 64 + 8, BV=min(bv, 32),
-                   BK=32 if args.key % 32 == 0 else bk)
-    kernels.append(("wy key gradient", rwkv7.rwkv7_wy_key_gradient_kernel, chunk64))
     tame_constexprs = {}  # kernel name -> the tame path's own constexprs
     if args.family == "rwkv7" and args.bf16_saved:
         inputs.update(states_ptr=bf16, dstates_ptr=bf16)
@@ -193,8 +187,9 @@ def main():
 
 
 def chunk64_kernels(shapes, inputs, block_k_in_chunk):
-    """The 64-token forward (triton.forward_chunk64's launches, bf16 inputs): the pointer types
-    and constexprs."""
+    """The 64-token forward (triton.forward_chunk64's launches) and the backward's K side
+    (backward_chunk64_k_side's, on its blocks: K_SIDE_BLOCK_K64, K_SIDE_BLOCK_V64), bf16
+    inputs: the pointer types and constexprs."""
     inputs.update(wy_ptr="*fp32", u0_ptr="*fp32")
     rows = shapes["TOTAL_ROWS"]
     common = dict({n: x for n, x in shapes.items() if n not in ("scale", "LEVELS")}, C=64,
@@ -206,6 +201,9 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk):
               VI=shapes["BV"], INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4)),
         ("wy state", rwkv7.rwkv7_wy_state_kernel, common),
         ("wy output", rwkv7.rwkv7_wy_output_kernel, dict(parallel, scale=1.0)),
+        ("wy key gradient", rwkv7.rwkv7_wy_key_gradient_kernel,
+         dict(parallel, scale=1.0, LEVELS=6, BV=min(shapes["BV"], 32),
+              BK=32 if shapes["K"] % 32 == 0 else shapes["BK"])),
     ]
 
 
