@@ -75,7 +75,7 @@ def _hard_decays(kind, rng, shape):
 
 
 def check(name, dtype, key, value, steps=300, batch=2, heads=4, decay="model", cu_seqlens=None,
-          seed=0, hard=None):
+          seed=0, hard=None, chunk=16):
     rng = np.random.default_rng(seed)
     rows = len(cu_seqlens) - 1 if cu_seqlens else None
     drawn = reference.random_inputs("rwkv7", rng, batch=1 if cu_seqlens else batch, steps=steps,
@@ -93,7 +93,13 @@ def check(name, dtype, key, value, steps=300, batch=2, heads=4, decay="model", c
     ref_grads = reference.gradients("rwkv7", x64, np.asarray(d_out, np.float64),
                                     np.asarray(d_state, np.float64), **options)
     cu = jnp.asarray(cu_seqlens, jnp.int32) if cu_seqlens else None
-    out, state, grads = jax.jit(triton_vjp)(x, d_out, d_state, cu)
+    triton_backend.CONFIG_OVERRIDES[(key, value)] = dataclasses.replace(
+        triton_backend.default_config(key, value), chunk=chunk)
+    try:
+        out, state, grads = jax.jit(triton_vjp)(x, d_out, d_state, cu)
+    finally:
+        triton_backend.CONFIG_OVERRIDES.pop((key, value))
+    name = f"{name}{', 64-token chunks' if chunk == 64 else ''}"
     errors = {"out": relative_error(out, ref_out), "state": relative_error(state, ref_state)}
     errors.update({f"d{n}": relative_error(g, ref_grads[n]) for n, g in grads.items()})
     finite = all(np.isfinite(np.asarray(a, np.float64)).all()
@@ -123,11 +129,12 @@ CHECKS = [
 ]
 
 
-def correctness(count):
+def correctness(count, chunks=(16,)):
     # The hard decays first: --checks N runs them and the first N - 4 others.
     ordered = CHECKS[-4:] + CHECKS[:-4]
-    for seed, (name, dtype, key, value, options) in enumerate(ordered[:count]):
-        check(name, dtype, key, value, seed=seed, **options)
+    for chunk in chunks:
+        for seed, (name, dtype, key, value, options) in enumerate(ordered[:count]):
+            check(name, dtype, key, value, seed=seed, chunk=chunk, **options)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,19 +261,6 @@ def torch_peak_bytes(fns, leaves, held):
     return peaks
 
 
-def bench_forward_chunk64(label, x_jax, ref, exact=False):
-    """The 64-token forward prototype (triton_backend.forward_chunk64; docs/RWKV7-CHUNK64.md):
-    forward time, profile and errors against float64. It has no backward yet: one log line, no
-    row."""
-    forward = jax.jit(lambda x: triton_backend.forward_chunk64(*(x[n] for n in NAMES),
-                                                               exact=exact))
-    out, state = jax.block_until_ready(forward(x_jax))
-    errors = slice_errors(out, state, None, ref)
-    profile = profile_kernels(lambda: jax.block_until_ready(forward(x_jax)))
-    log(f"  {label}: fwd {time_jax(forward, x_jax):7.3f} ms  err out {errors['out']:.1e} "
-        f"state {errors['state']:.1e}; per kernel: {profile}")
-
-
 def bench_fla(label, x, d_out, d_state, ref, cu_seqlens=None, **options):
     import triton.testing
     from fla.ops.rwkv7 import chunk_rwkv7
@@ -386,6 +380,8 @@ def benchmark_layout(name, deadline, out_dir, fla_configs=("disable_recompute",)
     _attempt(rows, name, deadline, out_dir, bench_jax, "rwkv_jax triton (default config)",
              *ours, cu_seqlens=cu_jax, cap=120)
     default = triton_backend.default_config(64, 64)
+    _attempt(rows, name, deadline, out_dir, bench_jax, "triton, 64-token chunks", *ours, "triton",
+             dataclasses.replace(default, chunk=64), cu_seqlens=cu_jax, cap=120)
     for block_v in (64, 16) if sweep else ():
         _attempt(rows, name, deadline, out_dir, bench_jax, f"triton recurrence_block_v={block_v}",
                  *ours, "triton", dataclasses.replace(default, recurrence_block_v=block_v),
@@ -426,15 +422,17 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
                 cap=480 if fla_first else 330, **fastest)
     if fla_first:
         ours()
-    for exact in (False, True):  # the 64-token forward prototype, tame and exact paths
-        within("forward_chunk64", deadline, 90, bench_forward_chunk64,
-               f"K={size} triton forward_chunk64 prototype{' (exact path)' if exact else ''}",
-               x_jax, ref, exact)
     default = triton_backend.default_config(size, size)
-    # Every chunk through the level-by-level path (what chunks with strong decays take).
-    attempt(bench_jax, "triton, every chunk level by level", x_jax, d_out_jax, d_state_jax, ref,
-            "triton", dataclasses.replace(default, tame=False), cap=90)
+    # The 64-token WY kernels (KernelConfig.chunk = 64; docs/RWKV7-CHUNK64.md), on the tame
+    # path and with every chunk on the exact one.
+    for tame in (True, False):
+        attempt(bench_jax, f"triton, 64-token chunks{'' if tame else ', exact path'}", x_jax,
+                d_out_jax, d_state_jax, ref, "triton",
+                dataclasses.replace(default, chunk=64, tame=tame), cap=120)
     if sweep:
+        # Every chunk through the level-by-level path (what chunks with strong decays take).
+        attempt(bench_jax, "triton, every chunk level by level", x_jax, d_out_jax, d_state_jax,
+                ref, "triton", dataclasses.replace(default, tame=False), cap=90)
         # The other tame-path gradient (the value kernel no longer rebuilds A_qk, A_ak) and, at
         # K=128, the key and query gradient kernels on every K row. Measured and not kept:
         # gradient kernels at 8 warps (session 5); the sequential passes at 8 warps or with V
@@ -472,6 +470,8 @@ def main():
                         help="seconds (from the start) after which nothing new starts")
     parser.add_argument("--checks", type=int, default=len(CHECKS),
                         help="how many of the correctness checks to run (0: none)")
+    parser.add_argument("--check-chunks", default="16",
+                        help="the correctness checks at these of KernelConfig.chunk, e.g. 16,64")
     parser.add_argument("--fla-first", action="store_true",
                         help="time fla's fastest configuration first, with a longer cap")
     parser.add_argument("--others", default="native,chunked",
@@ -492,7 +492,7 @@ def main():
     gpu = torch.cuda.get_device_name()
     log(f"GPU {gpu}; jax {jax.__version__} ({jax.devices()[0]}), torch {torch.__version__}")
     results["gpu"] = gpu
-    correctness(args.checks)
+    correctness(args.checks, [int(c) for c in args.check_chunks.split(",")])
     rows = []
     for size in (int(x) for x in args.sizes.split(",") if x):
         rows += benchmark(args.sweep, [b for b in args.others.split(",") if b], deadline,

@@ -254,3 +254,28 @@ def test_head_size_above_limit_is_refused():
 def test_platform_without_triton_gets_a_reason():
     assert "NVIDIA" in _launch.unavailable_reason("tpu")
     assert _launch.unavailable_reason("cpu") is None  # triton and torch are test requirements
+
+
+# The op at 64-token chunks (KernelConfig.chunk = 64): forward, final state and every gradient
+# through its custom_vjp, across chunk boundaries, packed sequences with an empty segment, V != K
+# and the decays of the exact path.
+CHUNK64_CASES = {
+    "one token": Case(steps=1),
+    "two chunks, the last partial": Case(steps=70, heads=2),
+    "packed, bfloat16": Case(steps=140, cu_seqlens=(0, 0, 65, 130, 140), dtype="bfloat16"),
+    "V != K": Case(steps=66, key=32, value=16),
+    "strong decays": Case(steps=70, decay="strong"),
+    "-1e9 and -inf tokens": Case(steps=70, hard="-1e9 and -inf tokens"),
+    "uniform down to -1e3": Case(steps=70, hard="uniform down to -1e3"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHUNK64_CASES))
+def test_chunk64_op(name):
+    case = CHUNK64_CASES[name]
+    check(dataclasses.replace(case, config=dict(case.config, chunk=64)), seed=len(name))
+
+
+def test_chunk_must_be_16_or_64():
+    with pytest.raises(ValueError, match="KernelConfig.chunk must be 16 or 64; got 32"):
+        check(Case(config=dict(chunk=32)), seed=0)

@@ -89,6 +89,10 @@ class KernelConfig:
     # far slower (H100, session 13: that kernel 7.75 -> 13.94 ms at K=64, 18.84 -> 30.78 at
     # K=128). The value kernel keeps backward_warps: Triton 3.6 miscompiles its products at 8.
     k_side_warps: int | None = None
+    # Tokens per chunk: 16, the kernels above, or 64, the WY-form kernels of the section
+    # "64-token chunks" (docs/RWKV7-CHUNK64.md), of which only block_v applies (the V columns
+    # per program of their state passes, outputs and V-side gradients).
+    chunk: int = 16
 
 
 def _pow2_at_least(n, floor=16):
@@ -400,6 +404,40 @@ def _k_side_gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dstates
 _rwkv7.defvjp(_rwkv7_fwd, _rwkv7_bwd)
 
 
+# The op at 64-token chunks (KernelConfig.chunk = 64): the forward's three kernels save what the
+# backward's three read (``forward_chunk64``'s residuals), no state at every step.
+def _chunk64_options(static, cu_seqlens):
+    return dict(scale=static.scale, cu_seqlens=cu_seqlens, block_v=static.config.block_v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rwkv7_chunk64(static, r, w, k, v, a, b, h0, cu_seqlens):
+    return forward_chunk64(r, w, k, v, a, b, initial_state=h0, exact=not static.config.tame,
+                           **_chunk64_options(static, cu_seqlens))
+
+
+def _rwkv7_chunk64_fwd(static, r, w, k, v, a, b, h0, cu_seqlens):
+    o, ht, saved = forward_chunk64(r, w, k, v, a, b, initial_state=h0, residuals=True,
+                                   exact=not static.config.tame,
+                                   **_chunk64_options(static, cu_seqlens))
+    return (o, ht), (r, w, k, v, a, b, saved, cu_seqlens)
+
+
+def _rwkv7_chunk64_bwd(static, residuals, cotangents):
+    r, w, k, v, a, b, saved, cu_seqlens = residuals
+    do, dht = cotangents
+    do = do.astype(v.dtype)
+    options = _chunk64_options(static, cu_seqlens)
+    dv, dh0, dstates, du, dx = backward_chunk64_v_side(r, w, k, v, a, b, saved, do, dht,
+                                                       **options)
+    dr, dw, dk, da, db = backward_chunk64_k_side(r, w, k, v, a, b, saved, do, dstates, du, dx,
+                                                 exact=not static.config.tame, **options)
+    return dr, dw, dk, dv, da, db, dh0, None
+
+
+_rwkv7_chunk64.defvjp(_rwkv7_chunk64_fwd, _rwkv7_chunk64_bwd)
+
+
 def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seqlens):
     batch, steps, heads, k_size = r.shape
     v_size = v.shape[-1]
@@ -410,6 +448,10 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     # tf32 alone (10-bit mantissa) would miss the float32 contract; split products recover it.
     precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
     static = _Static(float(scale), heads, k_size, v_size, config, "tf32x3" if precise else "tf32")
+    if config.chunk == CHUNK64:
+        return _rwkv7_chunk64(static, r, w, k, v, a, b, initial_state, cu_seqlens)
+    if config.chunk != CHUNK:
+        raise ValueError(f"KernelConfig.chunk must be {CHUNK} or {CHUNK64}; got {config.chunk}")
     rows = lambda x: x.reshape(batch * steps, heads, x.shape[-1])
     o, ht = _rwkv7(static, *map(rows, (r, w, k, v, a, b)), initial_state, cu)
     return o.reshape(batch, steps, heads, v_size), ht
