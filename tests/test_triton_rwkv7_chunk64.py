@@ -200,7 +200,7 @@ def test_backward_invalid_traced_offsets_stay_in_bounds():
         dv, dh0, dstates, du, dx = triton_backend.backward_chunk64_v_side(
             *inputs, residuals, do, dht, cu_seqlens=cu)
         return (dh0, dv) + triton_backend.backward_chunk64_k_side(
-            *inputs, residuals, do, dstates, du, dx, cu_seqlens=cu)
+            *inputs, residuals, do, dstates, dx, cu_seqlens=cu)
 
     grads = run(x, jnp.asarray([-100, 50, 20, 500, 10**6], jnp.int32), jnp.ones_like(x["v"]),
                 jnp.ones((4, 1, 16, 16), jnp.float32))
@@ -280,7 +280,7 @@ def check_backward(case, seed):
         dv, dh0, dstates, du, dx = triton_backend.backward_chunk64_v_side(
             *inputs, residuals, do, dht, scale=0.5, cu_seqlens=cu_seqlens, block_v=block_v)
         k_side = triton_backend.backward_chunk64_k_side(
-            *inputs, residuals, do, dstates, du, dx, scale=0.5, cu_seqlens=cu_seqlens,
+            *inputs, residuals, do, dstates, dx, scale=0.5, cu_seqlens=cu_seqlens,
             block_v=block_v, exact=case.exact)
         return (dv, dh0, dstates, du, dx), dict(zip("rwkab", k_side))
 

@@ -956,7 +956,8 @@ def rwkv7_tame_gradient_kernel(
 # =============================================================================================
 # 64-token chunks (docs/RWKV7-CHUNK64.md): the forward in the WY form.
 #
-# A prototype beside the 16-token kernels above (which it does not change): three forward kernels,
+# The op's kernels at KernelConfig.chunk = 64, beside the 16-token ones above: three forward
+# kernels,
 #   1. rwkv7_wy_kernel (parallel, a program per chunk and head): the in-chunk matrices,
 #      T = (I - A_ab)^-1, W = T a~ [C, K] and U0 = T A_ak V [C, V] per token, A_qk, A_qb,
 #      A_ak and T per chunk ([chunk slots, HEADS, 4, C, C]; the last two for the backward);
@@ -964,7 +965,7 @@ def rwkv7_tame_gradient_kernel(
 #      chunk's start, U = W H + U0 and H' = e^g H + k^T V + b^T U (no [C, C] matrix);
 #   3. rwkv7_wy_output_kernel (parallel, a program per chunk, head and V block):
 #      O = q~ H + A_qk V + A_qb U from the chunk's saved H.
-# and the backward's (below, not yet wired into the op):
+# and the backward's (below):
 #   4. rwkv7_wy_state_gradient_kernel (sequential, reverse): dH' per chunk, dU, dh0;
 #   5. rwkv7_wy_value_gradient_kernel (parallel, per chunk, head and V block): dX, dV;
 #   6. rwkv7_wy_key_gradient_kernel (parallel, per chunk, head and block of keys, over all of
@@ -1304,7 +1305,7 @@ def rwkv7_wy_output_kernel(
     tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
 
 
-# The 64-token backward, build step 2 (a prototype, not yet the op's): the state-gradient pass
+# The 64-token backward: the state-gradient pass
 # and the V-side gradients. Given dO and the gradient dH' of a chunk's end state:
 #   dU = A_qb^T dO + b^ dH',  dX = T^T dU  (U = T X, X = a~ H + A_ak V),
 #   dH = e^g dH' + q~^T dO + W^T dU  (a~^T T^T = W^T: no [C, C] matrix in the recurrence),

@@ -428,9 +428,9 @@ def _rwkv7_chunk64_bwd(static, residuals, cotangents):
     do, dht = cotangents
     do = do.astype(v.dtype)
     options = _chunk64_options(static, cu_seqlens)
-    dv, dh0, dstates, du, dx = backward_chunk64_v_side(r, w, k, v, a, b, saved, do, dht,
+    dv, dh0, dstates, _, dx = backward_chunk64_v_side(r, w, k, v, a, b, saved, do, dht,
                                                        **options)
-    dr, dw, dk, da, db = backward_chunk64_k_side(r, w, k, v, a, b, saved, do, dstates, du, dx,
+    dr, dw, dk, da, db = backward_chunk64_k_side(r, w, k, v, a, b, saved, do, dstates, dx,
                                                  exact=not static.config.tame, **options)
     return dr, dw, dk, dv, da, db, dh0, None
 
@@ -457,8 +457,8 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     return o.reshape(batch, steps, heads, v_size), ht
 
 
-# 64-token chunks (docs/RWKV7-CHUNK64.md): a forward prototype and the backward's kernels, not
-# yet the op's.
+# 64-token chunks (docs/RWKV7-CHUNK64.md): the op's kernels at KernelConfig.chunk = 64 (not yet
+# the default: slower than the 16-token kernels on an H100, BENCHMARKS.md session 13).
 CHUNK64 = 64
 LEVELS64 = CHUNK64.bit_length() - 1
 # The plan's 16-token blocks: of the exact path's in-chunk factors and of the in-chunk inverse's
@@ -518,7 +518,7 @@ def _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v):
 
 
 def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqlens=None,
-                    exact=False, block_v=64, block_k_in_chunk=16, warps=None, residuals=False):
+                    exact=False, block_v=64, block_k_in_chunk=None, warps=None, residuals=False):
     """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
     "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
     inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
@@ -527,21 +527,23 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     decay >= -1, so that every 64-token chunk sums to >= -64 per channel; ``exact`` forces the
     exact path), the state pass (U, the state at every chunk's start, ht) and the outputs.
     ``block_v``: V columns per program of the state pass and the outputs (and of each U0
-    product); ``block_k_in_chunk``: K columns per part of the in-chunk sums. ``warps``: those of
+    product); ``block_k_in_chunk``: K columns per part of the in-chunk sums (None: 32 on the
+    tame path, 16 on the exact one). ``warps``: those of
     the in-chunk kernel's tame and exact paths, the state pass and the outputs (a dict, keys
     "tame", "exact", "state", "output"; the defaults are from sm_90 compile reports only, the
     fewest spills: docs/RWKV7-CHUNK64.md). ``residuals``: also return what the backward reads
     (a dict: ``states`` [chunk slots, H, K, V] float32, H at every chunk's start; ``u`` and
     ``wy`` [B * T, H, V or K] float32, U and W; ``matrices`` [chunk slots, H, 4, 64, 64]
-    float32, A_qk, A_qb, A_ak, T). A prototype for timing: not wired into the public op, which
-    has no 64-token backward yet."""
+    float32, A_qk, A_qb, A_ak, T). The op's forward at KernelConfig.chunk = 64."""
     setup = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     block_k, block_v = common["BK"], common["BV"]
     # sm_90, bf16, K parts of 16 (benchmarks/compile_report.py --family rwkv7-64): the exact path
     # spills 220 B at K=64 and 408 B at K=128 with 4 warps (336 and 544 B with 8); the tame one
-    # none at K=64, 40 B at K=128.
+    # none at K=64, 40 B at K=128. H100 (session 13, B=8 T=4096 H=64 K=64 bf16): the tame path
+    # took 3.78 ms in parts of 32 (the kernel before its masks moved after the K sums), 4.63 in
+    # parts of 16.
     warps = dict(dict(tame=4, exact=4, state=4 if block_k <= 64 else 8, output=4),
                  **(warps or {}))
     # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path.
@@ -550,7 +552,8 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         (setup.per_row(common["K"]), setup.per_row(common["V"]),
          jax.ShapeDtypeStruct((slots, heads, 4, CHUNK64, CHUNK64), jnp.float32)),
         (slots, heads), num_warps=warps["tame" if TAME else "exact"], scale=float(scale),
-        TAME=TAME, LEVELS=LEVELS64, KI=min(block_k_in_chunk, block_k), VI=block_v,
+        TAME=TAME, LEVELS=LEVELS64, KI=min(block_k_in_chunk or (32 if TAME else 16), block_k),
+        VI=block_v,
         SEQUENCES=setup.sequences, CHUNK_SLOTS=slots,
         # float32 inputs: tf32x3 (split products, float32's precision), not the 16-token
         # kernels' "ieee": ten [64, 64] products without tensor cores spilled 8.6 KB at K=32
@@ -584,7 +587,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
 
 def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
                             cu_seqlens=None, block_v=64, warps=None):
-    """The first two kernels of the 64-token backward (a prototype, not wired into the op):
+    """The first two kernels of the 64-token backward:
     from the inputs as :func:`forward_chunk64` took them, its ``residuals`` and the cotangents
     ``do`` [B, T, H, V] and ``dht`` [N, H, K, V] (of o and ht), (dv [B, T, H, V] in v's dtype,
     dh0 [N, H, K, V] float32, dstates [chunk slots, H, K, V] float32: the gradient of every
@@ -623,21 +626,18 @@ K_SIDE_BLOCK_K64 = 32
 K_SIDE_BLOCK_V64 = 32
 
 
-def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, du, dx, *, scale=1.0,
+def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, scale=1.0,
                             cu_seqlens=None, block_v=64, exact=False, warps=None):
-    """The last kernel of the 64-token backward (kernel 6; a prototype, not wired into the
-    op): from the inputs as :func:`forward_chunk64` took them, its ``residuals`` (the chunk
-    states H and U), the cotangent ``do`` [B, T, H, V] of o and what
+    """The last kernel of the 64-token backward (kernel 6): from the inputs as
+    :func:`forward_chunk64` took them, its ``residuals`` (the chunk states H and U), the cotangent ``do`` [B, T, H, V] of o and what
     :func:`backward_chunk64_v_side` returned (``dstates``: dH' per chunk; ``dx``: dX), the K-side
     gradients (dr, dw, dk, da, db), each [B, T, H, K] in the dtype of r, w, k, a, b. One launch
     of ``rwkv7_wy_key_gradient_kernel``, all chunks at once (a program per chunk, head and block
     of K_SIDE_BLOCK_K64 keys, summing over all of V inside: no partial sums), on the tame or
     exact path as :func:`tame_path` picks on the device (``exact`` forces the exact one).
-    ``du`` is not read (dX carries it; taken so that the V side's outputs pass straight
-    through). ``block_v``: V columns per step of the program's sums over V, at most
+    (dU is not needed: dX carries it.) ``block_v``: V columns per step of the program's sums over V, at most
     K_SIDE_BLOCK_V64; ``warps``: a dict, keys "tame" and "exact" (defaults from sm_90 compile
     reports only: the fewest spills)."""
-    del du
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
