@@ -391,7 +391,7 @@ def benchmark_layout(name, deadline, out_dir, fla_configs=("disable_recompute",)
 
 
 def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_default=True,
-              fla_configs=("disable_recompute", "safe")):
+              fla_configs=("disable_recompute", "safe"), variants=()):
     batch, steps, heads = 8, 4096, 64 * 64 // size
     x, d_out, d_state = model_inputs(batch, steps, heads, size)
     log(f"benchmark inputs: B={batch} T={steps} H={heads} K=V={size} bf16, "
@@ -423,33 +423,24 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
     if fla_first:
         ours()
     default = triton_backend.default_config(size, size)
-    # The 64-token WY kernels (KernelConfig.chunk = 64; docs/RWKV7-CHUNK64.md), on the tame
-    # path and with every chunk on the exact one.
-    for tame in (True, False):
-        attempt(bench_jax, f"triton, 64-token chunks{'' if tame else ', exact path'}", x_jax,
-                d_out_jax, d_state_jax, ref, "triton",
-                dataclasses.replace(default, chunk=64, tame=tame), cap=120)
+    # Other configurations (KernelConfig fields), e.g. the 64-token WY kernels (chunk = 64;
+    # docs/RWKV7-CHUNK64.md); with --sweep also those with every chunk on the exact path.
+    for change in [*variants, *(dict(c, tame=False) for c in variants if sweep)]:
+        attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref, "triton",
+                dataclasses.replace(default, **change), cap=120)
     if sweep:
         # Every chunk through the level-by-level path (what chunks with strong decays take).
         attempt(bench_jax, "triton, every chunk level by level", x_jax, d_out_jax, d_state_jax,
                 ref, "triton", dataclasses.replace(default, tame=False), cap=90)
-        # The other tame-path gradient (the value kernel no longer rebuilds A_qk, A_ak) and, at
-        # K=128, the key and query gradient kernels on every K row. Measured and not kept:
-        # gradient kernels at 8 warps (session 5); the sequential passes at 8 warps or with V
-        # blocks of 32 (session 6; BENCHMARKS.md).
-        variants = [dict(fused_tame_gradient=not default.fused_tame_gradient),
-                    # the saved states and dH in bfloat16 (untimed in session 10; the fused
-                    # tame kernel spills more with them: sm_90 352 -> 536 B at K=64)
-                    dict(bf16_saved=True),
-                    dict(bf16_saved=True, fused_tame_gradient=not default.fused_tame_gradient),
-                    # the sequential passes' products with v and dO in bf16 (untimed in
-                    # session 11; GLA's state pass gained 27 % from the same)
-                    dict(rounded=True), dict(rounded=True, bf16_saved=True),
-                    # the K-side gradient kernels at 8 warps (fewer spills; untimed, session 12)
-                    dict(k_side_warps=8)]
+        # The other choice of each measured option (session 13, BENCHMARKS.md): the K-side
+        # gradients in two kernels, bf16 saved states, the passes' bf16 products, 8 K-side
+        # warps and, at K=128, no K blocks.
+        changes = [dict(fused_tame_gradient=not default.fused_tame_gradient),
+                   dict(bf16_saved=not default.bf16_saved), dict(rounded=True),
+                   dict(k_side_warps=8)]
         if default.gradient_block_k:
-            variants.append(dict(gradient_block_k=None))
-        for change in variants:
+            changes.append(dict(gradient_block_k=None))
+        for change in changes:
             config = dataclasses.replace(default, **change)
             attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,
                     "triton", config, cap=60)
@@ -470,6 +461,9 @@ def main():
                         help="seconds (from the start) after which nothing new starts")
     parser.add_argument("--checks", type=int, default=len(CHECKS),
                         help="how many of the correctness checks to run (0: none)")
+    parser.add_argument("--variants", default='{"chunk": 64}',
+                        help="|-separated JSON dicts of KernelConfig fields, each timed as a "
+                             "row beside the default")
     parser.add_argument("--check-chunks", default="16",
                         help="the correctness checks at these of KernelConfig.chunk, e.g. 16,64")
     parser.add_argument("--fla-first", action="store_true",
@@ -497,7 +491,8 @@ def main():
     for size in (int(x) for x in args.sizes.split(",") if x):
         rows += benchmark(args.sweep, [b for b in args.others.split(",") if b], deadline,
                           args.out, args.fla_first, size, not args.no_fla_default,
-                          args.fla.split(","))
+                          args.fla.split(","),
+                          [json.loads(v) for v in args.variants.split("|") if v.strip()])
     for name in (x for x in args.layouts.split(",") if x):
         rows += benchmark_layout(name, deadline, args.out, [c for c in args.fla.split(",") if c],
                                  args.sweep)
