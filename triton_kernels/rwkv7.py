@@ -1022,6 +1022,19 @@ def _wy_chunk_program(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, HEADS: tl.con
 
 
 @triton.jit
+def _wy_chunk_rows(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C: tl.constexpr,
+                   TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr):
+    """A program's chunk (grid: chunk slots, HEADS): its slot, head, whether it is a chunk,
+    its first row, the steps 0..C-1 and the mask of its rows ([C, 1]; none of an unused slot)."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
+                                  TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    steps = tl.arange(0, C)
+    return slot, head, used, first, steps, (first + steps < end)[:, None]
+
+
+@triton.jit
 def _k_part(part, base, rows_in, steps, HEADS: tl.constexpr, K: tl.constexpr,
             KI: tl.constexpr):
     """The base, offsets and mask of a chunk's [C, KI] tile of K columns part * KI, ... (its
@@ -1410,12 +1423,8 @@ def rwkv7_wy_matrix_gradient_kernel(
     (entries of pairs the forward never forms are 0), stored in dA [chunk slots, HEADS, 4, C, C]
     (WY_A_QK, WY_A_QB, WY_A_AK, WY_DA_AB) in its dtype. An unused slot reads and writes
     nothing (its rows are all masked)."""
-    slot = tl.program_id(0)
-    head = tl.program_id(1)
-    used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
-                                  TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
-    steps = tl.arange(0, C)
-    rows_in = (first + steps < end)[:, None]
+    slot, head, used, first, steps, rows_in = _wy_chunk_rows(
+        cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
     v_base = (first * HEADS + head) * V
     # (one pass over V for all four: each tile of dO, dX, V, U read once)
     dA_qk = tl.zeros([C, C], tl.float32)
