@@ -625,7 +625,11 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
 K_SIDE_BLOCK_K64 = 32
 K_SIDE_BLOCK_V64 = 32
 # The split K side (``split=True``): keys per program of the K-side kernel that reads the dA
-# buffer, and V columns per step of the dA kernel's sums.
+# buffer, and V columns per step of the dA kernel's sums. sm_90, bf16, 8 warps
+# (benchmarks/compile_report.py --family rwkv7-64): the K-side kernel at 32 keys, 238-255
+# registers and no spills at K = 64 and 128, tame and exact; at 64 keys 568-1000 B of spills
+# (4 warps: 764 B and more). The dA kernel 108-120 registers, no spills, 72 KB shared at 32
+# columns (64: 144 KB at V = 128).
 K_SIDE_SPLIT_BLOCK_K64 = 32
 DA_BLOCK_V64 = 32
 
