@@ -85,6 +85,10 @@ def main():
                         help="rwkv7-64: the 64-token prototypes (forward_chunk64, the K side)")
     parser.add_argument("--block-k-in-chunk", type=int, default=32,
                         help="rwkv7-64: K columns per part of the in-chunk sums")
+    parser.add_argument("--split-block-k", type=int, default=32,
+                        help="rwkv7-64: keys per program of the split K side's key gradients")
+    parser.add_argument("--split-block-v", type=int, default=32,
+                        help="rwkv7-64: V columns per step of the split K side's dA sums")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
     parser.add_argument("--key-block-k", type=int, default=16,
                         help="gla family: K columns per step of the K-side gradient kernel")
@@ -168,7 +172,8 @@ def main():
         tame_constexprs["key gradient"] = dict(BK=min(args.tame_key_block_k, bk),
                                                KEYS=min(args.tame_key_program_k, bk))
     if args.family == "rwkv7-64":
-        kernels = chunk64_kernels(shapes, inputs, args.block_k_in_chunk)
+        kernels = chunk64_kernels(shapes, inputs, args.block_k_in_chunk, args.split_block_k,
+                                  args.split_block_v)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
     # Each kernel's two compiled paths (TAME=True for model-range decays, the exact one).
     paths = ((True, "tame"), (False, "exact"))
@@ -186,11 +191,12 @@ def main():
                 print(f"{name:15s} {path:5s} {warps} warps: {resources(compiled)}")
 
 
-def chunk64_kernels(shapes, inputs, block_k_in_chunk):
+def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block_v):
     """The 64-token forward (triton.forward_chunk64's launches) and the backward's K side
-    (backward_chunk64_k_side's, on its blocks: K_SIDE_BLOCK_K64, K_SIDE_BLOCK_V64), bf16
-    inputs: the pointer types and constexprs."""
-    inputs.update(wy_ptr="*fp32", u0_ptr="*fp32")
+    (backward_chunk64_k_side's, on its blocks: K_SIDE_BLOCK_K64, K_SIDE_BLOCK_V64; split, on
+    ``split_block_k`` keys and dA sums in steps of ``split_block_v``), bf16 inputs: the pointer
+    types and constexprs."""
+    inputs.update(wy_ptr="*fp32", u0_ptr="*fp32", dA_ptr="*bf16")
     rows = shapes["TOTAL_ROWS"]
     common = dict({n: x for n, x in shapes.items() if n not in ("scale", "LEVELS")}, C=64,
                   CHUNK_SLOTS=rows // 64 + 8)
@@ -202,8 +208,16 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk):
         ("wy state", rwkv7.rwkv7_wy_state_kernel, common),
         ("wy output", rwkv7.rwkv7_wy_output_kernel, dict(parallel, scale=1.0)),
         ("wy key gradient", rwkv7.rwkv7_wy_key_gradient_kernel,
-         dict(parallel, scale=1.0, LEVELS=6, BV=min(shapes["BV"], 32),
+         dict(parallel, scale=1.0, LEVELS=6, BV=min(shapes["BV"], 32), SPLIT=False,
               BK=32 if shapes["K"] % 32 == 0 else shapes["BK"])),
+        # (split=True: the dA kernel, then the K-side kernel reading its buffer)
+        ("wy dA", rwkv7.rwkv7_wy_matrix_gradient_kernel,
+         dict({n: parallel[n] for n in ("HEADS", "V", "C", "TOTAL_ROWS", "SEQUENCES",
+                                        "CHUNK_SLOTS", "PRECISION")},
+              BV=min(shapes["BV"], split_block_v))),
+        ("wy key gradient split", rwkv7.rwkv7_wy_key_gradient_kernel,
+         dict(parallel, scale=1.0, LEVELS=6, BV=min(shapes["BV"], 32), SPLIT=True,
+              BK=split_block_k if shapes["K"] % split_block_k == 0 else shapes["BK"])),
     ]
 
 

@@ -1022,6 +1022,19 @@ def _wy_chunk_program(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, HEADS: tl.con
 
 
 @triton.jit
+def _wy_chunk_rows(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C: tl.constexpr,
+                   TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr):
+    """A program's chunk (grid: chunk slots, HEADS): its slot, head, whether it is a chunk,
+    its first row, the steps 0..C-1 and the mask of its rows ([C, 1]; none of an unused slot)."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
+                                  TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    steps = tl.arange(0, C)
+    return slot, head, used, first, steps, (first + steps < end)[:, None]
+
+
+@triton.jit
 def _k_part(part, base, rows_in, steps, HEADS: tl.constexpr, K: tl.constexpr,
             KI: tl.constexpr):
     """The base, offsets and mask of a chunk's [C, KI] tile of K columns part * KI, ... (its
@@ -1391,6 +1404,58 @@ def rwkv7_wy_value_gradient_kernel(
 #   dw = reverse_cumsum(q dq - k dk - b db + a da) - a da + dg,
 #   dg = e^g rowsum(H dH') + sum_t (k^ dk^ + b^ db^)_t  (per K channel, within the chunk).
 
+# The dA buffer [chunk slots, HEADS, 4, C, C] of ``rwkv7_wy_matrix_gradient_kernel``: the gradients
+# of A_qk, A_qb, A_ak (WY_A_QK, ... as in the forward's matrices) and A_ab in T's place.
+WY_DA_AB = tl.constexpr(3)
+
+
+@triton.jit
+def rwkv7_wy_matrix_gradient_kernel(
+    v_ptr, u_ptr, do_ptr, dx_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,  # inputs
+    dA_ptr,                                                                      # output
+    HEADS: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grid (chunk slots, HEADS): the gradients of a chunk's four A matrices, summed over all of
+    V (blocks of BV) once per chunk rather than once per block of keys in the K-side kernel:
+    dA_qk = tril(dO V^T), dA_qb = tril(dO U^T), dA_ak = strict(dX V^T), dA_ab = strict(dX U^T)
+    (entries of pairs the forward never forms are 0), stored in dA [chunk slots, HEADS, 4, C, C]
+    (WY_A_QK, WY_A_QB, WY_A_AK, WY_DA_AB) in its dtype. An unused slot reads and writes
+    nothing (its rows are all masked)."""
+    slot, head, used, first, steps, rows_in = _wy_chunk_rows(
+        cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    v_base = (first * HEADS + head) * V
+    # (one pass over V for all four: each tile of dO, dX, V, U read once)
+    dA_qk = tl.zeros([C, C], tl.float32)
+    dA_qb = tl.zeros([C, C], tl.float32)
+    dA_ak = tl.zeros([C, C], tl.float32)
+    dA_ab = tl.zeros([C, C], tl.float32)
+    for v_block in range((V + BV - 1) // BV):
+        v_cols = v_block * BV + tl.arange(0, BV)
+        v_in = rows_in & (v_cols < V)[None, :]
+        v_tile = steps[:, None] * (HEADS * V) + v_cols[None, :]
+        do = stored(do_ptr + v_base, v_tile, v_in)
+        dx = stored(dx_ptr + v_base, v_tile, v_in)
+        v = tl.trans(stored(v_ptr + v_base, v_tile, v_in))
+        u = tl.trans(stored(u_ptr + v_base, v_tile, v_in))
+        dA_qk = dot(do, v, dA_qk, PRECISION)
+        dA_qb = dot(do, u, dA_qb, PRECISION)
+        dA_ak = dot(dx, v, dA_ak, PRECISION)
+        dA_ab = dot(dx, u, dA_ab, PRECISION)
+    lower = steps[:, None] >= steps[None, :]
+    strict = steps[:, None] > steps[None, :]
+    out = dA_ptr.dtype.element_ty
+    tl.store(_wy_matrix(dA_ptr, slot, head, WY_A_QK, HEADS, C, False),
+             tl.where(lower, dA_qk, 0.0).to(out), mask=used)
+    tl.store(_wy_matrix(dA_ptr, slot, head, WY_A_QB, HEADS, C, False),
+             tl.where(lower, dA_qb, 0.0).to(out), mask=used)
+    tl.store(_wy_matrix(dA_ptr, slot, head, WY_A_AK, HEADS, C, False),
+             tl.where(strict, dA_ak, 0.0).to(out), mask=used)
+    tl.store(_wy_matrix(dA_ptr, slot, head, WY_DA_AB, HEADS, C, False),
+             tl.where(strict, dA_ab, 0.0).to(out), mask=used)
+
+
 # Which state product a pass over V of the K-side kernel sums beside its A matrix's gradient
 # (``_wy_pass``): D H^T (the rows' read of H), or Y dH'^T (the columns' k^, b^ in H'), the
 # latter optionally with rowsum(H dH') (e^g H in H').
@@ -1398,14 +1463,18 @@ WY_READ, WY_UPDATE, WY_UPDATE_AND_DECAY = (tl.constexpr(i) for i in range(3))
 
 
 @triton.jit
-def _wy_pass(d_ptr, y_ptr, states_ptr, dstates_ptr, slot, used, first, end, head,
-             STATE: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-             BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
+def _wy_pass(d_ptr, y_ptr, states_ptr, dstates_ptr, dA_ptr, slot, used, first, end, head,
+             STATE: tl.constexpr, WHICH: tl.constexpr, SPLIT: tl.constexpr,
+             HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+             BV: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
     """One pass over V (blocks of BV) of the K-side kernel: the gradient of one A matrix, D Y^T
-    ([C, C], unmasked; D = dO or dX, the rows' cotangent; Y = V or U, the columns' values),
-    and one state product ([C, BK]; STATE: D H^T, or Y dH'^T), with rowsum(H dH') ([BK]) if
-    STATE is WY_UPDATE_AND_DECAY (else zeros)."""
-    dA = tl.zeros([C, C], tl.float32)
+    ([C, C]; D = dO or dX, the rows' cotangent; Y = V or U, the columns' values), and one state
+    product ([C, BK]; STATE: D H^T, or Y dH'^T), with rowsum(H dH') ([BK]) if STATE is
+    WY_UPDATE_AND_DECAY (else zeros). SPLIT: D Y^T is read from dA_ptr (entry WHICH of
+    ``rwkv7_wy_matrix_gradient_kernel``'s buffer, masked), not summed here (unmasked), and only
+    the tile the state product needs is loaded."""
+    if not SPLIT:
+        dA = tl.zeros([C, C], tl.float32)
     product = tl.zeros([C, BK], tl.float32)
     h_dh = tl.zeros([BK], tl.float32)
     for v_block in range((V + BV - 1) // BV):
@@ -1414,9 +1483,12 @@ def _wy_pass(d_ptr, y_ptr, states_ptr, dstates_ptr, slot, used, first, end, head
         _, _, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V, C,
                                        False)
         state_in = (tl.trans(k_cols_in) & v_cols_in) & used
-        d = stored(d_ptr + v_base, v_tile, v_in)
-        y = stored(y_ptr + v_base, v_tile, v_in)
-        dA = dot(d, tl.trans(y), dA, PRECISION)
+        if not SPLIT or STATE == WY_READ:
+            d = stored(d_ptr + v_base, v_tile, v_in)
+        if not SPLIT or STATE != WY_READ:
+            y = stored(y_ptr + v_base, v_tile, v_in)
+        if not SPLIT:
+            dA = dot(d, tl.trans(y), dA, PRECISION)
         if STATE == WY_READ:
             h = tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols), mask=state_in,
                         other=0.0)
@@ -1429,6 +1501,8 @@ def _wy_pass(d_ptr, y_ptr, states_ptr, dstates_ptr, slot, used, first, end, head
                 h = tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
                             mask=state_in, other=0.0)
                 h_dh += tl.sum(h * dh, axis=1)
+    if SPLIT:  # (loaded after the sums over V: not held through them)
+        dA = _wy_load(dA_ptr, slot, used, head, WHICH, HEADS, C, False).to(tl.float32)
     return dA, product, h_dh
 
 
@@ -1475,12 +1549,13 @@ def _wy_diagonal(x, C: tl.constexpr):
 @triton.jit
 def rwkv7_wy_key_gradient_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr, states_ptr, dstates_ptr,
-    cu_ptr, chunk_index_ptr, chunk_sequence_ptr,                                 # inputs
+    dA_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,                         # inputs
     dr_ptr, dw_ptr, dk_ptr, da_ptr, db_ptr,                                      # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
     FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Grid (chunk slots, HEADS, K / BK): every K-side gradient of one chunk's block of BK keys
     (BK divides K, or one block covers it), summed over all of V in blocks of BV inside the
@@ -1490,8 +1565,10 @@ def rwkv7_wy_key_gradient_kernel(
 
     Four passes over V (``_wy_pass``), one A matrix each, so that one [C, C] sum is held at a
     time: A_qk with dO H^T, A_ak with V dH'^T (dk then done), A_qb with U dH'^T (dq done), A_ab
-    with dX H^T (da, db done). The diagonal of A_qk and A_qb (factor e^0) is added to dq, dk,
-    db outside dw: its terms in q dq - k dk - b db cancel exactly, and would leave rounding
+    with dX H^T (da, db done). SPLIT: the four D Y^T are read from dA_ptr
+    (``rwkv7_wy_matrix_gradient_kernel``; else dA_ptr is not read) and the passes sum only the
+    state products. The diagonal of A_qk and A_qb (factor e^0) is added to dq, dk, db outside
+    dw: its terms in q dq - k dk - b db cancel exactly, and would leave rounding
     where strong decays make dw small. A log decay raised to FLOOR has dw 0. Rows past the
     sequence's end read as zeros (w = 0) and are not written; an unused slot reads and writes
     nothing."""
@@ -1510,8 +1587,8 @@ def rwkv7_wy_key_gradient_kernel(
     # (The K-side tiles and the decays' factors are loaded and formed where each pass uses
     # them, not held from one pass to the next.)
     # A_qk (O = q~ H + A_qk V + A_qb U), with the read q~ H.
-    dA, dq, _ = _wy_pass(do_ptr, v_ptr, states_ptr, dstates_ptr, slot, used, first, end, head,
-                         WY_READ, HEADS, K, V, BK, BV, C, PRECISION)
+    dA, dq, _ = _wy_pass(do_ptr, v_ptr, states_ptr, dstates_ptr, dA_ptr, slot, used, first,
+                         end, head, WY_READ, WY_A_QK, SPLIT, HEADS, K, V, BK, BV, C, PRECISION)
     d_qk = _wy_diagonal(dA, C)
     w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
     dq, dk = _wy_pair_gradient(
@@ -1519,9 +1596,9 @@ def rwkv7_wy_key_gradient_kernel(
         dq * tl.exp(tl.cumsum(w, axis=0)), tl.zeros([C, BK], tl.float32), False, TAME, C,
         LEVELS, PRECISION)
     # A_ak (X = a~ H + A_ak V), with k^ and e^g H in H' = e^g H + k^T V + b^T U.
-    dA, dk_state, h_dh = _wy_pass(dx_ptr, v_ptr, states_ptr, dstates_ptr, slot, used, first,
-                                  end, head, WY_UPDATE_AND_DECAY, HEADS, K, V, BK, BV, C,
-                                  PRECISION)
+    dA, dk_state, h_dh = _wy_pass(dx_ptr, v_ptr, states_ptr, dstates_ptr, dA_ptr, slot, used,
+                                  first, end, head, WY_UPDATE_AND_DECAY, WY_A_AK, SPLIT, HEADS,
+                                  K, V, BK, BV, C, PRECISION)
     w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
     _, _, g_end, to_end = _decays(w, 0)
     dk_state *= tl.exp(to_end)
@@ -1538,8 +1615,9 @@ def rwkv7_wy_key_gradient_kernel(
              (dk + d_qk * rows(r_ptr, k_base, k_tile, k_in) * scale).to(dk_ptr.dtype.element_ty),
              mask=k_in)
     # A_qb, with b^ in H'.
-    dA, db_state, _ = _wy_pass(do_ptr, u_ptr, states_ptr, dstates_ptr, slot, used, first, end,
-                               head, WY_UPDATE, HEADS, K, V, BK, BV, C, PRECISION)
+    dA, db_state, _ = _wy_pass(do_ptr, u_ptr, states_ptr, dstates_ptr, dA_ptr, slot, used,
+                               first, end, head, WY_UPDATE, WY_A_QB, SPLIT, HEADS, K, V, BK, BV,
+                               C, PRECISION)
     d_qb = _wy_diagonal(dA, C)
     w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
     db_state *= tl.exp(_decays(w, 0)[3])
@@ -1551,8 +1629,9 @@ def rwkv7_wy_key_gradient_kernel(
     dq += d_qk * rows(k_ptr, k_base, k_tile, k_in) + d_qb * b
     tl.store(dr_ptr + offsets, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
     # A_ab, with the read a~ H.
-    dA, da_read, _ = _wy_pass(dx_ptr, u_ptr, states_ptr, dstates_ptr, slot, used, first, end,
-                              head, WY_READ, HEADS, K, V, BK, BV, C, PRECISION)
+    dA, da_read, _ = _wy_pass(dx_ptr, u_ptr, states_ptr, dstates_ptr, dA_ptr, slot, used,
+                              first, end, head, WY_READ, WY_DA_AB, SPLIT, HEADS, K, V, BK, BV, C,
+                              PRECISION)
     w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
     a = rows(a_ptr, k_base, k_tile, k_in)
     b = rows(b_ptr, k_base, k_tile, k_in)

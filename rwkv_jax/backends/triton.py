@@ -624,10 +624,19 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
 # gradients (sums over V) once per block: the price of no spills, not yet timed.
 K_SIDE_BLOCK_K64 = 32
 K_SIDE_BLOCK_V64 = 32
+# The split K side (``split=True``): keys per program of the K-side kernel that reads the dA
+# buffer, and V columns per step of the dA kernel's sums. sm_90, bf16, 8 warps
+# (benchmarks/compile_report.py --family rwkv7-64): the K-side kernel at 32 keys, 238-255
+# registers and no spills at K = 64 and 128, tame and exact; at 64 keys 568-1000 B of spills
+# (4 warps: 764 B and more). The dA kernel 108-120 registers, no spills, 72 KB shared at 32
+# columns (64: 144 KB at V = 128).
+K_SIDE_SPLIT_BLOCK_K64 = 32
+DA_BLOCK_V64 = 32
 
 
 def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, scale=1.0,
-                            cu_seqlens=None, block_v=64, exact=False, warps=None):
+                            cu_seqlens=None, block_v=64, exact=False, warps=None, split=False,
+                            block_k=None):
     """The last kernel of the 64-token backward (kernel 6): from the inputs as
     :func:`forward_chunk64` took them, its ``residuals`` (the chunk states H and U), the cotangent ``do`` [B, T, H, V] of o and what
     :func:`backward_chunk64_v_side` returned (``dstates``: dH' per chunk; ``dx``: dX), the K-side
@@ -637,20 +646,40 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
     exact path as :func:`tame_path` picks on the device (``exact`` forces the exact one).
     (dU is not needed: dX carries it.) ``block_v``: V columns per step of the program's sums over V, at most
     K_SIDE_BLOCK_V64; ``warps``: a dict, keys "tame" and "exact" (defaults from sm_90 compile
-    reports only: the fewest spills)."""
+    reports only: the fewest spills).
+
+    ``split``: two launches instead, ``rwkv7_wy_matrix_gradient_kernel`` (a program per chunk
+    and head: the four dA [64, 64] summed over V once per chunk, into a [chunk slots, H, 4, 64,
+    64] buffer, bfloat16 for 16-bit inputs, float32 for float32 ones; warps: key "dA") and the
+    K-side kernel reading them (blocks of K_SIDE_SPLIT_BLOCK_K64 keys), not rebuilding them for
+    each block of keys. ``block_k``: keys per K-side program (None: the default above)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
-    block_k = K_SIDE_BLOCK_K64 if common["K"] % K_SIDE_BLOCK_K64 == 0 else common["BK"]
-    warps = dict(dict(tame=8, exact=8), **(warps or {}))
+    block_k = block_k or (K_SIDE_SPLIT_BLOCK_K64 if split else K_SIDE_BLOCK_K64)
+    block_k = block_k if common["K"] % block_k == 0 else common["BK"]
+    warps = dict(dict(tame=8, exact=8, dA=8), **(warps or {}))
     do = do.reshape(common["TOTAL_ROWS"], heads, common["V"])
+    dA = dx  # (not read unless split)
+    if split:
+        dA, = _launch.launch(
+            _kernels.rwkv7_wy_matrix_gradient_kernel,
+            (v, residuals["u"], do, dx, *setup.index),
+            (jax.ShapeDtypeStruct((slots, heads, 4, CHUNK64, CHUNK64),
+                                  jnp.float32 if common["PRECISION"] == "tf32x3"
+                                  else jnp.bfloat16),),
+            (slots, heads), num_warps=warps["dA"], HEADS=heads, V=common["V"],
+            BV=min(common["BV"], DA_BLOCK_V64), C=CHUNK64, TOTAL_ROWS=common["TOTAL_ROWS"],
+            SEQUENCES=setup.sequences, CHUNK_SLOTS=slots, PRECISION=common["PRECISION"])
     launch = lambda TAME: _launch.launch(
         _kernels.rwkv7_wy_key_gradient_kernel,
-        (r, w, k, v, a, b, do, residuals["u"], dx, residuals["states"], dstates, *setup.index),
+        (r, w, k, v, a, b, do, residuals["u"], dx, residuals["states"], dstates, dA,
+         *setup.index),
         tuple(setup.per_row(common["K"], x.dtype) for x in (r, w, k, a, b)),
         (slots, heads, common["BK"] // block_k), num_warps=warps["tame" if TAME else "exact"],
         scale=float(scale), LEVELS=LEVELS64, TAME=TAME, SEQUENCES=setup.sequences,
-        CHUNK_SLOTS=slots, **dict(common, BK=block_k, BV=min(common["BV"], K_SIDE_BLOCK_V64)))
+        CHUNK_SLOTS=slots, SPLIT=split,
+        **dict(common, BK=block_k, BV=min(common["BV"], K_SIDE_BLOCK_V64)))
     if exact:
         grads = launch(False)
     else:
