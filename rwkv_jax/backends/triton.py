@@ -93,6 +93,9 @@ class KernelConfig:
     # "64-token chunks" (docs/RWKV7-CHUNK64.md), of which only block_v applies (the V columns
     # per program of their state passes, outputs and V-side gradients).
     chunk: int = 16
+    # At 64-token chunks: the K-side gradients' four dA sums in their own kernel, once per chunk
+    # (backward_chunk64_k_side's ``split``), rather than once per block of keys. Untimed.
+    chunk64_split: bool = False
 
 
 def _pow2_at_least(n, floor=16):
@@ -431,7 +434,8 @@ def _rwkv7_chunk64_bwd(static, residuals, cotangents):
     dv, dh0, dstates, _, dx = backward_chunk64_v_side(r, w, k, v, a, b, saved, do, dht,
                                                        **options)
     dr, dw, dk, da, db = backward_chunk64_k_side(r, w, k, v, a, b, saved, do, dstates, dx,
-                                                 exact=not static.config.tame, **options)
+                                                 exact=not static.config.tame,
+                                                 split=static.config.chunk64_split, **options)
     return dr, dw, dk, dv, da, db, dh0, None
 
 
