@@ -1132,10 +1132,10 @@ def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.con
                     column = tl.where((block < J)[:, None], column + total[None, :], after)
             if not STRICT:  # the diagonal, factor e^0
                 eye = (inner[:, None] == inner[None, :])[None, :, :]
-                on_y += tl.where(eye, tl.reshape(tl.sum(x * y, axis=1), [BLOCKS, BLOCK])[:, :, None],
-                                 0.0)
-                on_z += tl.where(eye, tl.reshape(tl.sum(x * z, axis=1), [BLOCKS, BLOCK])[:, :, None],
-                                 0.0)
+                diagonal_y = tl.reshape(tl.sum(x * y, axis=1), [BLOCKS, BLOCK])
+                diagonal_z = tl.reshape(tl.sum(x * z, axis=1), [BLOCKS, BLOCK])
+                on_y += tl.where(eye, diagonal_y[:, :, None], 0.0)
+                on_z += tl.where(eye, diagonal_z[:, :, None], 0.0)
             for level in tl.static_range(BLOCK_LEVELS):
                 row, row_strict, column, _ = _level(w, BLOCK >> (level + 1), 0, C)
                 if STRICT:

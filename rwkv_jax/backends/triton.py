@@ -643,13 +643,14 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
                             cu_seqlens=None, block_v=64, exact=False, warps=None, split=False,
                             block_k=None):
     """The last kernel of the 64-token backward (kernel 6): from the inputs as
-    :func:`forward_chunk64` took them, its ``residuals`` (the chunk states H and U), the cotangent ``do`` [B, T, H, V] of o and what
-    :func:`backward_chunk64_v_side` returned (``dstates``: dH' per chunk; ``dx``: dX), the K-side
-    gradients (dr, dw, dk, da, db), each [B, T, H, K] in the dtype of r, w, k, a, b. One launch
-    of ``rwkv7_wy_key_gradient_kernel``, all chunks at once (a program per chunk, head and block
+    :func:`forward_chunk64` took them, its ``residuals`` (the chunk states H and U), the
+    cotangent ``do`` [B, T, H, V] of o and what :func:`backward_chunk64_v_side` returned
+    (``dstates``: dH' per chunk; ``dx``: dX, which carries dU), the K-side gradients (dr, dw,
+    dk, da, db), each [B, T, H, K] in the dtype of r, w, k, a, b. One launch of
+    ``rwkv7_wy_key_gradient_kernel``, all chunks at once (a program per chunk, head and block
     of K_SIDE_BLOCK_K64 keys, summing over all of V inside: no partial sums), on the tame or
     exact path as :func:`tame_path` picks on the device (``exact`` forces the exact one).
-    (dU is not needed: dX carries it.) ``block_v``: V columns per step of the program's sums over V, at most
+    ``block_v``: V columns per step of the program's sums over V, at most
     K_SIDE_BLOCK_V64; ``warps``: a dict, keys "tame" and "exact" (defaults from sm_90 compile
     reports only: the fewest spills).
 
