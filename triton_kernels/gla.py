@@ -45,8 +45,8 @@ per chunk (dH_prev = (e^{A_C} e^{B_C}^T) * dH + (q e^R)^T (dO e^B), saved at eve
 end in the chunk's slot), parallel over blocks of K and of V; then two kernels parallel over
 (chunk, head, block): the K-side gradients (dq, dk, da, du) of a block of keys, summing over V
 in blocks, and the V-side ones (dv, db) of a block of values, summing over K in blocks. Their
-loops over the levels are not unrolled (``_level``), so that one level's tiles are live at a
-time. The sequential passes loop over chunks with ``for``, which Triton pipelines (the launch's
+loops over the levels are not unrolled (``level_factors_at``), so that one level's tiles are
+live at a time. The sequential passes loop over chunks with ``for``, which Triton pipelines (the launch's
 num_stages): the next chunks' loads are in flight during the current chunk's product.
 
 Gate gradients: a log gate multiplies a factor x = y e^z, so dz = x dx; summed over the chunk's
@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from .common import (INTERPRETED, clamped_rows, diagonal_tile, dot, in_range, level_factors,
-                     level_factors_at as _level, stored)
+                     level_factors_at, stored)
 
 
 @triton.jit
@@ -315,8 +315,8 @@ def _value_mixes(pairs, x, y, b, C: tl.constexpr, LEVELS: tl.constexpr,
     sum_t pairs[t,i] x_t e^{B_t - B_i} (rows i), each [C, V]; the diagonal is left out."""
     to_rows = tl.zeros(y.shape, tl.float32)
     to_columns = tl.zeros(x.shape, tl.float32)
-    for level in range(LEVELS):  # one level's tiles live at a time (_level)
-        row, _, column, keep = _level(b, level, LEVELS, C)
+    for level in range(LEVELS):  # one level's tiles live at a time (level_factors_at)
+        row, _, column, keep = level_factors_at(b, level, LEVELS, C)
         kept = tl.where(keep, pairs, 0.0)
         to_rows += row * dot(kept, y * column, None, PRECISION)
         to_columns += column * dot(tl.trans(kept), x * row, None, PRECISION)
@@ -327,8 +327,8 @@ def _value_mixes(pairs, x, y, b, C: tl.constexpr, LEVELS: tl.constexpr,
 def _value_pairs(x, y, b, C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
     """sum_v x_t y_i e^{B_t - B_i} for i <= t ([C, C]; the diagonal's factor is e^0)."""
     pairs = diagonal_tile(tl.sum(x * y, axis=1), C)
-    for level in range(LEVELS):  # one level's tiles live at a time (_level)
-        row, _, column, keep = _level(b, level, LEVELS, C)
+    for level in range(LEVELS):  # one level's tiles live at a time (level_factors_at)
+        row, _, column, keep = level_factors_at(b, level, LEVELS, C)
         pairs += tl.where(keep, dot(x * row, tl.trans(y * column), None, PRECISION),
                           0.0)
     return pairs
@@ -793,7 +793,7 @@ def gla_key_gradient_kernel(
         elif HAS_A:  # level by level
             dk = tl.zeros(k.shape, tl.float32)
             for level in range(LEVELS):
-                row_f, row_strict, column, keep = _level(a, level, LEVELS, C)
+                row_f, row_strict, column, keep = level_factors_at(a, level, LEVELS, C)
                 row_f = row_strict if BONUS else row_f
                 kept = tl.where(keep, d_scores, 0.0)
                 dq += row_f * dot(kept, k * column, None, PRECISION)
@@ -893,7 +893,7 @@ def gla_value_gradient_kernel(
                                dot(q * row_f, tl.trans(k * column), None, PRECISION), 0.0)
         elif HAS_A:  # _scores' levels, one at a time
             for level in range(LEVELS):
-                row_f, row_strict, column, keep = _level(a, level, LEVELS, C)
+                row_f, row_strict, column, keep = level_factors_at(a, level, LEVELS, C)
                 q_f = q * row_strict if BONUS else q * row_f
                 scores += tl.where(keep, dot(q_f, tl.trans(k * column), None, PRECISION), 0.0)
         else:

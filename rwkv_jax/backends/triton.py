@@ -233,10 +233,11 @@ def tame_path(w):
     return jnp.min(w, initial=0.0).astype(jnp.float32) * CHUNK >= -TAME_SUM
 
 
-def _on_path(static, tame, launch):
-    """launch(TAME) on the path ``tame`` picks, on the device: each path is its own compiled
-    kernel, so neither pays the other's registers."""
-    if not static.config.tame:
+def _on_path(tame, launch):
+    """launch(TAME) on the path ``tame`` picks, on the device (a traced boolean; False: the
+    exact path, with no cond): each path is its own compiled kernel, so neither pays the
+    other's registers."""
+    if tame is False:
         return launch(False)
     return lax.cond(tame, lambda: launch(True), lambda: launch(False))
 
@@ -258,7 +259,7 @@ def _in_chunk_matrices(static, r, w, k, a, b, cu, tame):
                                       "INVERSE_PRECISION"))
     block_k = lambda most: min(most, _pow2_at_least(static.k_size))
     group = static.config.in_chunk_group
-    (matrices,) = _on_path(static, tame, lambda TAME: _launch.launch(
+    (matrices,) = _on_path(static.config.tame and tame, lambda TAME: _launch.launch(
         _kernels.rwkv7_tame_in_chunk_kernel, inputs, (matrices,),
         (-(-chunk_slots // group), static.heads), GROUP=group,
         KI=block_k(static.config.in_chunk_block_k), **common) if TAME else _launch.launch(
@@ -308,7 +309,7 @@ def _rwkv7_bwd(static, residuals, cotangents):
     # dV reads the forward's A matrices (one path): outside the lax.cond, so that they are freed
     # before the K-side kernels.
     dv = _value_gradient(static, w, k, do, dstates, dx, matrices, cu)
-    dr, dw, dk, da, db = _on_path(static, tame, lambda TAME: _k_side_gradients(
+    dr, dw, dk, da, db = _on_path(static.config.tame and tame, lambda TAME: _k_side_gradients(
         static, TAME, r, w, k, v, a, b, states, u, cu, do, dstates, dx))
     return dr, dw, dk, dv, da, db, dh0, None
 
@@ -566,11 +567,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         INVERSE_PRECISION=common["PRECISION"],
         BLOCK_LEVELS=BLOCK64.bit_length() - 1,
         **dict(common, BV=setup.v_blocks * block_v))
-    if exact:
-        wy, u0, matrices = in_chunk(False)
-    else:
-        wy, u0, matrices = lax.cond(tame_path(w), lambda: in_chunk(True),
-                                    lambda: in_chunk(False))
+    wy, u0, matrices = _on_path(not exact and tame_path(w), in_chunk)
     # 2. The state pass: U, the state at every chunk's start, the final states.
     ht, states, u = _launch.launch(
         _kernels.rwkv7_wy_state_kernel,
@@ -686,10 +683,7 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
         scale=float(scale), LEVELS=LEVELS64, TAME=TAME, SEQUENCES=setup.sequences,
         CHUNK_SLOTS=slots, SPLIT=split,
         **dict(common, BK=block_k, BV=min(common["BV"], K_SIDE_BLOCK_V64)))
-    if exact:
-        grads = launch(False)
-    else:
-        grads = lax.cond(tame_path(w), lambda: launch(True), lambda: launch(False))
+    grads = _on_path(not exact and tame_path(w), launch)
     return tuple(g.reshape(setup.shape[:3] + (common["K"],)) for g in grads)
 
 
