@@ -101,8 +101,10 @@ def main():
     parser.add_argument("--gate-v", action="store_true", help="gla family: with a value gate")
     parser.add_argument("--sums-by-product", action=argparse.BooleanOptionalAction,
                         default=True, help="gla family: _GlaStatic.gate_sums_by_product")
-    parser.add_argument("--stages", type=int, default=3,
-                        help="gla family: num_stages of the sequential passes (their pipeline)")
+    parser.add_argument("--stages", type=int, default=None,
+                        help="num_stages of the loops Triton pipelines (gla: the sequential "
+                             "passes, default 3; rwkv7: the fused tame gradient kernel's, 0: its "
+                             "while loop, default as default_config: 3 at K=128, else 0)")
     parser.add_argument("--rounded", action=argparse.BooleanOptionalAction, default=None,
                         help="decayed operands rounded to bf16 against stored tiles (gla: "
                              "_GlaStatic.rounded_products, on by default as for bf16 inputs; "
@@ -119,6 +121,8 @@ def main():
     args = parser.parse_args()
     rounded = args.family == "gla" if args.rounded is None else args.rounded
     bk = max(16, 1 << (args.key - 1).bit_length())
+    stages = args.stages if args.stages is not None else (
+        3 if args.family == "gla" or bk == 128 else 0)
     bv = min(args.block_v, max(16, 1 << (args.value - 1).bit_length()))
     v_blocks = -(-args.value // bv)
     rows, spans = 8 * 4096, 8 * 4096 // (16 * 8) + 8
@@ -158,7 +162,7 @@ def main():
         ("key gradient", rwkv7.rwkv7_key_gradient_kernel, k_side),
         ("query gradient", rwkv7.rwkv7_query_gradient_kernel, k_side),
         ("tame gradient", rwkv7.rwkv7_tame_gradient_kernel,
-         {n: x for n, x in k_side.items() if n != "LEVELS"}),
+         dict({n: x for n, x in k_side.items() if n != "LEVELS"}, PIPELINED=stages > 0)),
     ]
     tame_constexprs = {}  # kernel name -> the tame path's own constexprs
     if args.family == "rwkv7" and args.bf16_saved:
@@ -185,9 +189,10 @@ def main():
             for warps in (int(w) for w in args.warps.split(",")):
                 options = constexprs if tame is None else dict(
                     constexprs, TAME=tame, **tame_constexprs.get(name, {}) if tame else {})
-                sequential = args.family == "gla" and "ROUNDED" in kernel.arg_names
+                pipelined = ("ROUNDED" in kernel.arg_names if args.family == "gla"
+                             else "PIPELINED" in kernel.arg_names)
                 compiled = compile_for_hopper(kernel, inputs, options, warps,
-                                              args.stages if sequential else 3)
+                                              max(stages, 1) if pipelined else 3)
                 print(f"{name:15s} {path:5s} {warps} warps: {resources(compiled)}")
 
 

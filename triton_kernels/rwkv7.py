@@ -74,7 +74,7 @@ which keeps registers free and loads and stores vectorised.
 import triton
 import triton.language as tl
 
-from .common import (PREFETCH_UP_TO, chunk_tiles, clamped, clamped_rows,
+from .common import (INTERPRETED, PREFETCH_UP_TO, chunk_tiles, clamped, clamped_rows,
                      diagonal_tile as _diagonal, dot, in_range, level_factors as _level,
                      level_factors_at, program,
                      row_bases, rows, state_offsets, stored)
@@ -882,6 +882,62 @@ def rwkv7_query_gradient_kernel(
 
 
 @triton.jit
+def _tame_gradient_chunk(
+    c, h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dstates_ptr, dx_ptr,
+    earlier_dr_ptr, earlier_dw_ptr, earlier_dk_ptr, earlier_da_ptr, earlier_db_ptr,
+    dr_ptr, dw_ptr, dk_ptr, da_ptr, db_ptr, start, end, head, k_tile, k_cols_in, v_tile,
+    v_cols_in, k_first, state_mask, v_cols, first_chunk_slot, scale: tl.constexpr,
+    HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+    FLOOR: tl.constexpr, CHUNK_SLOTS: tl.constexpr, CHUNKS_PER_STATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Chunk c of ``rwkv7_tame_gradient_kernel``'s span: its gradients stored, H (at the
+    chunk's start) advanced to the next chunk's start."""
+    (k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a,
+     b) = _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr,
+                       start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, k_first,
+                       scale, HEADS, K, V, C, FLOOR, PRECISION)
+    gi, ge, g_end, _ = _decays(w, 1)
+    to_end = tl.exp(g_end[:, None] - gi)  # (|gi| <= 16: the plain difference is precise)
+    dh = _dh(dstates_ptr, clamped(first_chunk_slot + c, CHUNK_SLOTS), head, state_mask,
+             v_cols, k_first, HEADS, K, V, BK)
+    dk_state = tl.dot(dh, v, input_precision=PRECISION) * to_end
+    db_state = tl.dot(dh, u, input_precision=PRECISION) * to_end
+    dg_end = tl.exp(g_end) * tl.sum(h * dh, axis=1) + tl.sum(dk_state * k + db_state * b,
+                                                              axis=1)
+    dq = tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi)
+    da = tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
+    if CHUNKS_PER_STATE > 1:  # H at the next chunk's start (then V and U are dead)
+        h = tl.dot(k * to_end, tl.trans(v), tl.exp(g_end)[:, None] * h,
+                   input_precision=PRECISION)
+        h = tl.dot(b * to_end, tl.trans(u), h, input_precision=PRECISION)
+    middle = _middle(gi, 1, C)
+    column = tl.exp(middle - gi)
+    q_f = q * tl.exp(gi - middle)
+    a_f = a * tl.exp(ge - middle)
+    k_f = k * column
+    b_f = b * column
+    dq += tl.exp(gi - middle) * tl.dot(k_f, tl.trans(dA_qk), tl.dot(
+        b_f, tl.trans(dA_qb), input_precision=PRECISION), input_precision=PRECISION)
+    da += tl.exp(ge - middle) * tl.dot(k_f, tl.trans(dA_ak), tl.dot(
+        b_f, tl.trans(dA_ab), input_precision=PRECISION), input_precision=PRECISION)
+    dk = dk_state + column * tl.dot(q_f, dA_qk, tl.dot(a_f, dA_ak, input_precision=PRECISION),
+                                    input_precision=PRECISION)
+    db = db_state + column * tl.dot(q_f, dA_qb, tl.dot(a_f, dA_ab, input_precision=PRECISION),
+                                    input_precision=PRECISION)
+    d_ge = a * da
+    dw = (tl.cumsum(q * dq - k * dk - b * db + d_ge, axis=1, reverse=True) - d_ge
+          + dg_end[:, None])
+    offsets = k_base + k_tile
+    _store_sum(dr_ptr, earlier_dr_ptr, offsets, k_in, dq * scale, ACCUMULATE)
+    _store_sum(dw_ptr, earlier_dw_ptr, offsets, k_in, dw, ACCUMULATE)
+    _store_sum(dk_ptr, earlier_dk_ptr, offsets, k_in, dk, ACCUMULATE)
+    _store_sum(da_ptr, earlier_da_ptr, offsets, k_in, da, ACCUMULATE)
+    _store_sum(db_ptr, earlier_db_ptr, offsets, k_in, db, ACCUMULATE)
+    return h
+
+
+@triton.jit
 def rwkv7_tame_gradient_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, states_ptr, u_ptr, dstates_ptr, dx_ptr,
     earlier_dr_ptr, earlier_dw_ptr, earlier_dk_ptr, earlier_da_ptr, earlier_db_ptr,
@@ -891,7 +947,7 @@ def rwkv7_tame_gradient_kernel(
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
     TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
     CHUNKS_PER_STATE: tl.constexpr, K_BLOCKS: tl.constexpr, V_BLOCK: tl.constexpr,
-    ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, PIPELINED: tl.constexpr,
 ):
     """The key and query gradient kernels in one, for tame calls only (their TAME path): it
     reads the inputs and dH once instead of twice. With dV in it too (before the value kernel
@@ -900,7 +956,9 @@ def rwkv7_tame_gradient_kernel(
     K=128 (65.8 ms against 49.6, 2636 B). Without dV and on blocks of 64 K rows it is faster
     at both (session 7: K=64 15.53 ms against 18.14 in two kernels, K=128 32.87 against
     36.85): the default. Same arithmetic as the two kernels' tame paths (on the same K
-    blocks)."""
+    blocks). PIPELINED: on the GPU its loop over the span's chunks is a ``for`` that Triton
+    pipelines (the launch's num_stages: the next chunks' loads in flight during this one's
+    products; KernelConfig.gradient_stages)."""
     (used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, c, last, head,
      first_chunk_slot, k_first) = _span(slot_sequence_ptr, state_index_ptr, chunk_index_ptr,
                                         cu_ptr, HEADS, K, V, BK, BV, C, TOTAL_ROWS, SEQUENCES,
@@ -908,49 +966,24 @@ def rwkv7_tame_gradient_kernel(
     h = tl.load(states_ptr + k_first * V + state_offsets(tl.program_id(0), head, HEADS, K, V, BK,
                                                          v_cols),
                 mask=state_mask & used, other=0.0).to(tl.float32)
-    while c < last:
-        (k_base, k_in, v_base, v_in, v, do, u, dx, dA_qk, dA_qb, dA_ak, dA_ab, q, w, k, a,
-         b) = _chunk_tiles(r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr,
-                           start + c * C, end, head, k_tile, k_cols_in, v_tile, v_cols_in, k_first,
-                           scale, HEADS, K, V, C, FLOOR, PRECISION)
-        gi, ge, g_end, _ = _decays(w, 1)
-        to_end = tl.exp(g_end[:, None] - gi)  # (|gi| <= 16: the plain difference is precise)
-        dh = _dh(dstates_ptr, clamped(first_chunk_slot + c, CHUNK_SLOTS), head, state_mask,
-                 v_cols, k_first, HEADS, K, V, BK)
-        dk_state = tl.dot(dh, v, input_precision=PRECISION) * to_end
-        db_state = tl.dot(dh, u, input_precision=PRECISION) * to_end
-        dg_end = tl.exp(g_end) * tl.sum(h * dh, axis=1) + tl.sum(dk_state * k + db_state * b,
-                                                                  axis=1)
-        dq = tl.dot(h, do, input_precision=PRECISION) * tl.exp(gi)
-        da = tl.dot(h, dx, input_precision=PRECISION) * tl.exp(ge)
-        if CHUNKS_PER_STATE > 1:  # H at the next chunk's start (then V and U are dead)
-            h = tl.dot(k * to_end, tl.trans(v), tl.exp(g_end)[:, None] * h,
-                       input_precision=PRECISION)
-            h = tl.dot(b * to_end, tl.trans(u), h, input_precision=PRECISION)
-        middle = _middle(gi, 1, C)
-        column = tl.exp(middle - gi)
-        q_f = q * tl.exp(gi - middle)
-        a_f = a * tl.exp(ge - middle)
-        k_f = k * column
-        b_f = b * column
-        dq += tl.exp(gi - middle) * tl.dot(k_f, tl.trans(dA_qk), tl.dot(
-            b_f, tl.trans(dA_qb), input_precision=PRECISION), input_precision=PRECISION)
-        da += tl.exp(ge - middle) * tl.dot(k_f, tl.trans(dA_ak), tl.dot(
-            b_f, tl.trans(dA_ab), input_precision=PRECISION), input_precision=PRECISION)
-        dk = dk_state + column * tl.dot(q_f, dA_qk, tl.dot(a_f, dA_ak, input_precision=PRECISION),
-                                        input_precision=PRECISION)
-        db = db_state + column * tl.dot(q_f, dA_qb, tl.dot(a_f, dA_ab, input_precision=PRECISION),
-                                        input_precision=PRECISION)
-        d_ge = a * da
-        dw = (tl.cumsum(q * dq - k * dk - b * db + d_ge, axis=1, reverse=True) - d_ge
-              + dg_end[:, None])
-        offsets = k_base + k_tile
-        _store_sum(dr_ptr, earlier_dr_ptr, offsets, k_in, dq * scale, ACCUMULATE)
-        _store_sum(dw_ptr, earlier_dw_ptr, offsets, k_in, dw, ACCUMULATE)
-        _store_sum(dk_ptr, earlier_dk_ptr, offsets, k_in, dk, ACCUMULATE)
-        _store_sum(da_ptr, earlier_da_ptr, offsets, k_in, da, ACCUMULATE)
-        _store_sum(db_ptr, earlier_db_ptr, offsets, k_in, db, ACCUMULATE)
-        c += 1
+    if INTERPRETED or not PIPELINED:  # (the interpreter's ``range`` takes no run-time bound)
+        while c < last:
+            h = _tame_gradient_chunk(
+                c, h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dstates_ptr, dx_ptr,
+                earlier_dr_ptr, earlier_dw_ptr, earlier_dk_ptr, earlier_da_ptr, earlier_db_ptr,
+                dr_ptr, dw_ptr, dk_ptr, da_ptr, db_ptr, start, end, head, k_tile, k_cols_in,
+                v_tile, v_cols_in, k_first, state_mask, v_cols, first_chunk_slot, scale, HEADS, K,
+                V, BK, C, FLOOR, CHUNK_SLOTS, CHUNKS_PER_STATE, ACCUMULATE, PRECISION)
+            c += 1
+    else:
+        for chunk in range(c, last):
+            h = _tame_gradient_chunk(
+                chunk, h, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dstates_ptr,
+                dx_ptr,
+                earlier_dr_ptr, earlier_dw_ptr, earlier_dk_ptr, earlier_da_ptr, earlier_db_ptr,
+                dr_ptr, dw_ptr, dk_ptr, da_ptr, db_ptr, start, end, head, k_tile, k_cols_in,
+                v_tile, v_cols_in, k_first, state_mask, v_cols, first_chunk_slot, scale, HEADS, K,
+                V, BK, C, FLOOR, CHUNK_SLOTS, CHUNKS_PER_STATE, ACCUMULATE, PRECISION)
 
 
 # =============================================================================================

@@ -97,6 +97,13 @@ class KernelConfig:
     # (backward_chunk64_k_side's ``split``), rather than once per block of keys. H200, B=8
     # T=4096 bf16 forward+backward (session 13): K=64 25.99 -> 25.80 ms, K=128 38.71 -> 36.87.
     chunk64_split: bool = True
+    # num_stages of the fused tame K-side kernel's loop over a span's chunks, a ``for`` that
+    # Triton pipelines (the next chunks' loads in flight during this one's products); 0: a
+    # ``while`` loop, not pipelined. H200, B=8 T=4096 bf16, that kernel (session 14): K=64
+    # 7.71 ms with ``while``, 7.89 at 2 stages, 7.83 at 3; K=128 18.12, 17.64, 17.05 (fwd+bwd
+    # 31.67 -> 30.52): default_config pipelines it at K=128 only. (The value kernel's loop
+    # pipelined the same way was slower: K=128 3.00 -> 5.85 ms at 3 stages.)
+    gradient_stages: int = 0
 
 
 def _pow2_at_least(n, floor=16):
@@ -129,6 +136,7 @@ def default_config(k_size: int, v_size: int, streams: int = FEW_RECURRENCE_PROGR
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
                         backward_warps=4, fused_tame_gradient=True,
                         gradient_block_k=64 if block_k == 128 else None,
+                        gradient_stages=3 if block_k == 128 else 0,
                         recurrence_block_v=32 if few else None, bf16_saved=block_k <= 64)
 
 
@@ -390,10 +398,12 @@ def _k_side_gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dstates
         launch = functools.partial(_launch.launch, grid=grid, V_BLOCK=v_block,
                                    ACCUMULATE=v_block > 0, **k_side)
         if fused:
+            stages = static.config.gradient_stages
             dr, dw, dk, da, db = launch(
                 _kernels.rwkv7_tame_gradient_kernel,
                 (r, w, k, v, a, b, do, states, u, dstates, dx, dr, dw, dk, da, db, *index),
-                (out(r), out(w), out(k), out(a), out(b)))
+                (out(r), out(w), out(k), out(a), out(b)), PIPELINED=stages > 0,
+                num_stages=stages or static.config.stages)
         else:
             dk, db, dw_part = launch(
                 _kernels.rwkv7_key_gradient_kernel,
