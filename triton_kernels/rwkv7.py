@@ -1593,8 +1593,8 @@ def rwkv7_wy_key_gradient_kernel(
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    """Grid (chunk slots, HEADS, K / BK): every K-side gradient of one chunk's block of BK keys
-    (BK divides K, or one block covers it), summed over all of V in blocks of BV inside the
+    """Grid (chunk slots * ceil(K / BK), HEADS): every K-side gradient of one chunk's block of
+    BK keys (BK divides K, or one block covers it), summed over all of V in blocks of BV inside the
     program, so that nothing is left for a later sum. dr, dw, dk, da, db [rows, HEADS, K] in
     their dtypes; u: the forward's U, states its H at every chunk's start, dstates dH' (kernel
     4), dx (kernel 5), float32 or bfloat16 (``_stored_dot``), in the chunk's slot.
@@ -1609,9 +1609,12 @@ def rwkv7_wy_key_gradient_kernel(
     where strong decays make dw small. A log decay raised to FLOOR has dw 0. Rows past the
     sequence's end read as zeros (w = 0) and are not written; an unused slot reads and writes
     nothing."""
-    slot = tl.program_id(0)
+    # (a chunk's blocks of keys are consecutive programs: they run together and share its
+    # V-side tiles and dA in L2)
+    KEY_BLOCKS: tl.constexpr = (K + BK - 1) // BK
+    slot = tl.program_id(0) // KEY_BLOCKS
+    k_first = tl.program_id(0) % KEY_BLOCKS * BK
     head = tl.program_id(1)
-    k_first = tl.program_id(2) * BK
     used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
                                   TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
     k_tile, k_cols_in, _, v_cols_in = chunk_tiles(tl.arange(0, BV), HEADS, K, V, BK, BV, C, False)

@@ -679,7 +679,8 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
         (r, w, k, v, a, b, do, residuals["u"], dx, residuals["states"], dstates, dA,
          *setup.index),
         tuple(setup.per_row(common["K"], x.dtype) for x in (r, w, k, a, b)),
-        (slots, heads, common["BK"] // block_k), num_warps=warps["tame" if TAME else "exact"],
+        (slots * -(-common["K"] // block_k), heads),  # (a chunk's blocks of keys together)
+        num_warps=warps["tame" if TAME else "exact"],
         scale=float(scale), LEVELS=LEVELS64, TAME=TAME, SEQUENCES=setup.sequences,
         CHUNK_SLOTS=slots, SPLIT=split,
         **dict(common, BK=block_k, BV=min(common["BV"], K_SIDE_BLOCK_V64)))
