@@ -1460,13 +1460,13 @@ def rwkv7_wy_matrix_gradient_kernel(
 def _stored_dot(x, y, acc, PRECISION: tl.constexpr):
     """x @ y (+ acc) of tiles as stored: inputs in their dtype, residuals (H, dH', U, dX) in
     theirs, float32 or bfloat16. For 16-bit inputs (PRECISION not "tf32x3") a float32 tile met
-    by a 16-bit one is rounded to it, so that the product takes 16-bit operands (a bfloat16
-    residual's precision); float32 inputs keep float32's (``dot``)."""
-    if PRECISION != "tf32x3" and x.dtype != y.dtype:
-        if x.dtype == tl.float32:
-            x = x.to(y.dtype)
-        else:
-            y = y.to(x.dtype)
+    by a bfloat16 one is rounded to bfloat16, so that the product takes 16-bit operands (a
+    bfloat16 residual's precision; float32's exponent range: a state cannot overflow as it
+    could in float16). Float32 inputs keep float32's precision (``dot``)."""
+    if PRECISION != "tf32x3" and x.dtype == tl.bfloat16 and y.dtype == tl.float32:
+        y = y.to(tl.bfloat16)
+    if PRECISION != "tf32x3" and y.dtype == tl.bfloat16 and x.dtype == tl.float32:
+        x = x.to(tl.bfloat16)
     return dot(x, y, acc, PRECISION)
 
 
