@@ -64,7 +64,8 @@ def resources(compiled):
     counts = " ".join(f"{op}={len(re.findall(op, sass))}" for op in SASS)
     # (HGMMA by operand type: BF16/F16 take 16-bit tiles as stored, TF32 float32 ones)
     types = re.findall(r"HGMMA\.\w+\.F32\.(\w+)", sass)
-    counts += " (" + " ".join(f"{t}={types.count(t)}" for t in sorted(set(types))) + ")"
+    if types:
+        counts += " (" + " ".join(f"{t}={types.count(t)}" for t in sorted(set(types))) + ")"
     return (f"registers {registers:>3}  spill stores/loads {spills[0]:>4}/{spills[1]:<4} "
             f"shared {compiled.metadata.shared:>6} B  {counts}")
 
