@@ -7,12 +7,14 @@ wheel carries ptxas and cuobjdump.
          --key-block-k 16 --key-program-k 16 --tame-key-block-k 16 --tame-key-program-k 128
          --float32-states --no-rounded --stages 3]   (gla: the backend's defaults for bf16
          inputs)
-        [--bf16-saved --rounded]   (rwkv7: KernelConfig.bf16_saved, KernelConfig.rounded)
+        [--bf16-saved --rounded]   (rwkv7: KernelConfig.bf16_saved, KernelConfig.rounded;
+         rwkv7-64: --bf16-saved, the residuals H, dH', U and dX in bfloat16)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
 resource report, read before spending device time. Counts of the SASS instructions that matter
-follow (HGMMA: Hopper's warpgroup MMA; HMMA: the older 16-row MMA; LDL/STL: spill traffic).
+follow (HGMMA: Hopper's warpgroup MMA, then by operand type; HMMA: the older 16-row MMA;
+LDL/STL: spill traffic).
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ def resources(compiled):
     registers = re.search(r"Used (\d+) registers", report).group(1)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report).groups()
     counts = " ".join(f"{op}={len(re.findall(op, sass))}" for op in SASS)
+    # (HGMMA by operand type: BF16/F16 take 16-bit tiles as stored, TF32 float32 ones)
+    types = re.findall(r"HGMMA\.\w+\.F32\.(\w+)", sass)
+    if types:
+        counts += " (" + " ".join(f"{t}={types.count(t)}" for t in sorted(set(types))) + ")"
     return (f"registers {registers:>3}  spill stores/loads {spills[0]:>4}/{spills[1]:<4} "
             f"shared {compiled.metadata.shared:>6} B  {counts}")
 
@@ -116,7 +122,7 @@ def main():
                         "for float32 inputs; bf16 inputs save them in bfloat16)")
     parser.add_argument("--bf16-saved", action="store_true",
                         help="rwkv7 family: the saved states and dH in bfloat16 "
-                        "(KernelConfig.bf16_saved)")
+                        "(KernelConfig.bf16_saved); rwkv7-64: the residuals H, dH', U, dX")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
     args = parser.parse_args()
     rounded = args.family == "gla" if args.rounded is None else args.rounded
@@ -178,6 +184,8 @@ def main():
     if args.family == "rwkv7-64":
         kernels = chunk64_kernels(shapes, inputs, args.block_k_in_chunk, args.split_block_k,
                                   args.split_block_v)
+        if args.bf16_saved:
+            inputs.update(states_ptr=bf16, dstates_ptr=bf16, u_ptr=bf16, dx_ptr=bf16)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
     # Each kernel's two compiled paths (TAME=True for model-range decays, the exact one).
     paths = ((True, "tame"), (False, "exact"))

@@ -1489,26 +1489,32 @@ def rwkv7_wy_matrix_gradient_kernel(
              tl.where(strict, dA_ab, 0.0).to(out), mask=used)
 
 
-# Which state product a pass over V of the K-side kernel sums beside its A matrix's gradient
-# (``_wy_pass``): D H^T (the rows' read of H), or Y dH'^T (the columns' k^, b^ in H'), the
-# latter optionally with rowsum(H dH') (e^g H in H').
-WY_READ, WY_UPDATE, WY_UPDATE_AND_DECAY = (tl.constexpr(i) for i in range(3))
+@triton.jit
+def _stored_dot(x, y, acc, PRECISION: tl.constexpr):
+    """x @ y (+ acc) of tiles as stored: inputs in their dtype, residuals (H, dH', U, dX) in
+    theirs, float32 or bfloat16. For 16-bit inputs (PRECISION not "tf32x3") a float32 tile met
+    by a bfloat16 one is rounded to bfloat16, so that the product takes 16-bit operands (a
+    bfloat16 residual's precision; float32's exponent range: a state cannot overflow as it
+    could in float16). Float32 inputs keep float32's precision (``dot``)."""
+    if PRECISION != "tf32x3" and x.dtype == tl.bfloat16 and y.dtype == tl.float32:
+        y = y.to(tl.bfloat16)
+    if PRECISION != "tf32x3" and y.dtype == tl.bfloat16 and x.dtype == tl.float32:
+        x = x.to(tl.bfloat16)
+    return dot(x, y, acc, PRECISION)
 
 
 @triton.jit
-def _wy_pass(d_ptr, y_ptr, states_ptr, dstates_ptr, dA_ptr, slot, used, first, end, head,
-             STATE: tl.constexpr, WHICH: tl.constexpr, SPLIT: tl.constexpr,
-             HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-             BV: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
-    """One pass over V (blocks of BV) of the K-side kernel: the gradient of one A matrix, D Y^T
-    ([C, C]; D = dO or dX, the rows' cotangent; Y = V or U, the columns' values), and one state
-    product ([C, BK]; STATE: D H^T, or Y dH'^T), with rowsum(H dH') ([BK]) if STATE is
-    WY_UPDATE_AND_DECAY (else zeros). SPLIT: D Y^T is read from dA_ptr (entry WHICH of
-    ``rwkv7_wy_matrix_gradient_kernel``'s buffer, masked), not summed here (unmasked), and only
-    the tile the state product needs is loaded."""
-    if not SPLIT:
-        dA = tl.zeros([C, C], tl.float32)
-    product = tl.zeros([C, BK], tl.float32)
+def _wy_state_products(do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr, dstates_ptr, slot, used, first,
+                       end, head, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """The K-side kernel's products with the chunk's states, in one pass over V (blocks of BV),
+    each tile of H and dH' read once: dO H^T and dX H^T (the reads q~ H, a~ H), V dH'^T and
+    U dH'^T (k^, b^ in H'), [C, BK] each, and rowsum(H dH') ([BK]; e^g H in H')."""
+    dq = tl.zeros([C, BK], tl.float32)
+    da = tl.zeros([C, BK], tl.float32)
+    dk = tl.zeros([C, BK], tl.float32)
+    db = tl.zeros([C, BK], tl.float32)
     h_dh = tl.zeros([BK], tl.float32)
     for v_block in range((V + BV - 1) // BV):
         v_cols = v_block * BV + tl.arange(0, BV)
@@ -1516,27 +1522,56 @@ def _wy_pass(d_ptr, y_ptr, states_ptr, dstates_ptr, dA_ptr, slot, used, first, e
         _, _, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V, C,
                                        False)
         state_in = (tl.trans(k_cols_in) & v_cols_in) & used
-        if not SPLIT or STATE == WY_READ:
-            d = stored(d_ptr + v_base, v_tile, v_in)
-        if not SPLIT or STATE != WY_READ:
-            y = stored(y_ptr + v_base, v_tile, v_in)
-        if not SPLIT:
-            dA = dot(d, tl.trans(y), dA, PRECISION)
-        if STATE == WY_READ:
-            h = tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols), mask=state_in,
-                        other=0.0)
-            product = dot(d, tl.trans(h), product, PRECISION)
-        else:
-            dh = tl.load(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
-                         mask=state_in, other=0.0)
-            product = dot(y, tl.trans(dh), product, PRECISION)
-            if STATE == WY_UPDATE_AND_DECAY:
-                h = tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
-                            mask=state_in, other=0.0)
-                h_dh += tl.sum(h * dh, axis=1)
-    if SPLIT:  # (loaded after the sums over V: not held through them)
-        dA = _wy_load(dA_ptr, slot, used, head, WHICH, HEADS, C, False).to(tl.float32)
-    return dA, product, h_dh
+        h = tl.trans(tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                             mask=state_in, other=0.0))
+        dh = tl.trans(tl.load(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                              mask=state_in, other=0.0))
+        dq = _stored_dot(stored(do_ptr + v_base, v_tile, v_in), h, dq, PRECISION)
+        da = _stored_dot(stored(dx_ptr + v_base, v_tile, v_in), h, da, PRECISION)
+        dk = _stored_dot(stored(v_ptr + v_base, v_tile, v_in), dh, dk, PRECISION)
+        db = _stored_dot(stored(u_ptr + v_base, v_tile, v_in), dh, db, PRECISION)
+        h_dh += tl.sum(h.to(tl.float32) * dh.to(tl.float32), axis=0)
+    return dq, da, dk, db, h_dh
+
+
+@triton.jit
+def _wy_matrix_gradient(d_ptr, y_ptr, dA_ptr, slot, used, first, end, head, WHICH: tl.constexpr,
+                        SPLIT: tl.constexpr, HEADS: tl.constexpr, V: tl.constexpr,
+                        BV: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
+    """The gradient of one A matrix, D Y^T ([C, C]; D = dO or dX, the rows' cotangent; Y = V
+    or U, the columns' values): SPLIT, entry WHICH of ``rwkv7_wy_matrix_gradient_kernel``'s
+    buffer as stored (masked); else summed over V here (unmasked: the callers take the pairs
+    i < t and the diagonal)."""
+    if SPLIT:
+        dA = _wy_load(dA_ptr, slot, used, head, WHICH, HEADS, C, False)
+    else:
+        steps = tl.arange(0, C)
+        rows_in = (first + steps < end)[:, None]
+        v_base = (first * HEADS + head) * V
+        dA = tl.zeros([C, C], tl.float32)
+        for v_block in range((V + BV - 1) // BV):
+            v_cols = v_block * BV + tl.arange(0, BV)
+            v_in = rows_in & (v_cols < V)[None, :]
+            v_tile = steps[:, None] * (HEADS * V) + v_cols[None, :]
+            dA = _stored_dot(stored(d_ptr + v_base, v_tile, v_in),
+                             tl.trans(stored(y_ptr + v_base, v_tile, v_in)), dA, PRECISION)
+    return dA
+
+
+@triton.jit
+def _gradient_dot(dA, x, PRECISION: tl.constexpr):
+    """dA @ x for an A matrix's gradient as stored (``_wy_matrix_gradient``) and a float32 tile
+    x (rows or columns times their factors). Against a 16-bit dA, x in two 16-bit parts, its
+    rounding and the remainder, so that both products take 16-bit operands and x keeps about
+    16 bits (x rounded once to bfloat16 doubles dw's error: past the bfloat16 contract in the
+    tests' packed case). A float32 dA (float32 inputs, or summed over V here): at PRECISION."""
+    if dA.dtype == tl.float32:
+        product = dot(dA, x, None, PRECISION)
+    else:
+        high = x.to(dA.dtype)
+        product = dot(dA, high, dot(dA, (x - high.to(tl.float32)).to(dA.dtype), None,
+                                    PRECISION), PRECISION)
+    return product
 
 
 @triton.jit
@@ -1544,11 +1579,11 @@ def _wy_pair_gradient(x, y, w, dA, dx, dy, STRICT: tl.constexpr, TAME: tl.conste
                       C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
     """The backward of one of ``_wy_pairs``' matrices, A_xy (x = q, or a if STRICT; y = k or
     b), for its pairs i < t (the diagonal's factor is e^0: the caller's): their terms added to
-    dx (rows) and dy (columns) from dA ([C, C], entries i >= t ignored). TAME: the forward's
-    factors, referenced to the chunk's middle row, one product each; else level by level over
-    the chunk (``level_factors_at``: one level's tiles live at a time, every factor <= 1,
-    exact for every decay; the forward's exact path splits the same pairs' factors by 16-token
-    blocks instead)."""
+    dx (rows) and dy (columns) from dA ([C, C] as stored, ``_gradient_dot``; entries i >= t
+    ignored). TAME: the forward's factors, referenced to the chunk's middle row, one product
+    each; else level by level over the chunk (``level_factors_at``: one level's tiles live at
+    a time, every factor <= 1, exact for every decay; the forward's exact path splits the same
+    pairs' factors by 16-token blocks instead)."""
     if TAME:
         index = tl.arange(0, C)
         gi = tl.cumsum(w, axis=0)
@@ -1559,16 +1594,16 @@ def _wy_pair_gradient(x, y, w, dA, dx, dy, STRICT: tl.constexpr, TAME: tl.conste
             row = tl.exp(gi - middle)
         column = tl.exp(middle - gi)
         kept = tl.where(index[:, None] > index[None, :], dA, 0.0)
-        dx += row * tl.dot(kept, y * column, input_precision=PRECISION)
-        dy += column * tl.dot(tl.trans(kept), x * row, input_precision=PRECISION)
+        dx += row * _gradient_dot(kept, y * column, PRECISION)
+        dy += column * _gradient_dot(tl.trans(kept), x * row, PRECISION)
     else:
         for level in range(LEVELS):
             row, row_strict, column, keep = level_factors_at(w, level, LEVELS, C)
             if STRICT:
                 row = row_strict
             kept = tl.where(keep, dA, 0.0)
-            dx += row * tl.dot(kept, y * column, input_precision=PRECISION)
-            dy += column * tl.dot(tl.trans(kept), x * row, input_precision=PRECISION)
+            dx += row * _gradient_dot(kept, y * column, PRECISION)
+            dy += column * _gradient_dot(tl.trans(kept), x * row, PRECISION)
     return dx, dy
 
 
@@ -1576,7 +1611,8 @@ def _wy_pair_gradient(x, y, w, dA, dx, dy, STRICT: tl.constexpr, TAME: tl.conste
 def _wy_diagonal(x, C: tl.constexpr):
     """The diagonal of a [C, C] tile as a column, [C, 1]."""
     index = tl.arange(0, C)
-    return tl.sum(tl.where(index[:, None] == index[None, :], x, 0.0), axis=1)[:, None]
+    return tl.sum(tl.where(index[:, None] == index[None, :], x.to(tl.float32), 0.0),
+                  axis=1)[:, None]
 
 
 @triton.jit
@@ -1590,24 +1626,28 @@ def rwkv7_wy_key_gradient_kernel(
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    """Grid (chunk slots, HEADS, K / BK): every K-side gradient of one chunk's block of BK keys
-    (BK divides K, or one block covers it), summed over all of V in blocks of BV inside the
+    """Grid (chunk slots * ceil(K / BK), HEADS): every K-side gradient of one chunk's block of
+    BK keys (BK divides K, or one block covers it), summed over all of V in blocks of BV inside the
     program, so that nothing is left for a later sum. dr, dw, dk, da, db [rows, HEADS, K] in
     their dtypes; u: the forward's U, states its H at every chunk's start, dstates dH' (kernel
-    4), dx (kernel 5), all float32, in the chunk's slot.
+    4), dx (kernel 5), float32 or bfloat16 (``_stored_dot``), in the chunk's slot.
 
-    Four passes over V (``_wy_pass``), one A matrix each, so that one [C, C] sum is held at a
-    time: A_qk with dO H^T, A_ak with V dH'^T (dk then done), A_qb with U dH'^T (dq done), A_ab
-    with dX H^T (da, db done). SPLIT: the four D Y^T are read from dA_ptr
-    (``rwkv7_wy_matrix_gradient_kernel``; else dA_ptr is not read) and the passes sum only the
-    state products. The diagonal of A_qk and A_qb (factor e^0) is added to dq, dk, db outside
+    First the four state products in one pass over V (``_wy_state_products``), then the A
+    matrices one at a time, so that one [C, C] gradient is held at a time
+    (``_wy_matrix_gradient``): A_qk, A_ak (dk then done), A_qb (dq done), A_ab (da, db done).
+    SPLIT: their gradients D Y^T are read from dA_ptr (``rwkv7_wy_matrix_gradient_kernel``)
+    as stored, bfloat16 for 16-bit inputs; else summed over V here (dA_ptr not read). The
+    diagonal of A_qk and A_qb (factor e^0) is added to dq, dk, db outside
     dw: its terms in q dq - k dk - b db cancel exactly, and would leave rounding
     where strong decays make dw small. A log decay raised to FLOOR has dw 0. Rows past the
     sequence's end read as zeros (w = 0) and are not written; an unused slot reads and writes
     nothing."""
-    slot = tl.program_id(0)
+    # (a chunk's blocks of keys are consecutive programs: they run together and share its
+    # V-side tiles and dA in L2)
+    KEY_BLOCKS: tl.constexpr = (K + BK - 1) // BK
+    slot = tl.program_id(0) // KEY_BLOCKS
+    k_first = tl.program_id(0) % KEY_BLOCKS * BK
     head = tl.program_id(1)
-    k_first = tl.program_id(2) * BK
     used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
                                   TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
     k_tile, k_cols_in, _, v_cols_in = chunk_tiles(tl.arange(0, BV), HEADS, K, V, BK, BV, C, False)
@@ -1617,29 +1657,29 @@ def rwkv7_wy_key_gradient_kernel(
     offsets = k_base + k_tile
     states_ptr += k_first * V  # (the program's K rows of the [K, V] states)
     dstates_ptr += k_first * V
-    # (The K-side tiles and the decays' factors are loaded and formed where each pass uses
-    # them, not held from one pass to the next.)
-    # A_qk (O = q~ H + A_qk V + A_qb U), with the read q~ H.
-    dA, dq, _ = _wy_pass(do_ptr, v_ptr, states_ptr, dstates_ptr, dA_ptr, slot, used, first,
-                         end, head, WY_READ, WY_A_QK, SPLIT, HEADS, K, V, BK, BV, C, PRECISION)
+    dq, da, dk, db, h_dh = _wy_state_products(do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr,
+                                              dstates_ptr, slot, used, first, end, head, HEADS,
+                                              K, V, BK, BV, C, PRECISION)
+    # (The K-side tiles are loaded where they are used, not held from one matrix to the next.)
+    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+    gi, ge, g_end, to_end = _decays(w, 0)
+    dq *= tl.exp(gi)
+    da *= tl.exp(ge)
+    dk *= tl.exp(to_end)
+    db *= tl.exp(to_end)
+    dg = tl.exp(g_end) * h_dh + tl.sum(rows(k_ptr, k_base, k_tile, k_in) * dk
+                                       + rows(b_ptr, k_base, k_tile, k_in) * db, axis=0)
+    # A_qk (O = q~ H + A_qk V + A_qb U) and A_ak (X = a~ H + A_ak V): dk then done.
+    dA = _wy_matrix_gradient(do_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_QK,
+                             SPLIT, HEADS, V, BV, C, PRECISION)
     d_qk = _wy_diagonal(dA, C)
-    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-    dq, dk = _wy_pair_gradient(
-        rows(r_ptr, k_base, k_tile, k_in) * scale, rows(k_ptr, k_base, k_tile, k_in), w, dA,
-        dq * tl.exp(tl.cumsum(w, axis=0)), tl.zeros([C, BK], tl.float32), False, TAME, C,
-        LEVELS, PRECISION)
-    # A_ak (X = a~ H + A_ak V), with k^ and e^g H in H' = e^g H + k^T V + b^T U.
-    dA, dk_state, h_dh = _wy_pass(dx_ptr, v_ptr, states_ptr, dstates_ptr, dA_ptr, slot, used,
-                                  first, end, head, WY_UPDATE_AND_DECAY, WY_A_AK, SPLIT, HEADS,
-                                  K, V, BK, BV, C, PRECISION)
-    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-    _, _, g_end, to_end = _decays(w, 0)
-    dk_state *= tl.exp(to_end)
     k = rows(k_ptr, k_base, k_tile, k_in)
-    dg = tl.exp(g_end) * h_dh + tl.sum(k * dk_state, axis=0)
-    da, dk = _wy_pair_gradient(rows(a_ptr, k_base, k_tile, k_in), k, w, dA,
-                               tl.zeros([C, BK], tl.float32), dk + dk_state, True, TAME, C,
-                               LEVELS, PRECISION)
+    dq, dk = _wy_pair_gradient(rows(r_ptr, k_base, k_tile, k_in) * scale, k, w, dA, dq, dk,
+                               False, TAME, C, LEVELS, PRECISION)
+    dA = _wy_matrix_gradient(dx_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_AK,
+                             SPLIT, HEADS, V, BV, C, PRECISION)
+    da, dk = _wy_pair_gradient(rows(a_ptr, k_base, k_tile, k_in), k, w, dA, da, dk, True, TAME,
+                               C, LEVELS, PRECISION)
     # (q_t enters a chunk only as q_t e^gi_t, a_t as a_t e^ge_t, k_i and b_i as x_i e^-gi_i
     # and (k^, b^) x_i e^(g - gi_i), and H as e^g H: gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t;
     # d_gates sums the gradients of gi (q dq - k dk - b db) and ge (a da).)
@@ -1647,29 +1687,21 @@ def rwkv7_wy_key_gradient_kernel(
     tl.store(dk_ptr + offsets,
              (dk + d_qk * rows(r_ptr, k_base, k_tile, k_in) * scale).to(dk_ptr.dtype.element_ty),
              mask=k_in)
-    # A_qb, with b^ in H'.
-    dA, db_state, _ = _wy_pass(do_ptr, u_ptr, states_ptr, dstates_ptr, dA_ptr, slot, used,
-                               first, end, head, WY_UPDATE, WY_A_QB, SPLIT, HEADS, K, V, BK, BV,
-                               C, PRECISION)
+    # A_qb: dq then done.
+    dA = _wy_matrix_gradient(do_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_A_QB,
+                             SPLIT, HEADS, V, BV, C, PRECISION)
     d_qb = _wy_diagonal(dA, C)
-    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-    db_state *= tl.exp(_decays(w, 0)[3])
     b = rows(b_ptr, k_base, k_tile, k_in)
-    dg += tl.sum(b * db_state, axis=0)
     q = rows(r_ptr, k_base, k_tile, k_in) * scale
-    dq, db = _wy_pair_gradient(q, b, w, dA, dq, db_state, False, TAME, C, LEVELS, PRECISION)
+    dq, db = _wy_pair_gradient(q, b, w, dA, dq, db, False, TAME, C, LEVELS, PRECISION)
     d_gates += q * dq
     dq += d_qk * rows(k_ptr, k_base, k_tile, k_in) + d_qb * b
     tl.store(dr_ptr + offsets, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
-    # A_ab, with the read a~ H.
-    dA, da_read, _ = _wy_pass(dx_ptr, u_ptr, states_ptr, dstates_ptr, dA_ptr, slot, used,
-                              first, end, head, WY_READ, WY_DA_AB, SPLIT, HEADS, K, V, BK, BV, C,
-                              PRECISION)
-    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+    # A_ab: da, db done.
+    dA = _wy_matrix_gradient(dx_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_DA_AB,
+                             SPLIT, HEADS, V, BV, C, PRECISION)
     a = rows(a_ptr, k_base, k_tile, k_in)
-    b = rows(b_ptr, k_base, k_tile, k_in)
-    da, db = _wy_pair_gradient(a, b, w, dA, da + da_read * tl.exp(tl.cumsum(w, axis=0) - w),
-                               db, True, TAME, C, LEVELS, PRECISION)
+    da, db = _wy_pair_gradient(a, b, w, dA, da, db, True, TAME, C, LEVELS, PRECISION)
     tl.store(da_ptr + offsets, da.to(da_ptr.dtype.element_ty), mask=k_in)
     tl.store(db_ptr + offsets,
              (db + d_qb * rows(r_ptr, k_base, k_tile, k_in) * scale).to(db_ptr.dtype.element_ty),

@@ -631,16 +631,18 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
 
 # The 64-token K-side kernel's blocks: K rows per program where they tile K (else one block
 # covers K) and the most V columns per step of its sums over V. sm_90, bf16, 8 warps, spills
-# tame/exact: K=V=64 4/0 B (BK=64, BV=32: 672/836 B; BV=64: 1028/2280 B; 4 warps at BK=32:
-# 904/1092 B), K=V=128 52/36 B (BK=64: 752/840 B). Blocks of 32 keys redo the A matrices'
-# gradients (sums over V) once per block: the price of no spills, not yet timed.
+# tame/exact: K=V=64 32/0 B, K=V=128 76/32 B (session 13's four passes over V: 4/0 and 52/36 B;
+# there BK=64 spilled 672-840 B, BV=64 1028/2280 B, 4 warps 904/1092 B). Blocks of 32 keys redo
+# the A matrices' gradients (sums over V) once per block: the price of few spills, not timed.
 K_SIDE_BLOCK_K64 = 32
 K_SIDE_BLOCK_V64 = 32
 # The split K side (``split=True``): keys per program of the K-side kernel that reads the dA
 # buffer, and V columns per step of the dA kernel's sums. sm_90, bf16, 8 warps
-# (benchmarks/compile_report.py --family rwkv7-64): the K-side kernel at 32 keys, 238-255
-# registers and no spills at K = 64 and 128, tame and exact; at 64 keys 568-1000 B of spills
-# (4 warps: 764 B and more). The dA kernel 108-120 registers, no spills, 72 KB shared at 32
+# (benchmarks/compile_report.py --family rwkv7-64): the K-side kernel at 32 keys, 241-255
+# registers and no spills at K = 64 and 128, tame and exact, float32 or bfloat16 residuals
+# (--bf16-saved); at 64 keys 692-792 B of spills (K = 64). With 4 warps, 32 keys spill
+# 560-832 B; 16 keys (block_k=16) 80-104 B tame, none exact, at 246-255 registers: two
+# programs per SM, not timed. The dA kernel 108-120 registers, no spills, 72 KB shared at 32
 # columns (64: 144 KB at V = 128).
 K_SIDE_SPLIT_BLOCK_K64 = 32
 DA_BLOCK_V64 = 32
@@ -689,7 +691,8 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
         (r, w, k, v, a, b, do, residuals["u"], dx, residuals["states"], dstates, dA,
          *setup.index),
         tuple(setup.per_row(common["K"], x.dtype) for x in (r, w, k, a, b)),
-        (slots, heads, common["BK"] // block_k), num_warps=warps["tame" if TAME else "exact"],
+        (slots * -(-common["K"] // block_k), heads),  # (a chunk's blocks of keys together)
+        num_warps=warps["tame" if TAME else "exact"],
         scale=float(scale), LEVELS=LEVELS64, TAME=TAME, SEQUENCES=setup.sequences,
         CHUNK_SLOTS=slots, SPLIT=split,
         **dict(common, BK=block_k, BV=min(common["BV"], K_SIDE_BLOCK_V64)))
