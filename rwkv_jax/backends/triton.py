@@ -97,6 +97,10 @@ class KernelConfig:
     # (backward_chunk64_k_side's ``split``), rather than once per block of keys. H200, B=8
     # T=4096 bf16 forward+backward (session 13): K=64 25.99 -> 25.80 ms, K=128 38.71 -> 36.87.
     chunk64_split: bool = True
+    # At 64-token chunks: keys per program and warps of the K-side kernel (None:
+    # backward_chunk64_k_side's defaults, 32 keys and 8 warps).
+    chunk64_k_side_block_k: int | None = None
+    chunk64_k_side_warps: int | None = None
     # num_stages of the fused tame K-side kernel's loop over a span's chunks, a ``for`` that
     # Triton pipelines (the next chunks' loads in flight during this one's products); 0: a
     # ``while`` loop, not pipelined. H200, B=8 T=4096 bf16, that kernel (session 14): K=64
@@ -445,9 +449,11 @@ def _rwkv7_chunk64_bwd(static, residuals, cotangents):
     options = _chunk64_options(static, cu_seqlens)
     dv, dh0, dstates, _, dx = backward_chunk64_v_side(r, w, k, v, a, b, saved, do, dht,
                                                        **options)
-    dr, dw, dk, da, db = backward_chunk64_k_side(r, w, k, v, a, b, saved, do, dstates, dx,
-                                                 exact=not static.config.tame,
-                                                 split=static.config.chunk64_split, **options)
+    warps = static.config.chunk64_k_side_warps
+    dr, dw, dk, da, db = backward_chunk64_k_side(
+        r, w, k, v, a, b, saved, do, dstates, dx, exact=not static.config.tame,
+        split=static.config.chunk64_split, block_k=static.config.chunk64_k_side_block_k,
+        warps=warps and dict(tame=warps, exact=warps), **options)
     return dr, dw, dk, dv, da, db, dh0, None
 
 
