@@ -1281,29 +1281,34 @@ def rwkv7_wy_state_kernel(
     H' = e^g H + k^T V + b^T U with k^ = k e^(g - gi), b^ = b e^(g - gi), g - gi summed from
     the chunk's end (``_decays``: never a difference of large cumulative sums).
 
-    The next chunk's W and U0 are loaded before this chunk's products (carried in the loop, as
-    stored), so that their latency overlaps the serial chain H -> U -> H'. (The other tiles are
-    not: carrying all six spills.)"""
+    Up to BK = PREFETCH_UP_TO the next chunk's W is loaded before this chunk's products
+    (carried in the loop, as stored), so that its latency overlaps the serial chain
+    H -> U -> H'. sm_90 (benchmarks/compile_report.py): no spills at K=64 with 4 or 8 warps;
+    at K=128 (8 warps) 320 B spilled against 280 without; carrying U0 too (float32) spilled
+    76 B at K=64, 4 warps."""
     (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
      first_chunk_slot, h) = _recurrence(cu_ptr, chunk_index_ptr, h0_ptr, HEADS, K, V, BK, BV, C,
                                         TOTAL_ROWS)
-    k_base, k_in, v_base, v_in, _ = _chunk_bases(0, chunks, start, end, head, k_cols_in,
-                                                 v_cols_in, HEADS, K, V, C)
-    wy = stored(wy_ptr + k_base, k_tile, k_in)
-    u0 = stored(u0_ptr + v_base, v_tile, v_in)
+    if BK <= PREFETCH_UP_TO:
+        # (indexed, not unpacked: a name bound before the loop and rebound in it is carried)
+        following = _chunk_bases(0, chunks, start, end, head, k_cols_in, v_cols_in, HEADS, K,
+                                 V, C)
+        wy_next = stored(wy_ptr + following[0], k_tile, following[1])
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
-        # (the last chunk's prefetch reads nothing)
-        next_k_base, next_k_in, next_v_base, next_v_in, _ = _chunk_bases(
-            c + 1, chunks, start, end, head, k_cols_in, v_cols_in, HEADS, K, V, C)
-        wy_next = stored(wy_ptr + next_k_base, k_tile, next_k_in)
-        u0_next = stored(u0_ptr + next_v_base, v_tile, next_v_in)
         slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
         tl.store(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
                  h.to(states_ptr.dtype.element_ty), mask=state_mask)
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, False)
-        u = dot(wy, h.to(wy.dtype), u0.to(tl.float32), PRECISION)
+        if BK <= PREFETCH_UP_TO:  # (the last chunk's prefetch reads nothing)
+            wy = wy_next
+            following = _chunk_bases(c + 1, chunks, start, end, head, k_cols_in, v_cols_in,
+                                     HEADS, K, V, C)
+            wy_next = stored(wy_ptr + following[0], k_tile, following[1])
+        else:
+            wy = stored(wy_ptr + k_base, k_tile, k_in)
+        u = dot(wy, h.to(wy.dtype), rows(u0_ptr, v_base, v_tile, v_in), PRECISION)
         _wy_store(u_ptr + v_base, v_tile, u, v_in)
         _, _, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
         to_end = tl.exp(to_end)
@@ -1312,7 +1317,6 @@ def rwkv7_wy_state_kernel(
                    input_precision=PRECISION)
         h = tl.dot(tl.trans(rows(b_ptr, k_base, k_tile, k_in) * to_end), u, h,
                    input_precision=PRECISION)
-        wy, u0 = wy_next, u0_next
         c += 1
     tl.store(_state(ht_ptr, sequence, head, HEADS, K, V, BK, v_cols), h, mask=state_mask)
 
@@ -1367,21 +1371,14 @@ def rwkv7_wy_state_gradient_kernel(
     K, V] (the backend's float32): dH' (the gradient of the chunk's end state) in every chunk's
     slot; du [rows, HEADS, V] (the backend's float32): dU, and as stored in W^T dU; dh0
     [N, HEADS, K, V] float32. wy and matrices: the forward's (``rwkv7_wy_kernel``);
-    A_qb^T dO multiplies them as stored. b^ = b e^(g - gi), q~ = q e^gi (``_decays``). The
-    previous chunk's W is loaded before this chunk's products (carried in the loop, as
-    stored)."""
+    A_qb^T dO multiplies them as stored. b^ = b e^(g - gi), q~ = q e^gi (``_decays``).
+    (Carrying the previous chunk's W through the loop spilled: sm_90, K=64 4 warps 64 -> 380 B,
+    K=128 8 warps 828 -> 1028 B.)"""
     (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
      first_chunk_slot, dh) = _recurrence(cu_ptr, chunk_index_ptr, dht_ptr, HEADS, K, V, BK, BV, C,
                                          TOTAL_ROWS)
     c = chunks - 1
-    k_base, k_in, _, _, _ = _chunk_bases(c, chunks, start, end, head, k_cols_in, v_cols_in, HEADS,
-                                         K, V, C)
-    wy = stored(wy_ptr + k_base, k_tile, k_in)
     while c >= 0:  # not `for ... in range`: the interpreter cannot take a run-time bound
-        # (the first chunk's prefetch reads nothing)
-        previous_k_base, previous_k_in, _, _, _ = _chunk_bases(
-            c - 1, chunks, start, end, head, k_cols_in, v_cols_in, HEADS, K, V, C)
-        wy_previous = stored(wy_ptr + previous_k_base, k_tile, previous_k_in)
         slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
         tl.store(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
                  dh.to(dstates_ptr.dtype.element_ty), mask=state_mask)
@@ -1396,8 +1393,7 @@ def rwkv7_wy_state_gradient_kernel(
         tl.store(du_ptr + v_base + v_tile, du, mask=v_in)
         q = rows(r_ptr, k_base, k_tile, k_in) * scale
         dh = dot(tl.trans(q * tl.exp(gi)), do, tl.exp(g_end)[:, None] * dh, PRECISION)
-        dh = dot(tl.trans(wy), du, dh, PRECISION)
-        wy = wy_previous
+        dh = dot(tl.trans(stored(wy_ptr + k_base, k_tile, k_in)), du, dh, PRECISION)
         c -= 1
     tl.store(_state(dh0_ptr, sequence, head, HEADS, K, V, BK, v_cols), dh, mask=state_mask)
 
