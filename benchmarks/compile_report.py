@@ -8,7 +8,8 @@ wheel carries ptxas and cuobjdump.
          --float32-states --no-rounded --stages 3]   (gla: the backend's defaults for bf16
          inputs)
         [--bf16-saved --rounded]   (rwkv7: KernelConfig.bf16_saved, KernelConfig.rounded;
-         rwkv7-64: --bf16-saved, the residuals H, dH', U and dX in bfloat16)
+         rwkv7-64: --bf16-saved, also U, dH' and dX in bfloat16 (not the backend's choice))
+        [--float32-residuals]   (rwkv7-64: KernelConfig.chunk64_bf16_residuals off)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
@@ -122,7 +123,11 @@ def main():
                         "for float32 inputs; bf16 inputs save them in bfloat16)")
     parser.add_argument("--bf16-saved", action="store_true",
                         help="rwkv7 family: the saved states and dH in bfloat16 "
-                        "(KernelConfig.bf16_saved); rwkv7-64: the residuals H, dH', U, dX")
+                        "(KernelConfig.bf16_saved); rwkv7-64: also U, dH' and dX (not the "
+                        "backend's choice)")
+    parser.add_argument("--float32-residuals", action="store_true",
+                        help="rwkv7-64: W and H per chunk in float32, as with "
+                        "KernelConfig.chunk64_bf16_residuals off (on: bfloat16 for bf16 inputs)")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
     args = parser.parse_args()
     rounded = args.family == "gla" if args.rounded is None else args.rounded
@@ -183,7 +188,7 @@ def main():
                                                KEYS=min(args.tame_key_program_k, bk))
     if args.family == "rwkv7-64":
         kernels = chunk64_kernels(shapes, inputs, args.block_k_in_chunk, args.split_block_k,
-                                  args.split_block_v)
+                                  args.split_block_v, not args.float32_residuals)
         if args.bf16_saved:
             inputs.update(states_ptr=bf16, dstates_ptr=bf16, u_ptr=bf16, dx_ptr=bf16)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
@@ -204,12 +209,17 @@ def main():
                 print(f"{name:15s} {path:5s} {warps} warps: {resources(compiled)}")
 
 
-def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block_v):
-    """The 64-token forward (triton.forward_chunk64's launches) and the backward's K side
-    (backward_chunk64_k_side's, on its blocks: K_SIDE_BLOCK_K64, K_SIDE_BLOCK_V64; split, on
-    ``split_block_k`` keys and dA sums in steps of ``split_block_v``), bf16 inputs: the pointer
-    types and constexprs."""
-    inputs.update(wy_ptr="*fp32", u0_ptr="*fp32", dA_ptr="*bf16")
+def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block_v,
+                    bf16_residuals):
+    """The 64-token forward (triton.forward_chunk64's launches), the backward's sequential pass
+    and V side (backward_chunk64_v_side's) and its K side (backward_chunk64_k_side's, on its
+    blocks: K_SIDE_BLOCK_K64, K_SIDE_BLOCK_V64; split, on ``split_block_k`` keys and dA sums in
+    steps of ``split_block_v``), bf16 inputs: the pointer types and constexprs.
+    ``bf16_residuals``: W and H per chunk in bfloat16
+    (KernelConfig.chunk64_bf16_residuals), else float32."""
+    buffer = "*bf16" if bf16_residuals else "*fp32"
+    inputs.update({f"{n}_ptr": "*fp32" for n in ("u0", "u", "matrices", "du", "dx", "dstates")},
+                  wy_ptr=buffer, states_ptr=buffer, dA_ptr="*bf16")
     rows = shapes["TOTAL_ROWS"]
     common = dict({n: x for n, x in shapes.items() if n not in ("scale", "LEVELS")}, C=64,
                   CHUNK_SLOTS=rows // 64 + 8)
@@ -220,6 +230,8 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block
               VI=shapes["BV"], INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4)),
         ("wy state", rwkv7.rwkv7_wy_state_kernel, common),
         ("wy output", rwkv7.rwkv7_wy_output_kernel, dict(parallel, scale=1.0)),
+        ("wy state gradient", rwkv7.rwkv7_wy_state_gradient_kernel, dict(common, scale=1.0)),
+        ("wy value gradient", rwkv7.rwkv7_wy_value_gradient_kernel, parallel),
         ("wy key gradient", rwkv7.rwkv7_wy_key_gradient_kernel,
          dict(parallel, scale=1.0, LEVELS=6, BV=min(shapes["BV"], 32), SPLIT=False,
               BK=32 if shapes["K"] % 32 == 0 else shapes["BK"])),

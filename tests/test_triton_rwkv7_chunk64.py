@@ -34,7 +34,8 @@ class Case:
     dtype: str = "float32"
     cu_seqlens: tuple = ()
     exact: bool = False  # force the exact in-chunk path
-    options: dict = dataclasses.field(default_factory=dict)  # forward_chunk64's block sizes
+    # forward_chunk64's block sizes (and bf16_residuals)
+    options: dict = dataclasses.field(default_factory=dict)
     correlated: bool = False  # keys as _correlated_keys draws them
     initial: bool = True  # an initial state (else None: zeros)
     split: bool = False  # the K side as two launches (backward_chunk64_k_side's split)
@@ -258,7 +259,10 @@ def check_backward(case, seed):
     slots), dU, dX and dh0 against the plan's formulas; every value finite. float32 to
     INTERPRETED_FLOAT32 (on the interpreter; correlated keys, as the forward's, to the
     contract), bfloat16 to the backend's gradient contract (the input gradients are stored in
-    bfloat16; the float32 buffers keep float32's bound)."""
+    bfloat16), and so are dH', dU, dX and dh0 where some of the forward's buffers are bfloat16
+    (``bf16_residuals``, the default; float32 buffers keep float32's bound). W and H per
+    chunk are bfloat16 for bfloat16 inputs under bf16_residuals, else float32; U, the
+    matrices, dH', dU, dX float32."""
     packed = bool(case.cu_seqlens)
     rng = np.random.default_rng(seed)
     x, x64 = _draw(case, rng)
@@ -283,12 +287,17 @@ def check_backward(case, seed):
         k_side = triton_backend.backward_chunk64_k_side(
             *inputs, residuals, do, dstates, dx, scale=0.5, cu_seqlens=cu_seqlens,
             block_v=block_v, exact=case.exact, split=case.split)
-        return (dv, dh0, dstates, du, dx), dict(zip("rwkab", k_side))
+        return (dv, dh0, dstates, du, dx), dict(zip("rwkab", k_side)), residuals
 
-    (dv, dh0, dstates, du, dx), grads = run(x, jnp.asarray(cu, jnp.int32) if packed else None,
-                                            do, dht)
+    (dv, dh0, dstates, du, dx), grads, residuals = run(
+        x, jnp.asarray(cu, jnp.int32) if packed else None, do, dht)
     for name, grad in dict(grads, v=dv).items():
         assert grad.dtype == x[name].dtype and grad.shape == x[name].shape, name
+    bf16_residuals = case.dtype != "float32" and case.options.get("bf16_residuals", True)
+    buffer = jnp.bfloat16 if bf16_residuals else jnp.float32
+    assert residuals["wy"].dtype == residuals["states"].dtype == buffer
+    assert all(a.dtype == jnp.float32
+               for a in (residuals["u"], residuals["matrices"], dstates, du, dx, dh0))
     plan_dstates, plan_du, plan_dx, plan_dh0 = _plan_per_chunk(x64, cu, d_out, d_state, 0.5)
     used = plan_dstates.shape[0] - 1
     ours = dict({"dv": dv, "dh0": dh0, "dH'": np.asarray(dstates)[:used], "dU": du, "dX": dx},
@@ -298,6 +307,8 @@ def check_backward(case, seed):
     bound = INTERPRETED_FLOAT32 if not has_gpu() else tolerance("triton", "float32", "gradient")
     if case.correlated:
         bound = tolerance("triton", "float32", "gradient")
+    if bf16_residuals:
+        bound = tolerance("triton", case.dtype, "gradient")
     # (the input gradients, stored in the inputs' dtype)
     stored_bound = bound if case.dtype == "float32" else tolerance("triton", case.dtype,
                                                                    "gradient")
@@ -335,14 +346,17 @@ def test_backward_lengths(steps, initial):
     check_backward(Case(steps=steps, batch=2, initial=initial), seed=steps + 1)
 
 
-@pytest.mark.parametrize("dtype, decay", [("float32", "model"), ("bfloat16", "model"),
-                                          ("bfloat16", "-1e9 and -inf tokens")])
-def test_backward_packed(dtype, decay):
+@pytest.mark.parametrize("dtype, decay, bf16_residuals", [
+    ("float32", "model", True), ("bfloat16", "model", True),
+    ("bfloat16", "-1e9 and -inf tokens", True), ("bfloat16", "model", False)])
+def test_backward_packed(dtype, decay, bf16_residuals):
     """Segments of 0, 70, 3 and 67 tokens with initial states, and several V blocks (V = 32 in
     blocks of 16: the K side's sums over V in two steps); bfloat16 inputs and cotangents (the
-    input gradients in bfloat16), on both paths."""
+    input gradients in bfloat16), on both paths, with the buffers between the kernels in
+    bfloat16 (the default) and in float32 (``bf16_residuals=False``)."""
     check_backward(Case(steps=140, heads=2, cu_seqlens=(0, 0, 70, 73, 140), dtype=dtype,
-                        decay=decay, options=dict(block_v=16)), seed=8)
+                        decay=decay, options=dict(block_v=16, bf16_residuals=bf16_residuals)),
+                   seed=8)
 
 
 @pytest.mark.parametrize("decay, exact", [("zero", False), ("model", True)])

@@ -1008,8 +1008,14 @@ def rwkv7_tame_gradient_kernel(
 # past the last chunk: such slots read and write nothing).
 # =============================================================================================
 
-# A chunk's matrices in the buffer [chunk slots, HEADS, 4, C, C] (float32) of the 64-token
-# forward, in this order: the outputs read the first two, the backward all four.
+# A chunk's matrices in the buffer [chunk slots, HEADS, 4, C, C] of the 64-token forward, in
+# this order: the outputs read the first two, the backward all four.
+#
+# The buffers between the 64-token kernels are float32, or, for W and H per chunk, bfloat16
+# for 16-bit inputs (forward_chunk64's bf16_residuals; each kernel takes either): each
+# kernel stores them rounded to its buffer's dtype (``_wy_store``) and reads them as stored, so
+# that two stored 16-bit tiles multiply at the tensor cores' bfloat16 rate (``dot``). The
+# sequential passes carry H and dH in float32; only what they store is rounded.
 WY_A_QK, WY_A_QB, WY_A_AK, WY_T = (tl.constexpr(i) for i in range(4))
 
 
@@ -1032,6 +1038,12 @@ def _wy_load(matrices_ptr, slot, used, head, WHICH: tl.constexpr, HEADS: tl.cons
     """One of a chunk's stored matrices (or its transpose), zeros unless ``used``."""
     return tl.load(_wy_matrix(matrices_ptr, slot, head, WHICH, HEADS, C, TRANSPOSED),
                    mask=used, other=0.0)
+
+
+@triton.jit
+def _wy_store(ptr, offsets, value, mask):
+    """A tile into one of the buffers between the kernels, rounded to its dtype."""
+    tl.store(ptr + offsets, value.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -1243,11 +1255,11 @@ def rwkv7_wy_kernel(
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
     INVERSE_PRECISION: tl.constexpr, BLOCK_LEVELS: tl.constexpr,
 ):
-    """Grid (chunk slots, HEADS), one 64-token chunk per program. wy [rows, HEADS, K] float32:
-    W = T a~; u0 [rows, HEADS, V] float32: U0 = T A_ak V; matrices [chunk slots, HEADS, 4, C, C]
-    float32: A_qk, A_qb, A_ak, T (``_wy_matrix``; the last two only the backward reads). Rows
-    past the sequence's end read as zeros (w = 0) and are not stored; nor is anything of an
-    unused slot.
+    """Grid (chunk slots, HEADS), one 64-token chunk per program. wy [rows, HEADS, K]: W = T a~;
+    u0 [rows, HEADS, V]: U0 = T A_ak V; matrices [chunk slots, HEADS, 4, C, C]: A_qk, A_qb, A_ak,
+    T (``_wy_matrix``; the last two only the backward reads). Each float32 or bfloat16, rounded
+    once from its float32 value. Rows past the sequence's end read as zeros (w = 0) and are not
+    stored; nor is anything of an unused slot.
 
     In three passes over K (KI columns at a time: [C, KI] tiles) so that at most two [C, C]
     sums are built at once: A_ak and A_ab, then T = (I - A_ab)^-1 and T A_ak; U0 (VI columns of
@@ -1264,8 +1276,8 @@ def rwkv7_wy_kernel(
     A_ak, A_ab = _wy_pairs(a_ptr, k_ptr, b_ptr, w_ptr, k_base, rows_in, 1.0, True, TAME, HEADS,
                            K, BK, KI, C, BLOCK_LEVELS, FLOOR, PRECISION)
     inverse = _wy_inverse(A_ab, C, LEVELS, BLOCK_LEVELS, INVERSE_PRECISION)
-    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_AK, HEADS, C, False), A_ak, mask=used)
-    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_T, HEADS, C, False), inverse, mask=used)
+    _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_A_AK, HEADS, C, False), 0, A_ak, used)
+    _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_T, HEADS, C, False), 0, inverse, used)
     # U0 = T (A_ak V) = (T A_ak) V: one [C, C] product, then one per part of V.
     inverse_ak = tl.dot(inverse, A_ak, input_precision=INVERSE_PRECISION)
     for part in tl.static_range(BV // VI):
@@ -1273,18 +1285,18 @@ def rwkv7_wy_kernel(
         v_in = rows_in & (v_cols < V)[None, :]
         v_tile = steps[:, None] * (HEADS * V) + v_cols[None, :]
         u0 = tl.dot(inverse_ak, rows(v_ptr, v_base, v_tile, v_in), input_precision=PRECISION)
-        tl.store(u0_ptr + v_base + v_tile, u0, mask=v_in)
+        _wy_store(u0_ptr + v_base, v_tile, u0, v_in)
     # W = T a~, a~ = a e^ge (per K column: ge is a cumulative sum down the chunk, <= 0).
     for part in tl.static_range((K + KI - 1) // KI):
         part_base, k_tile, k_in = _k_part(part, k_base, rows_in, steps, HEADS, K, KI)
         w = _log_decays(w_ptr, part_base, k_tile, k_in, FLOOR)
         decayed = rows(a_ptr, part_base, k_tile, k_in) * tl.exp(tl.cumsum(w, axis=0) - w)
-        tl.store(wy_ptr + part_base + k_tile,
-                 tl.dot(inverse, decayed, input_precision=PRECISION), mask=k_in)
+        _wy_store(wy_ptr + part_base, k_tile, tl.dot(inverse, decayed, input_precision=PRECISION),
+                  k_in)
     A_qk, A_qb = _wy_pairs(r_ptr, k_ptr, b_ptr, w_ptr, k_base, rows_in, scale, False, TAME,
                            HEADS, K, BK, KI, C, BLOCK_LEVELS, FLOOR, PRECISION)
-    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C, False), A_qk, mask=used)
-    tl.store(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, False), A_qb, mask=used)
+    _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C, False), 0, A_qk, used)
+    _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, False), 0, A_qb, used)
 
 
 @triton.jit
@@ -1295,23 +1307,42 @@ def rwkv7_wy_state_kernel(
     BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (sequences * HEADS, V blocks of BV): the state recurrence, chunk by chunk. h0, ht
-    [N, HEADS, K, V] float32; states [chunk slots, HEADS, K, V] float32: H at the start of
-    every chunk (in its chunk slot); u [rows, HEADS, V] float32: U = W H + U0. Then
+    """Grid (sequences * HEADS, V blocks of BV): the state recurrence, chunk by chunk, carrying
+    H in float32. h0, ht [N, HEADS, K, V] float32; states [chunk slots, HEADS, K, V]: H at the
+    start of every chunk (in its chunk slot); u [rows, HEADS, V]: U = W H + U0, with H rounded
+    to W's dtype (as it is stored: bfloat16 W and H multiply at the bfloat16 rate). Then
     H' = e^g H + k^T V + b^T U with k^ = k e^(g - gi), b^ = b e^(g - gi), g - gi summed from
-    the chunk's end (``_decays``: never a difference of large cumulative sums)."""
+    the chunk's end (``_decays``: never a difference of large cumulative sums).
+
+    Up to BK = PREFETCH_UP_TO the next chunk's W is loaded before this chunk's products
+    (carried in the loop, as stored), so that its latency overlaps the serial chain
+    H -> U -> H'. sm_90 (benchmarks/compile_report.py): no spills at K=64 with 4 or 8 warps;
+    at K=128 (8 warps) 320 B spilled against 280 without; carrying U0 too (float32) spilled
+    76 B at K=64, 4 warps."""
     (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
      first_chunk_slot, h) = _recurrence(cu_ptr, chunk_index_ptr, h0_ptr, HEADS, K, V, BK, BV, C,
                                         TOTAL_ROWS)
+    if BK <= PREFETCH_UP_TO:
+        # (indexed, not unpacked: a name bound before the loop and rebound in it is carried)
+        following = _chunk_bases(0, chunks, start, end, head, k_cols_in, v_cols_in, HEADS, K,
+                                 V, C)
+        wy_next = stored(wy_ptr + following[0], k_tile, following[1])
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
         slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
-        tl.store(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols), h, mask=state_mask)
+        tl.store(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                 h.to(states_ptr.dtype.element_ty), mask=state_mask)
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, False)
-        u = tl.dot(rows(wy_ptr, k_base, k_tile, k_in), h, rows(u0_ptr, v_base, v_tile, v_in),
-                   input_precision=PRECISION)
-        tl.store(u_ptr + v_base + v_tile, u, mask=v_in)
+        if BK <= PREFETCH_UP_TO:  # (the last chunk's prefetch reads nothing)
+            wy = wy_next
+            following = _chunk_bases(c + 1, chunks, start, end, head, k_cols_in, v_cols_in,
+                                     HEADS, K, V, C)
+            wy_next = stored(wy_ptr + following[0], k_tile, following[1])
+        else:
+            wy = stored(wy_ptr + k_base, k_tile, k_in)
+        u = dot(wy, h.to(wy.dtype), rows(u0_ptr, v_base, v_tile, v_in), PRECISION)
+        _wy_store(u_ptr + v_base, v_tile, u, v_in)
         _, _, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
         to_end = tl.exp(to_end)
         h = tl.dot(tl.trans(rows(k_ptr, k_base, k_tile, k_in) * to_end),
@@ -1335,7 +1366,8 @@ def rwkv7_wy_output_kernel(
 ):
     """Grid (chunk slots, HEADS, V blocks of BV): O = q~ H + A_qk V + A_qb U, all chunks at once,
     from the chunk's H saved by the state pass (in the same chunk slot) and its A_qk, A_qb
-    (``rwkv7_wy_kernel``). o [rows, HEADS, V] in its dtype."""
+    (``rwkv7_wy_kernel``). o [rows, HEADS, V] in its dtype. Each product takes its tiles as
+    stored (``dot``)."""
     (slot, head, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, k_base, k_in, v_base,
      v_in) = _wy_chunk_program(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, HEADS, K, V, BK, BV,
                                C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
@@ -1343,11 +1375,11 @@ def rwkv7_wy_output_kernel(
                 mask=(tl.trans(k_cols_in) & v_cols_in) & used, other=0.0)
     q = rows(r_ptr, k_base, k_tile, k_in) * scale
     gi = tl.cumsum(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), axis=0)
-    o = tl.dot(q * tl.exp(gi), h, input_precision=PRECISION)
+    o = dot(q * tl.exp(gi), h, None, PRECISION)
     A_qk = _wy_load(matrices_ptr, slot, used, head, WY_A_QK, HEADS, C, False)
-    o = tl.dot(A_qk, rows(v_ptr, v_base, v_tile, v_in), o, input_precision=PRECISION)
+    o = dot(A_qk, stored(v_ptr + v_base, v_tile, v_in), o, PRECISION)
     A_qb = _wy_load(matrices_ptr, slot, used, head, WY_A_QB, HEADS, C, False)
-    o = tl.dot(A_qb, rows(u_ptr, v_base, v_tile, v_in), o, input_precision=PRECISION)
+    o = dot(A_qb, stored(u_ptr + v_base, v_tile, v_in), o, PRECISION)
     tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
 
 
@@ -1368,30 +1400,33 @@ def rwkv7_wy_state_gradient_kernel(
     TOTAL_ROWS: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (sequences * HEADS, V blocks of BV): the reverse recurrence, from each sequence's
-    last chunk, carrying dH (from dht [N, HEADS, K, V]). dstates [chunk slots, HEADS, K, V]
-    float32: dH' (the gradient of the chunk's end state) in every chunk's slot; du
-    [rows, HEADS, V] float32: dU; dh0 [N, HEADS, K, V] float32. wy and matrices: the forward's
-    (``rwkv7_wy_kernel``). b^ = b e^(g - gi), q~ = q e^gi (``_decays``)."""
+    last chunk, carrying dH in float32 (from dht [N, HEADS, K, V]). dstates [chunk slots, HEADS,
+    K, V] (the backend's float32): dH' (the gradient of the chunk's end state) in every chunk's
+    slot; du [rows, HEADS, V] (the backend's float32): dU, and as stored in W^T dU; dh0
+    [N, HEADS, K, V] float32. wy and matrices: the forward's (``rwkv7_wy_kernel``);
+    A_qb^T dO multiplies them as stored. b^ = b e^(g - gi), q~ = q e^gi (``_decays``).
+    (Carrying the previous chunk's W through the loop spilled: sm_90, K=64 4 warps 64 -> 380 B,
+    K=128 8 warps 828 -> 1028 B.)"""
     (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
      first_chunk_slot, dh) = _recurrence(cu_ptr, chunk_index_ptr, dht_ptr, HEADS, K, V, BK, BV, C,
                                          TOTAL_ROWS)
     c = chunks - 1
     while c >= 0:  # not `for ... in range`: the interpreter cannot take a run-time bound
         slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
-        tl.store(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols), dh, mask=state_mask)
+        tl.store(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                 dh.to(dstates_ptr.dtype.element_ty), mask=state_mask)
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, False)
-        do = rows(do_ptr, v_base, v_tile, v_in)
+        do = stored(do_ptr + v_base, v_tile, v_in)
         gi, _, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
         A_qb_t = tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, True))
-        du = tl.dot(rows(b_ptr, k_base, k_tile, k_in) * tl.exp(to_end), dh,
-                    tl.dot(A_qb_t, do, input_precision=PRECISION), input_precision=PRECISION)
+        du = dot(rows(b_ptr, k_base, k_tile, k_in) * tl.exp(to_end), dh,
+                 dot(A_qb_t, do, None, PRECISION), PRECISION)
+        du = du.to(du_ptr.dtype.element_ty)
         tl.store(du_ptr + v_base + v_tile, du, mask=v_in)
         q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        dh = tl.dot(tl.trans(q * tl.exp(gi)), do, tl.exp(g_end)[:, None] * dh,
-                    input_precision=PRECISION)
-        dh = tl.dot(tl.trans(rows(wy_ptr, k_base, k_tile, k_in)), du, dh,
-                    input_precision=PRECISION)
+        dh = dot(tl.trans(q * tl.exp(gi)), do, tl.exp(g_end)[:, None] * dh, PRECISION)
+        dh = dot(tl.trans(stored(wy_ptr + k_base, k_tile, k_in)), du, dh, PRECISION)
         c -= 1
     tl.store(_state(dh0_ptr, sequence, head, HEADS, K, V, BK, v_cols), dh, mask=state_mask)
 
@@ -1408,22 +1443,24 @@ def rwkv7_wy_value_gradient_kernel(
     """Grid (chunk slots, HEADS, V blocks of BV), all chunks at once: dX = T^T dU and
     dV = A_qk^T dO + A_ak^T dX + k^ dH' (k^ = k e^(g - gi)), from the state-gradient pass's dU
     and dH' (same chunk slot) and the forward's matrices. dv [rows, HEADS, V] in its dtype; dx
-    [rows, HEADS, V] float32. An unused slot reads and writes nothing."""
+    [rows, HEADS, V] (the backend's float32), and as stored in dV (as the K side reads it).
+    The matrices, dU, dO and dX multiply as stored (``dot``). An unused slot reads and writes
+    nothing."""
     (slot, head, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, k_base, k_in, v_base,
      v_in) = _wy_chunk_program(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, HEADS, K, V, BK, BV,
                                C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
-    dx = tl.dot(_wy_load(matrices_ptr, slot, used, head, WY_T, HEADS, C, True),
-                rows(du_ptr, v_base, v_tile, v_in), input_precision=PRECISION)
+    dx = dot(_wy_load(matrices_ptr, slot, used, head, WY_T, HEADS, C, True),
+             stored(du_ptr + v_base, v_tile, v_in), None, PRECISION)
+    dx = dx.to(dx_ptr.dtype.element_ty)
     tl.store(dx_ptr + v_base + v_tile, dx, mask=v_in)
-    dv = tl.dot(_wy_load(matrices_ptr, slot, used, head, WY_A_QK, HEADS, C, True),
-                rows(do_ptr, v_base, v_tile, v_in), input_precision=PRECISION)
-    dv = tl.dot(_wy_load(matrices_ptr, slot, used, head, WY_A_AK, HEADS, C, True), dx, dv,
-                input_precision=PRECISION)
+    dv = dot(_wy_load(matrices_ptr, slot, used, head, WY_A_QK, HEADS, C, True),
+             stored(do_ptr + v_base, v_tile, v_in), None, PRECISION)
+    dv = dot(_wy_load(matrices_ptr, slot, used, head, WY_A_AK, HEADS, C, True), dx, dv,
+             PRECISION)
     dh = tl.load(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
                  mask=(tl.trans(k_cols_in) & v_cols_in) & used, other=0.0)
     _, _, _, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
-    dv = tl.dot(rows(k_ptr, k_base, k_tile, k_in) * tl.exp(to_end), dh, dv,
-                input_precision=PRECISION)
+    dv = dot(rows(k_ptr, k_base, k_tile, k_in) * tl.exp(to_end), dh, dv, PRECISION)
     tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
 
 

@@ -108,6 +108,16 @@ class KernelConfig:
     # 31.67 -> 30.52): default_config pipelines it at K=128 only. (The value kernel's loop
     # pipelined the same way was slower: K=128 3.00 -> 5.85 ms at 3 stages.)
     gradient_stages: int = 0
+    # At 64-token chunks, 16-bit inputs: W and H per chunk in bfloat16 (half their bytes; W H
+    # multiplies at the bfloat16 tensor-core rate); the state pass still carries H in float32.
+    # The other buffers stay float32, as bfloat16 cost too much precision (interpreter, bf16
+    # inputs, relative errors against float64, K=64 T=256 H=2 unless said): U0 or U (db
+    # 6.1e-3 -> 9.0e-3 and 3.3e-3 -> 8.8e-3, split K side or not: U = W H + U0 cancels
+    # much of the delta rule's V), the in-chunk matrices (output 3.3e-3 -> 6.1e-3), dU and dX
+    # (da 3.4e-3 -> 8.9e-3 on the packed K=16 test case); dH' meets H elementwise in the K
+    # side's rowsum(H dH'). With W and H: output 3.32e-3 -> 3.38e-3, worst gradient 6.14e-3
+    # -> 6.31e-3 (split K side). float32 inputs keep float32 buffers.
+    chunk64_bf16_residuals: bool = True
 
 
 def _pow2_at_least(n, floor=16):
@@ -432,12 +442,14 @@ def _chunk64_options(static, cu_seqlens):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rwkv7_chunk64(static, r, w, k, v, a, b, h0, cu_seqlens):
     return forward_chunk64(r, w, k, v, a, b, initial_state=h0, exact=not static.config.tame,
+                           bf16_residuals=static.config.chunk64_bf16_residuals,
                            **_chunk64_options(static, cu_seqlens))
 
 
 def _rwkv7_chunk64_fwd(static, r, w, k, v, a, b, h0, cu_seqlens):
     o, ht, saved = forward_chunk64(r, w, k, v, a, b, initial_state=h0, residuals=True,
                                    exact=not static.config.tame,
+                                   bf16_residuals=static.config.chunk64_bf16_residuals,
                                    **_chunk64_options(static, cu_seqlens))
     return (o, ht), (r, w, k, v, a, b, saved, cu_seqlens)
 
@@ -509,10 +521,10 @@ class _Setup64(NamedTuple):
         return jax.ShapeDtypeStruct((self.common["TOTAL_ROWS"], self.common["HEADS"], width),
                                     dtype)
 
-    def states(self, slots):
-        """A [slots, H, K, V] float32 buffer of states."""
+    def states(self, slots, dtype=jnp.float32):
+        """A [slots, H, K, V] buffer of states."""
         c = self.common
-        return jax.ShapeDtypeStruct((slots, c["HEADS"], c["K"], c["V"]), jnp.float32)
+        return jax.ShapeDtypeStruct((slots, c["HEADS"], c["K"], c["V"]), dtype)
 
 
 def _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v):
@@ -539,8 +551,15 @@ def _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v):
                     PRECISION="tf32x3" if precise else "tf32"))
 
 
+def _residual_dtype(common, bf16_residuals):
+    """The dtype of W and H per chunk between the 64-token kernels: bfloat16 for 16-bit inputs
+    under ``bf16_residuals``; float32 inputs keep float32 (their tf32x3 contract)."""
+    return jnp.bfloat16 if bf16_residuals and common["PRECISION"] != "tf32x3" else jnp.float32
+
+
 def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqlens=None,
-                    exact=False, block_v=64, block_k_in_chunk=None, warps=None, residuals=False):
+                    exact=False, block_v=64, block_k_in_chunk=None, warps=None, residuals=False,
+                    bf16_residuals=True):
     """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
     "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
     inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
@@ -554,13 +573,16 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     the in-chunk kernel's tame and exact paths, the state pass and the outputs (a dict, keys
     "tame", "exact", "state", "output"; the defaults are from sm_90 compile reports only, the
     fewest spills: docs/RWKV7-CHUNK64.md). ``residuals``: also return what the backward reads
-    (a dict: ``states`` [chunk slots, H, K, V] float32, H at every chunk's start; ``u`` and
-    ``wy`` [B * T, H, V or K] float32, U and W; ``matrices`` [chunk slots, H, 4, 64, 64]
-    float32, A_qk, A_qb, A_ak, T). The op's forward at KernelConfig.chunk = 64."""
+    (a dict: ``states`` [chunk slots, H, K, V], H at every chunk's start; ``u`` and ``wy``
+    [B * T, H, V or K], U float32 and W; ``matrices`` [chunk slots, H, 4, 64, 64] float32,
+    A_qk, A_qb, A_ak, T). ``states`` and ``wy`` are bfloat16 for 16-bit inputs when
+    ``bf16_residuals`` (KernelConfig.chunk64_bf16_residuals), else float32. The op's forward at
+    KernelConfig.chunk = 64."""
     setup = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     block_k, block_v = common["BK"], common["BV"]
+    buffer = _residual_dtype(common, bf16_residuals)
     # sm_90, bf16, K parts of 16 (benchmarks/compile_report.py --family rwkv7-64): the exact path
     # spills 220 B at K=64 and 408 B at K=128 with 4 warps (336 and 544 B with 8); the tame one
     # none at K=64, 40 B at K=128. H100 (session 13, B=8 T=4096 H=64 K=64 bf16): the tame path
@@ -571,7 +593,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path.
     in_chunk = lambda TAME: _launch.launch(
         _kernels.rwkv7_wy_kernel, (r, w, k, v, a, b, *setup.index),
-        (setup.per_row(common["K"]), setup.per_row(common["V"]),
+        (setup.per_row(common["K"], buffer), setup.per_row(common["V"]),
          jax.ShapeDtypeStruct((slots, heads, 4, CHUNK64, CHUNK64), jnp.float32)),
         (slots, heads), num_warps=warps["tame" if TAME else "exact"], scale=float(scale),
         TAME=TAME, LEVELS=LEVELS64, KI=min(block_k_in_chunk or (32 if TAME else 16), block_k),
@@ -588,7 +610,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     ht, states, u = _launch.launch(
         _kernels.rwkv7_wy_state_kernel,
         (w, k, v, b, wy, u0, setup.h0, setup.cu, setup.chunk_index),
-        (setup.states(setup.sequences), setup.states(slots), setup.per_row(common["V"])),
+        (setup.states(setup.sequences), setup.states(slots, buffer), setup.per_row(common["V"])),
         (setup.sequences * heads, setup.v_blocks), num_warps=warps["state"], CHUNK_SLOTS=slots,
         **common)
     # 3. The outputs, all chunks at once.
@@ -609,8 +631,9 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
     from the inputs as :func:`forward_chunk64` took them, its ``residuals`` and the cotangents
     ``do`` [B, T, H, V] and ``dht`` [N, H, K, V] (of o and ht), (dv [B, T, H, V] in v's dtype,
     dh0 [N, H, K, V] float32, dstates [chunk slots, H, K, V] float32: the gradient of every
-    chunk's end state, du and dx [B * T, H, V] float32). Two launches: the state-gradient pass
-    (sequential, reverse: dH', dU, dh0) and the V-side gradients (all chunks at once: dX, dV).
+    chunk's end state, du and dx [B * T, H, V] float32, whatever the residuals' dtype). Two
+    launches: the state-gradient pass (sequential, reverse: dH', dU, dh0) and the V-side
+    gradients (all chunks at once: dX, dV).
     ``warps``: a dict, keys "state" and "value" (untuned)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
