@@ -92,7 +92,7 @@ def main():
                         help="rwkv7-64: the 64-token prototypes (forward_chunk64, the K side)")
     parser.add_argument("--block-k-in-chunk", type=int, default=32,
                         help="rwkv7-64: K columns per part of the in-chunk sums")
-    parser.add_argument("--split-block-k", type=int, default=32,
+    parser.add_argument("--split-block-k", type=int, default=16,
                         help="rwkv7-64: keys per program of the split K side's key gradients")
     parser.add_argument("--split-block-v", type=int, default=32,
                         help="rwkv7-64: V columns per step of the split K side's dA sums")

@@ -98,9 +98,11 @@ class KernelConfig:
     # T=4096 bf16 forward+backward (session 13): K=64 25.99 -> 25.80 ms, K=128 38.71 -> 36.87.
     chunk64_split: bool = True
     # At 64-token chunks: keys per program and warps of the K-side kernel (None:
-    # backward_chunk64_k_side's defaults, 32 keys and 8 warps).
+    # backward_chunk64_k_side's defaults), and warps of the two sequential passes (None: 4 at
+    # K <= 64, 8 above).
     chunk64_k_side_block_k: int | None = None
     chunk64_k_side_warps: int | None = None
+    chunk64_state_warps: int | None = None
     # num_stages of the fused tame K-side kernel's loop over a span's chunks, a ``for`` that
     # Triton pipelines (the next chunks' loads in flight during this one's products); 0: a
     # ``while`` loop, not pipelined. H200, B=8 T=4096 bf16, that kernel (session 14): K=64
@@ -436,7 +438,9 @@ _rwkv7.defvjp(_rwkv7_fwd, _rwkv7_bwd)
 # The op at 64-token chunks (KernelConfig.chunk = 64): the forward's three kernels save what the
 # backward's three read (``forward_chunk64``'s residuals), no state at every step.
 def _chunk64_options(static, cu_seqlens):
-    return dict(scale=static.scale, cu_seqlens=cu_seqlens, block_v=static.config.block_v)
+    state_warps = static.config.chunk64_state_warps
+    return dict(scale=static.scale, cu_seqlens=cu_seqlens, block_v=static.config.block_v,
+                warps=state_warps and dict(state=state_warps))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -465,7 +469,7 @@ def _rwkv7_chunk64_bwd(static, residuals, cotangents):
     dr, dw, dk, da, db = backward_chunk64_k_side(
         r, w, k, v, a, b, saved, do, dstates, dx, exact=not static.config.tame,
         split=static.config.chunk64_split, block_k=static.config.chunk64_k_side_block_k,
-        warps=warps and dict(tame=warps, exact=warps), **options)
+        **dict(options, warps=warps and dict(tame=warps, exact=warps)))
     return dr, dw, dk, dv, da, db, dh0, None
 
 
@@ -671,9 +675,12 @@ K_SIDE_BLOCK_V64 = 32
 # registers and no spills at K = 64 and 128, tame and exact, float32 or bfloat16 residuals
 # (--bf16-saved); at 64 keys 692-792 B of spills (K = 64). With 4 warps, 32 keys spill
 # 560-832 B; 16 keys (block_k=16) 80-104 B tame, none exact, at 246-255 registers: two
-# programs per SM, not timed. The dA kernel 108-120 registers, no spills, 72 KB shared at 32
-# columns (64: 144 KB at V = 128).
-K_SIDE_SPLIT_BLOCK_K64 = 32
+# programs per SM. Measured (H200, B=8 T=4096 bf16, session 14): that kernel at 16 keys and 4
+# warps 9.21 ms at K=64 and 9.91 at K=128, against 10.62 and 11.17 at 32 keys and 8 warps, and
+# 16.74 / 17.61 at 16 keys and 8 warps: the default. The dA kernel 108-120 registers, no
+# spills, 72 KB shared at 32 columns (64: 144 KB at V = 128).
+K_SIDE_SPLIT_BLOCK_K64 = 16
+K_SIDE_SPLIT_WARPS64 = 4
 DA_BLOCK_V64 = 32
 
 
@@ -689,20 +696,21 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
     of K_SIDE_BLOCK_K64 keys, summing over all of V inside: no partial sums), on the tame or
     exact path as :func:`tame_path` picks on the device (``exact`` forces the exact one).
     ``block_v``: V columns per step of the program's sums over V, at most
-    K_SIDE_BLOCK_V64; ``warps``: a dict, keys "tame" and "exact" (defaults from sm_90 compile
-    reports only: the fewest spills).
+    K_SIDE_BLOCK_V64; ``warps``: a dict, keys "tame" and "exact" (defaults: 8, from sm_90
+    compile reports only, the fewest spills; split, K_SIDE_SPLIT_WARPS64, measured).
 
     ``split``: two launches instead, ``rwkv7_wy_matrix_gradient_kernel`` (a program per chunk
     and head: the four dA [64, 64] summed over V once per chunk, into a [chunk slots, H, 4, 64,
     64] buffer, bfloat16 for 16-bit inputs, float32 for float32 ones; warps: key "dA") and the
-    K-side kernel reading them (blocks of K_SIDE_SPLIT_BLOCK_K64 keys), not rebuilding them for
-    each block of keys. ``block_k``: keys per K-side program (None: the default above)."""
+    K-side kernel reading them (blocks of K_SIDE_SPLIT_BLOCK_K64 keys, K_SIDE_SPLIT_WARPS64
+    warps), not rebuilding them for each block of keys. ``block_k``: keys per K-side program (None: the default above)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     block_k = block_k or (K_SIDE_SPLIT_BLOCK_K64 if split else K_SIDE_BLOCK_K64)
     block_k = block_k if common["K"] % block_k == 0 else common["BK"]
-    warps = dict(dict(tame=8, exact=8, dA=8), **(warps or {}))
+    k_side_warps = K_SIDE_SPLIT_WARPS64 if split else 8
+    warps = dict(dict(tame=k_side_warps, exact=k_side_warps, dA=8), **(warps or {}))
     do = do.reshape(common["TOTAL_ROWS"], heads, common["V"])
     dA = dx  # (not read unless split)
     if split:
