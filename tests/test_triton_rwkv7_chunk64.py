@@ -171,6 +171,18 @@ def test_correlated_keys(decay, exact):
     check(Case(steps=128, key=16, value=16, decay=decay, exact=exact, correlated=True), seed=17)
 
 
+@pytest.mark.parametrize("case", [
+    Case(steps=133, key=96, value=48, decay="-1e9 and -inf tokens"),
+    Case(steps=140, heads=2, key=128, value=64, cu_seqlens=(0, 0, 70, 73, 140),
+         dtype="bfloat16"),
+], ids=["K=96", "K=128 packed bfloat16"])
+def test_key_halves(case):
+    """K > 64: the state pass carries H as two halves of 64 keys. K = 96 (its second half
+    partly masked) with V != K and hard decays; K = 128, V = 64 packed with an empty segment
+    and bfloat16 inputs (W and H per chunk stored in bfloat16)."""
+    check(case, seed=31)
+
+
 def test_invalid_traced_offsets_stay_in_bounds():
     """Offsets past the rows, negative and decreasing (traced: no check can see them) are
     clamped by the kernels: the call runs and writes finite final states."""

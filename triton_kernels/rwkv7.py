@@ -1300,6 +1300,46 @@ def rwkv7_wy_kernel(
 
 
 @triton.jit
+def _wy_state_half(ptr, slot, head, half: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, HALF: tl.constexpr, v_cols, v_cols_in):
+    """Pointers to K rows half * HALF, ... of a [K, V] state's columns v_cols, and their mask
+    (none of a half past K)."""
+    k_rows = half * HALF + tl.arange(0, HALF)
+    return (_state(ptr + half * HALF * V, slot, head, HEADS, K, V, HALF, v_cols),
+            in_range(k_rows, K, HALF)[:, None] & v_cols_in)
+
+
+@triton.jit
+def _wy_state_half_product(h, half: tl.constexpr, u, states_ptr, slot, wy_ptr, k_base, rows_in,
+                           head, v_cols, v_cols_in, HEADS: tl.constexpr, K: tl.constexpr,
+                           V: tl.constexpr, HALF: tl.constexpr, C: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    """One half of H at a chunk's start (K rows half * HALF, ...): stored in the chunk's slot,
+    and u + W_half H_half (H rounded to W's dtype, as stored)."""
+    pointers, mask = _wy_state_half(states_ptr, slot, head, half, HEADS, K, V, HALF, v_cols,
+                                    v_cols_in)
+    tl.store(pointers, h.to(states_ptr.dtype.element_ty), mask=mask)
+    base, tile, k_in = _k_part(half, k_base, rows_in, tl.arange(0, C), HEADS, K, HALF)
+    wy = stored(wy_ptr + base, tile, k_in)
+    return dot(wy, h.to(wy.dtype), u, PRECISION)
+
+
+@triton.jit
+def _wy_state_half_update(h, half: tl.constexpr, v, u, w_ptr, k_ptr, b_ptr, k_base, rows_in,
+                          HEADS: tl.constexpr, K: tl.constexpr, HALF: tl.constexpr,
+                          C: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr):
+    """One half of H' = e^g H + k^T V + b^T U (K rows half * HALF, ...): each K column's decays
+    are its own (cumulative sums down the chunk), so a half's are exact."""
+    base, tile, k_in = _k_part(half, k_base, rows_in, tl.arange(0, C), HEADS, K, HALF)
+    _, _, g_end, to_end = _decays(_log_decays(w_ptr, base, tile, k_in, FLOOR), 0)
+    to_end = tl.exp(to_end)
+    h = tl.dot(tl.trans(rows(k_ptr, base, tile, k_in) * to_end), v,
+               tl.exp(g_end)[:, None] * h, input_precision=PRECISION)
+    return tl.dot(tl.trans(rows(b_ptr, base, tile, k_in) * to_end), u, h,
+                  input_precision=PRECISION)
+
+
+@triton.jit
 def rwkv7_wy_state_kernel(
     w_ptr, k_ptr, v_ptr, b_ptr, wy_ptr, u0_ptr, h0_ptr, cu_ptr, chunk_index_ptr,  # inputs
     ht_ptr, states_ptr, u_ptr,                                                   # outputs
@@ -1317,41 +1357,79 @@ def rwkv7_wy_state_kernel(
     Up to BK = PREFETCH_UP_TO the next chunk's W is loaded before this chunk's products
     (carried in the loop, as stored), so that its latency overlaps the serial chain
     H -> U -> H'. sm_90 (benchmarks/compile_report.py): no spills at K=64 with 4 or 8 warps;
-    at K=128 (8 warps) 320 B spilled against 280 without; carrying U0 too (float32) spilled
-    76 B at K=64, 4 warps."""
+    carrying U0 too (float32) spilled 76 B at K=64, 4 warps. At BK = 128 H is carried as two
+    halves of 64 K rows (``_wy_state_half_product``, ``_wy_state_half_update``): U sums both
+    halves' W H, then each half's H' is formed in turn."""
     (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
      first_chunk_slot, h) = _recurrence(cu_ptr, chunk_index_ptr, h0_ptr, HEADS, K, V, BK, BV, C,
                                         TOTAL_ROWS)
-    if BK <= PREFETCH_UP_TO:
+    # Past 64 keys, H is carried as two halves of HALF = 64 K rows, so that only one half's
+    # [C, 64] decays, k^ and b^ are live at a time (whole [C, 128] tiles spilled 280-696 B).
+    HALF: tl.constexpr = 64
+    if BK > HALF:
+        tl.static_assert(BK == 2 * HALF)
+        steps = tl.arange(0, C)
+        pointers, mask = _wy_state_half(h0_ptr, sequence, head, 0, HEADS, K, V, HALF,
+                                        v_cols, v_cols_in)
+        h_low = tl.load(pointers, mask=mask, other=0.0)
+        pointers, mask = _wy_state_half(h0_ptr, sequence, head, 1, HEADS, K, V, HALF,
+                                        v_cols, v_cols_in)
+        h_high = tl.load(pointers, mask=mask, other=0.0)
+        c = 0
+        while c < chunks:
+            slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
+            first = start + c * C
+            rows_in = (first + steps < end)[:, None]
+            k_base = (first * HEADS + head) * K
+            v_base = (first * HEADS + head) * V
+            v_in = rows_in & v_cols_in
+            u = rows(u0_ptr, v_base, v_tile, v_in)
+            u = _wy_state_half_product(h_low, 0, u, states_ptr, slot, wy_ptr, k_base, rows_in,
+                                       head, v_cols, v_cols_in, HEADS, K, V, HALF, C,
+                                       PRECISION)
+            u = _wy_state_half_product(h_high, 1, u, states_ptr, slot, wy_ptr, k_base, rows_in,
+                                       head, v_cols, v_cols_in, HEADS, K, V, HALF, C,
+                                       PRECISION)
+            _wy_store(u_ptr + v_base, v_tile, u, v_in)
+            v = rows(v_ptr, v_base, v_tile, v_in)
+            h_low = _wy_state_half_update(h_low, 0, v, u, w_ptr, k_ptr, b_ptr, k_base, rows_in,
+                                          HEADS, K, HALF, C, FLOOR, PRECISION)
+            h_high = _wy_state_half_update(h_high, 1, v, u, w_ptr, k_ptr, b_ptr, k_base, rows_in,
+                                           HEADS, K, HALF, C, FLOOR, PRECISION)
+            c += 1
+        pointers, mask = _wy_state_half(ht_ptr, sequence, head, 0, HEADS, K, V, HALF,
+                                        v_cols, v_cols_in)
+        tl.store(pointers, h_low, mask=mask)
+        pointers, mask = _wy_state_half(ht_ptr, sequence, head, 1, HEADS, K, V, HALF,
+                                        v_cols, v_cols_in)
+        tl.store(pointers, h_high, mask=mask)
+    else:
         # (indexed, not unpacked: a name bound before the loop and rebound in it is carried)
         following = _chunk_bases(0, chunks, start, end, head, k_cols_in, v_cols_in, HEADS, K,
                                  V, C)
         wy_next = stored(wy_ptr + following[0], k_tile, following[1])
-    c = 0
-    while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
-        slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
-        tl.store(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
-                 h.to(states_ptr.dtype.element_ty), mask=state_mask)
-        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
-                                                HEADS, K, V, C, False)
-        if BK <= PREFETCH_UP_TO:  # (the last chunk's prefetch reads nothing)
-            wy = wy_next
+        c = 0
+        while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
+            slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
+            tl.store(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                     h.to(states_ptr.dtype.element_ty), mask=state_mask)
+            k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in,
+                                                    v_cols_in, HEADS, K, V, C, False)
+            wy = wy_next  # (the last chunk's prefetch reads nothing)
             following = _chunk_bases(c + 1, chunks, start, end, head, k_cols_in, v_cols_in,
                                      HEADS, K, V, C)
             wy_next = stored(wy_ptr + following[0], k_tile, following[1])
-        else:
-            wy = stored(wy_ptr + k_base, k_tile, k_in)
-        u = dot(wy, h.to(wy.dtype), rows(u0_ptr, v_base, v_tile, v_in), PRECISION)
-        _wy_store(u_ptr + v_base, v_tile, u, v_in)
-        _, _, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
-        to_end = tl.exp(to_end)
-        h = tl.dot(tl.trans(rows(k_ptr, k_base, k_tile, k_in) * to_end),
-                   rows(v_ptr, v_base, v_tile, v_in), tl.exp(g_end)[:, None] * h,
-                   input_precision=PRECISION)
-        h = tl.dot(tl.trans(rows(b_ptr, k_base, k_tile, k_in) * to_end), u, h,
-                   input_precision=PRECISION)
-        c += 1
-    tl.store(_state(ht_ptr, sequence, head, HEADS, K, V, BK, v_cols), h, mask=state_mask)
+            u = dot(wy, h.to(wy.dtype), rows(u0_ptr, v_base, v_tile, v_in), PRECISION)
+            _wy_store(u_ptr + v_base, v_tile, u, v_in)
+            _, _, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
+            to_end = tl.exp(to_end)
+            h = tl.dot(tl.trans(rows(k_ptr, k_base, k_tile, k_in) * to_end),
+                       rows(v_ptr, v_base, v_tile, v_in), tl.exp(g_end)[:, None] * h,
+                       input_precision=PRECISION)
+            h = tl.dot(tl.trans(rows(b_ptr, k_base, k_tile, k_in) * to_end), u, h,
+                       input_precision=PRECISION)
+            c += 1
+        tl.store(_state(ht_ptr, sequence, head, HEADS, K, V, BK, v_cols), h, mask=state_mask)
 
 
 @triton.jit
