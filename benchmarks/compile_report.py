@@ -111,7 +111,9 @@ def main():
     parser.add_argument("--stages", type=int, default=None,
                         help="num_stages of the loops Triton pipelines (gla: the sequential "
                              "passes, default 3; rwkv7: the fused tame gradient kernel's, 0: its "
-                             "while loop, default as default_config: 3 at K=128, else 0)")
+                             "while loop, default as default_config: 3 at K=128, else 0; "
+                             "rwkv7-64: the state pass's, KernelConfig.chunk64_state_stages, "
+                             "default as forward_chunk64: 1 at K > 64, else 0)")
     parser.add_argument("--rounded", action=argparse.BooleanOptionalAction, default=None,
                         help="decayed operands rounded to bf16 against stored tiles (gla: "
                              "_GlaStatic.rounded_products, on by default as for bf16 inputs; "
@@ -133,7 +135,8 @@ def main():
     rounded = args.family == "gla" if args.rounded is None else args.rounded
     bk = max(16, 1 << (args.key - 1).bit_length())
     stages = args.stages if args.stages is not None else (
-        3 if args.family == "gla" or bk == 128 else 0)
+        3 if args.family == "gla" or (args.family == "rwkv7" and bk == 128)
+        else 1 if args.family == "rwkv7-64" and bk > 64 else 0)
     bv = min(args.block_v, max(16, 1 << (args.value - 1).bit_length()))
     v_blocks = -(-args.value // bv)
     rows, spans = 8 * 4096, 8 * 4096 // (16 * 8) + 8
@@ -188,7 +191,7 @@ def main():
                                                KEYS=min(args.tame_key_program_k, bk))
     if args.family == "rwkv7-64":
         kernels = chunk64_kernels(shapes, inputs, args.block_k_in_chunk, args.split_block_k,
-                                  args.split_block_v, not args.float32_residuals)
+                                  args.split_block_v, not args.float32_residuals, stages)
         if args.bf16_saved:
             inputs.update(states_ptr=bf16, dstates_ptr=bf16, u_ptr=bf16, dx_ptr=bf16)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
@@ -210,13 +213,14 @@ def main():
 
 
 def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block_v,
-                    bf16_residuals):
+                    bf16_residuals, state_stages):
     """The 64-token forward (triton.forward_chunk64's launches), the backward's sequential pass
     and V side (backward_chunk64_v_side's) and its K side (backward_chunk64_k_side's, on its
     blocks: K_SIDE_BLOCK_K64, K_SIDE_BLOCK_V64; split, on ``split_block_k`` keys and dA sums in
     steps of ``split_block_v``), bf16 inputs: the pointer types and constexprs.
     ``bf16_residuals``: W and H per chunk in bfloat16
-    (KernelConfig.chunk64_bf16_residuals), else float32."""
+    (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``: the state pass's
+    num_stages (KernelConfig.chunk64_state_stages; 0: its ``while`` loop, not pipelined)."""
     buffer = "*bf16" if bf16_residuals else "*fp32"
     inputs.update({f"{n}_ptr": "*fp32" for n in ("u0", "u", "matrices", "du", "dx", "dstates")},
                   wy_ptr=buffer, states_ptr=buffer, dA_ptr="*bf16")
@@ -228,7 +232,7 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block
         ("wy in-chunk", rwkv7.rwkv7_wy_kernel,
          dict(parallel, scale=1.0, LEVELS=6, KI=min(block_k_in_chunk, shapes["BK"]),
               VI=shapes["BV"], INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4)),
-        ("wy state", rwkv7.rwkv7_wy_state_kernel, common),
+        ("wy state", rwkv7.rwkv7_wy_state_kernel, dict(common, PIPELINED=state_stages > 0)),
         ("wy output", rwkv7.rwkv7_wy_output_kernel, dict(parallel, scale=1.0)),
         ("wy state gradient", rwkv7.rwkv7_wy_state_gradient_kernel, dict(common, scale=1.0)),
         ("wy value gradient", rwkv7.rwkv7_wy_value_gradient_kernel, parallel),

@@ -1340,12 +1340,73 @@ def _wy_state_half_update(h, half: tl.constexpr, v, u, w_ptr, k_ptr, b_ptr, k_ba
 
 
 @triton.jit
+def _wy_state_halves_step(c, h_low, h_high, first_chunk_slot, start, end, head, v_tile, v_cols,
+                          v_cols_in, w_ptr, k_ptr, v_ptr, b_ptr, wy_ptr, u0_ptr, states_ptr,
+                          u_ptr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          HALF: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+                          CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr):
+    """Chunk c of the state pass with H in two halves of HALF K rows (BK = 2 HALF): both
+    stored, U = U0 + sum of W_half H_half stored, and H' per half."""
+    slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
+    first = start + c * C
+    rows_in = (first + tl.arange(0, C) < end)[:, None]
+    k_base = (first * HEADS + head) * K
+    v_base = (first * HEADS + head) * V
+    v_in = rows_in & v_cols_in
+    u = rows(u0_ptr, v_base, v_tile, v_in)
+    u = _wy_state_half_product(h_low, 0, u, states_ptr, slot, wy_ptr, k_base, rows_in, head,
+                               v_cols, v_cols_in, HEADS, K, V, HALF, C, PRECISION)
+    u = _wy_state_half_product(h_high, 1, u, states_ptr, slot, wy_ptr, k_base, rows_in, head,
+                               v_cols, v_cols_in, HEADS, K, V, HALF, C, PRECISION)
+    _wy_store(u_ptr + v_base, v_tile, u, v_in)
+    v = rows(v_ptr, v_base, v_tile, v_in)  # (float32 once for both halves: fewer spills)
+    h_low = _wy_state_half_update(h_low, 0, v, u, w_ptr, k_ptr, b_ptr, k_base, rows_in, HEADS,
+                                  K, HALF, C, FLOOR, PRECISION)
+    h_high = _wy_state_half_update(h_high, 1, v, u, w_ptr, k_ptr, b_ptr, k_base, rows_in, HEADS,
+                                   K, HALF, C, FLOOR, PRECISION)
+    return h_low, h_high
+
+
+@triton.jit
+def _wy_rows(wy_ptr, c, chunks, start, end, head, k_tile, k_cols_in, v_cols_in,
+             HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
+    """Chunk c's W as stored (zeros past the sequence: the last chunk's prefetch)."""
+    k_base, k_in, _, _, _ = _chunk_bases(c, chunks, start, end, head, k_cols_in, v_cols_in,
+                                         HEADS, K, V, C)
+    return stored(wy_ptr + k_base, k_tile, k_in)
+
+
+@triton.jit
+def _wy_state_step(c, h, wy, first_chunk_slot, start, end, head, k_tile, k_cols_in, v_tile,
+                   v_cols, v_cols_in, state_mask, w_ptr, k_ptr, v_ptr, b_ptr, u0_ptr,
+                   states_ptr, u_ptr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BK: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+                   CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr):
+    """Chunk c of the state pass (BK <= 64) from its start state h and its W (as stored): H
+    stored, U = W H + U0 stored; returns H'."""
+    slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
+    tl.store(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
+             h.to(states_ptr.dtype.element_ty), mask=state_mask)
+    k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
+                                            HEADS, K, V, C, False)
+    u = dot(wy, h.to(wy.dtype), rows(u0_ptr, v_base, v_tile, v_in), PRECISION)
+    _wy_store(u_ptr + v_base, v_tile, u, v_in)
+    _, _, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
+    to_end = tl.exp(to_end)
+    h = tl.dot(tl.trans(rows(k_ptr, k_base, k_tile, k_in) * to_end),
+               rows(v_ptr, v_base, v_tile, v_in), tl.exp(g_end)[:, None] * h,
+               input_precision=PRECISION)
+    return tl.dot(tl.trans(rows(b_ptr, k_base, k_tile, k_in) * to_end), u, h,
+                  input_precision=PRECISION)
+
+
+@triton.jit
 def rwkv7_wy_state_kernel(
     w_ptr, k_ptr, v_ptr, b_ptr, wy_ptr, u0_ptr, h0_ptr, cu_ptr, chunk_index_ptr,  # inputs
     ht_ptr, states_ptr, u_ptr,                                                   # outputs
     HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr,
-    CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr, PIPELINED: tl.constexpr,
 ):
     """Grid (sequences * HEADS, V blocks of BV): the state recurrence, chunk by chunk, carrying
     H in float32. h0, ht [N, HEADS, K, V] float32; states [chunk slots, HEADS, K, V]: H at the
@@ -1354,12 +1415,14 @@ def rwkv7_wy_state_kernel(
     H' = e^g H + k^T V + b^T U with k^ = k e^(g - gi), b^ = b e^(g - gi), g - gi summed from
     the chunk's end (``_decays``: never a difference of large cumulative sums).
 
-    Up to BK = PREFETCH_UP_TO the next chunk's W is loaded before this chunk's products
-    (carried in the loop, as stored), so that its latency overlaps the serial chain
-    H -> U -> H'. sm_90 (benchmarks/compile_report.py): no spills at K=64 with 4 or 8 warps;
-    carrying U0 too (float32) spilled 76 B at K=64, 4 warps. At BK = 128 H is carried as two
-    halves of 64 K rows (``_wy_state_half_product``, ``_wy_state_half_update``): U sums both
-    halves' W H, then each half's H' is formed in turn."""
+    PIPELINED: on the GPU the loop over chunks is a ``for`` that Triton pipelines (the launch's
+    num_stages: the next chunks' loads, which do not depend on H, in flight in shared memory
+    during this chunk's products); else a ``while`` (always in the interpreter, whose ``range``
+    takes no run-time bound) in which, at BK <= 64, the next chunk's W is loaded
+    before this chunk's products (carried in the loop, as stored) so that its latency overlaps
+    the serial chain H -> U -> H'. Past 64 keys H is carried as two halves of 64 K rows
+    (``_wy_state_halves_step``). sm_90 spills, 4 / 8 warps (benchmarks/compile_report.py):
+    see forward_chunk64."""
     (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
      first_chunk_slot, h) = _recurrence(cu_ptr, chunk_index_ptr, h0_ptr, HEADS, K, V, BK, BV, C,
                                         TOTAL_ROWS)
@@ -1368,35 +1431,26 @@ def rwkv7_wy_state_kernel(
     HALF: tl.constexpr = 64
     if BK > HALF:
         tl.static_assert(BK == 2 * HALF)
-        steps = tl.arange(0, C)
         pointers, mask = _wy_state_half(h0_ptr, sequence, head, 0, HEADS, K, V, HALF,
                                         v_cols, v_cols_in)
         h_low = tl.load(pointers, mask=mask, other=0.0)
         pointers, mask = _wy_state_half(h0_ptr, sequence, head, 1, HEADS, K, V, HALF,
                                         v_cols, v_cols_in)
         h_high = tl.load(pointers, mask=mask, other=0.0)
-        c = 0
-        while c < chunks:
-            slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
-            first = start + c * C
-            rows_in = (first + steps < end)[:, None]
-            k_base = (first * HEADS + head) * K
-            v_base = (first * HEADS + head) * V
-            v_in = rows_in & v_cols_in
-            u = rows(u0_ptr, v_base, v_tile, v_in)
-            u = _wy_state_half_product(h_low, 0, u, states_ptr, slot, wy_ptr, k_base, rows_in,
-                                       head, v_cols, v_cols_in, HEADS, K, V, HALF, C,
-                                       PRECISION)
-            u = _wy_state_half_product(h_high, 1, u, states_ptr, slot, wy_ptr, k_base, rows_in,
-                                       head, v_cols, v_cols_in, HEADS, K, V, HALF, C,
-                                       PRECISION)
-            _wy_store(u_ptr + v_base, v_tile, u, v_in)
-            v = rows(v_ptr, v_base, v_tile, v_in)
-            h_low = _wy_state_half_update(h_low, 0, v, u, w_ptr, k_ptr, b_ptr, k_base, rows_in,
-                                          HEADS, K, HALF, C, FLOOR, PRECISION)
-            h_high = _wy_state_half_update(h_high, 1, v, u, w_ptr, k_ptr, b_ptr, k_base, rows_in,
-                                           HEADS, K, HALF, C, FLOOR, PRECISION)
-            c += 1
+        if INTERPRETED or not PIPELINED:
+            c = 0
+            while c < chunks:
+                h_low, h_high = _wy_state_halves_step(
+                    c, h_low, h_high, first_chunk_slot, start, end, head, v_tile, v_cols,
+                    v_cols_in, w_ptr, k_ptr, v_ptr, b_ptr, wy_ptr, u0_ptr, states_ptr, u_ptr,
+                    HEADS, K, V, HALF, C, FLOOR, CHUNK_SLOTS, PRECISION)
+                c += 1
+        else:
+            for c in range(chunks):
+                h_low, h_high = _wy_state_halves_step(
+                    c, h_low, h_high, first_chunk_slot, start, end, head, v_tile, v_cols,
+                    v_cols_in, w_ptr, k_ptr, v_ptr, b_ptr, wy_ptr, u0_ptr, states_ptr, u_ptr,
+                    HEADS, K, V, HALF, C, FLOOR, CHUNK_SLOTS, PRECISION)
         pointers, mask = _wy_state_half(ht_ptr, sequence, head, 0, HEADS, K, V, HALF,
                                         v_cols, v_cols_in)
         tl.store(pointers, h_low, mask=mask)
@@ -1404,31 +1458,27 @@ def rwkv7_wy_state_kernel(
                                         v_cols, v_cols_in)
         tl.store(pointers, h_high, mask=mask)
     else:
-        # (indexed, not unpacked: a name bound before the loop and rebound in it is carried)
-        following = _chunk_bases(0, chunks, start, end, head, k_cols_in, v_cols_in, HEADS, K,
-                                 V, C)
-        wy_next = stored(wy_ptr + following[0], k_tile, following[1])
-        c = 0
-        while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
-            slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
-            tl.store(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
-                     h.to(states_ptr.dtype.element_ty), mask=state_mask)
-            k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in,
-                                                    v_cols_in, HEADS, K, V, C, False)
-            wy = wy_next  # (the last chunk's prefetch reads nothing)
-            following = _chunk_bases(c + 1, chunks, start, end, head, k_cols_in, v_cols_in,
-                                     HEADS, K, V, C)
-            wy_next = stored(wy_ptr + following[0], k_tile, following[1])
-            u = dot(wy, h.to(wy.dtype), rows(u0_ptr, v_base, v_tile, v_in), PRECISION)
-            _wy_store(u_ptr + v_base, v_tile, u, v_in)
-            _, _, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
-            to_end = tl.exp(to_end)
-            h = tl.dot(tl.trans(rows(k_ptr, k_base, k_tile, k_in) * to_end),
-                       rows(v_ptr, v_base, v_tile, v_in), tl.exp(g_end)[:, None] * h,
-                       input_precision=PRECISION)
-            h = tl.dot(tl.trans(rows(b_ptr, k_base, k_tile, k_in) * to_end), u, h,
-                       input_precision=PRECISION)
-            c += 1
+        if INTERPRETED or not PIPELINED:
+            wy_next = _wy_rows(wy_ptr, 0, chunks, start, end, head, k_tile, k_cols_in,
+                               v_cols_in, HEADS, K, V, C)
+            c = 0
+            while c < chunks:
+                wy = wy_next
+                wy_next = _wy_rows(wy_ptr, c + 1, chunks, start, end, head, k_tile, k_cols_in,
+                                   v_cols_in, HEADS, K, V, C)
+                h = _wy_state_step(c, h, wy, first_chunk_slot, start, end, head, k_tile,
+                                   k_cols_in, v_tile, v_cols, v_cols_in, state_mask, w_ptr,
+                                   k_ptr, v_ptr, b_ptr, u0_ptr, states_ptr, u_ptr, HEADS, K, V,
+                                   BK, C, FLOOR, CHUNK_SLOTS, PRECISION)
+                c += 1
+        else:  # (no W carried by hand: the pipeline loads it ahead, with the other tiles)
+            for c in range(chunks):
+                wy = _wy_rows(wy_ptr, c, chunks, start, end, head, k_tile, k_cols_in,
+                              v_cols_in, HEADS, K, V, C)
+                h = _wy_state_step(c, h, wy, first_chunk_slot, start, end, head, k_tile,
+                                   k_cols_in, v_tile, v_cols, v_cols_in, state_mask, w_ptr,
+                                   k_ptr, v_ptr, b_ptr, u0_ptr, states_ptr, u_ptr, HEADS, K, V,
+                                   BK, C, FLOOR, CHUNK_SLOTS, PRECISION)
         tl.store(_state(ht_ptr, sequence, head, HEADS, K, V, BK, v_cols), h, mask=state_mask)
 
 

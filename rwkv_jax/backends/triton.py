@@ -103,6 +103,12 @@ class KernelConfig:
     chunk64_k_side_block_k: int | None = None
     chunk64_k_side_warps: int | None = None
     chunk64_state_warps: int | None = None
+    # At 64-token chunks: num_stages of the forward state pass's loop over chunks, a ``for``
+    # that Triton pipelines (the next chunks' loads, which do not depend on the state, in
+    # flight in shared memory during this one's products); 0: a ``while`` loop carrying the
+    # next chunk's W by hand (K <= 64), not pipelined. None: forward_chunk64's default (0 at
+    # K <= 64, 1 above: the fewest spills on sm_90). Untimed.
+    chunk64_state_stages: int | None = None
     # num_stages of the fused tame K-side kernel's loop over a span's chunks, a ``for`` that
     # Triton pipelines (the next chunks' loads in flight during this one's products); 0: a
     # ``while`` loop, not pipelined. H200, B=8 T=4096 bf16, that kernel (session 14): K=64
@@ -447,6 +453,7 @@ def _chunk64_options(static, cu_seqlens):
 def _rwkv7_chunk64(static, r, w, k, v, a, b, h0, cu_seqlens):
     return forward_chunk64(r, w, k, v, a, b, initial_state=h0, exact=not static.config.tame,
                            bf16_residuals=static.config.chunk64_bf16_residuals,
+                           state_stages=static.config.chunk64_state_stages,
                            **_chunk64_options(static, cu_seqlens))
 
 
@@ -454,6 +461,7 @@ def _rwkv7_chunk64_fwd(static, r, w, k, v, a, b, h0, cu_seqlens):
     o, ht, saved = forward_chunk64(r, w, k, v, a, b, initial_state=h0, residuals=True,
                                    exact=not static.config.tame,
                                    bf16_residuals=static.config.chunk64_bf16_residuals,
+                                   state_stages=static.config.chunk64_state_stages,
                                    **_chunk64_options(static, cu_seqlens))
     return (o, ht), (r, w, k, v, a, b, saved, cu_seqlens)
 
@@ -563,7 +571,7 @@ def _residual_dtype(common, bf16_residuals):
 
 def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqlens=None,
                     exact=False, block_v=64, block_k_in_chunk=None, warps=None, residuals=False,
-                    bf16_residuals=True):
+                    bf16_residuals=True, state_stages=None):
     """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
     "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
     inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
@@ -580,7 +588,9 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     (a dict: ``states`` [chunk slots, H, K, V], H at every chunk's start; ``u`` and ``wy``
     [B * T, H, V or K], U float32 and W; ``matrices`` [chunk slots, H, 4, 64, 64] float32,
     A_qk, A_qb, A_ak, T). ``states`` and ``wy`` are bfloat16 for 16-bit inputs when
-    ``bf16_residuals`` (KernelConfig.chunk64_bf16_residuals), else float32. The op's forward at
+    ``bf16_residuals`` (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``:
+    num_stages of the state pass's loop over chunks, 0 for its ``while`` loop
+    (KernelConfig.chunk64_state_stages; None: 0 at K <= 64, 1 above). The op's forward at
     KernelConfig.chunk = 64."""
     setup = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
@@ -592,8 +602,16 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     # none at K=64, 40 B at K=128. H100 (session 13, B=8 T=4096 H=64 K=64 bf16): the tame path
     # took 3.78 ms in parts of 32 (the kernel before its masks moved after the K sums), 4.63 in
     # parts of 16.
+    # The state pass (bf16, sm_90, spills at 4 / 8 warps; 255 registers throughout): K=64
+    # none with its ``while`` loop (stages 0), nor at 1 or 2 stages (49 / 98 KB shared), 24 B
+    # at 3 stages and 4 warps. K=128, H in two halves of 64 keys: 152 / 100 B (stages 0),
+    # 52 / 72 B (1), 84 / 76 B (2, 140 KB shared), 76 / 92 B (3, 213 KB); before the halves,
+    # whole [64, 128] K tiles: 696 / 280 B, 66 KB. Warps: 8 at K=128 (the timed default; 4
+    # spills as much). None of the pipelined variants is timed yet.
     warps = dict(dict(tame=4, exact=4, state=4 if block_k <= 64 else 8, output=4),
                  **(warps or {}))
+    if state_stages is None:
+        state_stages = 0 if block_k <= 64 else 1
     # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path.
     in_chunk = lambda TAME: _launch.launch(
         _kernels.rwkv7_wy_kernel, (r, w, k, v, a, b, *setup.index),
@@ -615,8 +633,8 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         _kernels.rwkv7_wy_state_kernel,
         (w, k, v, b, wy, u0, setup.h0, setup.cu, setup.chunk_index),
         (setup.states(setup.sequences), setup.states(slots, buffer), setup.per_row(common["V"])),
-        (setup.sequences * heads, setup.v_blocks), num_warps=warps["state"], CHUNK_SLOTS=slots,
-        **common)
+        (setup.sequences * heads, setup.v_blocks), num_warps=warps["state"],
+        num_stages=max(state_stages, 1), PIPELINED=state_stages > 0, CHUNK_SLOTS=slots, **common)
     # 3. The outputs, all chunks at once.
     (o,) = _launch.launch(
         _kernels.rwkv7_wy_output_kernel, (r, w, v, u, states, matrices, *setup.index),
