@@ -107,7 +107,8 @@ class KernelConfig:
     # that Triton pipelines (the next chunks' loads, which do not depend on the state, in
     # flight in shared memory during this one's products); 0: a ``while`` loop carrying the
     # next chunk's W by hand (K <= 64), not pipelined. None: forward_chunk64's default (0 at
-    # K <= 64, 1 above: the fewest spills on sm_90). Untimed.
+    # K <= 64 with bfloat16 W, 2 with float32 W, 1 above: the fewest spills on sm_90).
+    # Untimed.
     chunk64_state_stages: int | None = None
     # num_stages of the fused tame K-side kernel's loop over a span's chunks, a ``for`` that
     # Triton pipelines (the next chunks' loads in flight during this one's products); 0: a
@@ -590,7 +591,8 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     A_qk, A_qb, A_ak, T). ``states`` and ``wy`` are bfloat16 for 16-bit inputs when
     ``bf16_residuals`` (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``:
     num_stages of the state pass's loop over chunks, 0 for its ``while`` loop
-    (KernelConfig.chunk64_state_stages; None: 0 at K <= 64, 1 above). The op's forward at
+    (KernelConfig.chunk64_state_stages; None: at K <= 64 0 with bfloat16 W, 2 with float32 W;
+    1 above). The op's forward at
     KernelConfig.chunk = 64."""
     setup = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
@@ -602,16 +604,18 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     # none at K=64, 40 B at K=128. H100 (session 13, B=8 T=4096 H=64 K=64 bf16): the tame path
     # took 3.78 ms in parts of 32 (the kernel before its masks moved after the K sums), 4.63 in
     # parts of 16.
-    # The state pass (bf16, sm_90, spills at 4 / 8 warps; 255 registers throughout): K=64
-    # none with its ``while`` loop (stages 0), nor at 1 or 2 stages (49 / 98 KB shared), 24 B
-    # at 3 stages and 4 warps. K=128, H in two halves of 64 keys: 152 / 100 B (stages 0),
+    # The state pass (bf16 inputs, sm_90, spills at 4 / 8 warps; 255 registers throughout):
+    # K=64 none with its ``while`` loop (stages 0), nor at 1 or 2 stages (49 / 98 KB shared),
+    # 24 B at 3 stages and 4 warps. K=128, H in two halves of 64 keys: 152 / 100 B (stages 0),
     # 52 / 72 B (1), 84 / 76 B (2, 140 KB shared), 76 / 92 B (3, 213 KB); before the halves,
     # whole [64, 128] K tiles: 696 / 280 B, 66 KB. Warps: 8 at K=128 (the timed default; 4
-    # spills as much). None of the pipelined variants is timed yet.
+    # spills as much). float32 W (float32 inputs or bf16_residuals off), K=64: the ``while``
+    # loop's hand-carried W spills 180 / 200 B, 0 / 88 B at 2 stages (115 KB shared).
+    # None of the pipelined variants is timed yet.
     warps = dict(dict(tame=4, exact=4, state=4 if block_k <= 64 else 8, output=4),
                  **(warps or {}))
-    if state_stages is None:
-        state_stages = 0 if block_k <= 64 else 1
+    if state_stages is None:  # (the fewest spills, above)
+        state_stages = 1 if block_k > 64 else 0 if buffer == jnp.bfloat16 else 2
     # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path.
     in_chunk = lambda TAME: _launch.launch(
         _kernels.rwkv7_wy_kernel, (r, w, k, v, a, b, *setup.index),
