@@ -354,10 +354,12 @@ LAYOUTS = {"long": dict(steps=65536, heads=32, sequences=1),
            "packed": dict(steps=32768, heads=64, sequences=16)}
 
 
-def benchmark_layout(name, deadline, out_dir, fla_configs=("disable_recompute",), sweep=False):
+def benchmark_layout(name, deadline, out_dir, fla_configs=("disable_recompute",), sweep=False,
+                     variants=()):
     """Ours beside fla's fastest configuration(s) on one of LAYOUTS (batch 1; float64 errors
-    on the first 2 heads); with ``sweep`` also the sequential passes on other V blocks (few
-    sequences fill few multiprocessors: the default takes 32 below FEW_RECURRENCE_PROGRAMS)."""
+    on the first 2 heads), with ``variants`` (KernelConfig changes) as rows; with ``sweep``
+    also the sequential passes on other V blocks (few sequences fill few multiprocessors: the
+    default takes 32 below FEW_RECURRENCE_PROGRAMS)."""
     steps, heads, sequences = (LAYOUTS[name][k] for k in ("steps", "heads", "sequences"))
     cu_seqlens = None
     if sequences > 1:
@@ -379,9 +381,10 @@ def benchmark_layout(name, deadline, out_dir, fla_configs=("disable_recompute",)
     cu_jax = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
     _attempt(rows, name, deadline, out_dir, bench_jax, "rwkv_jax triton (default config)",
              *ours, cu_seqlens=cu_jax, cap=120)
-    default = triton_backend.default_config(64, 64)
-    _attempt(rows, name, deadline, out_dir, bench_jax, "triton, 64-token chunks", *ours, "triton",
-             dataclasses.replace(default, chunk=64), cu_seqlens=cu_jax, cap=120)
+    default = triton_backend.default_config(64, 64, heads * sequences)
+    for change in variants:  # (--variants, as at the benchmark shape)
+        _attempt(rows, name, deadline, out_dir, bench_jax, f"triton {change}", *ours, "triton",
+                 dataclasses.replace(default, **change), cu_seqlens=cu_jax, cap=120)
     for block_v in (64, 16) if sweep else ():
         _attempt(rows, name, deadline, out_dir, bench_jax, f"triton recurrence_block_v={block_v}",
                  *ours, "triton", dataclasses.replace(default, recurrence_block_v=block_v),
@@ -488,14 +491,14 @@ def main():
     results["gpu"] = gpu
     correctness(args.checks, [int(c) for c in args.check_chunks.split(",")])
     rows = []
+    variants = [json.loads(v) for v in args.variants.split("|") if v.strip()]
     for size in (int(x) for x in args.sizes.split(",") if x):
         rows += benchmark(args.sweep, [b for b in args.others.split(",") if b], deadline,
                           args.out, args.fla_first, size, not args.no_fla_default,
-                          args.fla.split(","),
-                          [json.loads(v) for v in args.variants.split("|") if v.strip()])
+                          args.fla.split(","), variants)
     for name in (x for x in args.layouts.split(",") if x):
         rows += benchmark_layout(name, deadline, args.out, [c for c in args.fla.split(",") if c],
-                                 args.sweep)
+                                 args.sweep, variants)
     with open(os.path.join(args.out, "gpu_rwkv7.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     log("\ncorrectness: " + ", ".join(f"{c['name']}: {'ok' if c['ok'] else 'FAIL'}"
