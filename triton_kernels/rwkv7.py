@@ -1440,7 +1440,7 @@ def rwkv7_wy_state_gradient_kernel(
     if HALVES:  # (dh, [BK, BV], is then not used)
         # the halves' tiles: the same offsets, the upper half's columns HALF later in the base
         half_cols = tl.arange(0, HALF)
-        k_tile = tl.arange(0, C)[:, None] * (HEADS * K) + half_cols[None, :]
+        k_tile = tl.arange(0, C).to(tl.int64)[:, None] * (HEADS * K) + half_cols[None, :]
         k_cols_in = in_range(half_cols, K, HALF)[None, :]
         hi_cols_in = in_range(HALF + half_cols, K, HALF)[None, :]
         state_mask = tl.trans(k_cols_in) & v_cols_in
