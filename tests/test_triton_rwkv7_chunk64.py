@@ -380,6 +380,7 @@ def test_backward_key_halves():
     check_backward(Case(steps=70, heads=2, key=96, value=16, decay="-1e9 and -inf tokens"),
                    seed=31)
 
+
 @pytest.mark.parametrize("case", [
     Case(steps=133, heads=2, key=32, value=16, split=True),
     Case(steps=133, heads=2, key=32, value=16, exact=True, split=True),

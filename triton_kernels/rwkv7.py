@@ -1393,8 +1393,9 @@ def rwkv7_wy_output_kernel(
 @triton.jit
 def _wy_du_part(du, dh, b_ptr, w_ptr, k_base, k_tile, k_in, FLOOR: tl.constexpr,
                 PRECISION: tl.constexpr):
-    """du + b^ dH' over one part of the K columns (the state gradient's [C, KP] tiles, its
-    [KP, BV] rows of dH'): b^ = b e^(g - gi), whose decays are each column's own."""
+    """du + b^ dH' (du None: b^ dH') over one part of the K columns (the state gradient's
+    [C, KP] tiles, its [KP, BV] rows of dH'): b^ = b e^(g - gi), whose decays are each
+    column's own."""
     _, _, _, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
     return dot(rows(b_ptr, k_base, k_tile, k_in) * tl.exp(to_end), dh, du, PRECISION)
 
@@ -1429,16 +1430,20 @@ def rwkv7_wy_state_gradient_kernel(
     Above BK = 64, K in two halves of BK / 2 columns (dH carried as two tiles, dh_lo and
     dh_hi): every K column's decays are its own, so each half's are exact, and one half's
     [C, BK / 2] tiles are live at a time (``_wy_du_part``, then ``_wy_dh_part``, once per
-    half). A half past K reads and writes nothing (masked).
-    (Carrying the previous chunk's W through the loop spilled: sm_90, K=64 4 warps 64 -> 380 B,
-    K=128 8 warps 828 -> 1028 B.)"""
+    half; masked columns past K read and write nothing). A_qb^T dO is added last to dU, after
+    the products with dH'. sm_90, bf16, spill stores at 4 / 8 warps (all at 255 registers):
+    K=128 164 / 240 B (on [C, 128] tiles 1720 / 912 B; A_qb^T dO first 140 / 356 B), K=64
+    none (112 / 184 B with A_qb^T dO first). (Carrying the previous chunk's W through the loop
+    spilled: K=64 4 warps 64 -> 380 B, K=128 8 warps 828 -> 1028 B, on [C, 128] tiles.)"""
     (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
      first_chunk_slot, dh) = _recurrence(cu_ptr, chunk_index_ptr, dht_ptr, HEADS, K, V, BK, BV, C,
                                          TOTAL_ROWS)
     HALVES: tl.constexpr = BK > 64
     HALF: tl.constexpr = BK // 2
     if HALVES:  # (dh, [BK, BV], is then not used)
-        # the halves' tiles: the same offsets, the upper half's columns HALF later in the base
+        # the halves' tiles: the same offsets, the upper half's columns HALF later in the base;
+        # 64-bit offsets (each thread's then differ by constants: K=128, 4 warps, 396 -> 140 B
+        # of spills with A_qb^T dO first, against 32-bit ones widened per element)
         half_cols = tl.arange(0, HALF)
         k_tile = tl.arange(0, C).to(tl.int64)[:, None] * (HEADS * K) + half_cols[None, :]
         k_cols_in = in_range(half_cols, K, HALF)[None, :]
@@ -1465,15 +1470,15 @@ def rwkv7_wy_state_gradient_kernel(
             tl.store(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
                      dh.to(dstates_ptr.dtype.element_ty), mask=state_mask)
         do = stored(do_ptr + v_base, v_tile, v_in)
-        # dU = A_qb^T dO + b^ dH': the first term first (it does not wait for dH')
-        du = dot(tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, True)), do,
-                 None, PRECISION)
+        # dU = b^ dH' + A_qb^T dO
         if HALVES:
-            du = _wy_du_part(du, dh_lo, b_ptr, w_ptr, k_base, k_tile, k_in, FLOOR, PRECISION)
+            du = _wy_du_part(None, dh_lo, b_ptr, w_ptr, k_base, k_tile, k_in, FLOOR, PRECISION)
             du = _wy_du_part(du, dh_hi, b_ptr, w_ptr, k_base + HALF, k_tile, hi_in, FLOOR,
                              PRECISION)
         else:
-            du = _wy_du_part(du, dh, b_ptr, w_ptr, k_base, k_tile, k_in, FLOOR, PRECISION)
+            du = _wy_du_part(None, dh, b_ptr, w_ptr, k_base, k_tile, k_in, FLOOR, PRECISION)
+        du = dot(tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, True)), do,
+                 du, PRECISION)
         du = du.to(du_ptr.dtype.element_ty)
         tl.store(du_ptr + v_base + v_tile, du, mask=v_in)
         if HALVES:
