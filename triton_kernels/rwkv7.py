@@ -1403,12 +1403,13 @@ def _wy_du_part(du, dh, b_ptr, w_ptr, k_base, k_tile, k_in, FLOOR: tl.constexpr,
 @triton.jit
 def _wy_dh_part(dh, do, du, r_ptr, w_ptr, wy_ptr, k_base, k_tile, k_in, scale,
                 FLOOR: tl.constexpr, PRECISION: tl.constexpr):
-    """e^g dH' + q~^T dO + W^T dU over one part of the K columns (its rows of dH'), q~ = q e^gi:
+    """e^g dH' + W^T dU + q~^T dO over one part of the K columns (its rows of dH'), q~ = q e^gi:
     the gradient of the chunk's start state there."""
     gi, _, g_end, _ = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
     q = rows(r_ptr, k_base, k_tile, k_in) * scale
-    dh = dot(tl.trans(q * tl.exp(gi)), do, tl.exp(g_end)[:, None] * dh, PRECISION)
-    return dot(tl.trans(stored(wy_ptr + k_base, k_tile, k_in)), du, dh, PRECISION)
+    dh = dot(tl.trans(stored(wy_ptr + k_base, k_tile, k_in)), du, tl.exp(g_end)[:, None] * dh,
+             PRECISION)
+    return dot(tl.trans(q * tl.exp(gi)), do, dh, PRECISION)
 
 
 @triton.jit
@@ -1431,9 +1432,10 @@ def rwkv7_wy_state_gradient_kernel(
     dh_hi): every K column's decays are its own, so each half's are exact, and one half's
     [C, BK / 2] tiles are live at a time (``_wy_du_part``, then ``_wy_dh_part``, once per
     half; masked columns past K read and write nothing). A_qb^T dO is added last to dU, after
-    the products with dH'. sm_90, bf16, spill stores at 4 / 8 warps (all at 255 registers):
-    K=128 164 / 240 B (on [C, 128] tiles 1720 / 912 B; A_qb^T dO first 140 / 356 B), K=64
-    none (112 / 184 B with A_qb^T dO first). (Carrying the previous chunk's W through the loop
+    the products with dH', and W^T dU before q~^T dO to dH: sm_90, bf16, spill stores at 4 / 8
+    warps (all at 255 registers), K=128 44 / 216 B (on [C, 128] tiles 1720 / 912 B; A_qb^T dO
+    first 140 / 356 B; q~^T dO first 164 / 240 B), K=64 none (A_qb^T dO first 0 / 232 B; on
+    the one tile before, 112 / 184 B). (Carrying the previous chunk's W through the loop
     spilled: K=64 4 warps 64 -> 380 B, K=128 8 warps 828 -> 1028 B, on [C, 128] tiles.)"""
     (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
      first_chunk_slot, dh) = _recurrence(cu_ptr, chunk_index_ptr, dht_ptr, HEADS, K, V, BK, BV, C,
