@@ -633,7 +633,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
 # 8 above). sm_90, bf16 (benchmarks/compile_report.py --family rwkv7-64), K=128 in two halves of
 # 64 columns: 255 registers at 4 or 8 warps, 44 / 216 B of spill stores, so 4 warps (two
 # programs per SM, 48 KB of shared memory each, against one at 8); K=64 none at either. From
-# the compile report only, not timed (at K=128 the kernel on [128, 64] tiles spilled 1720 B at 4
+# the compile report only, not timed (at K=128 the kernel on [64, 128] K tiles spilled 1720 B at 4
 # warps and 912 B at 8, which made 8 the default then).
 STATE_GRADIENT_WARPS64 = 4
 
