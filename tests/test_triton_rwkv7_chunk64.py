@@ -386,6 +386,13 @@ def test_backward_key_blocks(decay):
     check_backward(Case(steps=70, key=128, value=16, decay=decay), seed=19)
 
 
+def test_backward_key_halves():
+    """K = 96 (BK = 128): the state-gradient pass in two halves of 64 K columns, the upper one
+    partly past K (masked); V = 16, two heads, two chunks, hard decays."""
+    check_backward(Case(steps=70, heads=2, key=96, value=16, decay="-1e9 and -inf tokens"),
+                   seed=31)
+
+
 @pytest.mark.parametrize("case", [
     Case(steps=133, heads=2, key=32, value=16, split=True),
     Case(steps=133, heads=2, key=32, value=16, exact=True, split=True),

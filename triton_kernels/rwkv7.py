@@ -1519,6 +1519,28 @@ def rwkv7_wy_output_kernel(
 # The K-side gradients (kernel 6, below) read dX, dH' and the forward's H and U.
 
 @triton.jit
+def _wy_du_part(du, dh, b_ptr, w_ptr, k_base, k_tile, k_in, FLOOR: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """du + b^ dH' (du None: b^ dH') over one part of the K columns (the state gradient's
+    [C, KP] tiles, its [KP, BV] rows of dH'): b^ = b e^(g - gi), whose decays are each
+    column's own."""
+    _, _, _, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
+    return dot(rows(b_ptr, k_base, k_tile, k_in) * tl.exp(to_end), dh, du, PRECISION)
+
+
+@triton.jit
+def _wy_dh_part(dh, do, du, r_ptr, w_ptr, wy_ptr, k_base, k_tile, k_in, scale,
+                FLOOR: tl.constexpr, PRECISION: tl.constexpr):
+    """e^g dH' + W^T dU + q~^T dO over one part of the K columns (its rows of dH'), q~ = q e^gi:
+    the gradient of the chunk's start state there."""
+    gi, _, g_end, _ = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
+    q = rows(r_ptr, k_base, k_tile, k_in) * scale
+    dh = dot(tl.trans(stored(wy_ptr + k_base, k_tile, k_in)), du, tl.exp(g_end)[:, None] * dh,
+             PRECISION)
+    return dot(tl.trans(q * tl.exp(gi)), do, dh, PRECISION)
+
+
+@triton.jit
 def rwkv7_wy_state_gradient_kernel(
     r_ptr, w_ptr, b_ptr, do_ptr, wy_ptr, matrices_ptr, dht_ptr, cu_ptr,           # inputs
     chunk_index_ptr,
@@ -1533,30 +1555,78 @@ def rwkv7_wy_state_gradient_kernel(
     slot; du [rows, HEADS, V] (the backend's float32): dU, and as stored in W^T dU; dh0
     [N, HEADS, K, V] float32. wy and matrices: the forward's (``rwkv7_wy_kernel``);
     A_qb^T dO multiplies them as stored. b^ = b e^(g - gi), q~ = q e^gi (``_decays``).
-    (Carrying the previous chunk's W through the loop spilled: sm_90, K=64 4 warps 64 -> 380 B,
-    K=128 8 warps 828 -> 1028 B.)"""
+
+    Above BK = 64, K in two halves of BK / 2 columns (dH carried as two tiles, dh_lo and
+    dh_hi): every K column's decays are its own, so each half's are exact, and one half's
+    [C, BK / 2] tiles are live at a time (``_wy_du_part``, then ``_wy_dh_part``, once per
+    half; masked columns past K read and write nothing). A_qb^T dO is added last to dU, after
+    the products with dH', and W^T dU before q~^T dO to dH: sm_90, bf16, spill stores at 4 / 8
+    warps (all at 255 registers), K=128 44 / 216 B (on [C, 128] tiles 1720 / 912 B; A_qb^T dO
+    first 140 / 356 B; q~^T dO first 164 / 240 B), K=64 none (A_qb^T dO first 0 / 232 B; on
+    the one tile before, 112 / 184 B). (Carrying the previous chunk's W through the loop
+    spilled: K=64 4 warps 64 -> 380 B, K=128 8 warps 828 -> 1028 B, on [C, 128] tiles.)"""
     (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
      first_chunk_slot, dh) = _recurrence(cu_ptr, chunk_index_ptr, dht_ptr, HEADS, K, V, BK, BV, C,
                                          TOTAL_ROWS)
+    HALVES: tl.constexpr = BK > 64
+    HALF: tl.constexpr = BK // 2
+    if HALVES:  # (dh, [BK, BV], is then not used)
+        # the halves' tiles: the same offsets, the upper half's columns HALF later in the base;
+        # 64-bit offsets (each thread's then differ by constants: K=128, 4 warps, 396 -> 140 B
+        # of spills with A_qb^T dO first, against 32-bit ones widened per element)
+        half_cols = tl.arange(0, HALF)
+        k_tile = tl.arange(0, C).to(tl.int64)[:, None] * (HEADS * K) + half_cols[None, :]
+        k_cols_in = in_range(half_cols, K, HALF)[None, :]
+        hi_cols_in = in_range(HALF + half_cols, K, HALF)[None, :]
+        state_mask = tl.trans(k_cols_in) & v_cols_in
+        hi_state_mask = tl.trans(hi_cols_in) & v_cols_in
+        dh_lo = tl.load(_state(dht_ptr, sequence, head, HEADS, K, V, HALF, v_cols),
+                        mask=state_mask, other=0.0)
+        dh_hi = tl.load(_state(dht_ptr + HALF * V, sequence, head, HEADS, K, V, HALF, v_cols),
+                        mask=hi_state_mask, other=0.0)
     c = chunks - 1
     while c >= 0:  # not `for ... in range`: the interpreter cannot take a run-time bound
         slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
-        tl.store(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
-                 dh.to(dstates_ptr.dtype.element_ty), mask=state_mask)
         k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                                 HEADS, K, V, C, False)
+        if HALVES:
+            hi_in = row_bases(start + c * C, end, head, hi_cols_in, v_cols_in, HEADS, K, V, C,
+                              False)[1]
+            tl.store(_state(dstates_ptr, slot, head, HEADS, K, V, HALF, v_cols),
+                     dh_lo.to(dstates_ptr.dtype.element_ty), mask=state_mask)
+            tl.store(_state(dstates_ptr + HALF * V, slot, head, HEADS, K, V, HALF, v_cols),
+                     dh_hi.to(dstates_ptr.dtype.element_ty), mask=hi_state_mask)
+        else:
+            tl.store(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                     dh.to(dstates_ptr.dtype.element_ty), mask=state_mask)
         do = stored(do_ptr + v_base, v_tile, v_in)
-        gi, _, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
-        A_qb_t = tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, True))
-        du = dot(rows(b_ptr, k_base, k_tile, k_in) * tl.exp(to_end), dh,
-                 dot(A_qb_t, do, None, PRECISION), PRECISION)
+        # dU = b^ dH' + A_qb^T dO
+        if HALVES:
+            du = _wy_du_part(None, dh_lo, b_ptr, w_ptr, k_base, k_tile, k_in, FLOOR, PRECISION)
+            du = _wy_du_part(du, dh_hi, b_ptr, w_ptr, k_base + HALF, k_tile, hi_in, FLOOR,
+                             PRECISION)
+        else:
+            du = _wy_du_part(None, dh, b_ptr, w_ptr, k_base, k_tile, k_in, FLOOR, PRECISION)
+        du = dot(tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, True)), do,
+                 du, PRECISION)
         du = du.to(du_ptr.dtype.element_ty)
         tl.store(du_ptr + v_base + v_tile, du, mask=v_in)
-        q = rows(r_ptr, k_base, k_tile, k_in) * scale
-        dh = dot(tl.trans(q * tl.exp(gi)), do, tl.exp(g_end)[:, None] * dh, PRECISION)
-        dh = dot(tl.trans(stored(wy_ptr + k_base, k_tile, k_in)), du, dh, PRECISION)
+        if HALVES:
+            dh_lo = _wy_dh_part(dh_lo, do, du, r_ptr, w_ptr, wy_ptr, k_base, k_tile, k_in,
+                                scale, FLOOR, PRECISION)
+            dh_hi = _wy_dh_part(dh_hi, do, du, r_ptr, w_ptr, wy_ptr, k_base + HALF, k_tile,
+                                hi_in, scale, FLOOR, PRECISION)
+        else:
+            dh = _wy_dh_part(dh, do, du, r_ptr, w_ptr, wy_ptr, k_base, k_tile, k_in, scale,
+                             FLOOR, PRECISION)
         c -= 1
-    tl.store(_state(dh0_ptr, sequence, head, HEADS, K, V, BK, v_cols), dh, mask=state_mask)
+    if HALVES:
+        tl.store(_state(dh0_ptr, sequence, head, HEADS, K, V, HALF, v_cols), dh_lo,
+                 mask=state_mask)
+        tl.store(_state(dh0_ptr + HALF * V, sequence, head, HEADS, K, V, HALF, v_cols), dh_hi,
+                 mask=hi_state_mask)
+    else:
+        tl.store(_state(dh0_ptr, sequence, head, HEADS, K, V, BK, v_cols), dh, mask=state_mask)
 
 
 @triton.jit

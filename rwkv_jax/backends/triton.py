@@ -98,8 +98,8 @@ class KernelConfig:
     # T=4096 bf16 forward+backward (session 13): K=64 25.99 -> 25.80 ms, K=128 38.71 -> 36.87.
     chunk64_split: bool = True
     # At 64-token chunks: keys per program and warps of the K-side kernel (None:
-    # backward_chunk64_k_side's defaults), and warps of the two sequential passes (None: 4 at
-    # K <= 64, 8 above).
+    # backward_chunk64_k_side's defaults), and warps of the two sequential passes (None: the
+    # forward's 4 at K <= 64, 8 above; the state gradient's 4, STATE_GRADIENT_WARPS64).
     chunk64_k_side_block_k: int | None = None
     chunk64_k_side_warps: int | None = None
     chunk64_state_warps: int | None = None
@@ -651,6 +651,15 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     return o, ht
 
 
+# Warps of the 64-token state-gradient pass at every K (the forward's state pass: 4 at K <= 64,
+# 8 above). sm_90, bf16 (benchmarks/compile_report.py --family rwkv7-64), K=128 in two halves of
+# 64 columns: 255 registers at 4 or 8 warps, 44 / 216 B of spill stores, so 4 warps (two
+# programs per SM, 48 KB of shared memory each, against one at 8); K=64 none at either. From
+# the compile report only, not timed (at K=128 the kernel on [64, 128] K tiles spilled 1720 B at 4
+# warps and 912 B at 8, which made 8 the default then).
+STATE_GRADIENT_WARPS64 = 4
+
+
 def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
                             cu_seqlens=None, block_v=64, warps=None):
     """The first two kernels of the 64-token backward:
@@ -660,11 +669,12 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
     chunk's end state, du and dx [B * T, H, V] float32, whatever the residuals' dtype). Two
     launches: the state-gradient pass (sequential, reverse: dH', dU, dh0) and the V-side
     gradients (all chunks at once: dX, dV).
-    ``warps``: a dict, keys "state" and "value" (untuned)."""
+    ``warps``: a dict, keys "state" and "value" (untuned; the state-gradient pass's default is
+    its own, STATE_GRADIENT_WARPS64, not the forward state pass's)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
-    warps = dict(dict(state=4 if common["BK"] <= 64 else 8, value=4), **(warps or {}))
+    warps = dict(dict(state=STATE_GRADIENT_WARPS64, value=4), **(warps or {}))
     do = do.reshape(common["TOTAL_ROWS"], heads, common["V"])
     # 4. The state gradient, each sequence from its last chunk.
     dh0, dstates, du = _launch.launch(
