@@ -113,8 +113,7 @@ def main():
                              "passes, default 3; rwkv7: the fused tame gradient kernel's, 0: its "
                              "while loop, default as default_config: 3 at K=128, else 0; "
                              "rwkv7-64: the state pass's, KernelConfig.chunk64_state_stages, "
-                             "default as forward_chunk64: 1 at K > 64, else 0, or 2 with "
-                             "--float32-residuals)")
+                             "default as forward_chunk64: 1 at K > 64, else 2)")
     parser.add_argument("--rounded", action=argparse.BooleanOptionalAction, default=None,
                         help="decayed operands rounded to bf16 against stored tiles (gla: "
                              "_GlaStatic.rounded_products, on by default as for bf16 inputs; "
@@ -137,8 +136,7 @@ def main():
     bk = max(16, 1 << (args.key - 1).bit_length())
     stages = args.stages if args.stages is not None else (
         3 if args.family == "gla" or (args.family == "rwkv7" and bk == 128)
-        else (1 if bk > 64 else 2 if args.float32_residuals else 0)
-        if args.family == "rwkv7-64" else 0)
+        else (1 if bk > 64 else 2) if args.family == "rwkv7-64" else 0)
     bv = min(args.block_v, max(16, 1 << (args.value - 1).bit_length()))
     v_blocks = -(-args.value // bv)
     rows, spans = 8 * 4096, 8 * 4096 // (16 * 8) + 8

@@ -98,17 +98,15 @@ class KernelConfig:
     # T=4096 bf16 forward+backward (session 13): K=64 25.99 -> 25.80 ms, K=128 38.71 -> 36.87.
     chunk64_split: bool = True
     # At 64-token chunks: keys per program and warps of the K-side kernel (None:
-    # backward_chunk64_k_side's defaults), and warps of the two sequential passes (None: the
-    # forward's 4 at K <= 64, 8 above; the state gradient's 4, STATE_GRADIENT_WARPS64).
+    # backward_chunk64_k_side's defaults), and warps of the two sequential passes (None: 4).
     chunk64_k_side_block_k: int | None = None
     chunk64_k_side_warps: int | None = None
     chunk64_state_warps: int | None = None
     # At 64-token chunks: num_stages of the forward state pass's loop over chunks, a ``for``
     # that Triton pipelines (the next chunks' loads, which do not depend on the state, in
     # flight in shared memory during this one's products); 0: a ``while`` loop carrying the
-    # next chunk's W by hand (K <= 64), not pipelined. None: forward_chunk64's default (0 at
-    # K <= 64 with bfloat16 W, 2 with float32 W, 1 above: the fewest spills on sm_90).
-    # Untimed.
+    # next chunk's W by hand (K <= 64), not pipelined. None: forward_chunk64's default (2 at
+    # K <= 64, 1 above; measured there).
     chunk64_state_stages: int | None = None
     # num_stages of the fused tame K-side kernel's loop over a span's chunks, a ``for`` that
     # Triton pipelines (the next chunks' loads in flight during this one's products); 0: a
@@ -584,16 +582,15 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     product); ``block_k_in_chunk``: K columns per part of the in-chunk sums (None: 32 on the
     tame path, 16 on the exact one). ``warps``: those of
     the in-chunk kernel's tame and exact paths, the state pass and the outputs (a dict, keys
-    "tame", "exact", "state", "output"; the defaults are from sm_90 compile reports only, the
-    fewest spills: docs/RWKV7-CHUNK64.md). ``residuals``: also return what the backward reads
+    "tame", "exact", "state", "output"; the defaults: sm_90 compile reports (the fewest
+    spills) and, for "state", timing). ``residuals``: also return what the backward reads
     (a dict: ``states`` [chunk slots, H, K, V], H at every chunk's start; ``u`` and ``wy``
     [B * T, H, V or K], U float32 and W; ``matrices`` [chunk slots, H, 4, 64, 64] float32,
     A_qk, A_qb, A_ak, T). ``states`` and ``wy`` are bfloat16 for 16-bit inputs when
     ``bf16_residuals`` (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``:
     num_stages of the state pass's loop over chunks, 0 for its ``while`` loop
-    (KernelConfig.chunk64_state_stages; None: at K <= 64 0 with bfloat16 W, 2 with float32 W;
-    1 above). The op's forward at
-    KernelConfig.chunk = 64."""
+    (KernelConfig.chunk64_state_stages; None: 2 at K <= 64, 1 above, as measured). The op's
+    forward at KernelConfig.chunk = 64."""
     setup = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
@@ -608,14 +605,14 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     # K=64 none with its ``while`` loop (stages 0), nor at 1 or 2 stages (49 / 98 KB shared),
     # 24 B at 3 stages and 4 warps. K=128, H in two halves of 64 keys: 152 / 100 B (stages 0),
     # 52 / 72 B (1), 84 / 76 B (2, 140 KB shared), 76 / 92 B (3, 213 KB); before the halves,
-    # whole [64, 128] K tiles: 696 / 280 B, 66 KB. Warps: 8 at K=128 (the timed default; 4
-    # spills as much). float32 W (float32 inputs or bf16_residuals off), K=64: the ``while``
-    # loop's hand-carried W spills 180 / 200 B, 0 / 88 B at 2 stages (115 KB shared).
-    # None of the pipelined variants is timed yet.
-    warps = dict(dict(tame=4, exact=4, state=4 if block_k <= 64 else 8, output=4),
-                 **(warps or {}))
-    if state_stages is None:  # (the fewest spills, above)
-        state_stages = 1 if block_k > 64 else 0 if buffer == jnp.bfloat16 else 2
+    # whole [64, 128] K tiles: 696 / 280 B, 66 KB. float32 W (float32 inputs or bf16_residuals
+    # off), K=64: the ``while`` loop's hand-carried W spills 180 / 200 B, 0 / 88 B at 2 stages
+    # (115 KB shared). Timed (H200, B=8 T=4096 bf16, session 14), the state pass: K=64 (4
+    # warps) 1.51 ms with the ``while`` loop, 1.22 at 2 stages; K=128 at 8 warps 4.38 (while),
+    # 4.30 (1 stage), 3.54 (2 stages), at 4 warps and 1 stage 2.97: the defaults.
+    warps = dict(dict(tame=4, exact=4, state=4, output=4), **(warps or {}))
+    if state_stages is None:
+        state_stages = 1 if block_k > 64 else 2
     # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path.
     in_chunk = lambda TAME: _launch.launch(
         _kernels.rwkv7_wy_kernel, (r, w, k, v, a, b, *setup.index),
@@ -651,8 +648,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     return o, ht
 
 
-# Warps of the 64-token state-gradient pass at every K (the forward's state pass: 4 at K <= 64,
-# 8 above). sm_90, bf16 (benchmarks/compile_report.py --family rwkv7-64), K=128 in two halves of
+# Warps of the 64-token state-gradient pass at every K (as the forward's state pass). sm_90, bf16 (benchmarks/compile_report.py --family rwkv7-64), K=128 in two halves of
 # 64 columns: 255 registers at 4 or 8 warps, 44 / 216 B of spill stores, so 4 warps (two
 # programs per SM, 48 KB of shared memory each, against one at 8); K=64 none at either. From
 # the compile report only, not timed (at K=128 the kernel on [64, 128] K tiles spilled 1720 B at 4
