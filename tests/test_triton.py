@@ -84,8 +84,9 @@ HARD_DECAYS = {
 }
 
 
-def check(case, seed):
-    """Forward, final state and every gradient against the float64 reference."""
+def check(case, seed, differentiate=True):
+    """Forward, final state and every gradient against the float64 reference (not
+    ``differentiate``: the forward and final state of a call that is not differentiated)."""
     rng = np.random.default_rng(seed)
     packed = bool(case.cu_seqlens)
     drawn = reference.random_inputs(
@@ -114,6 +115,8 @@ def check(case, seed):
                 return rwkv_jax.rwkv7(*(x[n] for n in "rwkvab"),
                                       initial_state=x["initial_state"], cu_seqlens=cu_seqlens,
                                       backend="triton")
+            if not differentiate:
+                return (*op(x), {})
             (out, state), pullback = jax.vjp(op, x)
             return out, state, pullback((d_out, d_state))[0]
 
@@ -282,6 +285,15 @@ CHUNK64_CASES = {
 def test_chunk64_op(name):
     case = CHUNK64_CASES[name]
     check(dataclasses.replace(case, config=dict(case.config, chunk=64)), seed=len(name))
+
+
+@pytest.mark.parametrize("name", ["packed, bfloat16", "-1e9 and -inf tokens"])
+def test_chunk64_op_not_differentiated(name):
+    """A call that is not differentiated takes the 16-token forward (the faster one): the same
+    outputs within the contract."""
+    case = CHUNK64_CASES[name]
+    check(dataclasses.replace(case, config=dict(case.config, chunk=64)), seed=len(name),
+          differentiate=False)
 
 
 def test_chunk_must_be_16_or_64():

@@ -444,8 +444,9 @@ def _k_side_gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dstates
 _rwkv7.defvjp(_rwkv7_fwd, _rwkv7_bwd)
 
 
-# The op at 64-token chunks (KernelConfig.chunk = 64): the forward's three kernels save what the
-# backward's three read (``forward_chunk64``'s residuals), no state at every step.
+# The op at 64-token chunks (KernelConfig.chunk = 64), when differentiated: the forward's three
+# kernels save what the backward reads (``forward_chunk64``'s residuals), no state at every
+# step. A call that is not differentiated takes the 16-token forward.
 def _chunk64_options(static, cu_seqlens):
     state_warps = static.config.chunk64_state_warps
     return dict(scale=static.scale, cu_seqlens=cu_seqlens, block_v=static.config.block_v,
@@ -453,14 +454,18 @@ def _chunk64_options(static, cu_seqlens):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rwkv7_chunk64(static, r, w, k, v, a, b, h0, cu_seqlens):
-    return forward_chunk64(r, w, k, v, a, b, initial_state=h0, exact=not static.config.tame,
-                           bf16_residuals=static.config.chunk64_bf16_residuals,
-                           state_stages=static.config.chunk64_state_stages,
-                           **_chunk64_options(static, cu_seqlens))
+def _rwkv7_chunk64(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
+    # Not differentiated (inference): the 16-token forward, which saves nothing and is the
+    # faster one (H200, B=8 T=4096 H=32 K=128 bf16: 5.33 ms against 11.06, session 14); only
+    # training needs the 64-token forward's residuals.
+    batch, steps, heads, _ = r.shape
+    rows = lambda x: x.reshape(batch * steps, heads, x.shape[-1])
+    o, ht, _, _, _ = _forward(static, *map(rows, (r, w, k, v, a, b)), h0, cu, False,
+                              tame_path(w))
+    return o.reshape(v.shape), ht
 
 
-def _rwkv7_chunk64_fwd(static, r, w, k, v, a, b, h0, cu_seqlens):
+def _rwkv7_chunk64_fwd(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
     o, ht, saved = forward_chunk64(r, w, k, v, a, b, initial_state=h0, residuals=True,
                                    exact=not static.config.tame,
                                    bf16_residuals=static.config.chunk64_bf16_residuals,
@@ -481,7 +486,7 @@ def _rwkv7_chunk64_bwd(static, residuals, cotangents):
         r, w, k, v, a, b, saved, do, dstates, dx, exact=not static.config.tame,
         split=static.config.chunk64_split, block_k=static.config.chunk64_k_side_block_k,
         **dict(options, warps=warps and dict(tame=warps, exact=warps)))
-    return dr, dw, dk, dv, da, db, dh0, None
+    return dr, dw, dk, dv, da, db, dh0, None, None
 
 
 _rwkv7_chunk64.defvjp(_rwkv7_chunk64_fwd, _rwkv7_chunk64_bwd)
@@ -498,7 +503,7 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
     static = _Static(float(scale), heads, k_size, v_size, config, "tf32x3" if precise else "tf32")
     if config.chunk == CHUNK64:
-        return _rwkv7_chunk64(static, r, w, k, v, a, b, initial_state, cu_seqlens)
+        return _rwkv7_chunk64(static, r, w, k, v, a, b, initial_state, cu_seqlens, cu)
     if config.chunk != CHUNK:
         raise ValueError(f"KernelConfig.chunk must be {CHUNK} or {CHUNK64}; got {config.chunk}")
     rows = lambda x: x.reshape(batch * steps, heads, x.shape[-1])
@@ -506,8 +511,8 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     return o.reshape(batch, steps, heads, v_size), ht
 
 
-# 64-token chunks (docs/RWKV7-CHUNK64.md): the op's kernels at KernelConfig.chunk = 64 (not yet
-# the default: slower than the 16-token kernels on an H100, BENCHMARKS.md session 13).
+# 64-token chunks (docs/RWKV7-CHUNK64.md): the op's training kernels at KernelConfig.chunk = 64
+# (the default above K = 64: BENCHMARKS.md session 14).
 CHUNK64 = 64
 LEVELS64 = CHUNK64.bit_length() - 1
 # The plan's 16-token blocks: of the exact path's in-chunk factors and of the in-chunk inverse's
