@@ -15,7 +15,9 @@ constants), so no value of ``cu`` reads or writes out of bounds. Launches go thr
 :func:`rwkv7` is a ``jax.custom_vjp``. Exact for every log decay in [-inf, 0]: the kernels that
 build in-chunk matrices have two paths (tame and exact, see the kernels), and :func:`tame_path`
 picks one per call on the device (one read of w, ``lax.cond``: no host sync); the backward
-takes the forward's path. The two sequential passes have one path.
+takes the forward's path. The two sequential passes have one path. Above K = 64 training takes
+the 64-token kernels instead (section "64-token chunks" below, ``KernelConfig.chunk``); a call
+that is not differentiated takes the 16-token forward at every head size.
 """
 
 from __future__ import annotations
@@ -89,9 +91,11 @@ class KernelConfig:
     # far slower (H100, session 13: that kernel 7.75 -> 13.94 ms at K=64, 18.84 -> 30.78 at
     # K=128). The value kernel keeps backward_warps: Triton 3.6 miscompiles its products at 8.
     k_side_warps: int | None = None
-    # Tokens per chunk: 16, the kernels above, or 64, the WY-form kernels of the section
-    # "64-token chunks" (docs/RWKV7-CHUNK64.md), of which only block_v applies (the V columns
-    # per program of their state passes, outputs and V-side gradients).
+    # Tokens per chunk of the training kernels: 16, the kernels above, or 64, the WY-form
+    # kernels of the section "64-token chunks" (docs/RWKV7-CHUNK64.md; default_config's choice
+    # above K = 64), which take block_v (the V columns per program of their state passes,
+    # outputs and V-side gradients) and the chunk64_* fields below; a call that is not
+    # differentiated takes the 16-token forward either way.
     chunk: int = 16
     # At 64-token chunks: the K-side gradients' four dA sums in their own kernel, once per chunk
     # (backward_chunk64_k_side's ``split``), rather than once per block of keys. H200, B=8
@@ -657,11 +661,11 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     return o, ht
 
 
-# Warps of the 64-token state-gradient pass at every K (as the forward's state pass). sm_90, bf16 (benchmarks/compile_report.py --family rwkv7-64), K=128 in two halves of
-# 64 columns: 255 registers at 4 or 8 warps, 44 / 216 B of spill stores, so 4 warps (two
-# programs per SM, 48 KB of shared memory each, against one at 8); K=64 none at either. From
-# the compile report only, not timed (at K=128 the kernel on [64, 128] K tiles spilled 1720 B at 4
-# warps and 912 B at 8, which made 8 the default then).
+# Warps of the 64-token state-gradient pass at every K (as the forward's state pass). sm_90,
+# bf16 (benchmarks/compile_report.py --family rwkv7-64), K=128 in two halves of 64 columns: 255
+# registers at 4 or 8 warps, 44 / 216 B of spill stores (on [64, 128] K tiles 1720 / 912 B);
+# K=64 none at either. H200, B=8 T=4096 bf16 (session 14), K=128: 6.28 ms at 8 warps and 5.43
+# at 4 on whole tiles, 3.51 in halves at 4.
 STATE_GRADIENT_WARPS64 = 4
 
 
@@ -674,8 +678,7 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
     chunk's end state, du and dx [B * T, H, V] float32, whatever the residuals' dtype). Two
     launches: the state-gradient pass (sequential, reverse: dH', dU, dh0) and the V-side
     gradients (all chunks at once: dX, dV).
-    ``warps``: a dict, keys "state" and "value" (untuned; the state-gradient pass's default is
-    its own, STATE_GRADIENT_WARPS64, not the forward state pass's)."""
+    ``warps``: a dict, keys "state" (default STATE_GRADIENT_WARPS64) and "value"."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
@@ -740,7 +743,8 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
     and head: the four dA [64, 64] summed over V once per chunk, into a [chunk slots, H, 4, 64,
     64] buffer, bfloat16 for 16-bit inputs, float32 for float32 ones; warps: key "dA") and the
     K-side kernel reading them (blocks of K_SIDE_SPLIT_BLOCK_K64 keys, K_SIDE_SPLIT_WARPS64
-    warps), not rebuilding them for each block of keys. ``block_k``: keys per K-side program (None: the default above)."""
+    warps), not rebuilding them for each block of keys. ``block_k``: keys per K-side program
+    (None: the default above)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
