@@ -1578,12 +1578,12 @@ def rwkv7_wy_state_gradient_kernel(
         k_tile = tl.arange(0, C).to(tl.int64)[:, None] * (HEADS * K) + half_cols[None, :]
         k_cols_in = in_range(half_cols, K, HALF)[None, :]
         hi_cols_in = in_range(HALF + half_cols, K, HALF)[None, :]
-        state_mask = tl.trans(k_cols_in) & v_cols_in
-        hi_state_mask = tl.trans(hi_cols_in) & v_cols_in
-        dh_lo = tl.load(_state(dht_ptr, sequence, head, HEADS, K, V, HALF, v_cols),
-                        mask=state_mask, other=0.0)
-        dh_hi = tl.load(_state(dht_ptr + HALF * V, sequence, head, HEADS, K, V, HALF, v_cols),
-                        mask=hi_state_mask, other=0.0)
+        pointers, mask = _wy_state_half(dht_ptr, sequence, head, 0, HEADS, K, V, HALF, v_cols,
+                                        v_cols_in)
+        dh_lo = tl.load(pointers, mask=mask, other=0.0)
+        pointers, mask = _wy_state_half(dht_ptr, sequence, head, 1, HEADS, K, V, HALF, v_cols,
+                                        v_cols_in)
+        dh_hi = tl.load(pointers, mask=mask, other=0.0)
     c = chunks - 1
     while c >= 0:  # not `for ... in range`: the interpreter cannot take a run-time bound
         slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
@@ -1592,10 +1592,12 @@ def rwkv7_wy_state_gradient_kernel(
         if HALVES:
             hi_in = row_bases(start + c * C, end, head, hi_cols_in, v_cols_in, HEADS, K, V, C,
                               False)[1]
-            tl.store(_state(dstates_ptr, slot, head, HEADS, K, V, HALF, v_cols),
-                     dh_lo.to(dstates_ptr.dtype.element_ty), mask=state_mask)
-            tl.store(_state(dstates_ptr + HALF * V, slot, head, HEADS, K, V, HALF, v_cols),
-                     dh_hi.to(dstates_ptr.dtype.element_ty), mask=hi_state_mask)
+            pointers, mask = _wy_state_half(dstates_ptr, slot, head, 0, HEADS, K, V, HALF,
+                                            v_cols, v_cols_in)
+            tl.store(pointers, dh_lo.to(dstates_ptr.dtype.element_ty), mask=mask)
+            pointers, mask = _wy_state_half(dstates_ptr, slot, head, 1, HEADS, K, V, HALF,
+                                            v_cols, v_cols_in)
+            tl.store(pointers, dh_hi.to(dstates_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
                      dh.to(dstates_ptr.dtype.element_ty), mask=state_mask)
@@ -1621,10 +1623,12 @@ def rwkv7_wy_state_gradient_kernel(
                              FLOOR, PRECISION)
         c -= 1
     if HALVES:
-        tl.store(_state(dh0_ptr, sequence, head, HEADS, K, V, HALF, v_cols), dh_lo,
-                 mask=state_mask)
-        tl.store(_state(dh0_ptr + HALF * V, sequence, head, HEADS, K, V, HALF, v_cols), dh_hi,
-                 mask=hi_state_mask)
+        pointers, mask = _wy_state_half(dh0_ptr, sequence, head, 0, HEADS, K, V, HALF, v_cols,
+                                        v_cols_in)
+        tl.store(pointers, dh_lo, mask=mask)
+        pointers, mask = _wy_state_half(dh0_ptr, sequence, head, 1, HEADS, K, V, HALF, v_cols,
+                                        v_cols_in)
+        tl.store(pointers, dh_hi, mask=mask)
     else:
         tl.store(_state(dh0_ptr, sequence, head, HEADS, K, V, BK, v_cols), dh, mask=state_mask)
 
