@@ -435,7 +435,8 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
         # Every chunk through the level-by-level path (what chunks with strong decays take).
         attempt(bench_jax, "triton, every chunk level by level", x_jax, d_out_jax, d_state_jax,
                 ref, "triton", dataclasses.replace(default, tame=False), cap=90)
-        # The other choice of each measured option (session 13, BENCHMARKS.md): the K-side
+        # The other choice of each measured option of the 16-token kernels (session 13,
+        # BENCHMARKS.md), on them whatever the default's chunk (64 above K = 64): the K-side
         # gradients in two kernels, bf16 saved states, the passes' bf16 products, 8 K-side
         # warps and, at K=128, no K blocks.
         changes = [dict(fused_tame_gradient=not default.fused_tame_gradient),
@@ -443,7 +444,7 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
                    dict(k_side_warps=8)]
         if default.gradient_block_k:
             changes.append(dict(gradient_block_k=None))
-        for change in changes:
+        for change in (dict(change, chunk=16) for change in changes):
             config = dataclasses.replace(default, **change)
             attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,
                     "triton", config, cap=60)
