@@ -295,7 +295,8 @@ def check_backward(case, seed):
             exact=case.exact, residuals=True, **case.options)
         block_v = case.options.get("block_v", 64)
         dv, dh0, dstates, du, dx = triton_backend.backward_chunk64_v_side(
-            *inputs, residuals, do, dht, scale=0.5, cu_seqlens=cu_seqlens, block_v=block_v)
+            *inputs, residuals, do, dht, scale=0.5, cu_seqlens=cu_seqlens, block_v=block_v,
+            recurrence_block_v=case.options.get("recurrence_block_v"))
         k_side = triton_backend.backward_chunk64_k_side(
             *inputs, residuals, do, dstates, dx, scale=0.5, cu_seqlens=cu_seqlens,
             block_v=block_v, exact=case.exact, split=case.split)
@@ -369,6 +370,15 @@ def test_backward_packed(dtype, decay, bf16_residuals):
     check_backward(Case(steps=140, heads=2, cu_seqlens=(0, 0, 70, 73, 140), dtype=dtype,
                         decay=decay, options=dict(block_v=16, bf16_residuals=bf16_residuals)),
                    seed=8)
+
+
+def test_backward_recurrence_v_blocks():
+    """The two sequential passes on narrower V blocks than the parallel kernels
+    (``recurrence_block_v``, for few sequences: KernelConfig.recurrence_block_v): V = 32, the
+    passes in blocks of 16, the other kernels in one of 32; packed, with hard decays."""
+    check_backward(Case(steps=140, heads=2, cu_seqlens=(0, 0, 70, 73, 140),
+                        decay="-1e9 and -inf tokens",
+                        options=dict(block_v=32, recurrence_block_v=16)), seed=37)
 
 
 @pytest.mark.parametrize("decay, exact", [("zero", False), ("model", True)])

@@ -1051,14 +1051,17 @@ def _wy_chunk_program(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, HEADS: tl.con
                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       C: tl.constexpr, TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr,
                       CHUNK_SLOTS: tl.constexpr):
-    """A parallel kernel's program (grid: chunk slots, HEADS, V blocks of BV): its slot, head,
+    """A parallel kernel's program (grid: chunk slots * V blocks of BV, HEADS): its slot, head,
     whether the slot is a chunk (``_one_chunk``), its V columns, the chunk's tiles and masks
-    (``chunk_tiles``) and row bases (``row_bases``; no row of an unused slot)."""
-    slot = tl.program_id(0)
+    (``chunk_tiles``) and row bases (``row_bases``; no row of an unused slot). A chunk's V
+    blocks are consecutive programs: they run together, so that the chunk's matrices and K-side
+    tiles, which every V block reads, come from L2 after the first."""
+    V_BLOCKS: tl.constexpr = (V + BV - 1) // BV
+    slot = tl.program_id(0) // V_BLOCKS
     head = tl.program_id(1)
     used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
                                   TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
-    v_cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    v_cols = tl.program_id(0) % V_BLOCKS * BV + tl.arange(0, BV)
     k_tile, k_cols_in, v_tile, v_cols_in = chunk_tiles(v_cols, HEADS, K, V, BK, BV, C, False)
     k_base, k_in, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V,
                                             C, False)
@@ -1492,8 +1495,8 @@ def rwkv7_wy_output_kernel(
     TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Grid (chunk slots, HEADS, V blocks of BV): O = q~ H + A_qk V + A_qb U, all chunks at once,
-    from the chunk's H saved by the state pass (in the same chunk slot) and its A_qk, A_qb
+    """Grid (chunk slots * V blocks of BV, HEADS): O = q~ H + A_qk V + A_qb U, all chunks at
+    once, from the chunk's H saved by the state pass (in the same chunk slot) and its A_qk, A_qb
     (``rwkv7_wy_kernel``). o [rows, HEADS, V] in its dtype. Each product takes its tiles as
     stored (``dot``)."""
     (slot, head, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, k_base, k_in, v_base,
@@ -1642,7 +1645,7 @@ def rwkv7_wy_value_gradient_kernel(
     BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (chunk slots, HEADS, V blocks of BV), all chunks at once: dX = T^T dU and
+    """Grid (chunk slots * V blocks of BV, HEADS), all chunks at once: dX = T^T dU and
     dV = A_qk^T dO + A_ak^T dX + k^ dH' (k^ = k e^(g - gi)), from the state-gradient pass's dU
     and dH' (same chunk slot) and the forward's matrices. dv [rows, HEADS, V] in its dtype; dx
     [rows, HEADS, V] (the backend's float32), and as stored in dV (as the K side reads it).

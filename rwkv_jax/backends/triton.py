@@ -474,6 +474,7 @@ def _rwkv7_chunk64_fwd(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
                                    exact=not static.config.tame,
                                    bf16_residuals=static.config.chunk64_bf16_residuals,
                                    state_stages=static.config.chunk64_state_stages,
+                                   recurrence_block_v=static.config.recurrence_block_v,
                                    **_chunk64_options(static, cu_seqlens))
     return (o, ht), (r, w, k, v, a, b, saved, cu_seqlens)
 
@@ -483,8 +484,9 @@ def _rwkv7_chunk64_bwd(static, residuals, cotangents):
     do, dht = cotangents
     do = do.astype(v.dtype)
     options = _chunk64_options(static, cu_seqlens)
-    dv, dh0, dstates, _, dx = backward_chunk64_v_side(r, w, k, v, a, b, saved, do, dht,
-                                                       **options)
+    dv, dh0, dstates, _, dx = backward_chunk64_v_side(
+        r, w, k, v, a, b, saved, do, dht, recurrence_block_v=static.config.recurrence_block_v,
+        **options)
     warps = static.config.chunk64_k_side_warps
     dr, dw, dk, da, db = backward_chunk64_k_side(
         r, w, k, v, a, b, saved, do, dstates, dx, exact=not static.config.tame,
@@ -581,9 +583,18 @@ def _residual_dtype(common, bf16_residuals):
     return jnp.bfloat16 if bf16_residuals and common["PRECISION"] != "tf32x3" else jnp.float32
 
 
+def _recurrence64(setup, block_v):
+    """The grid and compile-time arguments of a 64-token sequential pass (a program per
+    sequence, head and block of V columns): blocks of ``block_v`` columns where set (at most
+    the parallel kernels' BV), else the parallel kernels' own."""
+    block_v = min(block_v or setup.common["BV"], setup.common["BV"])
+    return dict(grid=(setup.sequences * setup.common["HEADS"], -(-setup.common["V"] // block_v)),
+                common=dict(setup.common, BV=block_v))
+
+
 def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqlens=None,
                     exact=False, block_v=64, block_k_in_chunk=None, warps=None, residuals=False,
-                    bf16_residuals=True, state_stages=None):
+                    bf16_residuals=True, state_stages=None, recurrence_block_v=None):
     """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
     "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
     inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
@@ -592,11 +603,12 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     decay >= -1, so that every 64-token chunk sums to >= -64 per channel; ``exact`` forces the
     exact path), the state pass (U, the state at every chunk's start, ht) and the outputs.
     ``block_v``: V columns per program of the state pass and the outputs (and of each U0
-    product); ``block_k_in_chunk``: K columns per part of the in-chunk sums (None: 32 on the
-    tame path, 16 on the exact one). ``warps``: those of
-    the in-chunk kernel's tame and exact paths, the state pass and the outputs (a dict, keys
-    "tame", "exact", "state", "output"; the defaults: sm_90 compile reports (the fewest
-    spills) and, for "state", timing). ``residuals``: also return what the backward reads
+    product); ``recurrence_block_v``: the state pass's instead, where set (fewer columns, more
+    programs, for few sequences: KernelConfig.recurrence_block_v); ``block_k_in_chunk``: K
+    columns per part of the in-chunk sums (None: 32 on the tame path, 16 on the exact one).
+    ``warps``: those of the in-chunk kernel's tame and exact paths, the state pass and the
+    outputs (a dict, keys "tame", "exact", "state", "output"; the defaults: sm_90 compile
+    reports (the fewest spills) and, for "state", timing). ``residuals``: also return what the backward reads
     (a dict: ``states`` [chunk slots, H, K, V], H at every chunk's start; ``u`` and ``wy``
     [B * T, H, V or K], U float32 and W; ``matrices`` [chunk slots, H, 4, 64, 64] float32,
     A_qk, A_qb, A_ak, T). ``states`` and ``wy`` are bfloat16 for 16-bit inputs when
@@ -643,16 +655,17 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         **dict(common, BV=setup.v_blocks * block_v))
     wy, u0, matrices = _on_path(not exact and tame_path(w), in_chunk)
     # 2. The state pass: U, the state at every chunk's start, the final states.
+    recurrence = _recurrence64(setup, recurrence_block_v)
     ht, states, u = _launch.launch(
         _kernels.rwkv7_wy_state_kernel,
         (w, k, v, b, wy, u0, setup.h0, setup.cu, setup.chunk_index),
         (setup.states(setup.sequences), setup.states(slots, buffer), setup.per_row(common["V"])),
-        (setup.sequences * heads, setup.v_blocks), num_warps=warps["state"],
-        num_stages=max(state_stages, 1), PIPELINED=state_stages > 0, CHUNK_SLOTS=slots, **common)
+        recurrence["grid"], num_warps=warps["state"], num_stages=max(state_stages, 1),
+        PIPELINED=state_stages > 0, CHUNK_SLOTS=slots, **recurrence["common"])
     # 3. The outputs, all chunks at once.
     (o,) = _launch.launch(
         _kernels.rwkv7_wy_output_kernel, (r, w, v, u, states, matrices, *setup.index),
-        (setup.per_row(common["V"], v.dtype),), (slots, heads, setup.v_blocks),
+        (setup.per_row(common["V"], v.dtype),), (slots * setup.v_blocks, heads),
         num_warps=warps["output"], scale=float(scale), SEQUENCES=setup.sequences,
         CHUNK_SLOTS=slots, **common)
     o = o.reshape(setup.shape)
@@ -670,7 +683,7 @@ STATE_GRADIENT_WARPS64 = 4
 
 
 def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
-                            cu_seqlens=None, block_v=64, warps=None):
+                            cu_seqlens=None, block_v=64, warps=None, recurrence_block_v=None):
     """The first two kernels of the 64-token backward:
     from the inputs as :func:`forward_chunk64` took them, its ``residuals`` and the cotangents
     ``do`` [B, T, H, V] and ``dht`` [N, H, K, V] (of o and ht), (dv [B, T, H, V] in v's dtype,
@@ -678,26 +691,28 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
     chunk's end state, du and dx [B * T, H, V] float32, whatever the residuals' dtype). Two
     launches: the state-gradient pass (sequential, reverse: dH', dU, dh0) and the V-side
     gradients (all chunks at once: dX, dV).
-    ``warps``: a dict, keys "state" (default STATE_GRADIENT_WARPS64) and "value"."""
+    ``warps``: a dict, keys "state" (default STATE_GRADIENT_WARPS64) and "value";
+    ``block_v`` and ``recurrence_block_v`` as :func:`forward_chunk64`'s."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     warps = dict(dict(state=STATE_GRADIENT_WARPS64, value=4), **(warps or {}))
     do = do.reshape(common["TOTAL_ROWS"], heads, common["V"])
     # 4. The state gradient, each sequence from its last chunk.
+    recurrence = _recurrence64(setup, recurrence_block_v)
     dh0, dstates, du = _launch.launch(
         _kernels.rwkv7_wy_state_gradient_kernel,
         (r, w, b, do, residuals["wy"], residuals["matrices"], dht.astype(jnp.float32),
          setup.cu, setup.chunk_index),
         (setup.states(setup.sequences), setup.states(slots), setup.per_row(common["V"])),
-        (setup.sequences * heads, setup.v_blocks), num_warps=warps["state"], scale=float(scale),
-        CHUNK_SLOTS=slots, **common)
+        recurrence["grid"], num_warps=warps["state"], scale=float(scale), CHUNK_SLOTS=slots,
+        **recurrence["common"])
     # 5. The V-side gradients, all chunks at once.
     dv, dx = _launch.launch(
         _kernels.rwkv7_wy_value_gradient_kernel,
         (w, k, do, du, dstates, residuals["matrices"], *setup.index),
         (setup.per_row(common["V"], v.dtype), setup.per_row(common["V"])),
-        (slots, heads, setup.v_blocks), num_warps=warps["value"], SEQUENCES=setup.sequences,
+        (slots * setup.v_blocks, heads), num_warps=warps["value"], SEQUENCES=setup.sequences,
         CHUNK_SLOTS=slots, **common)
     return dv.reshape(setup.shape), dh0, dstates, du, dx
 
