@@ -1544,6 +1544,52 @@ def _wy_dh_part(dh, do, du, r_ptr, w_ptr, wy_ptr, k_base, k_tile, k_in, scale,
 
 
 @triton.jit
+def _wy_state_gradient_step(c, dh_lo, dh_hi, first_chunk_slot, start, end, head, k_tile,
+                            k_cols_in, hi_cols_in, v_tile, v_cols, v_cols_in, state_mask, r_ptr,
+                            w_ptr, b_ptr, do_ptr, wy_ptr, matrices_ptr, dstates_ptr, du_ptr,
+                            scale, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                            BK: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+                            CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+                            HALVES: tl.constexpr):
+    """Chunk c of the state-gradient pass from dH' (the gradient of its end state: dh_lo, or
+    the two halves dh_lo and dh_hi of HALF K rows when HALVES): dH' stored in the chunk's slot,
+    dU = b^ dH' + A_qb^T dO stored; returns dH, the gradient of its start state (the halves;
+    dh_hi passed through unused without HALVES)."""
+    HALF: tl.constexpr = BK // 2
+    slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
+    k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
+                                            HEADS, K, V, C, False)
+    if HALVES:
+        hi_in = row_bases(start + c * C, end, head, hi_cols_in, v_cols_in, HEADS, K, V, C,
+                          False)[1]
+        pointers, mask = _wy_state_half(dstates_ptr, slot, head, 0, HEADS, K, V, HALF,
+                                        v_cols, v_cols_in)
+        tl.store(pointers, dh_lo.to(dstates_ptr.dtype.element_ty), mask=mask)
+        pointers, mask = _wy_state_half(dstates_ptr, slot, head, 1, HEADS, K, V, HALF,
+                                        v_cols, v_cols_in)
+        tl.store(pointers, dh_hi.to(dstates_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                 dh_lo.to(dstates_ptr.dtype.element_ty), mask=state_mask)
+    do = stored(do_ptr + v_base, v_tile, v_in)
+    # dU = b^ dH' + A_qb^T dO
+    du = _wy_du_part(None, dh_lo, b_ptr, w_ptr, k_base, k_tile, k_in, FLOOR, PRECISION)
+    if HALVES:
+        du = _wy_du_part(du, dh_hi, b_ptr, w_ptr, k_base + HALF, k_tile, hi_in, FLOOR,
+                         PRECISION)
+    du = dot(tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, True)), do, du,
+             PRECISION)
+    du = du.to(du_ptr.dtype.element_ty)
+    tl.store(du_ptr + v_base + v_tile, du, mask=v_in)
+    dh_lo = _wy_dh_part(dh_lo, do, du, r_ptr, w_ptr, wy_ptr, k_base, k_tile, k_in, scale, FLOOR,
+                        PRECISION)
+    if HALVES:
+        dh_hi = _wy_dh_part(dh_hi, do, du, r_ptr, w_ptr, wy_ptr, k_base + HALF, k_tile, hi_in,
+                            scale, FLOOR, PRECISION)
+    return dh_lo, dh_hi
+
+
+@triton.jit
 def rwkv7_wy_state_gradient_kernel(
     r_ptr, w_ptr, b_ptr, do_ptr, wy_ptr, matrices_ptr, dht_ptr, cu_ptr,           # inputs
     chunk_index_ptr,
@@ -1551,6 +1597,7 @@ def rwkv7_wy_state_gradient_kernel(
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
     TOTAL_ROWS: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+    PIPELINED: tl.constexpr,
 ):
     """Grid (sequences * HEADS, V blocks of BV): the reverse recurrence, from each sequence's
     last chunk, carrying dH in float32 (from dht [N, HEADS, K, V]). dstates [chunk slots, HEADS,
@@ -1567,13 +1614,20 @@ def rwkv7_wy_state_gradient_kernel(
     warps (all at 255 registers), K=128 44 / 216 B (on [C, 128] tiles 1720 / 912 B; A_qb^T dO
     first 140 / 356 B; q~^T dO first 164 / 240 B), K=64 none (A_qb^T dO first 0 / 232 B; on
     the one tile before, 112 / 184 B). (Carrying the previous chunk's W through the loop
-    spilled: K=64 4 warps 64 -> 380 B, K=128 8 warps 828 -> 1028 B, on [C, 128] tiles.)"""
+    spilled: K=64 4 warps 64 -> 380 B, K=128 8 warps 828 -> 1028 B, on [C, 128] tiles.)
+
+    PIPELINED: on the GPU the loop over chunks is a ``for`` that Triton pipelines (num_stages:
+    the earlier chunks' loads, which do not depend on dH, in flight during this chunk's
+    products); else a ``while`` (always in the interpreter, whose ``range`` takes no run-time
+    bound)."""
     (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
-     first_chunk_slot, dh) = _recurrence(cu_ptr, chunk_index_ptr, dht_ptr, HEADS, K, V, BK, BV, C,
-                                         TOTAL_ROWS)
+     first_chunk_slot, dh_lo) = _recurrence(cu_ptr, chunk_index_ptr, dht_ptr, HEADS, K, V, BK,
+                                            BV, C, TOTAL_ROWS)
     HALVES: tl.constexpr = BK > 64
     HALF: tl.constexpr = BK // 2
-    if HALVES:  # (dh, [BK, BV], is then not used)
+    hi_cols_in = k_cols_in
+    dh_hi = 0.0  # (carried unused without HALVES)
+    if HALVES:  # (the [BK, BV] tile _recurrence loaded is then replaced by the halves)
         # the halves' tiles: the same offsets, the upper half's columns HALF later in the base;
         # 64-bit offsets (each thread's then differ by constants: K=128, 4 warps, 396 -> 140 B
         # of spills with A_qb^T dO first, against 32-bit ones widened per element)
@@ -1587,44 +1641,22 @@ def rwkv7_wy_state_gradient_kernel(
         pointers, mask = _wy_state_half(dht_ptr, sequence, head, 1, HEADS, K, V, HALF, v_cols,
                                         v_cols_in)
         dh_hi = tl.load(pointers, mask=mask, other=0.0)
-    c = chunks - 1
-    while c >= 0:  # not `for ... in range`: the interpreter cannot take a run-time bound
-        slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
-        k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
-                                                HEADS, K, V, C, False)
-        if HALVES:
-            hi_in = row_bases(start + c * C, end, head, hi_cols_in, v_cols_in, HEADS, K, V, C,
-                              False)[1]
-            pointers, mask = _wy_state_half(dstates_ptr, slot, head, 0, HEADS, K, V, HALF,
-                                            v_cols, v_cols_in)
-            tl.store(pointers, dh_lo.to(dstates_ptr.dtype.element_ty), mask=mask)
-            pointers, mask = _wy_state_half(dstates_ptr, slot, head, 1, HEADS, K, V, HALF,
-                                            v_cols, v_cols_in)
-            tl.store(pointers, dh_hi.to(dstates_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
-                     dh.to(dstates_ptr.dtype.element_ty), mask=state_mask)
-        do = stored(do_ptr + v_base, v_tile, v_in)
-        # dU = b^ dH' + A_qb^T dO
-        if HALVES:
-            du = _wy_du_part(None, dh_lo, b_ptr, w_ptr, k_base, k_tile, k_in, FLOOR, PRECISION)
-            du = _wy_du_part(du, dh_hi, b_ptr, w_ptr, k_base + HALF, k_tile, hi_in, FLOOR,
-                             PRECISION)
-        else:
-            du = _wy_du_part(None, dh, b_ptr, w_ptr, k_base, k_tile, k_in, FLOOR, PRECISION)
-        du = dot(tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, True)), do,
-                 du, PRECISION)
-        du = du.to(du_ptr.dtype.element_ty)
-        tl.store(du_ptr + v_base + v_tile, du, mask=v_in)
-        if HALVES:
-            dh_lo = _wy_dh_part(dh_lo, do, du, r_ptr, w_ptr, wy_ptr, k_base, k_tile, k_in,
-                                scale, FLOOR, PRECISION)
-            dh_hi = _wy_dh_part(dh_hi, do, du, r_ptr, w_ptr, wy_ptr, k_base + HALF, k_tile,
-                                hi_in, scale, FLOOR, PRECISION)
-        else:
-            dh = _wy_dh_part(dh, do, du, r_ptr, w_ptr, wy_ptr, k_base, k_tile, k_in, scale,
-                             FLOOR, PRECISION)
-        c -= 1
+    if INTERPRETED or not PIPELINED:
+        c = chunks - 1
+        while c >= 0:
+            dh_lo, dh_hi = _wy_state_gradient_step(
+                c, dh_lo, dh_hi, first_chunk_slot, start, end, head, k_tile, k_cols_in,
+                hi_cols_in, v_tile, v_cols, v_cols_in, state_mask, r_ptr, w_ptr, b_ptr, do_ptr,
+                wy_ptr, matrices_ptr, dstates_ptr, du_ptr, scale, HEADS, K, V, BK, C, FLOOR,
+                CHUNK_SLOTS, PRECISION, HALVES)
+            c -= 1
+    else:
+        for step in range(chunks):
+            dh_lo, dh_hi = _wy_state_gradient_step(
+                chunks - 1 - step, dh_lo, dh_hi, first_chunk_slot, start, end, head, k_tile,
+                k_cols_in, hi_cols_in, v_tile, v_cols, v_cols_in, state_mask, r_ptr, w_ptr,
+                b_ptr, do_ptr, wy_ptr, matrices_ptr, dstates_ptr, du_ptr, scale, HEADS, K, V, BK,
+                C, FLOOR, CHUNK_SLOTS, PRECISION, HALVES)
     if HALVES:
         pointers, mask = _wy_state_half(dh0_ptr, sequence, head, 0, HEADS, K, V, HALF, v_cols,
                                         v_cols_in)
@@ -1633,7 +1665,8 @@ def rwkv7_wy_state_gradient_kernel(
                                         v_cols_in)
         tl.store(pointers, dh_hi, mask=mask)
     else:
-        tl.store(_state(dh0_ptr, sequence, head, HEADS, K, V, BK, v_cols), dh, mask=state_mask)
+        tl.store(_state(dh0_ptr, sequence, head, HEADS, K, V, BK, v_cols), dh_lo,
+                 mask=state_mask)
 
 
 @triton.jit

@@ -112,6 +112,9 @@ class KernelConfig:
     # next chunk's W by hand (K <= 64), not pipelined. None: forward_chunk64's default (2 at
     # K <= 64, 1 above; measured there).
     chunk64_state_stages: int | None = None
+    # The same for the 64-token state-gradient pass's loop (0: a ``while``, not pipelined).
+    # None: backward_chunk64_v_side's default (STATE_GRADIENT_STAGES64).
+    chunk64_state_gradient_stages: int | None = None
     # num_stages of the fused tame K-side kernel's loop over a span's chunks, a ``for`` that
     # Triton pipelines (the next chunks' loads in flight during this one's products); 0: a
     # ``while`` loop, not pipelined. H200, B=8 T=4096 bf16, that kernel (session 14): K=64
@@ -486,7 +489,7 @@ def _rwkv7_chunk64_bwd(static, residuals, cotangents):
     options = _chunk64_options(static, cu_seqlens)
     dv, dh0, dstates, _, dx = backward_chunk64_v_side(
         r, w, k, v, a, b, saved, do, dht, recurrence_block_v=static.config.recurrence_block_v,
-        **options)
+        state_stages=static.config.chunk64_state_gradient_stages, **options)
     warps = static.config.chunk64_k_side_warps
     dr, dw, dk, da, db = backward_chunk64_k_side(
         r, w, k, v, a, b, saved, do, dstates, dx, exact=not static.config.tame,
@@ -680,10 +683,19 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
 # K=64 none at either. H200, B=8 T=4096 bf16 (session 14), K=128: 6.28 ms at 8 warps and 5.43
 # at 4 on whole tiles, 3.51 in halves at 4.
 STATE_GRADIENT_WARPS64 = 4
+# num_stages of its loop over chunks (0: the ``while`` loop). H200, bf16 (session 15), that
+# pass at B=8 T=4096: the ``while`` loop and 1 stage alike (K=128 fwd+bwd 27.72 / 27.65 ms,
+# K=64 20.20 / 20.15), 2 stages slower (29.80, 20.85: 392 and 44 B of spills, sm_90 4 warps);
+# one sequence of 65536 tokens (H=32 K=64, V blocks of 32: 64 programs, latency-bound) 2
+# stages 11.29 -> 8.51 ms (fwd+bwd 33.56 -> 30.76). So 0 here; KernelConfig.
+# chunk64_state_gradient_stages = 2 for few long sequences at K <= 64 (3 stages at K=128 need
+# more shared memory than an SM has).
+STATE_GRADIENT_STAGES64 = 0
 
 
 def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
-                            cu_seqlens=None, block_v=64, warps=None, recurrence_block_v=None):
+                            cu_seqlens=None, block_v=64, warps=None, recurrence_block_v=None,
+                            state_stages=None):
     """The first two kernels of the 64-token backward:
     from the inputs as :func:`forward_chunk64` took them, its ``residuals`` and the cotangents
     ``do`` [B, T, H, V] and ``dht`` [N, H, K, V] (of o and ht), (dv [B, T, H, V] in v's dtype,
@@ -692,11 +704,15 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
     launches: the state-gradient pass (sequential, reverse: dH', dU, dh0) and the V-side
     gradients (all chunks at once: dX, dV).
     ``warps``: a dict, keys "state" (default STATE_GRADIENT_WARPS64) and "value";
-    ``block_v`` and ``recurrence_block_v`` as :func:`forward_chunk64`'s."""
+    ``block_v`` and ``recurrence_block_v`` as :func:`forward_chunk64`'s; ``state_stages``:
+    num_stages of the state-gradient pass's loop over chunks, 0 for its ``while`` loop
+    (KernelConfig.chunk64_state_gradient_stages; None: STATE_GRADIENT_STAGES64)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     warps = dict(dict(state=STATE_GRADIENT_WARPS64, value=4), **(warps or {}))
+    if state_stages is None:
+        state_stages = STATE_GRADIENT_STAGES64
     do = do.reshape(common["TOTAL_ROWS"], heads, common["V"])
     # 4. The state gradient, each sequence from its last chunk.
     recurrence = _recurrence64(setup, recurrence_block_v)
@@ -706,7 +722,7 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
          setup.cu, setup.chunk_index),
         (setup.states(setup.sequences), setup.states(slots), setup.per_row(common["V"])),
         recurrence["grid"], num_warps=warps["state"], scale=float(scale), CHUNK_SLOTS=slots,
-        **recurrence["common"])
+        num_stages=max(state_stages, 1), PIPELINED=state_stages > 0, **recurrence["common"])
     # 5. The V-side gradients, all chunks at once.
     dv, dx = _launch.launch(
         _kernels.rwkv7_wy_value_gradient_kernel,
