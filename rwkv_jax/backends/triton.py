@@ -106,8 +106,6 @@ class KernelConfig:
     chunk64_k_side_block_k: int | None = None
     chunk64_k_side_warps: int | None = None
     chunk64_state_warps: int | None = None
-    # ... and of the outputs and V-side gradient kernels (None: 4).
-    chunk64_parallel_warps: int | None = None
     # At 64-token chunks: num_stages of the forward state pass's loop over chunks, a ``for``
     # that Triton pipelines (the next chunks' loads, which do not depend on the state, in
     # flight in shared memory during this one's products); 0: a ``while`` loop carrying the
@@ -457,11 +455,9 @@ _rwkv7.defvjp(_rwkv7_fwd, _rwkv7_bwd)
 # kernels save what the backward reads (``forward_chunk64``'s residuals), no state at every
 # step. A call that is not differentiated takes the 16-token forward.
 def _chunk64_options(static, cu_seqlens):
-    config = static.config
-    warps = dict(state=config.chunk64_state_warps, output=config.chunk64_parallel_warps,
-                 value=config.chunk64_parallel_warps)
-    return dict(scale=static.scale, cu_seqlens=cu_seqlens, block_v=config.block_v,
-                warps={name: n for name, n in warps.items() if n})
+    state_warps = static.config.chunk64_state_warps
+    return dict(scale=static.scale, cu_seqlens=cu_seqlens, block_v=static.config.block_v,
+                warps=state_warps and dict(state=state_warps))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
