@@ -638,6 +638,10 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     # (115 KB shared). Timed (H200, B=8 T=4096 bf16, session 14), the state pass: K=64 (4
     # warps) 1.51 ms with the ``while`` loop, 1.22 at 2 stages; K=128 at 8 warps 4.38 (while),
     # 4.30 (1 stage), 3.54 (2 stages), at 4 warps and 1 stage 2.97: the defaults.
+    # The outputs and V-side gradient kernels at 8 warps (128 / 138 registers, no spills) were
+    # slower (H200, K=128, session 15: 1.55 -> 2.03 and 2.68 -> 3.54 ms), and at block_v=128
+    # (the passes at 64) the outputs too (1.91; the V side 2.49): fwd+bwd 27.97 against 29.09
+    # and 28.18.
     warps = dict(dict(tame=4, exact=4, state=4, output=4), **(warps or {}))
     if state_stages is None:
         state_stages = 1 if block_k > 64 else 2
