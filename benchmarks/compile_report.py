@@ -218,25 +218,31 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block
     and V side (backward_chunk64_v_side's) and its K side (backward_chunk64_k_side's, on its
     blocks: K_SIDE_BLOCK_K64, K_SIDE_BLOCK_V64; split, on ``split_block_k`` keys and dA sums in
     steps of ``split_block_v``), bf16 inputs: the pointer types and constexprs.
-    ``bf16_residuals``: W and H per chunk in bfloat16
+    ``bf16_residuals``: W, H per chunk and the decayed rows in bfloat16
     (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``: the state pass's
     num_stages (KernelConfig.chunk64_state_stages; 0: its ``while`` loop, not pipelined)."""
     buffer = "*bf16" if bf16_residuals else "*fp32"
     inputs.update({f"{n}_ptr": "*fp32" for n in ("u0", "u", "matrices", "du", "dx", "dstates")},
-                  wy_ptr=buffer, states_ptr=buffer, dA_ptr="*bf16")
+                  wy_ptr=buffer, states_ptr=buffer, dA_ptr="*bf16", qd_ptr=buffer, kd_ptr=buffer,
+                  bd_ptr=buffer, decay_ptr="*fp32")
     rows = shapes["TOTAL_ROWS"]
     common = dict({n: x for n, x in shapes.items() if n not in ("scale", "LEVELS")}, C=64,
                   CHUNK_SLOTS=rows // 64 + 8)
     parallel = dict(common, SEQUENCES=8)
+    no_decays = lambda constexprs: {n: x for n, x in constexprs.items() if n != "FLOOR"}
     return [
+        ("wy decayed", rwkv7.rwkv7_wy_decayed_kernel,
+         dict({n: parallel[n] for n in ("HEADS", "K", "C", "FLOOR", "TOTAL_ROWS", "SEQUENCES",
+                                        "CHUNK_SLOTS")}, scale=1.0, BK=min(64, shapes["BK"]))),
         ("wy in-chunk", rwkv7.rwkv7_wy_kernel,
          dict(parallel, scale=1.0, LEVELS=6, KI=min(block_k_in_chunk, shapes["BK"]),
               VI=shapes["BV"], INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4)),
-        ("wy state", rwkv7.rwkv7_wy_state_kernel, dict(common, PIPELINED=state_stages > 0)),
-        ("wy output", rwkv7.rwkv7_wy_output_kernel, dict(parallel, scale=1.0)),
+        ("wy state", rwkv7.rwkv7_wy_state_kernel,
+         dict(no_decays(common), PIPELINED=state_stages > 0)),
+        ("wy output", rwkv7.rwkv7_wy_output_kernel, no_decays(parallel)),
         ("wy state gradient", rwkv7.rwkv7_wy_state_gradient_kernel,
-         dict(common, scale=1.0, PIPELINED=state_stages > 0)),
-        ("wy value gradient", rwkv7.rwkv7_wy_value_gradient_kernel, parallel),
+         dict(no_decays(common), PIPELINED=state_stages > 0)),
+        ("wy value gradient", rwkv7.rwkv7_wy_value_gradient_kernel, no_decays(parallel)),
         ("wy key gradient", rwkv7.rwkv7_wy_key_gradient_kernel,
          dict(parallel, scale=1.0, LEVELS=6, BV=min(shapes["BV"], 32), SPLIT=False,
               BK=32 if shapes["K"] % 32 == 0 else shapes["BK"])),

@@ -991,6 +991,10 @@ def rwkv7_tame_gradient_kernel(
 #
 # The op's kernels at KernelConfig.chunk = 64, beside the 16-token ones above: three forward
 # kernels,
+#   0. rwkv7_wy_decayed_kernel (parallel): the decayed rows q~ = q e^gi, k^ = k e^(g - gi),
+#      b^ = b e^(g - gi) per token and e^g per chunk, which every later kernel but the K side
+#      reads instead of the decays (no cumulative sums or exponentials in the sequential
+#      passes, and 16-bit operands for 16-bit inputs);
 #   1. rwkv7_wy_kernel (parallel, a program per chunk and head): the in-chunk matrices,
 #      T = (I - A_ab)^-1, W = T a~ [C, K] and U0 = T A_ak V [C, V] per token, A_qk, A_qb,
 #      A_ak and T per chunk ([chunk slots, HEADS, 4, C, C]; the last two for the backward);
@@ -1011,8 +1015,8 @@ def rwkv7_tame_gradient_kernel(
 # A chunk's matrices in the buffer [chunk slots, HEADS, 4, C, C] of the 64-token forward, in
 # this order: the outputs read the first two, the backward all four.
 #
-# The buffers between the 64-token kernels are float32, or, for W and H per chunk, bfloat16
-# for 16-bit inputs (forward_chunk64's bf16_residuals; each kernel takes either): each
+# The buffers between the 64-token kernels are float32, or, for W, H per chunk and the decayed
+# rows, bfloat16 for 16-bit inputs (forward_chunk64's bf16_residuals; each kernel takes either): each
 # kernel stores them rounded to its buffer's dtype (``_wy_store``) and reads them as stored, so
 # that two stored 16-bit tiles multiply at the tensor cores' bfloat16 rate (``dot``). The
 # sequential passes carry H and dH in float32; only what they store is rounded.
@@ -1303,6 +1307,41 @@ def rwkv7_wy_kernel(
 
 
 @triton.jit
+def rwkv7_wy_decayed_kernel(
+    r_ptr, w_ptr, k_ptr, b_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,    # inputs
+    qd_ptr, kd_ptr, bd_ptr, decay_ptr,                                          # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    C: tl.constexpr, FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr,
+    CHUNK_SLOTS: tl.constexpr,
+):
+    """Grid (chunk slots, HEADS, K blocks of BK): a chunk's decayed rows, q~ = scale r e^gi,
+    k^ = k e^(g - gi) and b^ = b e^(g - gi) in qd, kd, bd [rows, HEADS, K] (each rounded once
+    to its dtype; every factor <= 1, g - gi summed from the chunk's end: ``_decays``), and its
+    decay e^g in decay [chunk slots, HEADS, K] float32. Rows past the sequence's end read as
+    zeros (w = 0) and are not stored; nor is anything of an unused slot."""
+    slot, head, used, first, steps, rows_in = _wy_chunk_rows(
+        cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    k_cols = tl.program_id(2) * BK + tl.arange(0, BK)
+    k_cols_in = in_range(k_cols, K, BK)
+    k_in = rows_in & k_cols_in[None, :]
+    base = (first * HEADS + head) * K
+    tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
+    gi, _, g, to_end = _decays(_log_decays(w_ptr, base, tile, k_in, FLOOR), 0)
+    _wy_store(qd_ptr + base, tile, rows(r_ptr, base, tile, k_in) * (scale * tl.exp(gi)), k_in)
+    to_end = tl.exp(to_end)
+    _wy_store(kd_ptr + base, tile, rows(k_ptr, base, tile, k_in) * to_end, k_in)
+    _wy_store(bd_ptr + base, tile, rows(b_ptr, base, tile, k_in) * to_end, k_in)
+    tl.store(_wy_decay(decay_ptr, slot, head, HEADS, K, k_cols), tl.exp(g),
+             mask=k_cols_in & used)
+
+
+@triton.jit
+def _wy_decay(decay_ptr, slot, head, HEADS: tl.constexpr, K: tl.constexpr, k_cols):
+    """Pointers to a chunk's e^g (``rwkv7_wy_decayed_kernel``) at K columns k_cols."""
+    return decay_ptr + (slot.to(tl.int64) * HEADS + head) * K + k_cols
+
+
+@triton.jit
 def _wy_state_half(ptr, slot, head, half: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, HALF: tl.constexpr, v_cols, v_cols_in):
     """Pointers to K rows half * HALF, ... of a [K, V] state's columns v_cols, and their mask
@@ -1328,25 +1367,34 @@ def _wy_state_half_product(h, half: tl.constexpr, u, states_ptr, slot, wy_ptr, k
 
 
 @triton.jit
-def _wy_state_half_update(h, half: tl.constexpr, v, u, w_ptr, k_ptr, b_ptr, k_base, rows_in,
-                          HEADS: tl.constexpr, K: tl.constexpr, HALF: tl.constexpr,
-                          C: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr):
-    """One half of H' = e^g H + k^T V + b^T U (K rows half * HALF, ...): each K column's decays
-    are its own (cumulative sums down the chunk), so a half's are exact."""
+def _wy_state_update(h, v, u, kd_ptr, bd_ptr, decay_ptr, slot, head, k_base, k_tile, k_in,
+                     k_cols, k_cols_in, HEADS: tl.constexpr, K: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """H' = e^g H + k^T V + b^T U over the K rows k_cols (all of BK, or a half), from the
+    decayed rows (``rwkv7_wy_decayed_kernel``): k^ and V multiply as stored, b^ against the
+    float32 U at PRECISION (U carries the state: not rounded)."""
+    decay = tl.load(_wy_decay(decay_ptr, slot, head, HEADS, K, k_cols), mask=k_cols_in,
+                    other=0.0)
+    h = dot(tl.trans(stored(kd_ptr + k_base, k_tile, k_in)), v, decay[:, None] * h, PRECISION)
+    return dot(tl.trans(rows(bd_ptr, k_base, k_tile, k_in)), u, h, PRECISION)
+
+
+@triton.jit
+def _wy_state_half_update(h, half: tl.constexpr, v, u, kd_ptr, bd_ptr, decay_ptr, slot, head,
+                          k_base, rows_in, HEADS: tl.constexpr, K: tl.constexpr,
+                          HALF: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
+    """One half of H' (K rows half * HALF, ...): ``_wy_state_update`` on the half's columns."""
     base, tile, k_in = _k_part(half, k_base, rows_in, tl.arange(0, C), HEADS, K, HALF)
-    _, _, g_end, to_end = _decays(_log_decays(w_ptr, base, tile, k_in, FLOOR), 0)
-    to_end = tl.exp(to_end)
-    h = tl.dot(tl.trans(rows(k_ptr, base, tile, k_in) * to_end), v,
-               tl.exp(g_end)[:, None] * h, input_precision=PRECISION)
-    return tl.dot(tl.trans(rows(b_ptr, base, tile, k_in) * to_end), u, h,
-                  input_precision=PRECISION)
+    k_cols = half * HALF + tl.arange(0, HALF)
+    return _wy_state_update(h, v, u, kd_ptr, bd_ptr, decay_ptr, slot, head, base, tile, k_in,
+                            k_cols, in_range(k_cols, K, HALF), HEADS, K, PRECISION)
 
 
 @triton.jit
 def _wy_state_halves_step(c, h_low, h_high, first_chunk_slot, start, end, head, v_tile, v_cols,
-                          v_cols_in, w_ptr, k_ptr, v_ptr, b_ptr, wy_ptr, u0_ptr, states_ptr,
-                          u_ptr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                          HALF: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+                          v_cols_in, kd_ptr, v_ptr, bd_ptr, decay_ptr, wy_ptr, u0_ptr,
+                          states_ptr, u_ptr, HEADS: tl.constexpr, K: tl.constexpr,
+                          V: tl.constexpr, HALF: tl.constexpr, C: tl.constexpr,
                           CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr):
     """Chunk c of the state pass with H in two halves of HALF K rows (BK = 2 HALF): both
     stored, U = U0 + sum of W_half H_half stored, and H' per half."""
@@ -1362,11 +1410,11 @@ def _wy_state_halves_step(c, h_low, h_high, first_chunk_slot, start, end, head, 
     u = _wy_state_half_product(h_high, 1, u, states_ptr, slot, wy_ptr, k_base, rows_in, head,
                                v_cols, v_cols_in, HEADS, K, V, HALF, C, PRECISION)
     _wy_store(u_ptr + v_base, v_tile, u, v_in)
-    v = rows(v_ptr, v_base, v_tile, v_in)  # (float32 once for both halves: fewer spills)
-    h_low = _wy_state_half_update(h_low, 0, v, u, w_ptr, k_ptr, b_ptr, k_base, rows_in, HEADS,
-                                  K, HALF, C, FLOOR, PRECISION)
-    h_high = _wy_state_half_update(h_high, 1, v, u, w_ptr, k_ptr, b_ptr, k_base, rows_in, HEADS,
-                                   K, HALF, C, FLOOR, PRECISION)
+    v = stored(v_ptr + v_base, v_tile, v_in)
+    h_low = _wy_state_half_update(h_low, 0, v, u, kd_ptr, bd_ptr, decay_ptr, slot, head, k_base,
+                                  rows_in, HEADS, K, HALF, C, PRECISION)
+    h_high = _wy_state_half_update(h_high, 1, v, u, kd_ptr, bd_ptr, decay_ptr, slot, head,
+                                   k_base, rows_in, HEADS, K, HALF, C, PRECISION)
     return h_low, h_high
 
 
@@ -1381,10 +1429,10 @@ def _wy_rows(wy_ptr, c, chunks, start, end, head, k_tile, k_cols_in, v_cols_in,
 
 @triton.jit
 def _wy_state_step(c, h, wy, first_chunk_slot, start, end, head, k_tile, k_cols_in, v_tile,
-                   v_cols, v_cols_in, state_mask, w_ptr, k_ptr, v_ptr, b_ptr, u0_ptr,
+                   v_cols, v_cols_in, state_mask, kd_ptr, v_ptr, bd_ptr, decay_ptr, u0_ptr,
                    states_ptr, u_ptr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BK: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
-                   CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr):
+                   BK: tl.constexpr, C: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
+                   PRECISION: tl.constexpr):
     """Chunk c of the state pass (BK <= 64) from its start state h and its W (as stored): H
     stored, U = W H + U0 stored; returns H'."""
     slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
@@ -1394,29 +1442,25 @@ def _wy_state_step(c, h, wy, first_chunk_slot, start, end, head, k_tile, k_cols_
                                             HEADS, K, V, C, False)
     u = dot(wy, h.to(wy.dtype), rows(u0_ptr, v_base, v_tile, v_in), PRECISION)
     _wy_store(u_ptr + v_base, v_tile, u, v_in)
-    _, _, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
-    to_end = tl.exp(to_end)
-    h = tl.dot(tl.trans(rows(k_ptr, k_base, k_tile, k_in) * to_end),
-               rows(v_ptr, v_base, v_tile, v_in), tl.exp(g_end)[:, None] * h,
-               input_precision=PRECISION)
-    return tl.dot(tl.trans(rows(b_ptr, k_base, k_tile, k_in) * to_end), u, h,
-                  input_precision=PRECISION)
+    return _wy_state_update(h, stored(v_ptr + v_base, v_tile, v_in), u, kd_ptr, bd_ptr,
+                            decay_ptr, slot, head, k_base, k_tile, k_in, tl.arange(0, BK),
+                            in_range(tl.arange(0, BK), K, BK), HEADS, K, PRECISION)
 
 
 @triton.jit
 def rwkv7_wy_state_kernel(
-    w_ptr, k_ptr, v_ptr, b_ptr, wy_ptr, u0_ptr, h0_ptr, cu_ptr, chunk_index_ptr,  # inputs
+    kd_ptr, v_ptr, bd_ptr, decay_ptr, wy_ptr, u0_ptr, h0_ptr, cu_ptr, chunk_index_ptr,  # inputs
     ht_ptr, states_ptr, u_ptr,                                                   # outputs
     HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr, PIPELINED: tl.constexpr,
 ):
     """Grid (sequences * HEADS, V blocks of BV): the state recurrence, chunk by chunk, carrying
     H in float32. h0, ht [N, HEADS, K, V] float32; states [chunk slots, HEADS, K, V]: H at the
     start of every chunk (in its chunk slot); u [rows, HEADS, V]: U = W H + U0, with H rounded
     to W's dtype (as it is stored: bfloat16 W and H multiply at the bfloat16 rate). Then
-    H' = e^g H + k^T V + b^T U with k^ = k e^(g - gi), b^ = b e^(g - gi), g - gi summed from
-    the chunk's end (``_decays``: never a difference of large cumulative sums).
+    H' = e^g H + k^T V + b^T U from the decayed rows k^, b^ and e^g of
+    ``rwkv7_wy_decayed_kernel`` (``_wy_state_update``).
 
     PIPELINED: on the GPU the loop over chunks is a ``for`` that Triton pipelines (the launch's
     num_stages: the next chunks' loads, which do not depend on H, in flight in shared memory
@@ -1445,15 +1489,15 @@ def rwkv7_wy_state_kernel(
             while c < chunks:
                 h_low, h_high = _wy_state_halves_step(
                     c, h_low, h_high, first_chunk_slot, start, end, head, v_tile, v_cols,
-                    v_cols_in, w_ptr, k_ptr, v_ptr, b_ptr, wy_ptr, u0_ptr, states_ptr, u_ptr,
-                    HEADS, K, V, HALF, C, FLOOR, CHUNK_SLOTS, PRECISION)
+                    v_cols_in, kd_ptr, v_ptr, bd_ptr, decay_ptr, wy_ptr, u0_ptr, states_ptr,
+                    u_ptr, HEADS, K, V, HALF, C, CHUNK_SLOTS, PRECISION)
                 c += 1
         else:
             for c in range(chunks):
                 h_low, h_high = _wy_state_halves_step(
                     c, h_low, h_high, first_chunk_slot, start, end, head, v_tile, v_cols,
-                    v_cols_in, w_ptr, k_ptr, v_ptr, b_ptr, wy_ptr, u0_ptr, states_ptr, u_ptr,
-                    HEADS, K, V, HALF, C, FLOOR, CHUNK_SLOTS, PRECISION)
+                    v_cols_in, kd_ptr, v_ptr, bd_ptr, decay_ptr, wy_ptr, u0_ptr, states_ptr,
+                    u_ptr, HEADS, K, V, HALF, C, CHUNK_SLOTS, PRECISION)
         pointers, mask = _wy_state_half(ht_ptr, sequence, head, 0, HEADS, K, V, HALF,
                                         v_cols, v_cols_in)
         tl.store(pointers, h_low, mask=mask)
@@ -1470,43 +1514,41 @@ def rwkv7_wy_state_kernel(
                 wy_next = _wy_rows(wy_ptr, c + 1, chunks, start, end, head, k_tile, k_cols_in,
                                    v_cols_in, HEADS, K, V, C)
                 h = _wy_state_step(c, h, wy, first_chunk_slot, start, end, head, k_tile,
-                                   k_cols_in, v_tile, v_cols, v_cols_in, state_mask, w_ptr,
-                                   k_ptr, v_ptr, b_ptr, u0_ptr, states_ptr, u_ptr, HEADS, K, V,
-                                   BK, C, FLOOR, CHUNK_SLOTS, PRECISION)
+                                   k_cols_in, v_tile, v_cols, v_cols_in, state_mask, kd_ptr,
+                                   v_ptr, bd_ptr, decay_ptr, u0_ptr, states_ptr, u_ptr, HEADS,
+                                   K, V, BK, C, CHUNK_SLOTS, PRECISION)
                 c += 1
         else:  # (no W carried by hand: the pipeline loads it ahead, with the other tiles)
             for c in range(chunks):
                 wy = _wy_rows(wy_ptr, c, chunks, start, end, head, k_tile, k_cols_in,
                               v_cols_in, HEADS, K, V, C)
                 h = _wy_state_step(c, h, wy, first_chunk_slot, start, end, head, k_tile,
-                                   k_cols_in, v_tile, v_cols, v_cols_in, state_mask, w_ptr,
-                                   k_ptr, v_ptr, b_ptr, u0_ptr, states_ptr, u_ptr, HEADS, K, V,
-                                   BK, C, FLOOR, CHUNK_SLOTS, PRECISION)
+                                   k_cols_in, v_tile, v_cols, v_cols_in, state_mask, kd_ptr,
+                                   v_ptr, bd_ptr, decay_ptr, u0_ptr, states_ptr, u_ptr, HEADS,
+                                   K, V, BK, C, CHUNK_SLOTS, PRECISION)
         tl.store(_state(ht_ptr, sequence, head, HEADS, K, V, BK, v_cols), h, mask=state_mask)
 
 
 @triton.jit
 def rwkv7_wy_output_kernel(
-    r_ptr, w_ptr, v_ptr, u_ptr, states_ptr, matrices_ptr, cu_ptr, chunk_index_ptr,
+    qd_ptr, v_ptr, u_ptr, states_ptr, matrices_ptr, cu_ptr, chunk_index_ptr,
     chunk_sequence_ptr,                                                          # inputs
     o_ptr,                                                                       # output
-    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+    HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Grid (chunk slots * V blocks of BV, HEADS): O = q~ H + A_qk V + A_qb U, all chunks at
     once, from the chunk's H saved by the state pass (in the same chunk slot) and its A_qk, A_qb
-    (``rwkv7_wy_kernel``). o [rows, HEADS, V] in its dtype. Each product takes its tiles as
-    stored (``dot``)."""
+    (``rwkv7_wy_kernel``), q~ from ``rwkv7_wy_decayed_kernel``. o [rows, HEADS, V] in its
+    dtype. Each product takes its tiles as stored (``dot``)."""
     (slot, head, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, k_base, k_in, v_base,
      v_in) = _wy_chunk_program(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, HEADS, K, V, BK, BV,
                                C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
     h = tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
                 mask=(tl.trans(k_cols_in) & v_cols_in) & used, other=0.0)
-    q = rows(r_ptr, k_base, k_tile, k_in) * scale
-    gi = tl.cumsum(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), axis=0)
-    o = dot(q * tl.exp(gi), h, None, PRECISION)
+    o = dot(stored(qd_ptr + k_base, k_tile, k_in), h, None, PRECISION)
     A_qk = _wy_load(matrices_ptr, slot, used, head, WY_A_QK, HEADS, C, False)
     o = dot(A_qk, stored(v_ptr + v_base, v_tile, v_in), o, PRECISION)
     A_qb = _wy_load(matrices_ptr, slot, used, head, WY_A_QB, HEADS, C, False)
@@ -1522,35 +1564,33 @@ def rwkv7_wy_output_kernel(
 # The K-side gradients (kernel 6, below) read dX, dH' and the forward's H and U.
 
 @triton.jit
-def _wy_du_part(du, dh, b_ptr, w_ptr, k_base, k_tile, k_in, FLOOR: tl.constexpr,
-                PRECISION: tl.constexpr):
+def _wy_du_part(du, dh, bd_ptr, k_base, k_tile, k_in, PRECISION: tl.constexpr):
     """du + b^ dH' (du None: b^ dH') over one part of the K columns (the state gradient's
-    [C, KP] tiles, its [KP, BV] rows of dH'): b^ = b e^(g - gi), whose decays are each
-    column's own."""
-    _, _, _, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
-    return dot(rows(b_ptr, k_base, k_tile, k_in) * tl.exp(to_end), dh, du, PRECISION)
+    [C, KP] tiles, its [KP, BV] rows of dH'); b^ as ``rwkv7_wy_decayed_kernel`` stored it,
+    against the float32 dH' at PRECISION."""
+    return dot(rows(bd_ptr, k_base, k_tile, k_in), dh, du, PRECISION)
 
 
 @triton.jit
-def _wy_dh_part(dh, do, du, r_ptr, w_ptr, wy_ptr, k_base, k_tile, k_in, scale,
-                FLOOR: tl.constexpr, PRECISION: tl.constexpr):
-    """e^g dH' + W^T dU + q~^T dO over one part of the K columns (its rows of dH'), q~ = q e^gi:
-    the gradient of the chunk's start state there."""
-    gi, _, g_end, _ = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
-    q = rows(r_ptr, k_base, k_tile, k_in) * scale
-    dh = dot(tl.trans(stored(wy_ptr + k_base, k_tile, k_in)), du, tl.exp(g_end)[:, None] * dh,
+def _wy_dh_part(dh, do, du, qd_ptr, decay_ptr, wy_ptr, slot, head, k_base, k_tile, k_in, k_cols,
+                PART: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """e^g dH' + W^T dU + q~^T dO over one part of PART K columns (its rows of dH', k_cols):
+    the gradient of the chunk's start state there. q~ and dO multiply as stored."""
+    decay = tl.load(_wy_decay(decay_ptr, slot, head, HEADS, K, k_cols),
+                    mask=in_range(k_cols, K, PART), other=0.0)
+    dh = dot(tl.trans(stored(wy_ptr + k_base, k_tile, k_in)), du, decay[:, None] * dh,
              PRECISION)
-    return dot(tl.trans(q * tl.exp(gi)), do, dh, PRECISION)
+    return dot(tl.trans(stored(qd_ptr + k_base, k_tile, k_in)), do, dh, PRECISION)
 
 
 @triton.jit
 def _wy_state_gradient_step(c, dh_lo, dh_hi, first_chunk_slot, start, end, head, k_tile,
-                            k_cols_in, hi_cols_in, v_tile, v_cols, v_cols_in, state_mask, r_ptr,
-                            w_ptr, b_ptr, do_ptr, wy_ptr, matrices_ptr, dstates_ptr, du_ptr,
-                            scale, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                            BK: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
-                            CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
-                            HALVES: tl.constexpr):
+                            k_cols_in, hi_cols_in, v_tile, v_cols, v_cols_in, state_mask, qd_ptr,
+                            bd_ptr, decay_ptr, do_ptr, wy_ptr, matrices_ptr, dstates_ptr, du_ptr,
+                            HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                            BK: tl.constexpr, C: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
+                            PRECISION: tl.constexpr, HALVES: tl.constexpr):
     """Chunk c of the state-gradient pass from dH' (the gradient of its end state: dh_lo, or
     the two halves dh_lo and dh_hi of HALF K rows when HALVES): dH' stored in the chunk's slot,
     dU = b^ dH' + A_qb^T dO stored; returns dH, the gradient of its start state (the halves;
@@ -1573,29 +1613,29 @@ def _wy_state_gradient_step(c, dh_lo, dh_hi, first_chunk_slot, start, end, head,
                  dh_lo.to(dstates_ptr.dtype.element_ty), mask=state_mask)
     do = stored(do_ptr + v_base, v_tile, v_in)
     # dU = b^ dH' + A_qb^T dO
-    du = _wy_du_part(None, dh_lo, b_ptr, w_ptr, k_base, k_tile, k_in, FLOOR, PRECISION)
+    du = _wy_du_part(None, dh_lo, bd_ptr, k_base, k_tile, k_in, PRECISION)
     if HALVES:
-        du = _wy_du_part(du, dh_hi, b_ptr, w_ptr, k_base + HALF, k_tile, hi_in, FLOOR,
-                         PRECISION)
+        du = _wy_du_part(du, dh_hi, bd_ptr, k_base + HALF, k_tile, hi_in, PRECISION)
     du = dot(tl.load(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, True)), do, du,
              PRECISION)
     du = du.to(du_ptr.dtype.element_ty)
     tl.store(du_ptr + v_base + v_tile, du, mask=v_in)
-    dh_lo = _wy_dh_part(dh_lo, do, du, r_ptr, w_ptr, wy_ptr, k_base, k_tile, k_in, scale, FLOOR,
-                        PRECISION)
+    LOW: tl.constexpr = HALF if HALVES else BK
+    dh_lo = _wy_dh_part(dh_lo, do, du, qd_ptr, decay_ptr, wy_ptr, slot, head, k_base, k_tile,
+                        k_in, tl.arange(0, LOW), LOW, HEADS, K, PRECISION)
     if HALVES:
-        dh_hi = _wy_dh_part(dh_hi, do, du, r_ptr, w_ptr, wy_ptr, k_base + HALF, k_tile, hi_in,
-                            scale, FLOOR, PRECISION)
+        dh_hi = _wy_dh_part(dh_hi, do, du, qd_ptr, decay_ptr, wy_ptr, slot, head, k_base + HALF,
+                            k_tile, hi_in, HALF + tl.arange(0, HALF), HALF, HEADS, K, PRECISION)
     return dh_lo, dh_hi
 
 
 @triton.jit
 def rwkv7_wy_state_gradient_kernel(
-    r_ptr, w_ptr, b_ptr, do_ptr, wy_ptr, matrices_ptr, dht_ptr, cu_ptr,           # inputs
+    qd_ptr, bd_ptr, decay_ptr, do_ptr, wy_ptr, matrices_ptr, dht_ptr, cu_ptr,     # inputs
     chunk_index_ptr,
     dh0_ptr, dstates_ptr, du_ptr,                                                 # outputs
-    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
+    HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     TOTAL_ROWS: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
     PIPELINED: tl.constexpr,
 ):
@@ -1604,7 +1644,7 @@ def rwkv7_wy_state_gradient_kernel(
     K, V] (the backend's float32): dH' (the gradient of the chunk's end state) in every chunk's
     slot; du [rows, HEADS, V] (the backend's float32): dU, and as stored in W^T dU; dh0
     [N, HEADS, K, V] float32. wy and matrices: the forward's (``rwkv7_wy_kernel``);
-    A_qb^T dO multiplies them as stored. b^ = b e^(g - gi), q~ = q e^gi (``_decays``).
+    A_qb^T dO multiplies them as stored. q~, b^ and e^g: ``rwkv7_wy_decayed_kernel``'s.
 
     Above BK = 64, K in two halves of BK / 2 columns (dH carried as two tiles, dh_lo and
     dh_hi): every K column's decays are its own, so each half's are exact, and one half's
@@ -1646,17 +1686,17 @@ def rwkv7_wy_state_gradient_kernel(
         while c >= 0:
             dh_lo, dh_hi = _wy_state_gradient_step(
                 c, dh_lo, dh_hi, first_chunk_slot, start, end, head, k_tile, k_cols_in,
-                hi_cols_in, v_tile, v_cols, v_cols_in, state_mask, r_ptr, w_ptr, b_ptr, do_ptr,
-                wy_ptr, matrices_ptr, dstates_ptr, du_ptr, scale, HEADS, K, V, BK, C, FLOOR,
+                hi_cols_in, v_tile, v_cols, v_cols_in, state_mask, qd_ptr, bd_ptr, decay_ptr,
+                do_ptr, wy_ptr, matrices_ptr, dstates_ptr, du_ptr, HEADS, K, V, BK, C,
                 CHUNK_SLOTS, PRECISION, HALVES)
             c -= 1
     else:
         for step in range(chunks):
             dh_lo, dh_hi = _wy_state_gradient_step(
                 chunks - 1 - step, dh_lo, dh_hi, first_chunk_slot, start, end, head, k_tile,
-                k_cols_in, hi_cols_in, v_tile, v_cols, v_cols_in, state_mask, r_ptr, w_ptr,
-                b_ptr, do_ptr, wy_ptr, matrices_ptr, dstates_ptr, du_ptr, scale, HEADS, K, V, BK,
-                C, FLOOR, CHUNK_SLOTS, PRECISION, HALVES)
+                k_cols_in, hi_cols_in, v_tile, v_cols, v_cols_in, state_mask, qd_ptr, bd_ptr,
+                decay_ptr, do_ptr, wy_ptr, matrices_ptr, dstates_ptr, du_ptr, HEADS, K, V, BK, C,
+                CHUNK_SLOTS, PRECISION, HALVES)
     if HALVES:
         pointers, mask = _wy_state_half(dh0_ptr, sequence, head, 0, HEADS, K, V, HALF, v_cols,
                                         v_cols_in)
@@ -1671,16 +1711,16 @@ def rwkv7_wy_state_gradient_kernel(
 
 @triton.jit
 def rwkv7_wy_value_gradient_kernel(
-    w_ptr, k_ptr, do_ptr, du_ptr, dstates_ptr, matrices_ptr, cu_ptr, chunk_index_ptr,
+    kd_ptr, do_ptr, du_ptr, dstates_ptr, matrices_ptr, cu_ptr, chunk_index_ptr,
     chunk_sequence_ptr,                                                          # inputs
     dv_ptr, dx_ptr,                                                              # outputs
     HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (chunk slots * V blocks of BV, HEADS), all chunks at once: dX = T^T dU and
-    dV = A_qk^T dO + A_ak^T dX + k^ dH' (k^ = k e^(g - gi)), from the state-gradient pass's dU
-    and dH' (same chunk slot) and the forward's matrices. dv [rows, HEADS, V] in its dtype; dx
+    dV = A_qk^T dO + A_ak^T dX + k^ dH', from the state-gradient pass's dU and dH' (same chunk
+    slot), the forward's matrices and k^ (``rwkv7_wy_decayed_kernel``). dv [rows, HEADS, V] in its dtype; dx
     [rows, HEADS, V] (the backend's float32), and as stored in dV (as the K side reads it).
     The matrices, dU, dO and dX multiply as stored (``dot``). An unused slot reads and writes
     nothing."""
@@ -1697,8 +1737,7 @@ def rwkv7_wy_value_gradient_kernel(
              PRECISION)
     dh = tl.load(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
                  mask=(tl.trans(k_cols_in) & v_cols_in) & used, other=0.0)
-    _, _, _, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
-    dv = dot(rows(k_ptr, k_base, k_tile, k_in) * tl.exp(to_end), dh, dv, PRECISION)
+    dv = dot(rows(kd_ptr, k_base, k_tile, k_in), dh, dv, PRECISION)
     tl.store(dv_ptr + v_base + v_tile, dv.to(dv_ptr.dtype.element_ty), mask=v_in)
 
 

@@ -586,6 +586,14 @@ def _residual_dtype(common, bf16_residuals):
     return jnp.bfloat16 if bf16_residuals and common["PRECISION"] != "tf32x3" else jnp.float32
 
 
+def _without(constexprs, *names):
+    return {n: x for n, x in constexprs.items() if n not in names}
+
+
+# K columns per program of the decayed-rows kernel (elementwise: [64, 64] tiles).
+DECAYED_BLOCK_K64 = 64
+
+
 def _recurrence64(setup, block_v):
     """The grid and compile-time arguments of a 64-token sequential pass (a program per
     sequence, head and block of V columns): blocks of ``block_v`` columns where set (at most
@@ -601,21 +609,24 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
     "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
     inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
-    ``initial_state`` [N, H, K, V], zeros when None). Three launches: the in-chunk kernel (W, U0,
+    ``initial_state`` [N, H, K, V], zeros when None). Four launches: the in-chunk kernel (W, U0,
     A_qk, A_qb, A_ak, T; tame or exact path per call on the device, ``tame_path``: every log
     decay >= -1, so that every 64-token chunk sums to >= -64 per channel; ``exact`` forces the
-    exact path), the state pass (U, the state at every chunk's start, ht) and the outputs.
+    exact path), the decayed rows (q~, k^, b^, e^g), the state pass (U, the state at every
+    chunk's start, ht) and the outputs.
     ``block_v``: V columns per program of the state pass and the outputs (and of each U0
     product); ``recurrence_block_v``: the state pass's instead, where set (fewer columns, more
     programs, for few sequences: KernelConfig.recurrence_block_v); ``block_k_in_chunk``: K
     columns per part of the in-chunk sums (None: 32 on the tame path, 16 on the exact one).
     ``warps``: those of the in-chunk kernel's tame and exact paths, the state pass and the
     outputs (a dict, keys "tame", "exact", "state", "output"; the defaults: sm_90 compile
-    reports (the fewest spills) and, for "state", timing). ``residuals``: also return what the backward reads
-    (a dict: ``states`` [chunk slots, H, K, V], H at every chunk's start; ``u`` and ``wy``
-    [B * T, H, V or K], U float32 and W; ``matrices`` [chunk slots, H, 4, 64, 64] float32,
-    A_qk, A_qb, A_ak, T). ``states`` and ``wy`` are bfloat16 for 16-bit inputs when
-    ``bf16_residuals`` (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``:
+    reports (the fewest spills) and, for "state", timing). ``residuals``: also return what the
+    backward reads (a dict: ``states`` [chunk slots, H, K, V], H at every chunk's start; ``u``
+    and ``wy`` [B * T, H, V or K], U float32 and W; ``matrices`` [chunk slots, H, 4, 64, 64]
+    float32, A_qk, A_qb, A_ak, T; ``qd``, ``kd``, ``bd`` [B * T, H, K], the decayed rows, and
+    ``decay`` [chunk slots, H, K] float32, e^g). ``states``, ``wy`` and the decayed rows are
+    bfloat16 for 16-bit inputs when ``bf16_residuals``
+    (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``:
     num_stages of the state pass's loop over chunks, 0 for its ``while`` loop
     (KernelConfig.chunk64_state_stages; None: 2 at K <= 64, 1 above, as measured). The op's
     forward at KernelConfig.chunk = 64."""
@@ -661,23 +672,34 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         BLOCK_LEVELS=BLOCK64.bit_length() - 1,
         **dict(common, BV=setup.v_blocks * block_v))
     wy, u0, matrices = _on_path(not exact and tame_path(w), in_chunk)
+    # 0. The decayed rows q~, k^, b^ and e^g per chunk, which the kernels below read.
+    decay_block_k = min(DECAYED_BLOCK_K64, block_k)
+    qd, kd, bd, decay = _launch.launch(
+        _kernels.rwkv7_wy_decayed_kernel, (r, w, k, b, *setup.index),
+        (*(setup.per_row(common["K"], buffer),) * 3,
+         jax.ShapeDtypeStruct((slots, heads, common["K"]), jnp.float32)),
+        (slots, heads, -(-common["K"] // decay_block_k)), num_warps=4, scale=float(scale),
+        **{n: common[n] for n in ("HEADS", "K", "C", "FLOOR", "TOTAL_ROWS")},
+        BK=decay_block_k, SEQUENCES=setup.sequences, CHUNK_SLOTS=slots)
     # 2. The state pass: U, the state at every chunk's start, the final states.
     recurrence = _recurrence64(setup, recurrence_block_v)
     ht, states, u = _launch.launch(
         _kernels.rwkv7_wy_state_kernel,
-        (w, k, v, b, wy, u0, setup.h0, setup.cu, setup.chunk_index),
+        (kd, v, bd, decay, wy, u0, setup.h0, setup.cu, setup.chunk_index),
         (setup.states(setup.sequences), setup.states(slots, buffer), setup.per_row(common["V"])),
         recurrence["grid"], num_warps=warps["state"], num_stages=max(state_stages, 1),
-        PIPELINED=state_stages > 0, CHUNK_SLOTS=slots, **recurrence["common"])
+        PIPELINED=state_stages > 0, CHUNK_SLOTS=slots,
+        **_without(recurrence["common"], "FLOOR"))
     # 3. The outputs, all chunks at once.
     (o,) = _launch.launch(
-        _kernels.rwkv7_wy_output_kernel, (r, w, v, u, states, matrices, *setup.index),
+        _kernels.rwkv7_wy_output_kernel, (qd, v, u, states, matrices, *setup.index),
         (setup.per_row(common["V"], v.dtype),), (slots * setup.v_blocks, heads),
-        num_warps=warps["output"], scale=float(scale), SEQUENCES=setup.sequences,
-        CHUNK_SLOTS=slots, **common)
+        num_warps=warps["output"], SEQUENCES=setup.sequences, CHUNK_SLOTS=slots,
+        **_without(common, "FLOOR"))
     o = o.reshape(setup.shape)
     if residuals:
-        return o, ht, dict(states=states, u=u, wy=wy, matrices=matrices)
+        return o, ht, dict(states=states, u=u, wy=wy, matrices=matrices, qd=qd, kd=kd, bd=bd,
+                           decay=decay)
     return o, ht
 
 
@@ -722,18 +744,19 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
     recurrence = _recurrence64(setup, recurrence_block_v)
     dh0, dstates, du = _launch.launch(
         _kernels.rwkv7_wy_state_gradient_kernel,
-        (r, w, b, do, residuals["wy"], residuals["matrices"], dht.astype(jnp.float32),
-         setup.cu, setup.chunk_index),
+        (residuals["qd"], residuals["bd"], residuals["decay"], do, residuals["wy"],
+         residuals["matrices"], dht.astype(jnp.float32), setup.cu, setup.chunk_index),
         (setup.states(setup.sequences), setup.states(slots), setup.per_row(common["V"])),
-        recurrence["grid"], num_warps=warps["state"], scale=float(scale), CHUNK_SLOTS=slots,
-        num_stages=max(state_stages, 1), PIPELINED=state_stages > 0, **recurrence["common"])
+        recurrence["grid"], num_warps=warps["state"], CHUNK_SLOTS=slots,
+        num_stages=max(state_stages, 1), PIPELINED=state_stages > 0,
+        **_without(recurrence["common"], "FLOOR"))
     # 5. The V-side gradients, all chunks at once.
     dv, dx = _launch.launch(
         _kernels.rwkv7_wy_value_gradient_kernel,
-        (w, k, do, du, dstates, residuals["matrices"], *setup.index),
+        (residuals["kd"], do, du, dstates, residuals["matrices"], *setup.index),
         (setup.per_row(common["V"], v.dtype), setup.per_row(common["V"])),
         (slots * setup.v_blocks, heads), num_warps=warps["value"], SEQUENCES=setup.sequences,
-        CHUNK_SLOTS=slots, **common)
+        CHUNK_SLOTS=slots, **_without(common, "FLOOR"))
     return dv.reshape(setup.shape), dh0, dstates, du, dx
 
 
