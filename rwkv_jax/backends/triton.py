@@ -109,8 +109,8 @@ class KernelConfig:
     # At 64-token chunks: num_stages of the forward state pass's loop over chunks, a ``for``
     # that Triton pipelines (the next chunks' loads, which do not depend on the state, in
     # flight in shared memory during this one's products); 0: a ``while`` loop carrying the
-    # next chunk's W by hand (K <= 64), not pipelined. None: forward_chunk64's default (2 at
-    # K <= 64, 1 above; measured there).
+    # next chunk's W by hand (K <= 64), not pipelined. None: forward_chunk64's default (2;
+    # measured there).
     chunk64_state_stages: int | None = None
     # The same for the 64-token state-gradient pass's loop (0: a ``while``, not pipelined).
     # None: backward_chunk64_v_side's default (STATE_GRADIENT_STAGES64).
@@ -628,7 +628,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     bfloat16 for 16-bit inputs when ``bf16_residuals``
     (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``:
     num_stages of the state pass's loop over chunks, 0 for its ``while`` loop
-    (KernelConfig.chunk64_state_stages; None: 2 at K <= 64, 1 above, as measured). The op's
+    (KernelConfig.chunk64_state_stages; None: 2, as measured). The op's
     forward at KernelConfig.chunk = 64."""
     setup = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
@@ -648,14 +648,18 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     # off), K=64: the ``while`` loop's hand-carried W spills 180 / 200 B, 0 / 88 B at 2 stages
     # (115 KB shared). Timed (H200, B=8 T=4096 bf16, session 14), the state pass: K=64 (4
     # warps) 1.51 ms with the ``while`` loop, 1.22 at 2 stages; K=128 at 8 warps 4.38 (while),
-    # 4.30 (1 stage), 3.54 (2 stages), at 4 warps and 1 stage 2.97: the defaults.
+    # 4.30 (1 stage), 3.54 (2 stages), at 4 warps and 1 stage 2.97. Session 15, the state pass
+    # reading the decayed rows (no decays in its loop; sm_90 4 warps, K=128: no spills at 1
+    # stage, 28 B at 2, 115 KB shared; K=64 none at 0-2): K=128 1.21 ms at 1 stage, 1.03 at 2
+    # (fwd+bwd 22.95 -> 22.73), K=64 0.80 at 2, 0.76 with the ``while`` loop (fwd+bwd 18.93,
+    # 18.98): 2 stages at every K.
     # The outputs and V-side gradient kernels at 8 warps (128 / 138 registers, no spills) were
     # slower (H200, K=128, session 15: 1.55 -> 2.03 and 2.68 -> 3.54 ms), and at block_v=128
     # (the passes at 64) the outputs too (1.91; the V side 2.49): fwd+bwd 27.97 against 29.09
     # and 28.18.
     warps = dict(dict(tame=4, exact=4, state=4, output=4), **(warps or {}))
     if state_stages is None:
-        state_stages = 1 if block_k > 64 else 2
+        state_stages = 2
     # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path.
     in_chunk = lambda TAME: _launch.launch(
         _kernels.rwkv7_wy_kernel, (r, w, k, v, a, b, *setup.index),
@@ -709,13 +713,13 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
 # K=64 none at either. H200, B=8 T=4096 bf16 (session 14), K=128: 6.28 ms at 8 warps and 5.43
 # at 4 on whole tiles, 3.51 in halves at 4.
 STATE_GRADIENT_WARPS64 = 4
-# num_stages of its loop over chunks (0: the ``while`` loop). H200, bf16 (session 15), that
-# pass at B=8 T=4096: the ``while`` loop and 1 stage alike (K=128 fwd+bwd 27.72 / 27.65 ms,
-# K=64 20.20 / 20.15), 2 stages slower (29.80, 20.85: 392 and 44 B of spills, sm_90 4 warps);
-# one sequence of 65536 tokens (H=32 K=64, V blocks of 32: 64 programs, latency-bound) 2
-# stages 11.29 -> 8.51 ms (fwd+bwd 33.56 -> 30.76). So 0 here; KernelConfig.
-# chunk64_state_gradient_stages = 2 for few long sequences at K <= 64 (3 stages at K=128 need
-# more shared memory than an SM has).
+# num_stages of its loop over chunks (0: the ``while`` loop). H200, bf16, B=8 T=4096 (session
+# 15): reading the decayed rows, K=128 1.61 ms with the ``while`` loop, 2.02 at 2 stages;
+# before (computing the decays), 1 stage no faster and 2 slower at K=64 and 128 (392 and 44 B
+# of spills, sm_90 4 warps). One sequence of 65536 tokens (H=32 K=64, V blocks of 32: 64
+# programs, latency-bound), before: 2 stages 11.29 -> 8.51 ms. So 0 here;
+# KernelConfig.chunk64_state_gradient_stages = 2 for few long sequences (3 stages at K=128
+# need more shared memory than an SM has).
 STATE_GRADIENT_STAGES64 = 0
 
 
