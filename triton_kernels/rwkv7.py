@@ -1209,14 +1209,15 @@ def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.con
 def _wy_inverse(lower, C: tl.constexpr, LEVELS: tl.constexpr, BLOCK_LEVELS: tl.constexpr,
                 PRECISION: tl.constexpr):
     """T = (I - lower)^-1 for a strictly lower-triangular [C, C] tile (C = 2^LEVELS),
-    blockwise (the plan's form, on whole tiles): with D the diagonal BLOCK x BLOCK blocks
+    blockwise (the plan's form): with D the diagonal BLOCK x BLOCK blocks
     (BLOCK = 2^BLOCK_LEVELS) of lower and R the rest,
     I - D - R = (I - D)(I - T_D R), so T = (I - M)^-1 T_D with T_D = (I - D)^-1 and M = T_D R.
-    T_D by repeated squaring inside the blocks, (I + D)(I + D^2)...(I + D^(BLOCK/2)) (as
-    ``_inverse_unit_lower``: D^BLOCK = 0); M is strictly lower by blocks, M^(C/BLOCK) = 0, so
+    T_D on the blocks alone, as a batch of [C/BLOCK, BLOCK, BLOCK] tiles (``_inverse_unit_lower``,
+    repeated squaring inside a block: D^BLOCK = 0; six batched products, a sixteenth of the
+    arithmetic of whole [C, C] tiles); M is strictly lower by blocks, M^(C/BLOCK) = 0, so
     (I - M)^-1 = (I + M)(I + M^2)...: at C = 64, BLOCK = 16, T = (I + M)(I + M^2) T_D, the
     terms of the plan's T[J,I] = T[J,J] sum_M A_ab[J,M] T[M,I] (its four-block substitution
-    expanded). Ten [C, C] products.
+    expanded), four [C, C] products.
 
     Not repeated squaring over all 64 rows, (I + L)(I + L^2)...(I + L^32): that sums chains of
     up to 63 factors of A_ab, whose terms grow like binomials (up to C(62, 31) ~ 5e17 times
@@ -1225,18 +1226,20 @@ def _wy_inverse(lower, C: tl.constexpr, LEVELS: tl.constexpr, BLOCK_LEVELS: tl.c
     keys at correlation 0.8: relative error of T 2e8 by squaring, 4e-5 blockwise, 1e-7 by
     substitution). Blockwise, the chains are at most 15 factors inside a block (as the 16-token
     kernels' inverse) and 3 between blocks, each between inverses that are themselves small.
-    No slicing of register tiles is needed: D and R are masks of the one [C, C] tile, and every
-    product is a whole-tile tensor-core product (4x the arithmetic of [16, 16] blocks for T_D:
-    to be timed)."""
+    The blocks come out of and go back into the [C, C] tile by a reshape to
+    [C/BLOCK, BLOCK, C/BLOCK, BLOCK] and a mask of its two block indices (no slicing of register
+    tiles)."""
+    BLOCK: tl.constexpr = 1 << BLOCK_LEVELS
+    BLOCKS: tl.constexpr = C // BLOCK
     index = tl.arange(0, C)
     identity = tl.where(index[:, None] == index[None, :], 1.0, 0.0)
+    blocks = tl.arange(0, BLOCKS)
+    same = (blocks[:, None, None, None] == blocks[None, None, :, None])  # [J, ., I, .]: J = I
+    diagonal = tl.sum(tl.where(same, tl.reshape(lower, [BLOCKS, BLOCK, BLOCKS, BLOCK]), 0.0),
+                      axis=2)
+    inverse = tl.reshape(tl.where(same, _inverse_unit_lower(diagonal, BLOCK, PRECISION)[
+        :, :, None, :], 0.0), [C, C])
     same_block = (index[:, None] >> BLOCK_LEVELS) == (index[None, :] >> BLOCK_LEVELS)
-    diagonal = tl.where(same_block, lower, 0.0)
-    inverse = identity + diagonal
-    power = diagonal
-    for _ in tl.static_range(BLOCK_LEVELS - 1):  # BLOCK = 16: D^2, D^4, D^8
-        power = tl.dot(power, power, input_precision=PRECISION)
-        inverse = tl.dot(inverse, identity + power, input_precision=PRECISION)
     power = tl.dot(inverse, tl.where(same_block, 0.0, lower), input_precision=PRECISION)
     series = identity + power
     for _ in tl.static_range(LEVELS - BLOCK_LEVELS - 1):  # C = 4 BLOCK: M^2
