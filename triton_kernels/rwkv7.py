@@ -75,9 +75,9 @@ import triton
 import triton.language as tl
 
 from .common import (INTERPRETED, PREFETCH_UP_TO, chunk_tiles, clamped, clamped_rows,
-                     diagonal_tile as _diagonal, dot, in_range, level_factors as _level,
-                     level_factors_at, program,
-                     row_bases, rows, state_offsets, stored)
+                     diagonal_tile as _diagonal, dot, gate_tile, in_range,
+                     level_factors as _level, level_factors_at, program, row_bases, row_sums,
+                     rows, state_offsets, stored)
 
 
 @triton.jit
@@ -1094,6 +1094,28 @@ def _k_part(part, base, rows_in, steps, HEADS: tl.constexpr, K: tl.constexpr,
 
 
 @triton.jit
+def _wy_log_decay_sums(w_ptr, base, tile, mask, FLOOR: tl.constexpr, C: tl.constexpr,
+                       FROM_MIDDLE: tl.constexpr):
+    """A chunk's [C, KI] log decays (``_log_decays``, float32) and their inclusive sums gi_t,
+    less the middle row's (gi_t - m, ``_middle``) if FROM_MIDDLE: for bfloat16 decays as one
+    exact product (``row_sums``: no scans across the tile's rows), else by scans."""
+    raw = stored(w_ptr + base, tile, mask)
+    if raw.dtype == tl.bfloat16:
+        w = gate_tile(raw, FLOOR)
+        index = tl.arange(0, C)
+        if FROM_MIDDLE:
+            minus = (index[None, :] <= C // 2 - 1) & (index[:, None] >= 0)  # (every row)
+        else:
+            minus = False
+        return w.to(tl.float32), row_sums(w, index[None, :] <= index[:, None], minus)
+    w = tl.maximum(raw.to(tl.float32), FLOOR)
+    gi = tl.cumsum(w, axis=0)
+    if FROM_MIDDLE:
+        gi -= _middle(gi, 0, C)
+    return w, gi
+
+
+@triton.jit
 def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.constexpr,
               TAME: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
               KI: tl.constexpr, C: tl.constexpr, BLOCK_LEVELS: tl.constexpr,
@@ -1119,15 +1141,13 @@ def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.con
     if TAME:
         for part in tl.static_range((K + KI - 1) // KI):
             part_base, tile, mask = _k_part(part, base, rows_in, index, HEADS, K, KI)
-            w = _log_decays(w_ptr, part_base, tile, mask, FLOOR)
-            gi = tl.cumsum(w, axis=0)
-            middle = _middle(gi, 0, C)
+            w, relative = _wy_log_decay_sums(w_ptr, part_base, tile, mask, FLOOR, C, True)
             x_f = rows(x_ptr, part_base, tile, mask) * x_scale
             if STRICT:
-                x_f = x_f * tl.exp(gi - w - middle)
+                x_f = x_f * tl.exp(relative - w)
             else:
-                x_f = x_f * tl.exp(gi - middle)
-            column = tl.exp(middle - gi)
+                x_f = x_f * tl.exp(relative)
+            column = tl.exp(-relative)
             xy = tl.dot(x_f, tl.trans(rows(y_ptr, part_base, tile, mask) * column), xy,
                         input_precision=PRECISION)
             xz = tl.dot(x_f, tl.trans(rows(z_ptr, part_base, tile, mask) * column), xz,
@@ -1292,8 +1312,8 @@ def rwkv7_wy_kernel(
     # W = T a~, a~ = a e^ge (per K column: ge is a cumulative sum down the chunk, <= 0).
     for part in tl.static_range((K + KI - 1) // KI):
         part_base, k_tile, k_in = _k_part(part, k_base, rows_in, steps, HEADS, K, KI)
-        w = _log_decays(w_ptr, part_base, k_tile, k_in, FLOOR)
-        decayed = rows(a_ptr, part_base, k_tile, k_in) * tl.exp(tl.cumsum(w, axis=0) - w)
+        w, gi = _wy_log_decay_sums(w_ptr, part_base, k_tile, k_in, FLOOR, C, False)
+        decayed = rows(a_ptr, part_base, k_tile, k_in) * tl.exp(gi - w)
         _wy_store(wy_ptr + part_base, k_tile, tl.dot(inverse, decayed, input_precision=PRECISION),
                   k_in)
     A_qk, A_qb = _wy_pairs(r_ptr, k_ptr, b_ptr, w_ptr, k_base, rows_in, scale, False, TAME,
