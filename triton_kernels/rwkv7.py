@@ -83,7 +83,9 @@ from .common import (INTERPRETED, PREFETCH_UP_TO, chunk_tiles, clamped, clamped_
 @triton.jit
 def _inverse_unit_lower(lower, C: tl.constexpr, PRECISION: tl.constexpr):
     """(I - lower)^-1 for a strictly lower-triangular [C, C] tile (C = 16), or [G, C, C] tiles:
-    lower is nilpotent, so the inverse is (I + L)(I + L^2)(I + L^4)(I + L^8): six products."""
+    lower is nilpotent, so the inverse is (I + L)(I + L^2)(I + L^4)(I + L^8): six products,
+    each X (I + P) as X + X P (the product's accumulator: no identity tile, and X's own term
+    not rounded to the product's precision)."""
     index = tl.arange(0, C)
     identity = tl.where(index[:, None] == index[None, :], 1.0, 0.0)
     if len(lower.shape) == 3:
@@ -92,7 +94,7 @@ def _inverse_unit_lower(lower, C: tl.constexpr, PRECISION: tl.constexpr):
     power = lower
     for _ in tl.static_range(3):
         power = tl.dot(power, power, input_precision=PRECISION)
-        inverse = tl.dot(inverse, identity + power, input_precision=PRECISION)
+        inverse = tl.dot(inverse, power, inverse, input_precision=PRECISION)
     return inverse
 
 
@@ -1252,7 +1254,6 @@ def _wy_inverse(lower, C: tl.constexpr, LEVELS: tl.constexpr, BLOCK_LEVELS: tl.c
     BLOCK: tl.constexpr = 1 << BLOCK_LEVELS
     BLOCKS: tl.constexpr = C // BLOCK
     index = tl.arange(0, C)
-    identity = tl.where(index[:, None] == index[None, :], 1.0, 0.0)
     blocks = tl.arange(0, BLOCKS)
     same = (blocks[:, None, None, None] == blocks[None, None, :, None])  # [J, ., I, .]: J = I
     diagonal = tl.sum(tl.where(same, tl.reshape(lower, [BLOCKS, BLOCK, BLOCKS, BLOCK]), 0.0),
@@ -1260,12 +1261,14 @@ def _wy_inverse(lower, C: tl.constexpr, LEVELS: tl.constexpr, BLOCK_LEVELS: tl.c
     inverse = tl.reshape(tl.where(same, _inverse_unit_lower(diagonal, BLOCK, PRECISION)[
         :, :, None, :], 0.0), [C, C])
     same_block = (index[:, None] >> BLOCK_LEVELS) == (index[None, :] >> BLOCK_LEVELS)
+    # (I + M^2)(I + M) T_D as Y = T_D + M T_D, then Y + M^2 Y: each (I + P) X as the
+    # product's accumulator X plus P X (no identity tiles)
     power = tl.dot(inverse, tl.where(same_block, 0.0, lower), input_precision=PRECISION)
-    series = identity + power
+    inverse = tl.dot(power, inverse, inverse, input_precision=PRECISION)
     for _ in tl.static_range(LEVELS - BLOCK_LEVELS - 1):  # C = 4 BLOCK: M^2
         power = tl.dot(power, power, input_precision=PRECISION)
-        series = tl.dot(series, identity + power, input_precision=PRECISION)
-    return tl.dot(series, inverse, input_precision=PRECISION)
+        inverse = tl.dot(power, inverse, inverse, input_precision=PRECISION)
+    return inverse
 
 
 @triton.jit
