@@ -14,8 +14,8 @@ wheel carries ptxas and cuobjdump.
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
 resource report, read before spending device time. Counts of the SASS instructions that matter
-follow (HGMMA: Hopper's warpgroup MMA, then by operand type; HMMA: the older 16-row MMA;
-LDL/STL: spill traffic).
+follow (SASS: every instruction; HGMMA: Hopper's warpgroup MMA, then by operand type; HMMA:
+the older 16-row MMA; LDL/STL: spill traffic).
 """
 
 from __future__ import annotations
@@ -63,6 +63,10 @@ def resources(compiled):
     registers = re.search(r"Used (\d+) registers", report).group(1)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report).groups()
     counts = " ".join(f"{op}={len(re.findall(op, sass))}" for op in SASS)
+    # (every instruction of the binary: where a kernel's loops are unrolled, as the 64-token
+    # in-chunk kernel's, close to what each warp issues per program)
+    instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s", sass, re.M))
+    counts = f"SASS={instructions} " + counts
     # (HGMMA by operand type: BF16/F16 take 16-bit tiles as stored, TF32 float32 ones)
     types = re.findall(r"HGMMA\.\w+\.F32\.(\w+)", sass)
     if types:
@@ -90,8 +94,9 @@ def main():
                         help="gla family: K columns per step of the forward's scores kernel")
     parser.add_argument("--family", choices=("rwkv7", "gla", "rwkv7-64"), default="rwkv7",
                         help="rwkv7-64: the 64-token prototypes (forward_chunk64, the K side)")
-    parser.add_argument("--block-k-in-chunk", type=int, default=32,
-                        help="rwkv7-64: K columns per part of the in-chunk sums")
+    parser.add_argument("--block-k-in-chunk", type=int, default=None,
+                        help="rwkv7-64: K columns per part of the in-chunk sums (default as "
+                             "forward_chunk64: 32 on the tame path, 16 on the exact one)")
     parser.add_argument("--split-block-k", type=int, default=16,
                         help="rwkv7-64: keys per program of the split K side's key gradients")
     parser.add_argument("--split-block-v", type=int, default=32,
@@ -190,8 +195,11 @@ def main():
         tame_constexprs["key gradient"] = dict(BK=min(args.tame_key_block_k, bk),
                                                KEYS=min(args.tame_key_program_k, bk))
     if args.family == "rwkv7-64":
-        kernels = chunk64_kernels(shapes, inputs, args.block_k_in_chunk, args.split_block_k,
-                                  args.split_block_v, not args.float32_residuals, stages)
+        kernels = chunk64_kernels(shapes, inputs, args.block_k_in_chunk or 16,
+                                  args.split_block_k, args.split_block_v,
+                                  not args.float32_residuals, stages)
+        if args.block_k_in_chunk is None:
+            tame_constexprs["wy in-chunk"] = dict(KI=min(32, bk))
         if args.bf16_saved:
             inputs.update(states_ptr=bf16, dstates_ptr=bf16, u_ptr=bf16, dx_ptr=bf16)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
@@ -234,9 +242,11 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block
         ("wy decayed", rwkv7.rwkv7_wy_decayed_kernel,
          dict({n: parallel[n] for n in ("HEADS", "K", "C", "FLOOR", "TOTAL_ROWS", "SEQUENCES",
                                         "CHUNK_SLOTS")}, scale=1.0, BK=min(64, shapes["BK"]))),
+        # (as launched: one program takes every V block of U0, VI = BV columns at a time)
         ("wy in-chunk", rwkv7.rwkv7_wy_kernel,
          dict(parallel, scale=1.0, LEVELS=6, KI=min(block_k_in_chunk, shapes["BK"]),
-              VI=shapes["BV"], INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4)),
+              BV=-(-shapes["V"] // shapes["BV"]) * shapes["BV"], VI=shapes["BV"],
+              INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4)),
         ("wy state", rwkv7.rwkv7_wy_state_kernel,
          dict(no_decays(common), PIPELINED=state_stages > 0)),
         ("wy output", rwkv7.rwkv7_wy_output_kernel, no_decays(parallel)),

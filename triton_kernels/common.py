@@ -184,6 +184,27 @@ def dot(x, y, acc, PRECISION: tl.constexpr):
     return product
 
 
+# Sums of bfloat16 log gates as tensor-core products (gla.py: _GlaStatic.gate_sums_by_product;
+# rwkv7.py: the 64-token in-chunk kernel), instead of scans and reductions across a tile's rows:
+# a [C, C] matrix of 0, 1 and -1 (which rows to add, and subtract) times the gates. The
+# products are exact and the sums float32, and every sum is formed as itself (the gates after
+# i, or up to the middle row), never as a difference of two cumulative sums. Only gates stored
+# as bfloat16 (tested where used, `raw.dtype == tl.bfloat16`: a compile-time choice) are exact
+# operands; others take the scans.
+
+@triton.jit
+def gate_tile(raw, FLOOR: tl.constexpr):
+    """bfloat16 log gates raised to FLOOR, still bfloat16 (FLOOR is one)."""
+    return tl.maximum(raw.to(tl.float32), FLOOR).to(tl.bfloat16)
+
+
+@triton.jit
+def row_sums(gate, plus, minus):
+    """sum_j (plus[t, j] - minus[t, j]) gate_j for every row t, as one product ([C, BLOCK])."""
+    selection = tl.where(plus, 1.0, 0.0) - tl.where(minus, 1.0, 0.0)
+    return dot(selection.to(tl.bfloat16), gate, None, "tf32")
+
+
 @triton.jit
 def diagonal_tile(values, C: tl.constexpr):
     """A [C, C] tile with ``values`` ([C]) on its diagonal."""

@@ -66,8 +66,8 @@ flattened inputs, clamped to [0, ROWS) in the kernel, and saved-state slots are 
 import triton
 import triton.language as tl
 
-from .common import (INTERPRETED, clamped_rows, diagonal_tile, dot, in_range, level_factors,
-                     level_factors_at, stored)
+from .common import (INTERPRETED, clamped_rows, diagonal_tile, dot, gate_tile as _gate_tile,
+                     in_range, level_factors, level_factors_at, row_sums as _row_sums, stored)
 
 
 @triton.jit
@@ -247,26 +247,6 @@ def _middle_factors(a, A, BONUS: tl.constexpr, C: tl.constexpr):
     middle = tl.sum(tl.where(t[:, None] == C // 2 - 1, A, 0.0), axis=0)[None, :]
     R = A - a if BONUS else A
     return tl.exp(R - middle), tl.exp(middle - A)
-
-
-# Sums of bfloat16 log gates as tensor-core products (_GlaStatic.gate_sums_by_product), instead
-# of scans and reductions across a tile's rows: a [C, C] matrix of 0, 1 and -1 (which rows to
-# add, and subtract) times the gates. The products are exact and the sums float32, and every
-# sum is formed as itself (the gates after i, or up to the middle row), never as a difference
-# of two cumulative sums. Only gates stored as bfloat16 (tested where used, `raw.dtype ==
-# tl.bfloat16`: a compile-time choice) are exact operands; others take the scans.
-
-@triton.jit
-def _gate_tile(raw, FLOOR: tl.constexpr):
-    """bfloat16 log gates raised to FLOOR, still bfloat16 (FLOOR is one)."""
-    return tl.maximum(raw.to(tl.float32), FLOOR).to(tl.bfloat16)
-
-
-@triton.jit
-def _row_sums(gate, plus, minus):
-    """sum_j (plus[t, j] - minus[t, j]) gate_j for every row t, as one product ([C, BLOCK])."""
-    selection = tl.where(plus, 1.0, 0.0) - tl.where(minus, 1.0, 0.0)
-    return dot(selection.to(tl.bfloat16), gate, None, "tf32")
 
 
 @triton.jit

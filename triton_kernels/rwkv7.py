@@ -75,15 +75,17 @@ import triton
 import triton.language as tl
 
 from .common import (INTERPRETED, PREFETCH_UP_TO, chunk_tiles, clamped, clamped_rows,
-                     diagonal_tile as _diagonal, dot, in_range, level_factors as _level,
-                     level_factors_at, program,
-                     row_bases, rows, state_offsets, stored)
+                     diagonal_tile as _diagonal, dot, gate_tile, in_range,
+                     level_factors as _level, level_factors_at, program, row_bases, row_sums,
+                     rows, state_offsets, stored)
 
 
 @triton.jit
 def _inverse_unit_lower(lower, C: tl.constexpr, PRECISION: tl.constexpr):
     """(I - lower)^-1 for a strictly lower-triangular [C, C] tile (C = 16), or [G, C, C] tiles:
-    lower is nilpotent, so the inverse is (I + L)(I + L^2)(I + L^4)(I + L^8): six products."""
+    lower is nilpotent, so the inverse is (I + L)(I + L^2)(I + L^4)(I + L^8): six products,
+    each X (I + P) as X + X P (the product's accumulator: no identity tile, and X's own term
+    not rounded to the product's precision)."""
     index = tl.arange(0, C)
     identity = tl.where(index[:, None] == index[None, :], 1.0, 0.0)
     if len(lower.shape) == 3:
@@ -92,7 +94,7 @@ def _inverse_unit_lower(lower, C: tl.constexpr, PRECISION: tl.constexpr):
     power = lower
     for _ in tl.static_range(3):
         power = tl.dot(power, power, input_precision=PRECISION)
-        inverse = tl.dot(inverse, identity + power, input_precision=PRECISION)
+        inverse = tl.dot(inverse, power, inverse, input_precision=PRECISION)
     return inverse
 
 
@@ -1101,6 +1103,28 @@ def _k_part(part, base, rows_in, steps, HEADS: tl.constexpr, K: tl.constexpr,
 
 
 @triton.jit
+def _wy_log_decay_sums(w_ptr, base, tile, mask, FLOOR: tl.constexpr, C: tl.constexpr,
+                       FROM_MIDDLE: tl.constexpr):
+    """A chunk's [C, KI] log decays (``_log_decays``, float32) and their inclusive sums gi_t,
+    less the middle row's (gi_t - m, ``_middle``) if FROM_MIDDLE: for bfloat16 decays as one
+    exact product (``row_sums``: no scans across the tile's rows), else by scans."""
+    raw = stored(w_ptr + base, tile, mask)
+    if raw.dtype == tl.bfloat16:
+        w = gate_tile(raw, FLOOR)
+        index = tl.arange(0, C)
+        if FROM_MIDDLE:
+            minus = (index[None, :] <= C // 2 - 1) & (index[:, None] >= 0)  # (every row)
+        else:
+            minus = False
+        return w.to(tl.float32), row_sums(w, index[None, :] <= index[:, None], minus)
+    w = tl.maximum(raw.to(tl.float32), FLOOR)
+    gi = tl.cumsum(w, axis=0)
+    if FROM_MIDDLE:
+        gi -= _middle(gi, 0, C)
+    return w, gi
+
+
+@triton.jit
 def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.constexpr,
               TAME: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
               KI: tl.constexpr, C: tl.constexpr, BLOCK_LEVELS: tl.constexpr,
@@ -1113,7 +1137,10 @@ def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.con
 
     TAME: one product each, factors referenced to the chunk's middle row (``_middle``; at
     C = 64 within e^(+-32) for log decays >= -1, and each kept pair's term is still its own
-    factor <= 1). Else exact for every decay, in blocks of BLOCK = 2^BLOCK_LEVELS rows (the
+    factor <= 1; their exponents gi_t - m by one exact product for bf16 decays,
+    ``_wy_log_decay_sums``). Operands stay float32 (tf32): rounding the factored tiles to bf16
+    took the output's error on the interpreter from 3.3e-3 to 8.9e-3 (bf16 inputs, K=64 and
+    128, T=256). Else exact for every decay, in blocks of BLOCK = 2^BLOCK_LEVELS rows (the
     plan's 16-token blocks): row block J meets the columns of every earlier block with the
     factor split at J's start s, e^(gi_t - gi_s) * e^(gi_s - gi_i), each <= 1 and each a sum of
     log decays (J's own inclusive sums; the reverse sums of i's block plus the totals of the
@@ -1126,15 +1153,13 @@ def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.con
     if TAME:
         for part in tl.static_range((K + KI - 1) // KI):
             part_base, tile, mask = _k_part(part, base, rows_in, index, HEADS, K, KI)
-            w = _log_decays(w_ptr, part_base, tile, mask, FLOOR)
-            gi = tl.cumsum(w, axis=0)
-            middle = _middle(gi, 0, C)
+            w, relative = _wy_log_decay_sums(w_ptr, part_base, tile, mask, FLOOR, C, True)
             x_f = rows(x_ptr, part_base, tile, mask) * x_scale
             if STRICT:
-                x_f = x_f * tl.exp(gi - w - middle)
+                x_f = x_f * tl.exp(relative - w)
             else:
-                x_f = x_f * tl.exp(gi - middle)
-            column = tl.exp(middle - gi)
+                x_f = x_f * tl.exp(relative)
+            column = tl.exp(-relative)
             xy = tl.dot(x_f, tl.trans(rows(y_ptr, part_base, tile, mask) * column), xy,
                         input_precision=PRECISION)
             xz = tl.dot(x_f, tl.trans(rows(z_ptr, part_base, tile, mask) * column), xz,
@@ -1216,14 +1241,15 @@ def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.con
 def _wy_inverse(lower, C: tl.constexpr, LEVELS: tl.constexpr, BLOCK_LEVELS: tl.constexpr,
                 PRECISION: tl.constexpr):
     """T = (I - lower)^-1 for a strictly lower-triangular [C, C] tile (C = 2^LEVELS),
-    blockwise (the plan's form, on whole tiles): with D the diagonal BLOCK x BLOCK blocks
+    blockwise (the plan's form): with D the diagonal BLOCK x BLOCK blocks
     (BLOCK = 2^BLOCK_LEVELS) of lower and R the rest,
     I - D - R = (I - D)(I - T_D R), so T = (I - M)^-1 T_D with T_D = (I - D)^-1 and M = T_D R.
-    T_D by repeated squaring inside the blocks, (I + D)(I + D^2)...(I + D^(BLOCK/2)) (as
-    ``_inverse_unit_lower``: D^BLOCK = 0); M is strictly lower by blocks, M^(C/BLOCK) = 0, so
+    T_D on the blocks alone, as a batch of [C/BLOCK, BLOCK, BLOCK] tiles (``_inverse_unit_lower``,
+    repeated squaring inside a block: D^BLOCK = 0; six batched products, a sixteenth of the
+    arithmetic of whole [C, C] tiles); M is strictly lower by blocks, M^(C/BLOCK) = 0, so
     (I - M)^-1 = (I + M)(I + M^2)...: at C = 64, BLOCK = 16, T = (I + M)(I + M^2) T_D, the
     terms of the plan's T[J,I] = T[J,J] sum_M A_ab[J,M] T[M,I] (its four-block substitution
-    expanded). Ten [C, C] products.
+    expanded), four [C, C] products.
 
     Not repeated squaring over all 64 rows, (I + L)(I + L^2)...(I + L^32): that sums chains of
     up to 63 factors of A_ab, whose terms grow like binomials (up to C(62, 31) ~ 5e17 times
@@ -1232,24 +1258,27 @@ def _wy_inverse(lower, C: tl.constexpr, LEVELS: tl.constexpr, BLOCK_LEVELS: tl.c
     keys at correlation 0.8: relative error of T 2e8 by squaring, 4e-5 blockwise, 1e-7 by
     substitution). Blockwise, the chains are at most 15 factors inside a block (as the 16-token
     kernels' inverse) and 3 between blocks, each between inverses that are themselves small.
-    No slicing of register tiles is needed: D and R are masks of the one [C, C] tile, and every
-    product is a whole-tile tensor-core product (4x the arithmetic of [16, 16] blocks for T_D:
-    to be timed)."""
+    The blocks come out of and go back into the [C, C] tile by a reshape to
+    [C/BLOCK, BLOCK, C/BLOCK, BLOCK] and a mask of its two block indices (no slicing of register
+    tiles)."""
+    BLOCK: tl.constexpr = 1 << BLOCK_LEVELS
+    BLOCKS: tl.constexpr = C // BLOCK
     index = tl.arange(0, C)
-    identity = tl.where(index[:, None] == index[None, :], 1.0, 0.0)
+    blocks = tl.arange(0, BLOCKS)
+    same = (blocks[:, None, None, None] == blocks[None, None, :, None])  # [J, ., I, .]: J = I
+    diagonal = tl.sum(tl.where(same, tl.reshape(lower, [BLOCKS, BLOCK, BLOCKS, BLOCK]), 0.0),
+                      axis=2)
+    inverse = tl.reshape(tl.where(same, _inverse_unit_lower(diagonal, BLOCK, PRECISION)[
+        :, :, None, :], 0.0), [C, C])
     same_block = (index[:, None] >> BLOCK_LEVELS) == (index[None, :] >> BLOCK_LEVELS)
-    diagonal = tl.where(same_block, lower, 0.0)
-    inverse = identity + diagonal
-    power = diagonal
-    for _ in tl.static_range(BLOCK_LEVELS - 1):  # BLOCK = 16: D^2, D^4, D^8
-        power = tl.dot(power, power, input_precision=PRECISION)
-        inverse = tl.dot(inverse, identity + power, input_precision=PRECISION)
+    # (I + M^2)(I + M) T_D as Y = T_D + M T_D, then Y + M^2 Y: each (I + P) X as the
+    # product's accumulator X plus P X (no identity tiles)
     power = tl.dot(inverse, tl.where(same_block, 0.0, lower), input_precision=PRECISION)
-    series = identity + power
+    inverse = tl.dot(power, inverse, inverse, input_precision=PRECISION)
     for _ in tl.static_range(LEVELS - BLOCK_LEVELS - 1):  # C = 4 BLOCK: M^2
         power = tl.dot(power, power, input_precision=PRECISION)
-        series = tl.dot(series, identity + power, input_precision=PRECISION)
-    return tl.dot(series, inverse, input_precision=PRECISION)
+        inverse = tl.dot(power, inverse, inverse, input_precision=PRECISION)
+    return inverse
 
 
 @triton.jit
@@ -1296,8 +1325,8 @@ def rwkv7_wy_kernel(
     # W = T a~, a~ = a e^ge (per K column: ge is a cumulative sum down the chunk, <= 0).
     for part in tl.static_range((K + KI - 1) // KI):
         part_base, k_tile, k_in = _k_part(part, k_base, rows_in, steps, HEADS, K, KI)
-        w = _log_decays(w_ptr, part_base, k_tile, k_in, FLOOR)
-        decayed = rows(a_ptr, part_base, k_tile, k_in) * tl.exp(tl.cumsum(w, axis=0) - w)
+        w, gi = _wy_log_decay_sums(w_ptr, part_base, k_tile, k_in, FLOOR, C, False)
+        decayed = rows(a_ptr, part_base, k_tile, k_in) * tl.exp(gi - w)
         _wy_store(wy_ptr + part_base, k_tile, tl.dot(inverse, decayed, input_precision=PRECISION),
                   k_in)
     A_qk, A_qb = _wy_pairs(r_ptr, k_ptr, b_ptr, w_ptr, k_base, rows_in, scale, False, TAME,

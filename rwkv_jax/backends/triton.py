@@ -635,11 +635,16 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     block_k, block_v = common["BK"], common["BV"]
     buffer = _residual_dtype(common, bf16_residuals)
-    # sm_90, bf16, K parts of 16 (benchmarks/compile_report.py --family rwkv7-64): the exact path
-    # spills 220 B at K=64 and 408 B at K=128 with 4 warps (336 and 544 B with 8); the tame one
-    # none at K=64, 40 B at K=128. H100 (session 13, B=8 T=4096 H=64 K=64 bf16): the tame path
-    # took 3.78 ms in parts of 32 (the kernel before its masks moved after the K sums), 4.63 in
-    # parts of 16.
+    # The in-chunk kernel, sm_90, bf16 (benchmarks/compile_report.py --family rwkv7-64; K parts
+    # of 32 tame, 16 exact; spill stores at 4 / 8 warps, SASS instructions at 4 warps). Since
+    # T_D as batched [4, 16, 16] products and the log decays' sums as bf16 products: tame K=64
+    # none / none (SASS 5416), K=128 none / none (8200; at 8 warps 250 registers), exact K=64
+    # 168 / 264 B, K=128 280 / 472 B; before: tame K=64 none / 244 B (7640), K=128 none / 292 B
+    # (12264), exact 212 / 324 B and 380 / 516 B. GPU timing of these pending (H200, before:
+    # 3.94 ms at K=64, 6.27 at K=128, B=8 T=4096; 8 warps, or parts of 64 at 8 warps, 0 spills
+    # and SASS 7408 at K=128, are the candidates to time beside 4). H100 (session 13, B=8
+    # T=4096 H=64 K=64 bf16): the tame path took 3.78 ms in parts of 32 (the kernel before its
+    # masks moved after the K sums), 4.63 in parts of 16.
     # The state pass (bf16 inputs, sm_90, spills at 4 / 8 warps; 255 registers throughout):
     # K=64 none with its ``while`` loop (stages 0), nor at 1 or 2 stages (49 / 98 KB shared),
     # 24 B at 3 stages and 4 warps. K=128, H in two halves of 64 keys: 152 / 100 B (stages 0),
