@@ -239,9 +239,6 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block
     parallel = dict(common, SEQUENCES=8)
     no_decays = lambda constexprs: {n: x for n, x in constexprs.items() if n != "FLOOR"}
     return [
-        ("wy decayed", rwkv7.rwkv7_wy_decayed_kernel,
-         dict({n: parallel[n] for n in ("HEADS", "K", "C", "FLOOR", "TOTAL_ROWS", "SEQUENCES",
-                                        "CHUNK_SLOTS")}, scale=1.0, BK=min(64, shapes["BK"]))),
         # (as launched: one program takes every V block of U0, VI = BV columns at a time)
         ("wy in-chunk", rwkv7.rwkv7_wy_kernel,
          dict(parallel, scale=1.0, LEVELS=6, KI=min(block_k_in_chunk, shapes["BK"]),

@@ -993,13 +993,13 @@ def rwkv7_tame_gradient_kernel(
 #
 # The op's kernels at KernelConfig.chunk = 64, beside the 16-token ones above: three forward
 # kernels,
-#   0. rwkv7_wy_decayed_kernel (parallel): the decayed rows q~ = q e^gi, k^ = k e^(g - gi),
-#      b^ = b e^(g - gi) per token and e^g per chunk, which every later kernel but the K side
-#      reads instead of the decays (no cumulative sums or exponentials in the sequential
-#      passes, and 16-bit operands for 16-bit inputs);
 #   1. rwkv7_wy_kernel (parallel, a program per chunk and head): the in-chunk matrices,
 #      T = (I - A_ab)^-1, W = T a~ [C, K] and U0 = T A_ak V [C, V] per token, A_qk, A_qb,
 #      A_ak and T per chunk ([chunk slots, HEADS, 4, C, C]; the last two for the backward);
+#      and the decayed rows q~ = q e^gi, k^ = k e^(g - gi), b^ = b e^(g - gi) per token and
+#      e^g per chunk, which every later kernel but the K side reads instead of the decays (no
+#      cumulative sums or exponentials in the sequential passes, and 16-bit operands for
+#      16-bit inputs);
 #   2. rwkv7_wy_state_kernel (sequential, a program per sequence, head and V block): H at every
 #      chunk's start, U = W H + U0 and H' = e^g H + k^T V + b^T U (no [C, C] matrix);
 #   3. rwkv7_wy_output_kernel (parallel, a program per chunk, head and V block):
@@ -1105,23 +1105,27 @@ def _k_part(part, base, rows_in, steps, HEADS: tl.constexpr, K: tl.constexpr,
 @triton.jit
 def _wy_log_decay_sums(w_ptr, base, tile, mask, FLOOR: tl.constexpr, C: tl.constexpr,
                        FROM_MIDDLE: tl.constexpr):
-    """A chunk's [C, KI] log decays (``_log_decays``, float32) and their inclusive sums gi_t,
-    less the middle row's (gi_t - m, ``_middle``) if FROM_MIDDLE: for bfloat16 decays as one
-    exact product (``row_sums``: no scans across the tile's rows), else by scans."""
+    """A chunk's [C, KI] log decays (``_log_decays``, float32) and two sums of them per row:
+    gi_t - m (the inclusive sums less the middle row's, ``_middle``) if FROM_MIDDLE, else gi_t
+    and g - gi_t (the sum after row t, summed from the chunk's end rather than subtracted:
+    precise where gi is large). For bfloat16 decays as exact products (``row_sums``: no scans
+    across the tile's rows), else by scans."""
     raw = stored(w_ptr + base, tile, mask)
+    index = tl.arange(0, C)
     if raw.dtype == tl.bfloat16:
         w = gate_tile(raw, FLOOR)
-        index = tl.arange(0, C)
         if FROM_MIDDLE:
             minus = (index[None, :] <= C // 2 - 1) & (index[:, None] >= 0)  # (every row)
+            after = w.to(tl.float32)  # (not used)
         else:
             minus = False
-        return w.to(tl.float32), row_sums(w, index[None, :] <= index[:, None], minus)
+            after = row_sums(w, index[None, :] > index[:, None], False)
+        return w.to(tl.float32), row_sums(w, index[None, :] <= index[:, None], minus), after
     w = tl.maximum(raw.to(tl.float32), FLOOR)
     gi = tl.cumsum(w, axis=0)
     if FROM_MIDDLE:
-        gi -= _middle(gi, 0, C)
-    return w, gi
+        return w, gi - _middle(gi, 0, C), w  # (the last not used)
+    return w, gi, tl.cumsum(w, axis=0, reverse=True) - w
 
 
 @triton.jit
@@ -1153,7 +1157,7 @@ def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.con
     if TAME:
         for part in tl.static_range((K + KI - 1) // KI):
             part_base, tile, mask = _k_part(part, base, rows_in, index, HEADS, K, KI)
-            w, relative = _wy_log_decay_sums(w_ptr, part_base, tile, mask, FLOOR, C, True)
+            w, relative, _ = _wy_log_decay_sums(w_ptr, part_base, tile, mask, FLOOR, C, True)
             x_f = rows(x_ptr, part_base, tile, mask) * x_scale
             if STRICT:
                 x_f = x_f * tl.exp(relative - w)
@@ -1284,7 +1288,7 @@ def _wy_inverse(lower, C: tl.constexpr, LEVELS: tl.constexpr, BLOCK_LEVELS: tl.c
 @triton.jit
 def rwkv7_wy_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,
-    wy_ptr, u0_ptr, matrices_ptr,                                              # outputs
+    wy_ptr, u0_ptr, matrices_ptr, qd_ptr, kd_ptr, bd_ptr, decay_ptr,            # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, KI: tl.constexpr, VI: tl.constexpr, C: tl.constexpr,
     LEVELS: tl.constexpr, FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
@@ -1293,13 +1297,15 @@ def rwkv7_wy_kernel(
 ):
     """Grid (chunk slots, HEADS), one 64-token chunk per program. wy [rows, HEADS, K]: W = T a~;
     u0 [rows, HEADS, V]: U0 = T A_ak V; matrices [chunk slots, HEADS, 4, C, C]: A_qk, A_qb, A_ak,
-    T (``_wy_matrix``; the last two only the backward reads). Each float32 or bfloat16, rounded
-    once from its float32 value. Rows past the sequence's end read as zeros (w = 0) and are not
-    stored; nor is anything of an unused slot.
+    T (``_wy_matrix``; the last two only the backward reads); qd, kd, bd [rows, HEADS, K]: the
+    decayed rows q~ = scale r e^gi, k^ = k e^(g - gi), b^ = b e^(g - gi), and decay [chunk
+    slots, HEADS, K] float32: e^g, which the later kernels read instead of the decays. Each
+    float32 or bfloat16, rounded once from its float32 value. Rows past the sequence's end read
+    as zeros (w = 0) and are not stored; nor is anything of an unused slot.
 
     In three passes over K (KI columns at a time: [C, KI] tiles) so that at most two [C, C]
     sums are built at once: A_ak and A_ab, then T = (I - A_ab)^-1 and T A_ak; U0 (VI columns of
-    V at a time) and W (a~ per K part); last A_qk and A_qb, stored. Each pass rereads its K
+    V at a time) and W (a~ per K part); A_qk and A_qb, stored; last the decayed rows. Each pass rereads its K
     tiles (k and b twice in all), which costs less than holding four [C, C] sums."""
     head = tl.program_id(1)
     slot = tl.program_id(0)
@@ -1325,7 +1331,7 @@ def rwkv7_wy_kernel(
     # W = T a~, a~ = a e^ge (per K column: ge is a cumulative sum down the chunk, <= 0).
     for part in tl.static_range((K + KI - 1) // KI):
         part_base, k_tile, k_in = _k_part(part, k_base, rows_in, steps, HEADS, K, KI)
-        w, gi = _wy_log_decay_sums(w_ptr, part_base, k_tile, k_in, FLOOR, C, False)
+        w, gi, _ = _wy_log_decay_sums(w_ptr, part_base, k_tile, k_in, FLOOR, C, False)
         decayed = rows(a_ptr, part_base, k_tile, k_in) * tl.exp(gi - w)
         _wy_store(wy_ptr + part_base, k_tile, tl.dot(inverse, decayed, input_precision=PRECISION),
                   k_in)
@@ -1333,40 +1339,25 @@ def rwkv7_wy_kernel(
                            HEADS, K, BK, KI, C, BLOCK_LEVELS, FLOOR, PRECISION)
     _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C, False), 0, A_qk, used)
     _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, False), 0, A_qb, used)
-
-
-@triton.jit
-def rwkv7_wy_decayed_kernel(
-    r_ptr, w_ptr, k_ptr, b_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,    # inputs
-    qd_ptr, kd_ptr, bd_ptr, decay_ptr,                                          # outputs
-    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-    C: tl.constexpr, FLOOR: tl.constexpr, TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr,
-    CHUNK_SLOTS: tl.constexpr,
-):
-    """Grid (chunk slots, HEADS, K blocks of BK): a chunk's decayed rows, q~ = scale r e^gi,
-    k^ = k e^(g - gi) and b^ = b e^(g - gi) in qd, kd, bd [rows, HEADS, K] (each rounded once
-    to its dtype; every factor <= 1, g - gi summed from the chunk's end: ``_decays``), and its
-    decay e^g in decay [chunk slots, HEADS, K] float32. Rows past the sequence's end read as
-    zeros (w = 0) and are not stored; nor is anything of an unused slot."""
-    slot, head, used, first, steps, rows_in = _wy_chunk_rows(
-        cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
-    k_cols = tl.program_id(2) * BK + tl.arange(0, BK)
-    k_cols_in = in_range(k_cols, K, BK)
-    k_in = rows_in & k_cols_in[None, :]
-    base = (first * HEADS + head) * K
-    tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
-    gi, _, g, to_end = _decays(_log_decays(w_ptr, base, tile, k_in, FLOOR), 0)
-    _wy_store(qd_ptr + base, tile, rows(r_ptr, base, tile, k_in) * (scale * tl.exp(gi)), k_in)
-    to_end = tl.exp(to_end)
-    _wy_store(kd_ptr + base, tile, rows(k_ptr, base, tile, k_in) * to_end, k_in)
-    _wy_store(bd_ptr + base, tile, rows(b_ptr, base, tile, k_in) * to_end, k_in)
-    tl.store(_wy_decay(decay_ptr, slot, head, HEADS, K, k_cols), tl.exp(g),
-             mask=k_cols_in & used)
+    # The decayed rows the later kernels read instead of the decays, q~ = q e^gi,
+    # k^ = k e^(g - gi), b^ = b e^(g - gi) and e^g (every factor <= 1): last, when no [C, C]
+    # tile is live (in W's loop beside T they spilled 40-68 B, sm_90 4 warps).
+    for part in tl.static_range((K + KI - 1) // KI):
+        part_base, k_tile, k_in = _k_part(part, k_base, rows_in, steps, HEADS, K, KI)
+        w, gi, after = _wy_log_decay_sums(w_ptr, part_base, k_tile, k_in, FLOOR, C, False)
+        _wy_store(qd_ptr + part_base, k_tile,
+                  rows(r_ptr, part_base, k_tile, k_in) * (scale * tl.exp(gi)), k_in)
+        after = tl.exp(after)
+        _wy_store(kd_ptr + part_base, k_tile, rows(k_ptr, part_base, k_tile, k_in) * after, k_in)
+        _wy_store(bd_ptr + part_base, k_tile, rows(b_ptr, part_base, k_tile, k_in) * after, k_in)
+        k_cols = part * KI + tl.arange(0, KI)
+        tl.store(_wy_decay(decay_ptr, slot, head, HEADS, K, k_cols), tl.exp(tl.sum(w, axis=0)),
+                 mask=in_range(k_cols, K, KI) & used)
 
 
 @triton.jit
 def _wy_decay(decay_ptr, slot, head, HEADS: tl.constexpr, K: tl.constexpr, k_cols):
-    """Pointers to a chunk's e^g (``rwkv7_wy_decayed_kernel``) at K columns k_cols."""
+    """Pointers to a chunk's e^g (``rwkv7_wy_kernel``) at K columns k_cols."""
     return decay_ptr + (slot.to(tl.int64) * HEADS + head) * K + k_cols
 
 
@@ -1400,7 +1391,7 @@ def _wy_state_update(h, v, u, kd_ptr, bd_ptr, decay_ptr, slot, head, k_base, k_t
                      k_cols, k_cols_in, HEADS: tl.constexpr, K: tl.constexpr,
                      PRECISION: tl.constexpr):
     """H' = e^g H + k^T V + b^T U over the K rows k_cols (all of BK, or a half), from the
-    decayed rows (``rwkv7_wy_decayed_kernel``): k^ and V multiply as stored, b^ against the
+    decayed rows (``rwkv7_wy_kernel``): k^ and V multiply as stored, b^ against the
     float32 U at PRECISION (U carries the state: not rounded)."""
     decay = tl.load(_wy_decay(decay_ptr, slot, head, HEADS, K, k_cols), mask=k_cols_in,
                     other=0.0)
@@ -1489,7 +1480,7 @@ def rwkv7_wy_state_kernel(
     start of every chunk (in its chunk slot); u [rows, HEADS, V]: U = W H + U0, with H rounded
     to W's dtype (as it is stored: bfloat16 W and H multiply at the bfloat16 rate). Then
     H' = e^g H + k^T V + b^T U from the decayed rows k^, b^ and e^g of
-    ``rwkv7_wy_decayed_kernel`` (``_wy_state_update``).
+    ``rwkv7_wy_kernel`` (``_wy_state_update``).
 
     PIPELINED: on the GPU the loop over chunks is a ``for`` that Triton pipelines (the launch's
     num_stages: the next chunks' loads, which do not depend on H, in flight in shared memory
@@ -1570,7 +1561,7 @@ def rwkv7_wy_output_kernel(
 ):
     """Grid (chunk slots * V blocks of BV, HEADS): O = q~ H + A_qk V + A_qb U, all chunks at
     once, from the chunk's H saved by the state pass (in the same chunk slot) and its A_qk, A_qb
-    (``rwkv7_wy_kernel``), q~ from ``rwkv7_wy_decayed_kernel``. o [rows, HEADS, V] in its
+    (``rwkv7_wy_kernel``), q~ from ``rwkv7_wy_kernel``. o [rows, HEADS, V] in its
     dtype. Each product takes its tiles as stored (``dot``)."""
     (slot, head, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, k_base, k_in, v_base,
      v_in) = _wy_chunk_program(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, HEADS, K, V, BK, BV,
@@ -1595,7 +1586,7 @@ def rwkv7_wy_output_kernel(
 @triton.jit
 def _wy_du_part(du, dh, bd_ptr, k_base, k_tile, k_in, PRECISION: tl.constexpr):
     """du + b^ dH' (du None: b^ dH') over one part of the K columns (the state gradient's
-    [C, KP] tiles, its [KP, BV] rows of dH'); b^ as ``rwkv7_wy_decayed_kernel`` stored it,
+    [C, KP] tiles, its [KP, BV] rows of dH'); b^ as ``rwkv7_wy_kernel`` stored it,
     against the float32 dH' at PRECISION."""
     return dot(rows(bd_ptr, k_base, k_tile, k_in), dh, du, PRECISION)
 
@@ -1673,7 +1664,7 @@ def rwkv7_wy_state_gradient_kernel(
     K, V] (the backend's float32): dH' (the gradient of the chunk's end state) in every chunk's
     slot; du [rows, HEADS, V] (the backend's float32): dU, and as stored in W^T dU; dh0
     [N, HEADS, K, V] float32. wy and matrices: the forward's (``rwkv7_wy_kernel``);
-    A_qb^T dO multiplies them as stored. q~, b^ and e^g: ``rwkv7_wy_decayed_kernel``'s.
+    A_qb^T dO multiplies them as stored. q~, b^ and e^g: ``rwkv7_wy_kernel``'s.
 
     Above BK = 64, K in two halves of BK / 2 columns (dH carried as two tiles, dh_lo and
     dh_hi): every K column's decays are its own, so each half's are exact, and one half's
@@ -1749,7 +1740,7 @@ def rwkv7_wy_value_gradient_kernel(
 ):
     """Grid (chunk slots * V blocks of BV, HEADS), all chunks at once: dX = T^T dU and
     dV = A_qk^T dO + A_ak^T dX + k^ dH', from the state-gradient pass's dU and dH' (same chunk
-    slot), the forward's matrices and k^ (``rwkv7_wy_decayed_kernel``). dv [rows, HEADS, V] in its dtype; dx
+    slot), the forward's matrices and k^ (``rwkv7_wy_kernel``). dv [rows, HEADS, V] in its dtype; dx
     [rows, HEADS, V] (the backend's float32), and as stored in dV (as the K side reads it).
     The matrices, dU, dO and dX multiply as stored (``dot``). An unused slot reads and writes
     nothing."""

@@ -590,10 +590,6 @@ def _without(constexprs, *names):
     return {n: x for n, x in constexprs.items() if n not in names}
 
 
-# K columns per program of the decayed-rows kernel (elementwise: [64, 64] tiles).
-DECAYED_BLOCK_K64 = 64
-
-
 def _recurrence64(setup, block_v):
     """The grid and compile-time arguments of a 64-token sequential pass (a program per
     sequence, head and block of V columns): blocks of ``block_v`` columns where set (at most
@@ -609,11 +605,11 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
     "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
     inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
-    ``initial_state`` [N, H, K, V], zeros when None). Four launches: the in-chunk kernel (W, U0,
-    A_qk, A_qb, A_ak, T; tame or exact path per call on the device, ``tame_path``: every log
-    decay >= -1, so that every 64-token chunk sums to >= -64 per channel; ``exact`` forces the
-    exact path), the decayed rows (q~, k^, b^, e^g), the state pass (U, the state at every
-    chunk's start, ht) and the outputs.
+    ``initial_state`` [N, H, K, V], zeros when None). Three launches: the in-chunk kernel (W,
+    U0, A_qk, A_qb, A_ak, T, the decayed rows q~, k^, b^ and e^g; tame or exact path per call on
+    the device, ``tame_path``: every log decay >= -1, so that every 64-token chunk sums to
+    >= -64 per channel; ``exact`` forces the exact path), the state pass (U, the state at
+    every chunk's start, ht) and the outputs.
     ``block_v``: V columns per program of the state pass and the outputs (and of each U0
     product); ``recurrence_block_v``: the state pass's instead, where set (fewer columns, more
     programs, for few sequences: KernelConfig.recurrence_block_v); ``block_k_in_chunk``: K
@@ -665,11 +661,14 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     warps = dict(dict(tame=4, exact=4, state=4, output=4), **(warps or {}))
     if state_stages is None:
         state_stages = 2
-    # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path.
+    # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path; the
+    # decayed rows q~, k^, b^ and e^g per chunk, which the kernels below read.
     in_chunk = lambda TAME: _launch.launch(
         _kernels.rwkv7_wy_kernel, (r, w, k, v, a, b, *setup.index),
         (setup.per_row(common["K"], buffer), setup.per_row(common["V"]),
-         jax.ShapeDtypeStruct((slots, heads, 4, CHUNK64, CHUNK64), jnp.float32)),
+         jax.ShapeDtypeStruct((slots, heads, 4, CHUNK64, CHUNK64), jnp.float32),
+         *(setup.per_row(common["K"], buffer),) * 3,
+         jax.ShapeDtypeStruct((slots, heads, common["K"]), jnp.float32)),
         (slots, heads), num_warps=warps["tame" if TAME else "exact"], scale=float(scale),
         TAME=TAME, LEVELS=LEVELS64, KI=min(block_k_in_chunk or (32 if TAME else 16), block_k),
         VI=block_v,
@@ -680,16 +679,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         INVERSE_PRECISION=common["PRECISION"],
         BLOCK_LEVELS=BLOCK64.bit_length() - 1,
         **dict(common, BV=setup.v_blocks * block_v))
-    wy, u0, matrices = _on_path(not exact and tame_path(w), in_chunk)
-    # 0. The decayed rows q~, k^, b^ and e^g per chunk, which the kernels below read.
-    decay_block_k = min(DECAYED_BLOCK_K64, block_k)
-    qd, kd, bd, decay = _launch.launch(
-        _kernels.rwkv7_wy_decayed_kernel, (r, w, k, b, *setup.index),
-        (*(setup.per_row(common["K"], buffer),) * 3,
-         jax.ShapeDtypeStruct((slots, heads, common["K"]), jnp.float32)),
-        (slots, heads, -(-common["K"] // decay_block_k)), num_warps=4, scale=float(scale),
-        **{n: common[n] for n in ("HEADS", "K", "C", "FLOOR", "TOTAL_ROWS")},
-        BK=decay_block_k, SEQUENCES=setup.sequences, CHUNK_SLOTS=slots)
+    wy, u0, matrices, qd, kd, bd, decay = _on_path(not exact and tame_path(w), in_chunk)
     # 2. The state pass: U, the state at every chunk's start, the final states.
     recurrence = _recurrence64(setup, recurrence_block_v)
     ht, states, u = _launch.launch(
