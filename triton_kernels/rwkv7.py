@@ -76,8 +76,7 @@ import triton.language as tl
 
 from .common import (INTERPRETED, PREFETCH_UP_TO, chunk_tiles, clamped, clamped_rows,
                      diagonal_tile as _diagonal, dot, in_range, level_factors as _level,
-                     level_factors_at, program,
-                     row_bases, rows, state_offsets, stored)
+                     level_pairs, program, row_bases, rows, state_offsets, stored)
 
 
 @triton.jit
@@ -1024,12 +1023,23 @@ def _wy_matrix(matrices_ptr, slot, head, WHICH: tl.constexpr, HEADS: tl.constexp
                C: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Pointers to one of a chunk's four stored matrices (WY_A_QK, ...), [C, C], or to its
     transpose (the backward's products)."""
-    index = tl.arange(0, C)
+    return _wy_matrix_block(matrices_ptr, slot, head, WHICH, 0, 0, HEADS, C, C, TRANSPOSED)
+
+
+@triton.jit
+def _wy_matrix_block(matrices_ptr, slot, head, WHICH: tl.constexpr, ROWS: tl.constexpr,
+                     COLUMNS: tl.constexpr, HEADS: tl.constexpr, C: tl.constexpr,
+                     BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Pointers to block (ROWS, COLUMNS) of one of a chunk's four stored [C, C] matrices,
+    [BLOCK, BLOCK], or to its transpose: entry [r, c] at the matrix's (ROWS * BLOCK + c,
+    COLUMNS * BLOCK + r) (read transposed from memory, not in registers)."""
+    index = tl.arange(0, BLOCK)
     if TRANSPOSED:
         within = index[:, None] + index[None, :] * C
     else:
         within = index[:, None] * C + index[None, :]
-    return matrices_ptr + ((slot.to(tl.int64) * HEADS + head) * 4 + WHICH) * (C * C) + within
+    return (matrices_ptr + ((slot.to(tl.int64) * HEADS + head) * 4 + WHICH) * (C * C)
+            + (ROWS * BLOCK * C + COLUMNS * BLOCK) + within)
 
 
 @triton.jit
@@ -1774,76 +1784,164 @@ def _wy_state_products(do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr, dstates_ptr, sl
 
 
 @triton.jit
-def _wy_matrix_gradient(d_ptr, y_ptr, dA_ptr, slot, used, first, end, head, WHICH: tl.constexpr,
-                        SPLIT: tl.constexpr, HEADS: tl.constexpr, V: tl.constexpr,
-                        BV: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
-    """The gradient of one A matrix, D Y^T ([C, C]; D = dO or dX, the rows' cotangent; Y = V
-    or U, the columns' values): SPLIT, entry WHICH of ``rwkv7_wy_matrix_gradient_kernel``'s
-    buffer as stored (masked); else summed over V here (unmasked: the callers take the pairs
-    i < t and the diagonal)."""
+def _wy_gradient_block(d_ptr, y_ptr, dA_ptr, slot, used, first, end, head, WHICH: tl.constexpr,
+                       ROWS: tl.constexpr, COLUMNS: tl.constexpr, TRANSPOSED: tl.constexpr,
+                       SPLIT: tl.constexpr, HEADS: tl.constexpr, V: tl.constexpr,
+                       BV: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """Block (ROWS, COLUMNS) of the gradient of one A matrix, D Y^T ([BLOCK, BLOCK]; D = dO or
+    dX, the rows' cotangent; Y = V or U, the columns' values), or its transpose: SPLIT, entry
+    WHICH of ``rwkv7_wy_matrix_gradient_kernel``'s buffer as stored (masked); else summed over
+    V here (unmasked: the callers keep the pairs they take)."""
     if SPLIT:
-        dA = _wy_load(dA_ptr, slot, used, head, WHICH, HEADS, C, False)
+        block = tl.load(_wy_matrix_block(dA_ptr, slot, head, WHICH, ROWS, COLUMNS, HEADS, C,
+                                         BLOCK, TRANSPOSED), mask=used, other=0.0)
     else:
-        steps = tl.arange(0, C)
-        rows_in = (first + steps < end)[:, None]
-        v_base = (first * HEADS + head) * V
-        dA = tl.zeros([C, C], tl.float32)
+        steps = tl.arange(0, BLOCK)
+        d_first = first + ROWS * BLOCK
+        y_first = first + COLUMNS * BLOCK
+        block = tl.zeros([BLOCK, BLOCK], tl.float32)
         for v_block in range((V + BV - 1) // BV):
             v_cols = v_block * BV + tl.arange(0, BV)
-            v_in = rows_in & (v_cols < V)[None, :]
             v_tile = steps[:, None] * (HEADS * V) + v_cols[None, :]
-            dA = _stored_dot(stored(d_ptr + v_base, v_tile, v_in),
-                             tl.trans(stored(y_ptr + v_base, v_tile, v_in)), dA, PRECISION)
-    return dA
+            d = stored(d_ptr + (d_first * HEADS + head) * V, v_tile,
+                       (d_first + steps < end)[:, None] & (v_cols < V)[None, :])
+            y = stored(y_ptr + (y_first * HEADS + head) * V, v_tile,
+                       (y_first + steps < end)[:, None] & (v_cols < V)[None, :])
+            if TRANSPOSED:
+                block = _stored_dot(y, tl.trans(d), block, PRECISION)
+            else:
+                block = _stored_dot(d, tl.trans(y), block, PRECISION)
+    return block
 
 
 @triton.jit
-def _gradient_dot(dA, x, PRECISION: tl.constexpr):
-    """dA @ x for an A matrix's gradient as stored (``_wy_matrix_gradient``) and a float32 tile
-    x (rows or columns times their factors). Against a 16-bit dA, x in two 16-bit parts, its
-    rounding and the remainder, so that both products take 16-bit operands and x keeps about
-    16 bits (x rounded once to bfloat16 doubles dw's error: past the bfloat16 contract in the
-    tests' packed case). A float32 dA (float32 inputs, or summed over V here): at PRECISION."""
+def _gradient_dot(dA, x, acc, PRECISION: tl.constexpr):
+    """dA @ x + acc for a block of an A matrix's gradient (``_wy_gradient_block``) and a float32
+    tile x (rows or columns times their factors). Against a 16-bit dA, x in two 16-bit parts,
+    its rounding and the remainder, so that both products take 16-bit operands and x keeps
+    about 16 bits (x rounded once to bfloat16 doubles dw's error: past the bfloat16 contract in
+    the tests' packed case). A float32 dA (float32 inputs, or summed over V here): at
+    PRECISION."""
     if dA.dtype == tl.float32:
-        product = dot(dA, x, None, PRECISION)
+        product = dot(dA, x, acc, PRECISION)
     else:
         high = x.to(dA.dtype)
-        product = dot(dA, high, dot(dA, (x - high.to(tl.float32)).to(dA.dtype), None,
+        product = dot(dA, high, dot(dA, (x - high.to(tl.float32)).to(dA.dtype), acc,
                                     PRECISION), PRECISION)
     return product
 
 
 @triton.jit
-def _wy_pair_gradient(x, y, w, dA, dx, dy, STRICT: tl.constexpr, TAME: tl.constexpr,
-                      C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
-    """The backward of one of ``_wy_pairs``' matrices, A_xy (x = q, or a if STRICT; y = k or
-    b), for its pairs i < t (the diagonal's factor is e^0: the caller's): their terms added to
-    dx (rows) and dy (columns) from dA ([C, C] as stored, ``_gradient_dot``; entries i >= t
-    ignored). TAME: the forward's factors, referenced to the chunk's middle row, one product
-    each; else level by level over the chunk (``level_factors_at``: one level's tiles live at
-    a time, every factor <= 1, exact for every decay; the forward's exact path splits the same
-    pairs' factors by 16-token blocks instead)."""
-    if TAME:
-        index = tl.arange(0, C)
-        gi = tl.cumsum(w, axis=0)
-        middle = _middle(gi, 0, C)
-        if STRICT:
-            row = tl.exp(gi - w - middle)
-        else:
-            row = tl.exp(gi - middle)
-        column = tl.exp(middle - gi)
-        kept = tl.where(index[:, None] > index[None, :], dA, 0.0)
-        dx += row * _gradient_dot(kept, y * column, PRECISION)
-        dy += column * _gradient_dot(tl.trans(kept), x * row, PRECISION)
-    else:
-        for level in range(LEVELS):
-            row, row_strict, column, keep = level_factors_at(w, level, LEVELS, C)
-            if STRICT:
-                row = row_strict
-            kept = tl.where(keep, dA, 0.0)
-            dx += row * _gradient_dot(kept, y * column, PRECISION)
-            dy += column * _gradient_dot(tl.trans(kept), x * row, PRECISION)
-    return dx, dy
+def _wy_row_block(x, J: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows J * BLOCK, ..., J * BLOCK + BLOCK - 1 of a [C, N] tile: [BLOCK, N]."""
+    blocks = tl.reshape(x, [C // BLOCK, BLOCK, x.shape[1]])
+    return tl.sum(tl.where((tl.arange(0, C // BLOCK) == J)[:, None, None], blocks, 0.0), axis=0)
+
+
+@triton.jit
+def _wy_block_rows(J: tl.constexpr, first, end, head, k_first, k_cols_in, HEADS: tl.constexpr,
+                   K: tl.constexpr, BLOCK: tl.constexpr):
+    """The base and mask of the program's [BLOCK, BK] tile of row block J (the tile's offsets
+    are the same for every block: ``chunk_tiles`` at C = BLOCK)."""
+    row = first + J * BLOCK
+    rows_in = (row + tl.arange(0, BLOCK) < end)[:, None]
+    return (row * HEADS + head) * K + k_first, rows_in & k_cols_in
+
+
+@triton.jit
+def _wy_earlier_blocks(J: tl.constexpr, k_ptr, b_ptr, w_ptr, do_ptr, dx_ptr, v_ptr, u_ptr,
+                       dA_ptr, slot, used, first, end, head, k_first, k_tile, k_cols_in,
+                       SPLIT: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                       BLOCK: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr):
+    """Row block J's pairs with the columns i of every earlier block I: with s the row before
+    J's first, sum_I dA_qk[J, I] (k_I e^(gi_s - gi_i)) + dA_qb[J, I] (b_I ...), and likewise
+    from dA_ak, dA_ab, [BLOCK, BK] each; times e^(gi_t - gi_s) (e^(ge_t - gi_s)) they are the
+    pairs' terms of dq (da). Each exponent is a sum of log decays (I's reverse sums after i,
+    plus the totals of the blocks between), every factor <= 1 whatever the decays."""
+    to_q = tl.zeros([BLOCK, BK], tl.float32)
+    to_a = tl.zeros([BLOCK, BK], tl.float32)
+    between = tl.zeros([BK], tl.float32)
+    for I in tl.static_range(J - 1, -1, -1):
+        base, mask = _wy_block_rows(I, first, end, head, k_first, k_cols_in, HEADS, K, BLOCK)
+        _, _, total, after = _decays(_log_decays(w_ptr, base, k_tile, mask, FLOOR), 0)
+        factor = tl.exp(after + between[None, :])
+        k = rows(k_ptr, base, k_tile, mask) * factor
+        b = rows(b_ptr, base, k_tile, mask) * factor
+        to_q = _gradient_dot(_wy_gradient_block(do_ptr, v_ptr, dA_ptr, slot, used, first, end,
+                                                head, WY_A_QK, J, I, False, SPLIT, HEADS, V, BV,
+                                                C, BLOCK, PRECISION), k, to_q, PRECISION)
+        to_q = _gradient_dot(_wy_gradient_block(do_ptr, u_ptr, dA_ptr, slot, used, first, end,
+                                                head, WY_A_QB, J, I, False, SPLIT, HEADS, V, BV,
+                                                C, BLOCK, PRECISION), b, to_q, PRECISION)
+        to_a = _gradient_dot(_wy_gradient_block(dx_ptr, v_ptr, dA_ptr, slot, used, first, end,
+                                                head, WY_A_AK, J, I, False, SPLIT, HEADS, V, BV,
+                                                C, BLOCK, PRECISION), k, to_a, PRECISION)
+        to_a = _gradient_dot(_wy_gradient_block(dx_ptr, u_ptr, dA_ptr, slot, used, first, end,
+                                                head, WY_DA_AB, J, I, False, SPLIT, HEADS, V,
+                                                BV, C, BLOCK, PRECISION), b, to_a, PRECISION)
+        between += total
+    return to_q, to_a
+
+
+@triton.jit
+def _wy_later_blocks(J: tl.constexpr, r_ptr, a_ptr, w_ptr, do_ptr, dx_ptr, v_ptr, u_ptr,
+                     dA_ptr, slot, used, first, end, head, k_first, k_tile, k_cols_in, scale,
+                     SPLIT: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr,
+                     V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                     BLOCK: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr):
+    """Column block J's pairs with the rows t of every later block I: with s J's last row,
+    sum_I dA_qk[I, J]^T (q_I e^(gi_t - gi_s)) + dA_ak[I, J]^T (a_I e^(ge_t - gi_s)), and
+    likewise from dA_qb, dA_ab, [BLOCK, BK] each; times e^(gi_s - gi_i) they are the pairs'
+    terms of dk (db). Exponents as ``_wy_earlier_blocks``': I's own sums plus the totals of
+    the blocks between; the transposed blocks are read so from memory."""
+    to_k = tl.zeros([BLOCK, BK], tl.float32)
+    to_b = tl.zeros([BLOCK, BK], tl.float32)
+    between = tl.zeros([BK], tl.float32)
+    for I in tl.static_range(J + 1, C // BLOCK):
+        base, mask = _wy_block_rows(I, first, end, head, k_first, k_cols_in, HEADS, K, BLOCK)
+        gi, ge, total, _ = _decays(_log_decays(w_ptr, base, k_tile, mask, FLOOR), 0)
+        q = rows(r_ptr, base, k_tile, mask) * scale * tl.exp(gi + between[None, :])
+        a = rows(a_ptr, base, k_tile, mask) * tl.exp(ge + between[None, :])
+        to_k = _gradient_dot(_wy_gradient_block(do_ptr, v_ptr, dA_ptr, slot, used, first, end,
+                                                head, WY_A_QK, I, J, True, SPLIT, HEADS, V, BV,
+                                                C, BLOCK, PRECISION), q, to_k, PRECISION)
+        to_k = _gradient_dot(_wy_gradient_block(dx_ptr, v_ptr, dA_ptr, slot, used, first, end,
+                                                head, WY_A_AK, I, J, True, SPLIT, HEADS, V, BV,
+                                                C, BLOCK, PRECISION), a, to_k, PRECISION)
+        to_b = _gradient_dot(_wy_gradient_block(do_ptr, u_ptr, dA_ptr, slot, used, first, end,
+                                                head, WY_A_QB, I, J, True, SPLIT, HEADS, V, BV,
+                                                C, BLOCK, PRECISION), q, to_b, PRECISION)
+        to_b = _gradient_dot(_wy_gradient_block(dx_ptr, u_ptr, dA_ptr, slot, used, first, end,
+                                                head, WY_DA_AB, I, J, True, SPLIT, HEADS, V,
+                                                BV, C, BLOCK, PRECISION), a, to_b, PRECISION)
+        between += total
+    return to_k, to_b
+
+
+@triton.jit
+def _wy_diagonal_pairs(dA, dA_t, q, k, a, b, row, row_strict, column, keep, keep_t, dq, dk,
+                       da, db, PRECISION: tl.constexpr):
+    """A diagonal block's pairs (t, i) where keep[t, i], with factors row_t column_i
+    (row_strict_t for A_ak, A_ab): their terms added to dq, da (rows) and dk, db (columns).
+    dA, dA_t: the block of the four gradients (dA_qk, dA_qb, dA_ak, dA_ab) and their
+    transposes, as read."""
+    dA_qk, dA_qb, dA_ak, dA_ab = dA
+    dA_qk_t, dA_qb_t, dA_ak_t, dA_ab_t = dA_t
+    k_f = k * column
+    b_f = b * column
+    q_f = q * row
+    a_f = a * row_strict
+    dq += row * _gradient_dot(tl.where(keep, dA_qk, 0.0), k_f, _gradient_dot(
+        tl.where(keep, dA_qb, 0.0), b_f, None, PRECISION), PRECISION)
+    da += row_strict * _gradient_dot(tl.where(keep, dA_ak, 0.0), k_f, _gradient_dot(
+        tl.where(keep, dA_ab, 0.0), b_f, None, PRECISION), PRECISION)
+    dk += column * _gradient_dot(tl.where(keep_t, dA_qk_t, 0.0), q_f, _gradient_dot(
+        tl.where(keep_t, dA_ak_t, 0.0), a_f, None, PRECISION), PRECISION)
+    db += column * _gradient_dot(tl.where(keep_t, dA_qb_t, 0.0), q_f, _gradient_dot(
+        tl.where(keep_t, dA_ab_t, 0.0), a_f, None, PRECISION), PRECISION)
+    return dq, dk, da, db
 
 
 @triton.jit
@@ -1860,27 +1958,33 @@ def rwkv7_wy_key_gradient_kernel(
     dA_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,                         # inputs
     dr_ptr, dw_ptr, dk_ptr, da_ptr, db_ptr,                                      # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, BLOCK_LEVELS: tl.constexpr,
     FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
     """Grid (chunk slots * ceil(K / BK), HEADS): every K-side gradient of one chunk's block of
-    BK keys (BK divides K, or one block covers it), summed over all of V in blocks of BV inside the
-    program, so that nothing is left for a later sum. dr, dw, dk, da, db [rows, HEADS, K] in
-    their dtypes; u: the forward's U, states its H at every chunk's start, dstates dH' (kernel
-    4), dx (kernel 5), float32 or bfloat16 (``_stored_dot``), in the chunk's slot.
+    BK keys (BK divides K, or one block covers it), summed over all of V in blocks of BV inside
+    the program, so that nothing is left for a later sum. dr, dw, dk, da, db [rows, HEADS, K]
+    in their dtypes; u: the forward's U, states its H at every chunk's start, dstates dH'
+    (kernel 4), dx (kernel 5), float32 or bfloat16 (``_stored_dot``), in the chunk's slot.
 
-    First the four state products in one pass over V (``_wy_state_products``), then the A
-    matrices one at a time, so that one [C, C] gradient is held at a time
-    (``_wy_matrix_gradient``): A_qk, A_ak (dk then done), A_qb (dq done), A_ab (da, db done).
-    SPLIT: their gradients D Y^T are read from dA_ptr (``rwkv7_wy_matrix_gradient_kernel``)
-    as stored, bfloat16 for 16-bit inputs; else summed over V here (dA_ptr not read). The
-    diagonal of A_qk and A_qb (factor e^0) is added to dq, dk, db outside
-    dw: its terms in q dq - k dk - b db cancel exactly, and would leave rounding
+    First the four state products in one pass over V (``_wy_state_products``) and dg, then
+    the chunk in row blocks of BLOCK = 2^BLOCK_LEVELS rows (the plan's 16-token blocks), last
+    to first, carrying the sum of the later rows' gate gradients for dw: each block's rows
+    meet the earlier blocks' columns (``_wy_earlier_blocks``), its columns the later blocks'
+    rows (``_wy_later_blocks``), both exact for every decay, and its own pairs on the diagonal
+    block: TAME, one product each, factors referenced to the block's middle row (within
+    e^(+-BLOCK / 2) for log decays >= -1); else level by level inside the block
+    (``level_factors``). So no [C, C] tile is held: the gradients of the A matrices are read
+    as [BLOCK, BLOCK] blocks (``_wy_gradient_block``), SPLIT from dA_ptr
+    (``rwkv7_wy_matrix_gradient_kernel``, bfloat16 for 16-bit inputs), else summed over V
+    here (dA_ptr not read). The diagonal of A_qk and A_qb (factor e^0) is added to dq, dk, db
+    outside dw: its terms in q dq - k dk - b db cancel exactly, and would leave rounding
     where strong decays make dw small. A log decay raised to FLOOR has dw 0. Rows past the
     sequence's end read as zeros (w = 0) and are not written; an unused slot reads and writes
     nothing."""
+    BLOCK: tl.constexpr = 1 << BLOCK_LEVELS
     # (a chunk's blocks of keys are consecutive programs: they run together and share its
     # V-side tiles and dA in L2)
     KEY_BLOCKS: tl.constexpr = (K + BK - 1) // BK
@@ -1893,60 +1997,89 @@ def rwkv7_wy_key_gradient_kernel(
     k_base, k_in, _, _ = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V, C,
                                    False)
     k_base += k_first
-    offsets = k_base + k_tile
     states_ptr += k_first * V  # (the program's K rows of the [K, V] states)
     dstates_ptr += k_first * V
-    dq, da, dk, db, h_dh = _wy_state_products(do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr,
-                                              dstates_ptr, slot, used, first, end, head, HEADS,
-                                              K, V, BK, BV, C, PRECISION)
-    # (The K-side tiles are loaded where they are used, not held from one matrix to the next.)
-    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
-    gi, ge, g_end, to_end = _decays(w, 0)
-    dq *= tl.exp(gi)
-    da *= tl.exp(ge)
-    dk *= tl.exp(to_end)
-    db *= tl.exp(to_end)
-    dg = tl.exp(g_end) * h_dh + tl.sum(rows(k_ptr, k_base, k_tile, k_in) * dk
-                                       + rows(b_ptr, k_base, k_tile, k_in) * db, axis=0)
-    # A_qk (O = q~ H + A_qk V + A_qb U) and A_ak (X = a~ H + A_ak V): dk then done.
-    dA = _wy_matrix_gradient(do_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_QK,
-                             SPLIT, HEADS, V, BV, C, PRECISION)
-    d_qk = _wy_diagonal(dA, C)
-    k = rows(k_ptr, k_base, k_tile, k_in)
-    dq, dk = _wy_pair_gradient(rows(r_ptr, k_base, k_tile, k_in) * scale, k, w, dA, dq, dk,
-                               False, TAME, C, LEVELS, PRECISION)
-    dA = _wy_matrix_gradient(dx_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_AK,
-                             SPLIT, HEADS, V, BV, C, PRECISION)
-    da, dk = _wy_pair_gradient(rows(a_ptr, k_base, k_tile, k_in), k, w, dA, da, dk, True, TAME,
-                               C, LEVELS, PRECISION)
-    # (q_t enters a chunk only as q_t e^gi_t, a_t as a_t e^ge_t, k_i and b_i as x_i e^-gi_i
-    # and (k^, b^) x_i e^(g - gi_i), and H as e^g H: gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t;
-    # d_gates sums the gradients of gi (q dq - k dk - b db) and ge (a da).)
-    d_gates = -k * dk
-    tl.store(dk_ptr + offsets,
-             (dk + d_qk * rows(r_ptr, k_base, k_tile, k_in) * scale).to(dk_ptr.dtype.element_ty),
-             mask=k_in)
-    # A_qb: dq then done.
-    dA = _wy_matrix_gradient(do_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_A_QB,
-                             SPLIT, HEADS, V, BV, C, PRECISION)
-    d_qb = _wy_diagonal(dA, C)
-    b = rows(b_ptr, k_base, k_tile, k_in)
-    q = rows(r_ptr, k_base, k_tile, k_in) * scale
-    dq, db = _wy_pair_gradient(q, b, w, dA, dq, db, False, TAME, C, LEVELS, PRECISION)
-    d_gates += q * dq
-    dq += d_qk * rows(k_ptr, k_base, k_tile, k_in) + d_qb * b
-    tl.store(dr_ptr + offsets, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
-    # A_ab: da, db done.
-    dA = _wy_matrix_gradient(dx_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_DA_AB,
-                             SPLIT, HEADS, V, BV, C, PRECISION)
-    a = rows(a_ptr, k_base, k_tile, k_in)
-    da, db = _wy_pair_gradient(a, b, w, dA, da, db, True, TAME, C, LEVELS, PRECISION)
-    tl.store(da_ptr + offsets, da.to(da_ptr.dtype.element_ty), mask=k_in)
-    tl.store(db_ptr + offsets,
-             (db + d_qb * rows(r_ptr, k_base, k_tile, k_in) * scale).to(db_ptr.dtype.element_ty),
-             mask=k_in)
-    d_ge = a * da
-    dw = tl.cumsum(d_gates - b * db + d_ge, axis=0, reverse=True) - d_ge + dg[None, :]
-    if not TAME:  # (a tame call has no decay below FLOOR)
-        dw = tl.where(rows(w_ptr, k_base, k_tile, k_in) < FLOOR, 0.0, dw)
-    tl.store(dw_ptr + offsets, dw.to(dw_ptr.dtype.element_ty), mask=k_in)
+    dq_h, da_h, dk_h, db_h, h_dh = _wy_state_products(do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr,
+                                                      dstates_ptr, slot, used, first, end, head,
+                                                      HEADS, K, V, BK, BV, C, PRECISION)
+    gi, ge, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
+    dq_h *= tl.exp(gi)
+    da_h *= tl.exp(ge)
+    dk_h *= tl.exp(to_end)
+    db_h *= tl.exp(to_end)
+    dg = tl.exp(g_end) * h_dh + tl.sum(rows(k_ptr, k_base, k_tile, k_in) * dk_h
+                                       + rows(b_ptr, k_base, k_tile, k_in) * db_h, axis=0)
+    k_tile, k_cols_in, _, _ = chunk_tiles(tl.arange(0, BV), HEADS, K, V, BK, BV, BLOCK, False)
+    index = tl.arange(0, BLOCK)
+    later = tl.zeros([BK], tl.float32)  # the later rows' q dq - k dk - b db + a da
+    for J in tl.static_range(C // BLOCK - 1, -1, -1):
+        base, mask = _wy_block_rows(J, first, end, head, k_first, k_cols_in, HEADS, K, BLOCK)
+        w = _log_decays(w_ptr, base, k_tile, mask, FLOOR)
+        gi, ge, _, after = _decays(w, 0)
+        q = rows(r_ptr, base, k_tile, mask) * scale
+        k = rows(k_ptr, base, k_tile, mask)
+        a = rows(a_ptr, base, k_tile, mask)
+        b = rows(b_ptr, base, k_tile, mask)
+        to_q, to_a = _wy_earlier_blocks(J, k_ptr, b_ptr, w_ptr, do_ptr, dx_ptr, v_ptr, u_ptr,
+                                        dA_ptr, slot, used, first, end, head, k_first, k_tile,
+                                        k_cols_in, SPLIT, HEADS, K, V, BK, BV, C, BLOCK, FLOOR,
+                                        PRECISION)
+        dq = _wy_row_block(dq_h, J, C, BLOCK) + tl.exp(gi) * to_q
+        da = _wy_row_block(da_h, J, C, BLOCK) + tl.exp(ge) * to_a
+        to_k, to_b = _wy_later_blocks(J, r_ptr, a_ptr, w_ptr, do_ptr, dx_ptr, v_ptr, u_ptr,
+                                      dA_ptr, slot, used, first, end, head, k_first, k_tile,
+                                      k_cols_in, scale, SPLIT, HEADS, K, V, BK, BV, C, BLOCK,
+                                      FLOOR, PRECISION)
+        dk = _wy_row_block(dk_h, J, C, BLOCK) + tl.exp(after) * to_k
+        db = _wy_row_block(db_h, J, C, BLOCK) + tl.exp(after) * to_b
+        # The diagonal block (J, J), each gradient's block and its transpose read once.
+        dA = (_wy_gradient_block(do_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_QK,
+                                 J, J, False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
+              _wy_gradient_block(do_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_A_QB,
+                                 J, J, False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
+              _wy_gradient_block(dx_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_AK,
+                                 J, J, False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
+              _wy_gradient_block(dx_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_DA_AB,
+                                 J, J, False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION))
+        dA_t = (_wy_gradient_block(do_ptr, v_ptr, dA_ptr, slot, used, first, end, head,
+                                   WY_A_QK, J, J, True, SPLIT, HEADS, V, BV, C, BLOCK,
+                                   PRECISION),
+                _wy_gradient_block(do_ptr, u_ptr, dA_ptr, slot, used, first, end, head,
+                                   WY_A_QB, J, J, True, SPLIT, HEADS, V, BV, C, BLOCK,
+                                   PRECISION),
+                _wy_gradient_block(dx_ptr, v_ptr, dA_ptr, slot, used, first, end, head,
+                                   WY_A_AK, J, J, True, SPLIT, HEADS, V, BV, C, BLOCK,
+                                   PRECISION),
+                _wy_gradient_block(dx_ptr, u_ptr, dA_ptr, slot, used, first, end, head,
+                                   WY_DA_AB, J, J, True, SPLIT, HEADS, V, BV, C, BLOCK,
+                                   PRECISION))
+        if TAME:
+            middle = _middle(gi, 0, BLOCK)
+            dq, dk, da, db = _wy_diagonal_pairs(
+                dA, dA_t, q, k, a, b, tl.exp(gi - middle), tl.exp(ge - middle),
+                tl.exp(middle - gi), index[:, None] > index[None, :],
+                index[:, None] < index[None, :], dq, dk, da, db, PRECISION)
+        else:
+            for level in tl.static_range(BLOCK_LEVELS):
+                row, row_strict, column, keep = _level(w, BLOCK >> (level + 1), 0, BLOCK)
+                dq, dk, da, db = _wy_diagonal_pairs(
+                    dA, dA_t, q, k, a, b, row, row_strict, column, keep,
+                    level_pairs(BLOCK >> (level + 1), BLOCK, True), dq, dk, da, db, PRECISION)
+        # (q_t enters a chunk only as q_t e^gi_t, a_t as a_t e^ge_t, k_i and b_i as x_i e^-gi_i
+        # and (k^, b^) x_i e^(g - gi_i), and H as e^g H: gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t;
+        # d_gates sums the gradients of gi (q dq - k dk - b db) and ge (a da).)
+        d_ge = a * da
+        d_gates = q * dq - k * dk - b * db + d_ge
+        dw = tl.cumsum(d_gates, axis=0, reverse=True) + later[None, :] - d_ge + dg[None, :]
+        later += tl.sum(d_gates, axis=0)
+        if not TAME:  # (a tame call has no decay below FLOOR)
+            dw = tl.where(rows(w_ptr, base, k_tile, mask) < FLOOR, 0.0, dw)
+        d_qk = _wy_diagonal(dA[0], BLOCK)
+        d_qb = _wy_diagonal(dA[1], BLOCK)
+        offsets = base + k_tile
+        tl.store(dr_ptr + offsets, ((dq + d_qk * k + d_qb * b) * scale).to(
+            dr_ptr.dtype.element_ty), mask=mask)
+        tl.store(dk_ptr + offsets, (dk + d_qk * q).to(dk_ptr.dtype.element_ty), mask=mask)
+        tl.store(db_ptr + offsets, (db + d_qb * q).to(db_ptr.dtype.element_ty), mask=mask)
+        tl.store(da_ptr + offsets, da.to(da_ptr.dtype.element_ty), mask=mask)
+        tl.store(dw_ptr + offsets, dw.to(dw_ptr.dtype.element_ty), mask=mask)

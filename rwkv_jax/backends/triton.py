@@ -771,8 +771,8 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
         tuple(setup.per_row(common["K"], x.dtype) for x in (r, w, k, a, b)),
         (slots * -(-common["K"] // block_k), heads),  # (a chunk's blocks of keys together)
         num_warps=warps["tame" if TAME else "exact"],
-        scale=float(scale), LEVELS=LEVELS64, TAME=TAME, SEQUENCES=setup.sequences,
-        CHUNK_SLOTS=slots, SPLIT=split,
+        scale=float(scale), BLOCK_LEVELS=BLOCK64.bit_length() - 1, TAME=TAME,
+        SEQUENCES=setup.sequences, CHUNK_SLOTS=slots, SPLIT=split,
         **dict(common, BK=block_k, BV=min(common["BV"], K_SIDE_BLOCK_V64)))
     grads = _on_path(not exact and tame_path(w), launch)
     return tuple(g.reshape(setup.shape[:3] + (common["K"],)) for g in grads)
