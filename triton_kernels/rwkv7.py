@@ -1027,8 +1027,8 @@ def _wy_matrix(matrices_ptr, slot, head, WHICH: tl.constexpr, HEADS: tl.constexp
 
 
 @triton.jit
-def _wy_matrix_block(matrices_ptr, slot, head, WHICH: tl.constexpr, ROWS: tl.constexpr,
-                     COLUMNS: tl.constexpr, HEADS: tl.constexpr, C: tl.constexpr,
+def _wy_matrix_block(matrices_ptr, slot, head, WHICH: tl.constexpr, ROWS, COLUMNS,
+                     HEADS: tl.constexpr, C: tl.constexpr,
                      BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Pointers to block (ROWS, COLUMNS) of one of a chunk's four stored [C, C] matrices,
     [BLOCK, BLOCK], or to its transpose: entry [r, c] at the matrix's (ROWS * BLOCK + c,
@@ -1784,41 +1784,91 @@ def _wy_state_products(do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr, dstates_ptr, sl
 
 
 @triton.jit
-def _wy_gradient_block(d_ptr, y_ptr, dA_ptr, slot, used, first, end, head, WHICH: tl.constexpr,
-                       ROWS: tl.constexpr, COLUMNS: tl.constexpr, TRANSPOSED: tl.constexpr,
-                       SPLIT: tl.constexpr, HEADS: tl.constexpr, V: tl.constexpr,
-                       BV: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
-                       PRECISION: tl.constexpr):
-    """Block (ROWS, COLUMNS) of the gradient of one A matrix, D Y^T ([BLOCK, BLOCK]; D = dO or
-    dX, the rows' cotangent; Y = V or U, the columns' values), or its transpose: SPLIT, entry
-    WHICH of ``rwkv7_wy_matrix_gradient_kernel``'s buffer as stored (masked); else summed over
-    V here (unmasked: the callers keep the pairs they take)."""
-    if SPLIT:
-        block = tl.load(_wy_matrix_block(dA_ptr, slot, head, WHICH, ROWS, COLUMNS, HEADS, C,
-                                         BLOCK, TRANSPOSED), mask=used, other=0.0)
+def _wy_state_gradients(w_ptr, k_ptr, b_ptr, do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr,
+                        dstates_ptr, slot, used, first, end, head, k_first, HEADS: tl.constexpr,
+                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        C: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr):
+    """The chunk's gradients through its states (``_wy_state_products``; states_ptr and
+    dstates_ptr at the program's first key), [C, BK]: dq = e^gi dO H^T, da = e^ge dX H^T,
+    dk = e^(g - gi) V dH'^T, db likewise with U; and the gradient of the chunk's total log
+    decay g, dg = e^g rowsum(H dH') + sum_t (k^ dk^ + b^ db^)_t ([BK])."""
+    k_tile, k_cols_in, _, v_cols_in = chunk_tiles(tl.arange(0, BV), HEADS, K, V, BK, BV, C, False)
+    k_base, k_in, _, _ = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V, C,
+                                   False)
+    k_base += k_first
+    dq, da, dk, db, h_dh = _wy_state_products(do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr,
+                                              dstates_ptr, slot, used, first, end, head, HEADS,
+                                              K, V, BK, BV, C, PRECISION)
+    gi, ge, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
+    dk *= tl.exp(to_end)
+    db *= tl.exp(to_end)
+    dg = tl.exp(g_end) * h_dh + tl.sum(rows(k_ptr, k_base, k_tile, k_in) * dk
+                                       + rows(b_ptr, k_base, k_tile, k_in) * db, axis=0)
+    return dq * tl.exp(gi), da * tl.exp(ge), dk, db, dg
+
+
+@triton.jit
+def _wy_shifted_rows(shift, first, end, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
+    """For each row block J of a chunk, the rows of block J + shift ([BLOCKS, BLOCK, 1], counted
+    from the chunk's first row) and whether they are rows of the chunk and of the sequence."""
+    block = tl.arange(0, BLOCKS)[:, None, None] + shift
+    row = block * BLOCK + tl.arange(0, BLOCK)[None, :, None]
+    return row, (block >= 0) & (block < BLOCKS) & (first + row < end)
+
+
+@triton.jit
+def _wy_key_blocks(shift, first, end, head, k_first, HEADS: tl.constexpr, K: tl.constexpr,
+                   BK: tl.constexpr, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
+    """The base, offsets and mask of the program's keys in the rows of block J + shift for
+    each row block J, [BLOCKS, BLOCK, BK] (``_wy_shifted_rows``)."""
+    row, inside = _wy_shifted_rows(shift, first, end, BLOCKS, BLOCK)
+    k_cols = tl.arange(0, BK)[None, None, :]
+    return ((first * HEADS + head) * K + k_first, row * (HEADS * K) + k_cols,
+            inside & in_range(k_cols, K, BK))
+
+
+@triton.jit
+def _wy_gradient_blocks(d_ptr, y_ptr, dA_ptr, slot, used, first, end, head, WHICH: tl.constexpr,
+                        shift: tl.constexpr, TRANSPOSED: tl.constexpr, SPLIT: tl.constexpr,
+                        HEADS: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                        C: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """Blocks (J, J + shift) of the gradient of one A matrix, D Y^T (D = dO or dX, the rows'
+    cotangent; Y = V or U, the columns' values), for every row block J: [C / BLOCK, BLOCK,
+    BLOCK], zeros where J + shift is outside the chunk. TRANSPOSED: blocks (J + shift, J)
+    transposed, [J, r, c] = dA[(J + shift) BLOCK + c, J BLOCK + r] (read so from memory, not
+    transposed in registers). SPLIT: entry WHICH of ``rwkv7_wy_matrix_gradient_kernel``'s buffer
+    as stored (masked); else summed over V here (unmasked: the callers keep the pairs they
+    take)."""
+    BLOCKS: tl.constexpr = C // BLOCK
+    block = tl.arange(0, BLOCKS)[:, None, None]
+    if TRANSPOSED:
+        rows_of, columns_of = block + shift, block
     else:
-        steps = tl.arange(0, BLOCK)
-        d_first = first + ROWS * BLOCK
-        y_first = first + COLUMNS * BLOCK
-        block = tl.zeros([BLOCK, BLOCK], tl.float32)
+        rows_of, columns_of = block, block + shift
+    if SPLIT:
+        inside = (block + shift >= 0) & (block + shift < BLOCKS)
+        tile = tl.load(_wy_matrix_block(dA_ptr, slot, head, WHICH, rows_of, columns_of, HEADS, C,
+                                        BLOCK, TRANSPOSED), mask=used & inside, other=0.0)
+    else:
+        d_rows, d_in = _wy_shifted_rows(rows_of - block, first, end, BLOCKS, BLOCK)
+        y_rows, y_in = _wy_shifted_rows(columns_of - block, first, end, BLOCKS, BLOCK)
+        base = (first * HEADS + head) * V
+        tile = tl.zeros([BLOCKS, BLOCK, BLOCK], tl.float32)
         for v_block in range((V + BV - 1) // BV):
-            v_cols = v_block * BV + tl.arange(0, BV)
-            v_tile = steps[:, None] * (HEADS * V) + v_cols[None, :]
-            d = stored(d_ptr + (d_first * HEADS + head) * V, v_tile,
-                       (d_first + steps < end)[:, None] & (v_cols < V)[None, :])
-            y = stored(y_ptr + (y_first * HEADS + head) * V, v_tile,
-                       (y_first + steps < end)[:, None] & (v_cols < V)[None, :])
+            v_cols = v_block * BV + tl.arange(0, BV)[None, None, :]
+            d = stored(d_ptr + base, d_rows * (HEADS * V) + v_cols, d_in & (v_cols < V))
+            y = stored(y_ptr + base, y_rows * (HEADS * V) + v_cols, y_in & (v_cols < V))
             if TRANSPOSED:
-                block = _stored_dot(y, tl.trans(d), block, PRECISION)
+                tile = _stored_dot(y, tl.permute(d, (0, 2, 1)), tile, PRECISION)
             else:
-                block = _stored_dot(d, tl.trans(y), block, PRECISION)
-    return block
+                tile = _stored_dot(d, tl.permute(y, (0, 2, 1)), tile, PRECISION)
+    return tile
 
 
 @triton.jit
 def _gradient_dot(dA, x, acc, PRECISION: tl.constexpr):
-    """dA @ x + acc for a block of an A matrix's gradient (``_wy_gradient_block``) and a float32
-    tile x (rows or columns times their factors). Against a 16-bit dA, x in two 16-bit parts,
+    """dA @ x + acc for blocks of an A matrix's gradient (``_wy_gradient_blocks``) and float32
+    tiles x (rows or columns times their factors). Against a 16-bit dA, x in two 16-bit parts,
     its rounding and the remainder, so that both products take 16-bit operands and x keeps
     about 16 bits (x rounded once to bfloat16 doubles dw's error: past the bfloat16 contract in
     the tests' packed case). A float32 dA (float32 inputs, or summed over V here): at
@@ -1833,99 +1883,75 @@ def _gradient_dot(dA, x, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _wy_row_block(x, J: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
-    """Rows J * BLOCK, ..., J * BLOCK + BLOCK - 1 of a [C, N] tile: [BLOCK, N]."""
-    blocks = tl.reshape(x, [C // BLOCK, BLOCK, x.shape[1]])
-    return tl.sum(tl.where((tl.arange(0, C // BLOCK) == J)[:, None, None], blocks, 0.0), axis=0)
-
-
-@triton.jit
-def _wy_block_rows(J: tl.constexpr, first, end, head, k_first, k_cols_in, HEADS: tl.constexpr,
-                   K: tl.constexpr, BLOCK: tl.constexpr):
-    """The base and mask of the program's [BLOCK, BK] tile of row block J (the tile's offsets
-    are the same for every block: ``chunk_tiles`` at C = BLOCK)."""
-    row = first + J * BLOCK
-    rows_in = (row + tl.arange(0, BLOCK) < end)[:, None]
-    return (row * HEADS + head) * K + k_first, rows_in & k_cols_in
-
-
-@triton.jit
-def _wy_earlier_blocks(J: tl.constexpr, k_ptr, b_ptr, w_ptr, do_ptr, dx_ptr, v_ptr, u_ptr,
-                       dA_ptr, slot, used, first, end, head, k_first, k_tile, k_cols_in,
-                       SPLIT: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr,
-                       V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                       BLOCK: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr):
-    """Row block J's pairs with the columns i of every earlier block I: with s the row before
-    J's first, sum_I dA_qk[J, I] (k_I e^(gi_s - gi_i)) + dA_qb[J, I] (b_I ...), and likewise
-    from dA_ak, dA_ab, [BLOCK, BK] each; times e^(gi_t - gi_s) (e^(ge_t - gi_s)) they are the
-    pairs' terms of dq (da). Each exponent is a sum of log decays (I's reverse sums after i,
-    plus the totals of the blocks between), every factor <= 1 whatever the decays."""
-    to_q = tl.zeros([BLOCK, BK], tl.float32)
-    to_a = tl.zeros([BLOCK, BK], tl.float32)
-    between = tl.zeros([BK], tl.float32)
-    for I in tl.static_range(J - 1, -1, -1):
-        base, mask = _wy_block_rows(I, first, end, head, k_first, k_cols_in, HEADS, K, BLOCK)
-        _, _, total, after = _decays(_log_decays(w_ptr, base, k_tile, mask, FLOOR), 0)
-        factor = tl.exp(after + between[None, :])
-        k = rows(k_ptr, base, k_tile, mask) * factor
-        b = rows(b_ptr, base, k_tile, mask) * factor
-        to_q = _gradient_dot(_wy_gradient_block(do_ptr, v_ptr, dA_ptr, slot, used, first, end,
-                                                head, WY_A_QK, J, I, False, SPLIT, HEADS, V, BV,
-                                                C, BLOCK, PRECISION), k, to_q, PRECISION)
-        to_q = _gradient_dot(_wy_gradient_block(do_ptr, u_ptr, dA_ptr, slot, used, first, end,
-                                                head, WY_A_QB, J, I, False, SPLIT, HEADS, V, BV,
-                                                C, BLOCK, PRECISION), b, to_q, PRECISION)
-        to_a = _gradient_dot(_wy_gradient_block(dx_ptr, v_ptr, dA_ptr, slot, used, first, end,
-                                                head, WY_A_AK, J, I, False, SPLIT, HEADS, V, BV,
-                                                C, BLOCK, PRECISION), k, to_a, PRECISION)
-        to_a = _gradient_dot(_wy_gradient_block(dx_ptr, u_ptr, dA_ptr, slot, used, first, end,
-                                                head, WY_DA_AB, J, I, False, SPLIT, HEADS, V,
-                                                BV, C, BLOCK, PRECISION), b, to_a, PRECISION)
-        between += total
-    return to_q, to_a
-
-
-@triton.jit
-def _wy_later_blocks(J: tl.constexpr, r_ptr, a_ptr, w_ptr, do_ptr, dx_ptr, v_ptr, u_ptr,
-                     dA_ptr, slot, used, first, end, head, k_first, k_tile, k_cols_in, scale,
-                     SPLIT: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr,
-                     V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                     BLOCK: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr):
-    """Column block J's pairs with the rows t of every later block I: with s J's last row,
-    sum_I dA_qk[I, J]^T (q_I e^(gi_t - gi_s)) + dA_ak[I, J]^T (a_I e^(ge_t - gi_s)), and
-    likewise from dA_qb, dA_ab, [BLOCK, BK] each; times e^(gi_s - gi_i) they are the pairs'
-    terms of dk (db). Exponents as ``_wy_earlier_blocks``': I's own sums plus the totals of
-    the blocks between; the transposed blocks are read so from memory."""
-    to_k = tl.zeros([BLOCK, BK], tl.float32)
-    to_b = tl.zeros([BLOCK, BK], tl.float32)
-    between = tl.zeros([BK], tl.float32)
-    for I in tl.static_range(J + 1, C // BLOCK):
-        base, mask = _wy_block_rows(I, first, end, head, k_first, k_cols_in, HEADS, K, BLOCK)
-        gi, ge, total, _ = _decays(_log_decays(w_ptr, base, k_tile, mask, FLOOR), 0)
-        q = rows(r_ptr, base, k_tile, mask) * scale * tl.exp(gi + between[None, :])
-        a = rows(a_ptr, base, k_tile, mask) * tl.exp(ge + between[None, :])
-        to_k = _gradient_dot(_wy_gradient_block(do_ptr, v_ptr, dA_ptr, slot, used, first, end,
-                                                head, WY_A_QK, I, J, True, SPLIT, HEADS, V, BV,
-                                                C, BLOCK, PRECISION), q, to_k, PRECISION)
-        to_k = _gradient_dot(_wy_gradient_block(dx_ptr, v_ptr, dA_ptr, slot, used, first, end,
-                                                head, WY_A_AK, I, J, True, SPLIT, HEADS, V, BV,
-                                                C, BLOCK, PRECISION), a, to_k, PRECISION)
-        to_b = _gradient_dot(_wy_gradient_block(do_ptr, u_ptr, dA_ptr, slot, used, first, end,
-                                                head, WY_A_QB, I, J, True, SPLIT, HEADS, V, BV,
-                                                C, BLOCK, PRECISION), q, to_b, PRECISION)
-        to_b = _gradient_dot(_wy_gradient_block(dx_ptr, u_ptr, dA_ptr, slot, used, first, end,
-                                                head, WY_DA_AB, I, J, True, SPLIT, HEADS, V,
-                                                BV, C, BLOCK, PRECISION), a, to_b, PRECISION)
-        between += total
-    return to_k, to_b
+def _wy_off_diagonal(r_ptr, k_ptr, a_ptr, b_ptr, w_ptr, do_ptr, dx_ptr, v_ptr, u_ptr, dA_ptr,
+                     slot, used, first, end, head, k_first, scale, SPLIT: tl.constexpr,
+                     HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
+                     FLOOR: tl.constexpr, PRECISION: tl.constexpr):
+    """The pairs of different row blocks, for every block J at once (a block a batch of the
+    products), by their distance d: rows of J with the columns of J - d, and columns of J with
+    the rows of J + d. Returns, [C / BLOCK, BLOCK, BK] each, with s the row before J's first,
+    sum_d dA_qk[J, J - d] (k e^(gi_s - gi_i)) + dA_qb[J, J - d] (b ...) and likewise from
+    dA_ak, dA_ab, which times e^(gi_t - gi_s) (e^(ge_t - gi_s)) are their terms of dq (da); and,
+    with s J's last row, sum_d dA_qk[J + d, J]^T (q e^(gi_t - gi_s)) + dA_ak[J + d, J]^T
+    (a e^(ge_t - gi_s)) and likewise from dA_qb, dA_ab, which times e^(gi_s - gi_i) are their
+    terms of dk (db). Each exponent is a sum of log decays (the other block's own sums plus the
+    totals of the blocks between, carried from one distance to the next), every factor <= 1
+    whatever the decays."""
+    BLOCKS: tl.constexpr = C // BLOCK
+    to_q = tl.zeros([BLOCKS, BLOCK, BK], tl.float32)
+    to_a = tl.zeros([BLOCKS, BLOCK, BK], tl.float32)
+    to_k = tl.zeros([BLOCKS, BLOCK, BK], tl.float32)
+    to_b = tl.zeros([BLOCKS, BLOCK, BK], tl.float32)
+    before = tl.zeros([BLOCKS, 1, BK], tl.float32)  # the blocks strictly between J - d and J
+    after = tl.zeros([BLOCKS, 1, BK], tl.float32)  # and between J and J + d
+    for d in tl.static_range(1, BLOCKS):
+        base, tile, mask = _wy_key_blocks(-d, first, end, head, k_first, HEADS, K, BK, BLOCKS,
+                                          BLOCK)
+        _, _, total, to_end = _decays(_log_decays(w_ptr, base, tile, mask, FLOOR), 1)
+        factor = tl.exp(to_end + before)
+        k = rows(k_ptr, base, tile, mask) * factor
+        b = rows(b_ptr, base, tile, mask) * factor
+        to_q = _gradient_dot(_wy_gradient_blocks(do_ptr, v_ptr, dA_ptr, slot, used, first, end,
+                                                 head, WY_A_QK, -d, False, SPLIT, HEADS, V, BV,
+                                                 C, BLOCK, PRECISION), k, to_q, PRECISION)
+        to_q = _gradient_dot(_wy_gradient_blocks(do_ptr, u_ptr, dA_ptr, slot, used, first, end,
+                                                 head, WY_A_QB, -d, False, SPLIT, HEADS, V, BV,
+                                                 C, BLOCK, PRECISION), b, to_q, PRECISION)
+        to_a = _gradient_dot(_wy_gradient_blocks(dx_ptr, v_ptr, dA_ptr, slot, used, first, end,
+                                                 head, WY_A_AK, -d, False, SPLIT, HEADS, V, BV,
+                                                 C, BLOCK, PRECISION), k, to_a, PRECISION)
+        to_a = _gradient_dot(_wy_gradient_blocks(dx_ptr, u_ptr, dA_ptr, slot, used, first, end,
+                                                 head, WY_DA_AB, -d, False, SPLIT, HEADS, V,
+                                                 BV, C, BLOCK, PRECISION), b, to_a, PRECISION)
+        before += total[:, None, :]
+        base, tile, mask = _wy_key_blocks(d, first, end, head, k_first, HEADS, K, BK, BLOCKS,
+                                          BLOCK)
+        gi, ge, total, _ = _decays(_log_decays(w_ptr, base, tile, mask, FLOOR), 1)
+        q = rows(r_ptr, base, tile, mask) * scale * tl.exp(gi + after)
+        a = rows(a_ptr, base, tile, mask) * tl.exp(ge + after)
+        to_k = _gradient_dot(_wy_gradient_blocks(do_ptr, v_ptr, dA_ptr, slot, used, first, end,
+                                                 head, WY_A_QK, d, True, SPLIT, HEADS, V, BV,
+                                                 C, BLOCK, PRECISION), q, to_k, PRECISION)
+        to_k = _gradient_dot(_wy_gradient_blocks(dx_ptr, v_ptr, dA_ptr, slot, used, first, end,
+                                                 head, WY_A_AK, d, True, SPLIT, HEADS, V, BV,
+                                                 C, BLOCK, PRECISION), a, to_k, PRECISION)
+        to_b = _gradient_dot(_wy_gradient_blocks(do_ptr, u_ptr, dA_ptr, slot, used, first, end,
+                                                 head, WY_A_QB, d, True, SPLIT, HEADS, V, BV,
+                                                 C, BLOCK, PRECISION), q, to_b, PRECISION)
+        to_b = _gradient_dot(_wy_gradient_blocks(dx_ptr, u_ptr, dA_ptr, slot, used, first, end,
+                                                 head, WY_DA_AB, d, True, SPLIT, HEADS, V, BV,
+                                                 C, BLOCK, PRECISION), a, to_b, PRECISION)
+        after += total[:, None, :]
+    return to_q, to_a, to_k, to_b
 
 
 @triton.jit
 def _wy_diagonal_pairs(dA, dA_t, q, k, a, b, row, row_strict, column, keep, keep_t, dq, dk,
                        da, db, PRECISION: tl.constexpr):
-    """A diagonal block's pairs (t, i) where keep[t, i], with factors row_t column_i
+    """The diagonal blocks' pairs (t, i) where keep[t, i], with factors row_t column_i
     (row_strict_t for A_ak, A_ab): their terms added to dq, da (rows) and dk, db (columns).
-    dA, dA_t: the block of the four gradients (dA_qk, dA_qb, dA_ak, dA_ab) and their
+    dA, dA_t: the diagonal blocks of the four gradients (dA_qk, dA_qb, dA_ak, dA_ab) and their
     transposes, as read."""
     dA_qk, dA_qb, dA_ak, dA_ab = dA
     dA_qk_t, dA_qb_t, dA_ak_t, dA_ab_t = dA_t
@@ -1945,11 +1971,17 @@ def _wy_diagonal_pairs(dA, dA_t, q, k, a, b, row, row_strict, column, keep, keep
 
 
 @triton.jit
-def _wy_diagonal(x, C: tl.constexpr):
-    """The diagonal of a [C, C] tile as a column, [C, 1]."""
-    index = tl.arange(0, C)
-    return tl.sum(tl.where(index[:, None] == index[None, :], x.to(tl.float32), 0.0),
-                  axis=1)[:, None]
+def _wy_diagonal(x, BLOCK: tl.constexpr):
+    """The diagonals of [*, BLOCK, BLOCK] blocks, [*, BLOCK, 1]."""
+    index = tl.arange(0, BLOCK)
+    return tl.sum(tl.where(index[:, None] == index[None, :], x.to(tl.float32), 0.0), axis=2,
+                  keep_dims=True)
+
+
+@triton.jit
+def _wy_blocks_of(x, BLOCK: tl.constexpr):
+    """A [C, N] tile as [C / BLOCK, BLOCK, N]: its row blocks."""
+    return tl.reshape(x, [x.shape[0] // BLOCK, BLOCK, x.shape[1]])
 
 
 @triton.jit
@@ -1969,22 +2001,22 @@ def rwkv7_wy_key_gradient_kernel(
     in their dtypes; u: the forward's U, states its H at every chunk's start, dstates dH'
     (kernel 4), dx (kernel 5), float32 or bfloat16 (``_stored_dot``), in the chunk's slot.
 
-    First the four state products in one pass over V (``_wy_state_products``) and dg, then
-    the chunk in row blocks of BLOCK = 2^BLOCK_LEVELS rows (the plan's 16-token blocks), last
-    to first, carrying the sum of the later rows' gate gradients for dw: each block's rows
-    meet the earlier blocks' columns (``_wy_earlier_blocks``), its columns the later blocks'
-    rows (``_wy_later_blocks``), both exact for every decay, and its own pairs on the diagonal
-    block: TAME, one product each, factors referenced to the block's middle row (within
-    e^(+-BLOCK / 2) for log decays >= -1); else level by level inside the block
-    (``level_factors``). So no [C, C] tile is held: the gradients of the A matrices are read
-    as [BLOCK, BLOCK] blocks (``_wy_gradient_block``), SPLIT from dA_ptr
-    (``rwkv7_wy_matrix_gradient_kernel``, bfloat16 for 16-bit inputs), else summed over V
-    here (dA_ptr not read). The diagonal of A_qk and A_qb (factor e^0) is added to dq, dk, db
-    outside dw: its terms in q dq - k dk - b db cancel exactly, and would leave rounding
-    where strong decays make dw small. A log decay raised to FLOOR has dw 0. Rows past the
-    sequence's end read as zeros (w = 0) and are not written; an unused slot reads and writes
-    nothing."""
+    First the four state products in one pass over V and dg (``_wy_state_gradients``), then
+    the in-chunk pairs by row blocks of BLOCK = 2^BLOCK_LEVELS rows (the plan's 16-token
+    blocks), all blocks at once as [C / BLOCK, BLOCK, BK] tiles (a block a batch of the
+    products, a warp each at C / BLOCK = 4 warps): the pairs of different blocks by their
+    distance (``_wy_off_diagonal``), exact for every decay, then each block's own pairs: TAME,
+    one product each, factors referenced to the block's middle row (within e^(+-BLOCK / 2) for
+    log decays >= -1); else level by level inside the blocks (``level_factors``). So no
+    [C, C] tile is held: the gradients of the A matrices are read as [BLOCK, BLOCK] blocks
+    (``_wy_gradient_blocks``), SPLIT from dA_ptr (``rwkv7_wy_matrix_gradient_kernel``,
+    bfloat16 for 16-bit inputs), else summed over V here (dA_ptr not read). The diagonal of
+    A_qk and A_qb (factor e^0) is added to dq, dk, db outside dw: its terms in
+    q dq - k dk - b db cancel exactly, and would leave rounding where strong decays make dw
+    small. A log decay raised to FLOOR has dw 0. Rows past the sequence's end read as zeros
+    (w = 0) and are not written; an unused slot reads and writes nothing."""
     BLOCK: tl.constexpr = 1 << BLOCK_LEVELS
+    BLOCKS: tl.constexpr = C // BLOCK
     # (a chunk's blocks of keys are consecutive programs: they run together and share its
     # V-side tiles and dA in L2)
     KEY_BLOCKS: tl.constexpr = (K + BK - 1) // BK
@@ -1993,93 +2025,76 @@ def rwkv7_wy_key_gradient_kernel(
     head = tl.program_id(1)
     used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
                                   TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
-    k_tile, k_cols_in, _, v_cols_in = chunk_tiles(tl.arange(0, BV), HEADS, K, V, BK, BV, C, False)
-    k_base, k_in, _, _ = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V, C,
-                                   False)
-    k_base += k_first
-    states_ptr += k_first * V  # (the program's K rows of the [K, V] states)
-    dstates_ptr += k_first * V
-    dq_h, da_h, dk_h, db_h, h_dh = _wy_state_products(do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr,
-                                                      dstates_ptr, slot, used, first, end, head,
-                                                      HEADS, K, V, BK, BV, C, PRECISION)
-    gi, ge, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
-    dq_h *= tl.exp(gi)
-    da_h *= tl.exp(ge)
-    dk_h *= tl.exp(to_end)
-    db_h *= tl.exp(to_end)
-    dg = tl.exp(g_end) * h_dh + tl.sum(rows(k_ptr, k_base, k_tile, k_in) * dk_h
-                                       + rows(b_ptr, k_base, k_tile, k_in) * db_h, axis=0)
-    k_tile, k_cols_in, _, _ = chunk_tiles(tl.arange(0, BV), HEADS, K, V, BK, BV, BLOCK, False)
+    dq, da, dk, db, dg = _wy_state_gradients(
+        w_ptr, k_ptr, b_ptr, do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr + k_first * V,
+        dstates_ptr + k_first * V, slot, used, first, end, head, k_first, HEADS, K, V, BK, BV, C,
+        FLOOR, PRECISION)
+    to_q, to_a, to_k, to_b = _wy_off_diagonal(
+        r_ptr, k_ptr, a_ptr, b_ptr, w_ptr, do_ptr, dx_ptr, v_ptr, u_ptr, dA_ptr, slot, used,
+        first, end, head, k_first, scale, SPLIT, HEADS, K, V, BK, BV, C, BLOCK, FLOOR, PRECISION)
+    base, tile, mask = _wy_key_blocks(0, first, end, head, k_first, HEADS, K, BK, BLOCKS, BLOCK)
+    w = _log_decays(w_ptr, base, tile, mask, FLOOR)
+    gi, ge, _, to_end = _decays(w, 1)  # (inside each block)
+    dq = _wy_blocks_of(dq, BLOCK) + tl.exp(gi) * to_q
+    da = _wy_blocks_of(da, BLOCK) + tl.exp(ge) * to_a
+    dk = _wy_blocks_of(dk, BLOCK) + tl.exp(to_end) * to_k
+    db = _wy_blocks_of(db, BLOCK) + tl.exp(to_end) * to_b
+    q = rows(r_ptr, base, tile, mask) * scale
+    k = rows(k_ptr, base, tile, mask)
+    a = rows(a_ptr, base, tile, mask)
+    b = rows(b_ptr, base, tile, mask)
+    # The diagonal blocks, each gradient's blocks and their transposes read once.
+    dA = (_wy_gradient_blocks(do_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_QK, 0,
+                              False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
+          _wy_gradient_blocks(do_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_A_QB, 0,
+                              False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
+          _wy_gradient_blocks(dx_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_AK, 0,
+                              False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
+          _wy_gradient_blocks(dx_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_DA_AB, 0,
+                              False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION))
+    dA_t = (_wy_gradient_blocks(do_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_QK, 0,
+                                True, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
+            _wy_gradient_blocks(do_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_A_QB, 0,
+                                True, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
+            _wy_gradient_blocks(dx_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_AK, 0,
+                                True, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
+            _wy_gradient_blocks(dx_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_DA_AB,
+                                0, True, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION))
     index = tl.arange(0, BLOCK)
-    later = tl.zeros([BK], tl.float32)  # the later rows' q dq - k dk - b db + a da
-    for J in tl.static_range(C // BLOCK - 1, -1, -1):
-        base, mask = _wy_block_rows(J, first, end, head, k_first, k_cols_in, HEADS, K, BLOCK)
-        w = _log_decays(w_ptr, base, k_tile, mask, FLOOR)
-        gi, ge, _, after = _decays(w, 0)
-        q = rows(r_ptr, base, k_tile, mask) * scale
-        k = rows(k_ptr, base, k_tile, mask)
-        a = rows(a_ptr, base, k_tile, mask)
-        b = rows(b_ptr, base, k_tile, mask)
-        to_q, to_a = _wy_earlier_blocks(J, k_ptr, b_ptr, w_ptr, do_ptr, dx_ptr, v_ptr, u_ptr,
-                                        dA_ptr, slot, used, first, end, head, k_first, k_tile,
-                                        k_cols_in, SPLIT, HEADS, K, V, BK, BV, C, BLOCK, FLOOR,
-                                        PRECISION)
-        dq = _wy_row_block(dq_h, J, C, BLOCK) + tl.exp(gi) * to_q
-        da = _wy_row_block(da_h, J, C, BLOCK) + tl.exp(ge) * to_a
-        to_k, to_b = _wy_later_blocks(J, r_ptr, a_ptr, w_ptr, do_ptr, dx_ptr, v_ptr, u_ptr,
-                                      dA_ptr, slot, used, first, end, head, k_first, k_tile,
-                                      k_cols_in, scale, SPLIT, HEADS, K, V, BK, BV, C, BLOCK,
-                                      FLOOR, PRECISION)
-        dk = _wy_row_block(dk_h, J, C, BLOCK) + tl.exp(after) * to_k
-        db = _wy_row_block(db_h, J, C, BLOCK) + tl.exp(after) * to_b
-        # The diagonal block (J, J), each gradient's block and its transpose read once.
-        dA = (_wy_gradient_block(do_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_QK,
-                                 J, J, False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
-              _wy_gradient_block(do_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_A_QB,
-                                 J, J, False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
-              _wy_gradient_block(dx_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_AK,
-                                 J, J, False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
-              _wy_gradient_block(dx_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_DA_AB,
-                                 J, J, False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION))
-        dA_t = (_wy_gradient_block(do_ptr, v_ptr, dA_ptr, slot, used, first, end, head,
-                                   WY_A_QK, J, J, True, SPLIT, HEADS, V, BV, C, BLOCK,
-                                   PRECISION),
-                _wy_gradient_block(do_ptr, u_ptr, dA_ptr, slot, used, first, end, head,
-                                   WY_A_QB, J, J, True, SPLIT, HEADS, V, BV, C, BLOCK,
-                                   PRECISION),
-                _wy_gradient_block(dx_ptr, v_ptr, dA_ptr, slot, used, first, end, head,
-                                   WY_A_AK, J, J, True, SPLIT, HEADS, V, BV, C, BLOCK,
-                                   PRECISION),
-                _wy_gradient_block(dx_ptr, u_ptr, dA_ptr, slot, used, first, end, head,
-                                   WY_DA_AB, J, J, True, SPLIT, HEADS, V, BV, C, BLOCK,
-                                   PRECISION))
-        if TAME:
-            middle = _middle(gi, 0, BLOCK)
+    if TAME:
+        middle = tl.sum(tl.where((index == BLOCK // 2 - 1)[None, :, None], gi, 0.0), axis=1,
+                        keep_dims=True)
+        dq, dk, da, db = _wy_diagonal_pairs(
+            dA, dA_t, q, k, a, b, tl.exp(gi - middle), tl.exp(ge - middle), tl.exp(middle - gi),
+            (index[:, None] > index[None, :])[None, :, :],
+            (index[:, None] < index[None, :])[None, :, :], dq, dk, da, db, PRECISION)
+    else:
+        for level in tl.static_range(BLOCK_LEVELS):
+            # (segments of BLOCK >> (level + 1) rows, inside the blocks)
+            row, row_strict, column, _ = _level(tl.reshape(w, [C, BK]), BLOCK >> (level + 1), 0,
+                                                C)
             dq, dk, da, db = _wy_diagonal_pairs(
-                dA, dA_t, q, k, a, b, tl.exp(gi - middle), tl.exp(ge - middle),
-                tl.exp(middle - gi), index[:, None] > index[None, :],
-                index[:, None] < index[None, :], dq, dk, da, db, PRECISION)
-        else:
-            for level in tl.static_range(BLOCK_LEVELS):
-                row, row_strict, column, keep = _level(w, BLOCK >> (level + 1), 0, BLOCK)
-                dq, dk, da, db = _wy_diagonal_pairs(
-                    dA, dA_t, q, k, a, b, row, row_strict, column, keep,
-                    level_pairs(BLOCK >> (level + 1), BLOCK, True), dq, dk, da, db, PRECISION)
-        # (q_t enters a chunk only as q_t e^gi_t, a_t as a_t e^ge_t, k_i and b_i as x_i e^-gi_i
-        # and (k^, b^) x_i e^(g - gi_i), and H as e^g H: gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t;
-        # d_gates sums the gradients of gi (q dq - k dk - b db) and ge (a da).)
-        d_ge = a * da
-        d_gates = q * dq - k * dk - b * db + d_ge
-        dw = tl.cumsum(d_gates, axis=0, reverse=True) + later[None, :] - d_ge + dg[None, :]
-        later += tl.sum(d_gates, axis=0)
-        if not TAME:  # (a tame call has no decay below FLOOR)
-            dw = tl.where(rows(w_ptr, base, k_tile, mask) < FLOOR, 0.0, dw)
-        d_qk = _wy_diagonal(dA[0], BLOCK)
-        d_qb = _wy_diagonal(dA[1], BLOCK)
-        offsets = base + k_tile
-        tl.store(dr_ptr + offsets, ((dq + d_qk * k + d_qb * b) * scale).to(
-            dr_ptr.dtype.element_ty), mask=mask)
-        tl.store(dk_ptr + offsets, (dk + d_qk * q).to(dk_ptr.dtype.element_ty), mask=mask)
-        tl.store(db_ptr + offsets, (db + d_qb * q).to(db_ptr.dtype.element_ty), mask=mask)
-        tl.store(da_ptr + offsets, da.to(da_ptr.dtype.element_ty), mask=mask)
-        tl.store(dw_ptr + offsets, dw.to(dw_ptr.dtype.element_ty), mask=mask)
+                dA, dA_t, q, k, a, b, _wy_blocks_of(row, BLOCK),
+                _wy_blocks_of(row_strict, BLOCK), _wy_blocks_of(column, BLOCK),
+                level_pairs(BLOCK >> (level + 1), BLOCK, False)[None, :, :],
+                level_pairs(BLOCK >> (level + 1), BLOCK, True)[None, :, :], dq, dk, da, db,
+                PRECISION)
+    # (q_t enters a chunk only as q_t e^gi_t, a_t as a_t e^ge_t, k_i and b_i as x_i e^-gi_i
+    # and (k^, b^) x_i e^(g - gi_i), and H as e^g H: gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t;
+    # d_gates sums the gradients of gi (q dq - k dk - b db) and ge (a da).)
+    d_ge = a * da
+    d_gates = q * dq - k * dk - b * db + d_ge
+    sums = tl.sum(d_gates, axis=1)  # (per block; the later blocks' added to each block's rows)
+    dw = (tl.cumsum(d_gates, axis=1, reverse=True)
+          + (tl.cumsum(sums, axis=0, reverse=True) - sums)[:, None, :] - d_ge + dg[None, None, :])
+    if not TAME:  # (a tame call has no decay below FLOOR)
+        dw = tl.where(rows(w_ptr, base, tile, mask) < FLOOR, 0.0, dw)
+    d_qk = _wy_diagonal(dA[0], BLOCK)
+    d_qb = _wy_diagonal(dA[1], BLOCK)
+    offsets = base + tile
+    tl.store(dr_ptr + offsets, ((dq + d_qk * k + d_qb * b) * scale).to(
+        dr_ptr.dtype.element_ty), mask=mask)
+    tl.store(dk_ptr + offsets, (dk + d_qk * q).to(dk_ptr.dtype.element_ty), mask=mask)
+    tl.store(db_ptr + offsets, (db + d_qb * q).to(db_ptr.dtype.element_ty), mask=mask)
+    tl.store(da_ptr + offsets, da.to(da_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_ptr + offsets, dw.to(dw_ptr.dtype.element_ty), mask=mask)
