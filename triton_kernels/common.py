@@ -142,7 +142,7 @@ def level_factors(w, S: tl.constexpr, AXIS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def level_pairs(S: tl.constexpr, C: tl.constexpr, TRANSPOSED: tl.constexpr):
+def level_pairs(S, C: tl.constexpr, TRANSPOSED: tl.constexpr):
     """keep[t, i] of level S (``level_factors``): rows t of each odd segment of S steps, columns
     i of the even segment before it; or its transpose, keep[i, t] (products with a transposed
     tile, built from the indices rather than transposed in registers)."""

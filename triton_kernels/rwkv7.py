@@ -76,7 +76,7 @@ import triton.language as tl
 
 from .common import (INTERPRETED, PREFETCH_UP_TO, chunk_tiles, clamped, clamped_rows,
                      diagonal_tile as _diagonal, dot, in_range, level_factors as _level,
-                     level_pairs, program, row_bases, rows, state_offsets, stored)
+                     level_factors_at, level_pairs, program, row_bases, rows, state_offsets, stored)
 
 
 @triton.jit
@@ -1753,58 +1753,31 @@ def _stored_dot(x, y, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _wy_state_products(do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr, dstates_ptr, slot, used, first,
-                       end, head, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                       PRECISION: tl.constexpr):
-    """The K-side kernel's products with the chunk's states, in one pass over V (blocks of BV),
-    each tile of H and dH' read once: dO H^T and dX H^T (the reads q~ H, a~ H), V dH'^T and
-    U dH'^T (k^, b^ in H'), [C, BK] each, and rowsum(H dH') ([BK]; e^g H in H')."""
-    dq = tl.zeros([C, BK], tl.float32)
-    da = tl.zeros([C, BK], tl.float32)
-    dk = tl.zeros([C, BK], tl.float32)
-    db = tl.zeros([C, BK], tl.float32)
-    h_dh = tl.zeros([BK], tl.float32)
+def _wy_state_products(x_ptr, y_ptr, states_ptr, others_ptr, slot, used, first, end, head,
+                       HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
+    """Products of the K-side kernel with one of the chunk's states S (H or dH'; its rows of
+    the program's keys), in one pass over V (blocks of BV): X S^T and Y S^T, [C, BK] each
+    (dO H^T and dX H^T, the reads q~ H and a~ H; or V dH'^T and U dH'^T, k^ and b^ in H'),
+    and with others_ptr (not None) the state O there, rowsum(S O) ([BK]; e^g H in H')."""
+    x_s = tl.zeros([C, BK], tl.float32)
+    y_s = tl.zeros([C, BK], tl.float32)
+    s_o = tl.zeros([BK], tl.float32)
     for v_block in range((V + BV - 1) // BV):
         v_cols = v_block * BV + tl.arange(0, BV)
         _, k_cols_in, v_tile, v_cols_in = chunk_tiles(v_cols, HEADS, K, V, BK, BV, C, False)
         _, _, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V, C,
                                        False)
         state_in = (tl.trans(k_cols_in) & v_cols_in) & used
-        h = tl.trans(tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
-                             mask=state_in, other=0.0))
-        dh = tl.trans(tl.load(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
-                              mask=state_in, other=0.0))
-        dq = _stored_dot(stored(do_ptr + v_base, v_tile, v_in), h, dq, PRECISION)
-        da = _stored_dot(stored(dx_ptr + v_base, v_tile, v_in), h, da, PRECISION)
-        dk = _stored_dot(stored(v_ptr + v_base, v_tile, v_in), dh, dk, PRECISION)
-        db = _stored_dot(stored(u_ptr + v_base, v_tile, v_in), dh, db, PRECISION)
-        h_dh += tl.sum(h.to(tl.float32) * dh.to(tl.float32), axis=0)
-    return dq, da, dk, db, h_dh
-
-
-@triton.jit
-def _wy_state_gradients(w_ptr, k_ptr, b_ptr, do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr,
-                        dstates_ptr, slot, used, first, end, head, k_first, HEADS: tl.constexpr,
-                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        C: tl.constexpr, FLOOR: tl.constexpr, PRECISION: tl.constexpr):
-    """The chunk's gradients through its states (``_wy_state_products``; states_ptr and
-    dstates_ptr at the program's first key), [C, BK]: dq = e^gi dO H^T, da = e^ge dX H^T,
-    dk = e^(g - gi) V dH'^T, db likewise with U; and the gradient of the chunk's total log
-    decay g, dg = e^g rowsum(H dH') + sum_t (k^ dk^ + b^ db^)_t ([BK])."""
-    k_tile, k_cols_in, _, v_cols_in = chunk_tiles(tl.arange(0, BV), HEADS, K, V, BK, BV, C, False)
-    k_base, k_in, _, _ = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V, C,
-                                   False)
-    k_base += k_first
-    dq, da, dk, db, h_dh = _wy_state_products(do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr,
-                                              dstates_ptr, slot, used, first, end, head, HEADS,
-                                              K, V, BK, BV, C, PRECISION)
-    gi, ge, g_end, to_end = _decays(_log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), 0)
-    dk *= tl.exp(to_end)
-    db *= tl.exp(to_end)
-    dg = tl.exp(g_end) * h_dh + tl.sum(rows(k_ptr, k_base, k_tile, k_in) * dk
-                                       + rows(b_ptr, k_base, k_tile, k_in) * db, axis=0)
-    return dq * tl.exp(gi), da * tl.exp(ge), dk, db, dg
+        state = tl.trans(tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                                 mask=state_in, other=0.0))
+        x_s = _stored_dot(stored(x_ptr + v_base, v_tile, v_in), state, x_s, PRECISION)
+        y_s = _stored_dot(stored(y_ptr + v_base, v_tile, v_in), state, y_s, PRECISION)
+        if others_ptr is not None:
+            other = tl.load(_state(others_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                            mask=state_in, other=0.0)
+            s_o += tl.sum(state.to(tl.float32) * tl.trans(other).to(tl.float32), axis=0)
+    return x_s, y_s, s_o
 
 
 @triton.jit
@@ -1828,17 +1801,18 @@ def _wy_key_blocks(shift, first, end, head, k_first, HEADS: tl.constexpr, K: tl.
 
 
 @triton.jit
-def _wy_gradient_blocks(d_ptr, y_ptr, dA_ptr, slot, used, first, end, head, WHICH: tl.constexpr,
-                        shift: tl.constexpr, TRANSPOSED: tl.constexpr, SPLIT: tl.constexpr,
-                        HEADS: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                        C: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+def _wy_gradient_blocks(source, WHICH: tl.constexpr, shift,
+                        TRANSPOSED: tl.constexpr, SPLIT: tl.constexpr, HEADS: tl.constexpr,
+                        V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
+                        PRECISION: tl.constexpr):
     """Blocks (J, J + shift) of the gradient of one A matrix, D Y^T (D = dO or dX, the rows'
     cotangent; Y = V or U, the columns' values), for every row block J: [C / BLOCK, BLOCK,
     BLOCK], zeros where J + shift is outside the chunk. TRANSPOSED: blocks (J + shift, J)
     transposed, [J, r, c] = dA[(J + shift) BLOCK + c, J BLOCK + r] (read so from memory, not
     transposed in registers). SPLIT: entry WHICH of ``rwkv7_wy_matrix_gradient_kernel``'s buffer
     as stored (masked); else summed over V here (unmasked: the callers keep the pairs they
-    take)."""
+    take). source: the kernel's (do, dx, v, u, dA pointers, slot, used, first, end, head)."""
+    do_ptr, dx_ptr, v_ptr, u_ptr, dA_ptr, slot, used, first, end, head = source
     BLOCKS: tl.constexpr = C // BLOCK
     block = tl.arange(0, BLOCKS)[:, None, None]
     if TRANSPOSED:
@@ -1850,6 +1824,14 @@ def _wy_gradient_blocks(d_ptr, y_ptr, dA_ptr, slot, used, first, end, head, WHIC
         tile = tl.load(_wy_matrix_block(dA_ptr, slot, head, WHICH, rows_of, columns_of, HEADS, C,
                                         BLOCK, TRANSPOSED), mask=used & inside, other=0.0)
     else:
+        if WHICH == WY_A_QK or WHICH == WY_A_QB:
+            d_ptr = do_ptr
+        else:
+            d_ptr = dx_ptr
+        if WHICH == WY_A_QK or WHICH == WY_A_AK:
+            y_ptr = v_ptr
+        else:
+            y_ptr = u_ptr
         d_rows, d_in = _wy_shifted_rows(rows_of - block, first, end, BLOCKS, BLOCK)
         y_rows, y_in = _wy_shifted_rows(columns_of - block, first, end, BLOCKS, BLOCK)
         base = (first * HEADS + head) * V
@@ -1863,6 +1845,20 @@ def _wy_gradient_blocks(d_ptr, y_ptr, dA_ptr, slot, used, first, end, head, WHIC
             else:
                 tile = _stored_dot(d, tl.permute(y, (0, 2, 1)), tile, PRECISION)
     return tile
+
+
+@triton.jit
+def _wy_blocks_dot(source, WHICH: tl.constexpr, shift, TRANSPOSED: tl.constexpr,
+                   keep, x, acc, SPLIT: tl.constexpr, HEADS: tl.constexpr, V: tl.constexpr,
+                   BV: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """acc + the blocks of one A matrix's gradient (``_wy_gradient_blocks``), where keep (None:
+    all of them), times x, batched over the row blocks (``_gradient_dot``)."""
+    blocks = _wy_gradient_blocks(source, WHICH, shift, TRANSPOSED, SPLIT, HEADS, V, BV, C, BLOCK,
+                                 PRECISION)
+    if keep is not None:
+        blocks = tl.where(keep, blocks, 0.0)
+    return _gradient_dot(blocks, x, acc, PRECISION)
 
 
 @triton.jit
@@ -1883,91 +1879,145 @@ def _gradient_dot(dA, x, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _wy_off_diagonal(r_ptr, k_ptr, a_ptr, b_ptr, w_ptr, do_ptr, dx_ptr, v_ptr, u_ptr, dA_ptr,
-                     slot, used, first, end, head, k_first, scale, SPLIT: tl.constexpr,
-                     HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
+def _wy_other_blocks(x_ptr, y_ptr, w_ptr, source, k_first, x_scale, COLUMNS: tl.constexpr,
+                     SPLIT: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
                      FLOOR: tl.constexpr, PRECISION: tl.constexpr):
     """The pairs of different row blocks, for every block J at once (a block a batch of the
-    products), by their distance d: rows of J with the columns of J - d, and columns of J with
-    the rows of J + d. Returns, [C / BLOCK, BLOCK, BK] each, with s the row before J's first,
-    sum_d dA_qk[J, J - d] (k e^(gi_s - gi_i)) + dA_qb[J, J - d] (b ...) and likewise from
-    dA_ak, dA_ab, which times e^(gi_t - gi_s) (e^(ge_t - gi_s)) are their terms of dq (da); and,
-    with s J's last row, sum_d dA_qk[J + d, J]^T (q e^(gi_t - gi_s)) + dA_ak[J + d, J]^T
-    (a e^(ge_t - gi_s)) and likewise from dA_qb, dA_ab, which times e^(gi_s - gi_i) are their
+    products), by their distance d. Rows (x, y = k, b): J's rows with the columns i of J - d;
+    with s the row before J's first, x' = x e^(gi_s - gi_i) and y' likewise, returns
+    sum_d dA_qk[J, J - d] x' + dA_qb[J, J - d] y' and the same from dA_ak, dA_ab, [C / BLOCK,
+    BLOCK, BK] each, which times e^(gi_t - gi_s) (e^(ge_t - gi_s)) are their terms of dq (da).
+    COLUMNS (x, y = q / x_scale, a): J's columns with the rows t of J + d; with s J's last row,
+    x' = x e^(gi_t - gi_s), y' = y e^(ge_t - gi_s), returns sum_d dA_qk[J + d, J]^T x' +
+    dA_ak[J + d, J]^T y' and the same from dA_qb, dA_ab, which times e^(gi_s - gi_i) are their
     terms of dk (db). Each exponent is a sum of log decays (the other block's own sums plus the
     totals of the blocks between, carried from one distance to the next), every factor <= 1
     whatever the decays."""
+    first, end, head = source[7], source[8], source[9]
     BLOCKS: tl.constexpr = C // BLOCK
-    to_q = tl.zeros([BLOCKS, BLOCK, BK], tl.float32)
-    to_a = tl.zeros([BLOCKS, BLOCK, BK], tl.float32)
-    to_k = tl.zeros([BLOCKS, BLOCK, BK], tl.float32)
-    to_b = tl.zeros([BLOCKS, BLOCK, BK], tl.float32)
-    before = tl.zeros([BLOCKS, 1, BK], tl.float32)  # the blocks strictly between J - d and J
-    after = tl.zeros([BLOCKS, 1, BK], tl.float32)  # and between J and J + d
+    first_sum = tl.zeros([BLOCKS, BLOCK, BK], tl.float32)
+    second_sum = tl.zeros([BLOCKS, BLOCK, BK], tl.float32)
+    between = tl.zeros([BLOCKS, 1, BK], tl.float32)  # the blocks strictly between the two
     for d in tl.static_range(1, BLOCKS):
-        base, tile, mask = _wy_key_blocks(-d, first, end, head, k_first, HEADS, K, BK, BLOCKS,
+        shift = d * (2 * COLUMNS - 1)  # (J + d for columns, J - d for rows)
+        base, tile, mask = _wy_key_blocks(shift, first, end, head, k_first, HEADS, K, BK, BLOCKS,
                                           BLOCK)
-        _, _, total, to_end = _decays(_log_decays(w_ptr, base, tile, mask, FLOOR), 1)
-        factor = tl.exp(to_end + before)
-        k = rows(k_ptr, base, tile, mask) * factor
-        b = rows(b_ptr, base, tile, mask) * factor
-        to_q = _gradient_dot(_wy_gradient_blocks(do_ptr, v_ptr, dA_ptr, slot, used, first, end,
-                                                 head, WY_A_QK, -d, False, SPLIT, HEADS, V, BV,
-                                                 C, BLOCK, PRECISION), k, to_q, PRECISION)
-        to_q = _gradient_dot(_wy_gradient_blocks(do_ptr, u_ptr, dA_ptr, slot, used, first, end,
-                                                 head, WY_A_QB, -d, False, SPLIT, HEADS, V, BV,
-                                                 C, BLOCK, PRECISION), b, to_q, PRECISION)
-        to_a = _gradient_dot(_wy_gradient_blocks(dx_ptr, v_ptr, dA_ptr, slot, used, first, end,
-                                                 head, WY_A_AK, -d, False, SPLIT, HEADS, V, BV,
-                                                 C, BLOCK, PRECISION), k, to_a, PRECISION)
-        to_a = _gradient_dot(_wy_gradient_blocks(dx_ptr, u_ptr, dA_ptr, slot, used, first, end,
-                                                 head, WY_DA_AB, -d, False, SPLIT, HEADS, V,
-                                                 BV, C, BLOCK, PRECISION), b, to_a, PRECISION)
-        before += total[:, None, :]
-        base, tile, mask = _wy_key_blocks(d, first, end, head, k_first, HEADS, K, BK, BLOCKS,
-                                          BLOCK)
-        gi, ge, total, _ = _decays(_log_decays(w_ptr, base, tile, mask, FLOOR), 1)
-        q = rows(r_ptr, base, tile, mask) * scale * tl.exp(gi + after)
-        a = rows(a_ptr, base, tile, mask) * tl.exp(ge + after)
-        to_k = _gradient_dot(_wy_gradient_blocks(do_ptr, v_ptr, dA_ptr, slot, used, first, end,
-                                                 head, WY_A_QK, d, True, SPLIT, HEADS, V, BV,
-                                                 C, BLOCK, PRECISION), q, to_k, PRECISION)
-        to_k = _gradient_dot(_wy_gradient_blocks(dx_ptr, v_ptr, dA_ptr, slot, used, first, end,
-                                                 head, WY_A_AK, d, True, SPLIT, HEADS, V, BV,
-                                                 C, BLOCK, PRECISION), a, to_k, PRECISION)
-        to_b = _gradient_dot(_wy_gradient_blocks(do_ptr, u_ptr, dA_ptr, slot, used, first, end,
-                                                 head, WY_A_QB, d, True, SPLIT, HEADS, V, BV,
-                                                 C, BLOCK, PRECISION), q, to_b, PRECISION)
-        to_b = _gradient_dot(_wy_gradient_blocks(dx_ptr, u_ptr, dA_ptr, slot, used, first, end,
-                                                 head, WY_DA_AB, d, True, SPLIT, HEADS, V, BV,
-                                                 C, BLOCK, PRECISION), a, to_b, PRECISION)
-        after += total[:, None, :]
-    return to_q, to_a, to_k, to_b
+        gi, ge, total, to_end = _decays(_log_decays(w_ptr, base, tile, mask, FLOOR), 1)
+        if COLUMNS:
+            x = rows(x_ptr, base, tile, mask) * x_scale * tl.exp(gi + between)
+            y = rows(y_ptr, base, tile, mask) * tl.exp(ge + between)
+            first_sum = _wy_blocks_dot(source, WY_A_QK, shift, True, None, x, first_sum, SPLIT,
+                                       HEADS, V, BV, C, BLOCK, PRECISION)
+            first_sum = _wy_blocks_dot(source, WY_A_AK, shift, True, None, y, first_sum, SPLIT,
+                                       HEADS, V, BV, C, BLOCK, PRECISION)
+            second_sum = _wy_blocks_dot(source, WY_A_QB, shift, True, None, x, second_sum, SPLIT,
+                                        HEADS, V, BV, C, BLOCK, PRECISION)
+        else:
+            factor = tl.exp(to_end + between)
+            x = rows(x_ptr, base, tile, mask) * factor
+            y = rows(y_ptr, base, tile, mask) * factor
+            first_sum = _wy_blocks_dot(source, WY_A_QK, shift, False, None, x, first_sum, SPLIT,
+                                       HEADS, V, BV, C, BLOCK, PRECISION)
+            first_sum = _wy_blocks_dot(source, WY_A_QB, shift, False, None, y, first_sum, SPLIT,
+                                       HEADS, V, BV, C, BLOCK, PRECISION)
+            second_sum = _wy_blocks_dot(source, WY_A_AK, shift, False, None, x, second_sum,
+                                        SPLIT, HEADS, V, BV, C, BLOCK, PRECISION)
+        second_sum = _wy_blocks_dot(source, WY_DA_AB, shift, COLUMNS, None, y, second_sum, SPLIT,
+                                    HEADS, V, BV, C, BLOCK, PRECISION)
+        between += total[:, None, :]
+    return first_sum, second_sum
 
 
 @triton.jit
-def _wy_diagonal_pairs(dA, dA_t, q, k, a, b, row, row_strict, column, keep, keep_t, dq, dk,
-                       da, db, PRECISION: tl.constexpr):
-    """The diagonal blocks' pairs (t, i) where keep[t, i], with factors row_t column_i
-    (row_strict_t for A_ak, A_ab): their terms added to dq, da (rows) and dk, db (columns).
-    dA, dA_t: the diagonal blocks of the four gradients (dA_qk, dA_qb, dA_ak, dA_ab) and their
-    transposes, as read."""
-    dA_qk, dA_qb, dA_ak, dA_ab = dA
-    dA_qk_t, dA_qb_t, dA_ak_t, dA_ab_t = dA_t
-    k_f = k * column
-    b_f = b * column
-    q_f = q * row
-    a_f = a * row_strict
-    dq += row * _gradient_dot(tl.where(keep, dA_qk, 0.0), k_f, _gradient_dot(
-        tl.where(keep, dA_qb, 0.0), b_f, None, PRECISION), PRECISION)
-    da += row_strict * _gradient_dot(tl.where(keep, dA_ak, 0.0), k_f, _gradient_dot(
-        tl.where(keep, dA_ab, 0.0), b_f, None, PRECISION), PRECISION)
-    dk += column * _gradient_dot(tl.where(keep_t, dA_qk_t, 0.0), q_f, _gradient_dot(
-        tl.where(keep_t, dA_ak_t, 0.0), a_f, None, PRECISION), PRECISION)
-    db += column * _gradient_dot(tl.where(keep_t, dA_qb_t, 0.0), q_f, _gradient_dot(
-        tl.where(keep_t, dA_ab_t, 0.0), a_f, None, PRECISION), PRECISION)
-    return dq, dk, da, db
+def _wy_block_pairs(source, x, y, row, row_strict, column, keep, first_sum, second_sum,
+                    COLUMNS: tl.constexpr, SPLIT: tl.constexpr, HEADS: tl.constexpr,
+                    V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """The diagonal blocks' pairs (t, i) where keep[t, i] ([BLOCK, BLOCK]), with factors
+    row_t column_i (row_strict_t for A_ak, A_ab), added to the sums of ``_wy_other_blocks``
+    (rows: x, y = k, b; dq's and da's terms; COLUMNS: x, y = q, a; dk's and db's), each
+    gradient's blocks read where they are used. keep: of the transposed blocks for COLUMNS."""
+    keep = keep[None, :, :]
+    if COLUMNS:
+        x = x * row
+        y = y * row_strict
+        first_sum += column * _wy_blocks_dot(source, WY_A_QK, 0, True, keep, x, _wy_blocks_dot(
+            source, WY_A_AK, 0, True, keep, y, None, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
+            SPLIT, HEADS, V, BV, C, BLOCK, PRECISION)
+        second_sum += column * _wy_blocks_dot(source, WY_A_QB, 0, True, keep, x, _wy_blocks_dot(
+            source, WY_DA_AB, 0, True, keep, y, None, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
+            SPLIT, HEADS, V, BV, C, BLOCK, PRECISION)
+    else:
+        x = x * column
+        y = y * column
+        first_sum += row * _wy_blocks_dot(source, WY_A_QK, 0, False, keep, x, _wy_blocks_dot(
+            source, WY_A_QB, 0, False, keep, y, None, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
+            SPLIT, HEADS, V, BV, C, BLOCK, PRECISION)
+        second_sum += row_strict * _wy_blocks_dot(source, WY_A_AK, 0, False, keep, x,
+                                                  _wy_blocks_dot(source, WY_DA_AB, 0, False,
+                                                                 keep, y, None, SPLIT, HEADS, V,
+                                                                 BV, C, BLOCK, PRECISION),
+                                                  SPLIT, HEADS, V, BV, C, BLOCK, PRECISION)
+    return first_sum, second_sum
+
+
+@triton.jit
+def _wy_strictly_lower(BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """keep[t, i] = i < t ([BLOCK, BLOCK]), or its transpose."""
+    index = tl.arange(0, BLOCK)
+    if TRANSPOSED:
+        keep = index[:, None] < index[None, :]
+    else:
+        keep = index[:, None] > index[None, :]
+    return keep
+
+
+@triton.jit
+def _wy_in_chunk_pairs(x_ptr, y_ptr, w_ptr, source, k_first, x_scale, x, y, w, gi, ge,
+                       first_sum, second_sum, COLUMNS: tl.constexpr, TAME: tl.constexpr,
+                       SPLIT: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                       BLOCK_LEVELS: tl.constexpr, FLOOR: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """The terms of every pair i < t of the chunk's A matrices in dq and da (rows: x, y = k, b,
+    [C / BLOCK, BLOCK, BK] as the blocks' rows, w their log decays, gi, ge their sums inside
+    each block) or in dk and db (COLUMNS: x, y = q, a), added to first_sum and second_sum:
+    the pairs of different blocks (``_wy_other_blocks``), exact for every decay; each block's
+    own: TAME, one product each, factors referenced to the block's middle row (within
+    e^(+-BLOCK / 2) for log decays >= -1); else level by level inside the blocks
+    (``level_factors``; a loop, one level's factors live at a time)."""
+    BLOCK: tl.constexpr = 1 << BLOCK_LEVELS
+    index = tl.arange(0, BLOCK)
+    other_first, other_second = _wy_other_blocks(
+        x_ptr, y_ptr, w_ptr, source, k_first, x_scale, COLUMNS, SPLIT, HEADS, K, V, BK, BV, C,
+        BLOCK, FLOOR, PRECISION)
+    if COLUMNS:
+        to_end = tl.exp(tl.cumsum(w, axis=1, reverse=True) - w)
+        first_sum += to_end * other_first
+        second_sum += to_end * other_second
+    else:
+        first_sum += tl.exp(gi) * other_first
+        second_sum += tl.exp(ge) * other_second
+    if TAME:
+        middle = tl.sum(tl.where((index == BLOCK // 2 - 1)[None, :, None], gi, 0.0), axis=1,
+                        keep_dims=True)
+        first_sum, second_sum = _wy_block_pairs(
+            source, x, y, tl.exp(gi - middle), tl.exp(ge - middle), tl.exp(middle - gi),
+            _wy_strictly_lower(BLOCK, COLUMNS), first_sum, second_sum, COLUMNS, SPLIT, HEADS, V,
+            BV, C, BLOCK, PRECISION)
+    else:
+        LEVELS: tl.constexpr = C.bit_length() - 1
+        for level in tl.range(BLOCK_LEVELS, disable_licm=True):
+            # (segments of BLOCK >> (level + 1) rows, inside the blocks)
+            row, row_strict, column = level_factors_at(tl.reshape(w, [C, BK]),
+                                                       level + LEVELS - BLOCK_LEVELS, LEVELS,
+                                                       C)[:3]
+            first_sum, second_sum = _wy_block_pairs(
+                source, x, y, _wy_blocks_of(row, BLOCK), _wy_blocks_of(row_strict, BLOCK),
+                _wy_blocks_of(column, BLOCK), level_pairs(BLOCK >> (level + 1), BLOCK, COLUMNS),
+                first_sum, second_sum, COLUMNS, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION)
+    return first_sum, second_sum
 
 
 @triton.jit
@@ -2001,17 +2051,16 @@ def rwkv7_wy_key_gradient_kernel(
     in their dtypes; u: the forward's U, states its H at every chunk's start, dstates dH'
     (kernel 4), dx (kernel 5), float32 or bfloat16 (``_stored_dot``), in the chunk's slot.
 
-    First the four state products in one pass over V and dg (``_wy_state_gradients``), then
-    the in-chunk pairs by row blocks of BLOCK = 2^BLOCK_LEVELS rows (the plan's 16-token
-    blocks), all blocks at once as [C / BLOCK, BLOCK, BK] tiles (a block a batch of the
-    products, a warp each at C / BLOCK = 4 warps): the pairs of different blocks by their
-    distance (``_wy_off_diagonal``), exact for every decay, then each block's own pairs: TAME,
-    one product each, factors referenced to the block's middle row (within e^(+-BLOCK / 2) for
-    log decays >= -1); else level by level inside the blocks (``level_factors``). So no
-    [C, C] tile is held: the gradients of the A matrices are read as [BLOCK, BLOCK] blocks
-    (``_wy_gradient_blocks``), SPLIT from dA_ptr (``rwkv7_wy_matrix_gradient_kernel``,
-    bfloat16 for 16-bit inputs), else summed over V here (dA_ptr not read). The diagonal of
-    A_qk and A_qb (factor e^0) is added to dq, dk, db outside dw: its terms in
+    The chunk's rows in blocks of BLOCK = 2^BLOCK_LEVELS (the plan's 16-token blocks), all
+    blocks at once as [C / BLOCK, BLOCK, BK] tiles (a block a batch of the products, a warp
+    each at 4 warps), so that no [C, C] tile is held: the gradients of the A matrices are read
+    as [BLOCK, BLOCK] blocks (``_wy_gradient_blocks``), SPLIT from dA_ptr
+    (``rwkv7_wy_matrix_gradient_kernel``, bfloat16 for 16-bit inputs), else summed over V here
+    (dA_ptr not read). In two phases, each with its own products with a state
+    (``_wy_state_products``) and its own in-chunk terms (``_wy_in_chunk_pairs``), so that the
+    tiles of one are not held through the other: the rows' gradients dq, da (against H), then
+    the columns' dk, db (against dH') and dg, the gate gradients summed across both. The
+    diagonal of A_qk and A_qb (factor e^0) is added to dq, dk, db outside dw: its terms in
     q dq - k dk - b db cancel exactly, and would leave rounding where strong decays make dw
     small. A log decay raised to FLOOR has dw 0. Rows past the sequence's end read as zeros
     (w = 0) and are not written; an unused slot reads and writes nothing."""
@@ -2025,76 +2074,57 @@ def rwkv7_wy_key_gradient_kernel(
     head = tl.program_id(1)
     used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
                                   TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
-    dq, da, dk, db, dg = _wy_state_gradients(
-        w_ptr, k_ptr, b_ptr, do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr + k_first * V,
-        dstates_ptr + k_first * V, slot, used, first, end, head, k_first, HEADS, K, V, BK, BV, C,
-        FLOOR, PRECISION)
-    to_q, to_a, to_k, to_b = _wy_off_diagonal(
-        r_ptr, k_ptr, a_ptr, b_ptr, w_ptr, do_ptr, dx_ptr, v_ptr, u_ptr, dA_ptr, slot, used,
-        first, end, head, k_first, scale, SPLIT, HEADS, K, V, BK, BV, C, BLOCK, FLOOR, PRECISION)
+    states_ptr += k_first * V  # (the program's K rows of the [K, V] states)
+    dstates_ptr += k_first * V
+    source = (do_ptr, dx_ptr, v_ptr, u_ptr, dA_ptr, slot, used, first, end, head)
     base, tile, mask = _wy_key_blocks(0, first, end, head, k_first, HEADS, K, BK, BLOCKS, BLOCK)
+    offsets = base + tile
     w = _log_decays(w_ptr, base, tile, mask, FLOOR)
-    gi, ge, _, to_end = _decays(w, 1)  # (inside each block)
-    dq = _wy_blocks_of(dq, BLOCK) + tl.exp(gi) * to_q
-    da = _wy_blocks_of(da, BLOCK) + tl.exp(ge) * to_a
-    dk = _wy_blocks_of(dk, BLOCK) + tl.exp(to_end) * to_k
-    db = _wy_blocks_of(db, BLOCK) + tl.exp(to_end) * to_b
-    q = rows(r_ptr, base, tile, mask) * scale
+    gi, ge, total, to_end = _decays(w, 1)  # (inside each block)
+    # The chunk's sums, each a sum of two of the same sign: before each block and after it.
+    before = (tl.cumsum(total, axis=0) - total)[:, None, :]
+    after = (tl.cumsum(total, axis=0, reverse=True) - total)[:, None, :]
+    d_qk = _wy_diagonal(_wy_gradient_blocks(source, WY_A_QK, 0, False, SPLIT, HEADS, V, BV, C,
+                                            BLOCK, PRECISION), BLOCK)
+    d_qb = _wy_diagonal(_wy_gradient_blocks(source, WY_A_QB, 0, False, SPLIT, HEADS, V, BV, C,
+                                            BLOCK, PRECISION), BLOCK)
+    # The rows: dq = e^gi dO H^T + ..., da = e^ge dX H^T + ...
+    dq, da, _ = _wy_state_products(do_ptr, dx_ptr, states_ptr, None, slot, used, first, end,
+                                   head, HEADS, K, V, BK, BV, C, PRECISION)
+    dq = _wy_blocks_of(dq, BLOCK) * tl.exp(before + gi)
+    da = _wy_blocks_of(da, BLOCK) * tl.exp(before + ge)
     k = rows(k_ptr, base, tile, mask)
-    a = rows(a_ptr, base, tile, mask)
     b = rows(b_ptr, base, tile, mask)
-    # The diagonal blocks, each gradient's blocks and their transposes read once.
-    dA = (_wy_gradient_blocks(do_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_QK, 0,
-                              False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
-          _wy_gradient_blocks(do_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_A_QB, 0,
-                              False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
-          _wy_gradient_blocks(dx_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_AK, 0,
-                              False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
-          _wy_gradient_blocks(dx_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_DA_AB, 0,
-                              False, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION))
-    dA_t = (_wy_gradient_blocks(do_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_QK, 0,
-                                True, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
-            _wy_gradient_blocks(do_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_A_QB, 0,
-                                True, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
-            _wy_gradient_blocks(dx_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_AK, 0,
-                                True, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
-            _wy_gradient_blocks(dx_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_DA_AB,
-                                0, True, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION))
-    index = tl.arange(0, BLOCK)
-    if TAME:
-        middle = tl.sum(tl.where((index == BLOCK // 2 - 1)[None, :, None], gi, 0.0), axis=1,
-                        keep_dims=True)
-        dq, dk, da, db = _wy_diagonal_pairs(
-            dA, dA_t, q, k, a, b, tl.exp(gi - middle), tl.exp(ge - middle), tl.exp(middle - gi),
-            (index[:, None] > index[None, :])[None, :, :],
-            (index[:, None] < index[None, :])[None, :, :], dq, dk, da, db, PRECISION)
-    else:
-        for level in tl.static_range(BLOCK_LEVELS):
-            # (segments of BLOCK >> (level + 1) rows, inside the blocks)
-            row, row_strict, column, _ = _level(tl.reshape(w, [C, BK]), BLOCK >> (level + 1), 0,
-                                                C)
-            dq, dk, da, db = _wy_diagonal_pairs(
-                dA, dA_t, q, k, a, b, _wy_blocks_of(row, BLOCK),
-                _wy_blocks_of(row_strict, BLOCK), _wy_blocks_of(column, BLOCK),
-                level_pairs(BLOCK >> (level + 1), BLOCK, False)[None, :, :],
-                level_pairs(BLOCK >> (level + 1), BLOCK, True)[None, :, :], dq, dk, da, db,
-                PRECISION)
+    dq, da = _wy_in_chunk_pairs(k_ptr, b_ptr, w_ptr, source, k_first, 1.0, k, b, w, gi, ge, dq,
+                                da, False, TAME, SPLIT, HEADS, K, V, BK, BV, C, BLOCK_LEVELS,
+                                FLOOR, PRECISION)
+    q = rows(r_ptr, base, tile, mask) * scale
+    a = rows(a_ptr, base, tile, mask)
+    tl.store(dr_ptr + offsets, ((dq + d_qk * k + d_qb * b) * scale).to(
+        dr_ptr.dtype.element_ty), mask=mask)
+    tl.store(da_ptr + offsets, da.to(da_ptr.dtype.element_ty), mask=mask)
     # (q_t enters a chunk only as q_t e^gi_t, a_t as a_t e^ge_t, k_i and b_i as x_i e^-gi_i
     # and (k^, b^) x_i e^(g - gi_i), and H as e^g H: gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t;
     # d_gates sums the gradients of gi (q dq - k dk - b db) and ge (a da).)
     d_ge = a * da
-    d_gates = q * dq - k * dk - b * db + d_ge
+    d_gates = q * dq + d_ge
+    # The columns: dk = e^(g - gi) V dH'^T + ..., db likewise with U; dg.
+    dk, db, h_dh = _wy_state_products(v_ptr, u_ptr, dstates_ptr, states_ptr, slot, used, first,
+                                      end, head, HEADS, K, V, BK, BV, C, PRECISION)
+    to_end = tl.exp(after + to_end)
+    dk = _wy_blocks_of(dk, BLOCK) * to_end
+    db = _wy_blocks_of(db, BLOCK) * to_end
+    dg = (tl.exp(tl.sum(total, axis=0)) * h_dh
+          + tl.sum(tl.sum(k * dk + b * db, axis=1), axis=0))
+    dk, db = _wy_in_chunk_pairs(r_ptr, a_ptr, w_ptr, source, k_first, scale, q, a, w, gi, ge,
+                                dk, db, True, TAME, SPLIT, HEADS, K, V, BK, BV, C, BLOCK_LEVELS,
+                                FLOOR, PRECISION)
+    tl.store(dk_ptr + offsets, (dk + d_qk * q).to(dk_ptr.dtype.element_ty), mask=mask)
+    tl.store(db_ptr + offsets, (db + d_qb * q).to(db_ptr.dtype.element_ty), mask=mask)
+    d_gates -= k * dk + b * db
     sums = tl.sum(d_gates, axis=1)  # (per block; the later blocks' added to each block's rows)
     dw = (tl.cumsum(d_gates, axis=1, reverse=True)
           + (tl.cumsum(sums, axis=0, reverse=True) - sums)[:, None, :] - d_ge + dg[None, None, :])
     if not TAME:  # (a tame call has no decay below FLOOR)
         dw = tl.where(rows(w_ptr, base, tile, mask) < FLOOR, 0.0, dw)
-    d_qk = _wy_diagonal(dA[0], BLOCK)
-    d_qb = _wy_diagonal(dA[1], BLOCK)
-    offsets = base + tile
-    tl.store(dr_ptr + offsets, ((dq + d_qk * k + d_qb * b) * scale).to(
-        dr_ptr.dtype.element_ty), mask=mask)
-    tl.store(dk_ptr + offsets, (dk + d_qk * q).to(dk_ptr.dtype.element_ty), mask=mask)
-    tl.store(db_ptr + offsets, (db + d_qb * q).to(db_ptr.dtype.element_ty), mask=mask)
-    tl.store(da_ptr + offsets, da.to(da_ptr.dtype.element_ty), mask=mask)
     tl.store(dw_ptr + offsets, dw.to(dw_ptr.dtype.element_ty), mask=mask)
