@@ -2111,6 +2111,8 @@ def rwkv7_wy_key_gradient_kernel(
     # The columns: dk = e^(g - gi) V dH'^T + ..., db likewise with U; dg.
     dk, db, h_dh = _wy_state_products(v_ptr, u_ptr, dstates_ptr, states_ptr, slot, used, first,
                                       end, head, HEADS, K, V, BK, BV, C, PRECISION)
+    k = rows(k_ptr, base, tile, mask)  # (read again rather than held through the rows)
+    b = rows(b_ptr, base, tile, mask)
     to_end = tl.exp(after + to_end)
     dk = _wy_blocks_of(dk, BLOCK) * to_end
     db = _wy_blocks_of(db, BLOCK) * to_end
