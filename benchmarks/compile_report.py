@@ -251,7 +251,7 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block
          dict(no_decays(common), PIPELINED=state_stages > 0)),
         ("wy value gradient", rwkv7.rwkv7_wy_value_gradient_kernel, no_decays(parallel)),
         ("wy key gradient", rwkv7.rwkv7_wy_key_gradient_kernel,
-         dict(parallel, scale=1.0, BLOCK_LEVELS=4, BV=min(shapes["BV"], 32), SPLIT=False,
+         dict(parallel, scale=1.0, LEVELS=6, BV=min(shapes["BV"], 32), SPLIT=False,
               BK=32 if shapes["K"] % 32 == 0 else shapes["BK"])),
         # (split=True: the dA kernel, then the K-side kernel reading its buffer)
         ("wy dA", rwkv7.rwkv7_wy_matrix_gradient_kernel,
@@ -259,7 +259,7 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block
                                         "CHUNK_SLOTS", "PRECISION")},
               BV=min(shapes["BV"], split_block_v))),
         ("wy key gradient split", rwkv7.rwkv7_wy_key_gradient_kernel,
-         dict(parallel, scale=1.0, BLOCK_LEVELS=4, BV=min(shapes["BV"], 32), SPLIT=True,
+         dict(parallel, scale=1.0, LEVELS=6, BV=min(shapes["BV"], 32), SPLIT=True,
               BK=split_block_k if shapes["K"] % split_block_k == 0 else shapes["BK"])),
     ]
 

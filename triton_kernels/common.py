@@ -138,20 +138,9 @@ def level_factors(w, S: tl.constexpr, AXIS: tl.constexpr, C: tl.constexpr):
         segments = tl.reshape(w, [w.shape[0], C // S, S])
         inclusive = tl.reshape(tl.cumsum(segments, axis=2), w.shape)
         after = tl.reshape(tl.cumsum(segments, axis=2, reverse=True), w.shape) - w
-    return tl.exp(inclusive), tl.exp(inclusive - w), tl.exp(after), level_pairs(S, C, False)
-
-
-@triton.jit
-def level_pairs(S, C: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """keep[t, i] of level S (``level_factors``): rows t of each odd segment of S steps, columns
-    i of the even segment before it; or its transpose, keep[i, t] (products with a transposed
-    tile, built from the indices rather than transposed in registers)."""
     segment = tl.arange(0, C) // S
-    if TRANSPOSED:
-        keep = (segment[None, :] == segment[:, None] + 1) & (segment[:, None] % 2 == 0)
-    else:
-        keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
-    return keep
+    keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
+    return tl.exp(inclusive), tl.exp(inclusive - w), tl.exp(after), keep
 
 
 @triton.jit

@@ -76,8 +76,8 @@ import triton.language as tl
 
 from .common import (INTERPRETED, PREFETCH_UP_TO, chunk_tiles, clamped, clamped_rows,
                      diagonal_tile as _diagonal, dot, gate_tile, in_range,
-                     level_factors as _level, level_factors_at, level_pairs, program, row_bases,
-                     row_sums, rows, state_offsets, stored)
+                     level_factors as _level, level_factors_at, program, row_bases, row_sums,
+                     rows, state_offsets, stored)
 
 
 @triton.jit
@@ -1030,23 +1030,12 @@ def _wy_matrix(matrices_ptr, slot, head, WHICH: tl.constexpr, HEADS: tl.constexp
                C: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Pointers to one of a chunk's four stored matrices (WY_A_QK, ...), [C, C], or to its
     transpose (the backward's products)."""
-    return _wy_matrix_block(matrices_ptr, slot, head, WHICH, 0, 0, HEADS, C, C, TRANSPOSED)
-
-
-@triton.jit
-def _wy_matrix_block(matrices_ptr, slot, head, WHICH: tl.constexpr, ROWS, COLUMNS,
-                     HEADS: tl.constexpr, C: tl.constexpr,
-                     BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Pointers to block (ROWS, COLUMNS) of one of a chunk's four stored [C, C] matrices,
-    [BLOCK, BLOCK], or to its transpose: entry [r, c] at the matrix's (ROWS * BLOCK + c,
-    COLUMNS * BLOCK + r) (read transposed from memory, not in registers)."""
-    index = tl.arange(0, BLOCK)
+    index = tl.arange(0, C)
     if TRANSPOSED:
         within = index[:, None] + index[None, :] * C
     else:
         within = index[:, None] * C + index[None, :]
-    return (matrices_ptr + ((slot.to(tl.int64) * HEADS + head) * 4 + WHICH) * (C * C)
-            + (ROWS * BLOCK * C + COLUMNS * BLOCK) + within)
+    return matrices_ptr + ((slot.to(tl.int64) * HEADS + head) * 4 + WHICH) * (C * C) + within
 
 
 @triton.jit
@@ -1849,285 +1838,115 @@ def _stored_dot(x, y, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _wy_state_products(x_ptr, y_ptr, states_ptr, others_ptr, slot, used, first, end, head,
-                       HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
-    """Products of the K-side kernel with one of the chunk's states S (H or dH'; its rows of
-    the program's keys), in one pass over V (blocks of BV): X S^T and Y S^T, [C, BK] each
-    (dO H^T and dX H^T, the reads q~ H and a~ H; or V dH'^T and U dH'^T, k^ and b^ in H'),
-    and with others_ptr (not None) the state O there, rowsum(S O) ([BK]; e^g H in H')."""
-    x_s = tl.zeros([C, BK], tl.float32)
-    y_s = tl.zeros([C, BK], tl.float32)
-    s_o = tl.zeros([BK], tl.float32)
+def _wy_state_products(do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr, dstates_ptr, slot, used, first,
+                       end, head, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """The K-side kernel's products with the chunk's states, in one pass over V (blocks of BV),
+    each tile of H and dH' read once: dO H^T and dX H^T (the reads q~ H, a~ H), V dH'^T and
+    U dH'^T (k^, b^ in H'), [C, BK] each, and rowsum(H dH') ([BK]; e^g H in H')."""
+    dq = tl.zeros([C, BK], tl.float32)
+    da = tl.zeros([C, BK], tl.float32)
+    dk = tl.zeros([C, BK], tl.float32)
+    db = tl.zeros([C, BK], tl.float32)
+    h_dh = tl.zeros([BK], tl.float32)
     for v_block in range((V + BV - 1) // BV):
         v_cols = v_block * BV + tl.arange(0, BV)
         _, k_cols_in, v_tile, v_cols_in = chunk_tiles(v_cols, HEADS, K, V, BK, BV, C, False)
         _, _, v_base, v_in = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V, C,
                                        False)
         state_in = (tl.trans(k_cols_in) & v_cols_in) & used
-        state = tl.trans(tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
-                                 mask=state_in, other=0.0))
-        x_s = _stored_dot(stored(x_ptr + v_base, v_tile, v_in), state, x_s, PRECISION)
-        y_s = _stored_dot(stored(y_ptr + v_base, v_tile, v_in), state, y_s, PRECISION)
-        if others_ptr is not None:
-            other = tl.load(_state(others_ptr, slot, head, HEADS, K, V, BK, v_cols),
-                            mask=state_in, other=0.0)
-            s_o += tl.sum(state.to(tl.float32) * tl.trans(other).to(tl.float32), axis=0)
-    return x_s, y_s, s_o
+        h = tl.trans(tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                             mask=state_in, other=0.0))
+        dh = tl.trans(tl.load(_state(dstates_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                              mask=state_in, other=0.0))
+        dq = _stored_dot(stored(do_ptr + v_base, v_tile, v_in), h, dq, PRECISION)
+        da = _stored_dot(stored(dx_ptr + v_base, v_tile, v_in), h, da, PRECISION)
+        dk = _stored_dot(stored(v_ptr + v_base, v_tile, v_in), dh, dk, PRECISION)
+        db = _stored_dot(stored(u_ptr + v_base, v_tile, v_in), dh, db, PRECISION)
+        h_dh += tl.sum(h.to(tl.float32) * dh.to(tl.float32), axis=0)
+    return dq, da, dk, db, h_dh
 
 
 @triton.jit
-def _wy_shifted_rows(shift, first, end, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
-    """For each row block J of a chunk, the rows of block J + shift ([BLOCKS, BLOCK, 1], counted
-    from the chunk's first row) and whether they are rows of the chunk and of the sequence."""
-    block = tl.arange(0, BLOCKS)[:, None, None] + shift
-    row = block * BLOCK + tl.arange(0, BLOCK)[None, :, None]
-    return row, (block >= 0) & (block < BLOCKS) & (first + row < end)
-
-
-@triton.jit
-def _wy_key_blocks(shift, first, end, head, k_first, HEADS: tl.constexpr, K: tl.constexpr,
-                   BK: tl.constexpr, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
-    """The base, offsets and mask of the program's keys in the rows of block J + shift for
-    each row block J, [BLOCKS, BLOCK, BK] (``_wy_shifted_rows``)."""
-    row, inside = _wy_shifted_rows(shift, first, end, BLOCKS, BLOCK)
-    k_cols = tl.arange(0, BK)[None, None, :]
-    return ((first * HEADS + head) * K + k_first, row * (HEADS * K) + k_cols,
-            inside & in_range(k_cols, K, BK))
-
-
-@triton.jit
-def _wy_gradient_blocks(source, WHICH: tl.constexpr, shift,
-                        TRANSPOSED: tl.constexpr, SPLIT: tl.constexpr, HEADS: tl.constexpr,
-                        V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
-                        PRECISION: tl.constexpr):
-    """Blocks (J, J + shift) of the gradient of one A matrix, D Y^T (D = dO or dX, the rows'
-    cotangent; Y = V or U, the columns' values), for every row block J: [C / BLOCK, BLOCK,
-    BLOCK], zeros where J + shift is outside the chunk. TRANSPOSED: blocks (J + shift, J)
-    transposed, [J, r, c] = dA[(J + shift) BLOCK + c, J BLOCK + r] (read so from memory, not
-    transposed in registers). SPLIT: entry WHICH of ``rwkv7_wy_matrix_gradient_kernel``'s buffer
-    as stored (masked); else summed over V here (unmasked: the callers keep the pairs they
-    take). source: the kernel's (do, dx, v, u, dA pointers, slot, used, first, end, head)."""
-    do_ptr, dx_ptr, v_ptr, u_ptr, dA_ptr, slot, used, first, end, head = source
-    BLOCKS: tl.constexpr = C // BLOCK
-    block = tl.arange(0, BLOCKS)[:, None, None]
-    if TRANSPOSED:
-        rows_of, columns_of = block + shift, block
-    else:
-        rows_of, columns_of = block, block + shift
+def _wy_matrix_gradient(d_ptr, y_ptr, dA_ptr, slot, used, first, end, head, WHICH: tl.constexpr,
+                        SPLIT: tl.constexpr, HEADS: tl.constexpr, V: tl.constexpr,
+                        BV: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
+    """The gradient of one A matrix, D Y^T ([C, C]; D = dO or dX, the rows' cotangent; Y = V
+    or U, the columns' values): SPLIT, entry WHICH of ``rwkv7_wy_matrix_gradient_kernel``'s
+    buffer as stored (masked); else summed over V here (unmasked: the callers take the pairs
+    i < t and the diagonal)."""
     if SPLIT:
-        inside = (block + shift >= 0) & (block + shift < BLOCKS)
-        tile = tl.load(_wy_matrix_block(dA_ptr, slot, head, WHICH, rows_of, columns_of, HEADS, C,
-                                        BLOCK, TRANSPOSED), mask=used & inside, other=0.0)
+        dA = _wy_load(dA_ptr, slot, used, head, WHICH, HEADS, C, False)
     else:
-        if WHICH == WY_A_QK or WHICH == WY_A_QB:
-            d_ptr = do_ptr
-        else:
-            d_ptr = dx_ptr
-        if WHICH == WY_A_QK or WHICH == WY_A_AK:
-            y_ptr = v_ptr
-        else:
-            y_ptr = u_ptr
-        d_rows, d_in = _wy_shifted_rows(rows_of - block, first, end, BLOCKS, BLOCK)
-        y_rows, y_in = _wy_shifted_rows(columns_of - block, first, end, BLOCKS, BLOCK)
-        base = (first * HEADS + head) * V
-        tile = tl.zeros([BLOCKS, BLOCK, BLOCK], tl.float32)
+        steps = tl.arange(0, C)
+        rows_in = (first + steps < end)[:, None]
+        v_base = (first * HEADS + head) * V
+        dA = tl.zeros([C, C], tl.float32)
         for v_block in range((V + BV - 1) // BV):
-            v_cols = v_block * BV + tl.arange(0, BV)[None, None, :]
-            d = stored(d_ptr + base, d_rows * (HEADS * V) + v_cols, d_in & (v_cols < V))
-            y = stored(y_ptr + base, y_rows * (HEADS * V) + v_cols, y_in & (v_cols < V))
-            if TRANSPOSED:
-                tile = _stored_dot(y, tl.permute(d, (0, 2, 1)), tile, PRECISION)
-            else:
-                tile = _stored_dot(d, tl.permute(y, (0, 2, 1)), tile, PRECISION)
-    return tile
+            v_cols = v_block * BV + tl.arange(0, BV)
+            v_in = rows_in & (v_cols < V)[None, :]
+            v_tile = steps[:, None] * (HEADS * V) + v_cols[None, :]
+            dA = _stored_dot(stored(d_ptr + v_base, v_tile, v_in),
+                             tl.trans(stored(y_ptr + v_base, v_tile, v_in)), dA, PRECISION)
+    return dA
 
 
 @triton.jit
-def _wy_blocks_dot(source, WHICH: tl.constexpr, shift, TRANSPOSED: tl.constexpr,
-                   keep, x, acc, SPLIT: tl.constexpr, HEADS: tl.constexpr, V: tl.constexpr,
-                   BV: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """acc + the blocks of one A matrix's gradient (``_wy_gradient_blocks``), where keep (None:
-    all of them), times x, batched over the row blocks (``_gradient_dot``)."""
-    blocks = _wy_gradient_blocks(source, WHICH, shift, TRANSPOSED, SPLIT, HEADS, V, BV, C, BLOCK,
-                                 PRECISION)
-    if keep is not None:
-        blocks = tl.where(keep, blocks, 0.0)
-    return _gradient_dot(blocks, x, acc, PRECISION)
-
-
-@triton.jit
-def _gradient_dot(dA, x, acc, PRECISION: tl.constexpr):
-    """dA @ x + acc for blocks of an A matrix's gradient (``_wy_gradient_blocks``) and float32
-    tiles x (rows or columns times their factors). Against a 16-bit dA, x in two 16-bit parts,
-    its rounding and the remainder, so that both products take 16-bit operands and x keeps
-    about 16 bits (x rounded once to bfloat16 doubles dw's error: past the bfloat16 contract in
-    the tests' packed case). A float32 dA (float32 inputs, or summed over V here): at
-    PRECISION."""
+def _gradient_dot(dA, x, PRECISION: tl.constexpr):
+    """dA @ x for an A matrix's gradient as stored (``_wy_matrix_gradient``) and a float32 tile
+    x (rows or columns times their factors). Against a 16-bit dA, x in two 16-bit parts, its
+    rounding and the remainder, so that both products take 16-bit operands and x keeps about
+    16 bits (x rounded once to bfloat16 doubles dw's error: past the bfloat16 contract in the
+    tests' packed case). A float32 dA (float32 inputs, or summed over V here): at PRECISION."""
     if dA.dtype == tl.float32:
-        product = dot(dA, x, acc, PRECISION)
+        product = dot(dA, x, None, PRECISION)
     else:
         high = x.to(dA.dtype)
-        product = dot(dA, high, dot(dA, (x - high.to(tl.float32)).to(dA.dtype), acc,
+        product = dot(dA, high, dot(dA, (x - high.to(tl.float32)).to(dA.dtype), None,
                                     PRECISION), PRECISION)
     return product
 
 
 @triton.jit
-def _wy_other_blocks(x_ptr, y_ptr, w_ptr, source, k_first, x_scale, COLUMNS: tl.constexpr,
-                     SPLIT: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
-                     FLOOR: tl.constexpr, PRECISION: tl.constexpr):
-    """The pairs of different row blocks, for every block J at once (a block a batch of the
-    products), by their distance d. Rows (x, y = k, b): J's rows with the columns i of J - d;
-    with s the row before J's first, x' = x e^(gi_s - gi_i) and y' likewise, returns
-    sum_d dA_qk[J, J - d] x' + dA_qb[J, J - d] y' and the same from dA_ak, dA_ab, [C / BLOCK,
-    BLOCK, BK] each, which times e^(gi_t - gi_s) (e^(ge_t - gi_s)) are their terms of dq (da).
-    COLUMNS (x, y = q / x_scale, a): J's columns with the rows t of J + d; with s J's last row,
-    x' = x e^(gi_t - gi_s), y' = y e^(ge_t - gi_s), returns sum_d dA_qk[J + d, J]^T x' +
-    dA_ak[J + d, J]^T y' and the same from dA_qb, dA_ab, which times e^(gi_s - gi_i) are their
-    terms of dk (db). Each exponent is a sum of log decays (the other block's own sums plus the
-    totals of the blocks between, carried from one distance to the next), every factor <= 1
-    whatever the decays."""
-    first, end, head = source[7], source[8], source[9]
-    BLOCKS: tl.constexpr = C // BLOCK
-    first_sum = tl.zeros([BLOCKS, BLOCK, BK], tl.float32)
-    second_sum = tl.zeros([BLOCKS, BLOCK, BK], tl.float32)
-    between = tl.zeros([BLOCKS, 1, BK], tl.float32)  # the blocks strictly between the two
-    for d in tl.static_range(1, BLOCKS):
-        shift = d * (2 * COLUMNS - 1)  # (J + d for columns, J - d for rows)
-        base, tile, mask = _wy_key_blocks(shift, first, end, head, k_first, HEADS, K, BK, BLOCKS,
-                                          BLOCK)
-        gi, ge, total, to_end = _decays(_log_decays(w_ptr, base, tile, mask, FLOOR), 1)
-        if COLUMNS:
-            x = rows(x_ptr, base, tile, mask) * x_scale * tl.exp(gi + between)
-            y = rows(y_ptr, base, tile, mask) * tl.exp(ge + between)
-            first_sum = _wy_blocks_dot(source, WY_A_QK, shift, True, None, x, first_sum, SPLIT,
-                                       HEADS, V, BV, C, BLOCK, PRECISION)
-            first_sum = _wy_blocks_dot(source, WY_A_AK, shift, True, None, y, first_sum, SPLIT,
-                                       HEADS, V, BV, C, BLOCK, PRECISION)
-            second_sum = _wy_blocks_dot(source, WY_A_QB, shift, True, None, x, second_sum, SPLIT,
-                                        HEADS, V, BV, C, BLOCK, PRECISION)
-        else:
-            factor = tl.exp(to_end + between)
-            x = rows(x_ptr, base, tile, mask) * factor
-            y = rows(y_ptr, base, tile, mask) * factor
-            first_sum = _wy_blocks_dot(source, WY_A_QK, shift, False, None, x, first_sum, SPLIT,
-                                       HEADS, V, BV, C, BLOCK, PRECISION)
-            first_sum = _wy_blocks_dot(source, WY_A_QB, shift, False, None, y, first_sum, SPLIT,
-                                       HEADS, V, BV, C, BLOCK, PRECISION)
-            second_sum = _wy_blocks_dot(source, WY_A_AK, shift, False, None, x, second_sum,
-                                        SPLIT, HEADS, V, BV, C, BLOCK, PRECISION)
-        second_sum = _wy_blocks_dot(source, WY_DA_AB, shift, COLUMNS, None, y, second_sum, SPLIT,
-                                    HEADS, V, BV, C, BLOCK, PRECISION)
-        between += total[:, None, :]
-    return first_sum, second_sum
-
-
-@triton.jit
-def _wy_block_pairs(source, x, y, row, row_strict, column, keep, first_sum, second_sum,
-                    COLUMNS: tl.constexpr, SPLIT: tl.constexpr, HEADS: tl.constexpr,
-                    V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    """The diagonal blocks' pairs (t, i) where keep[t, i] ([BLOCK, BLOCK]), with factors
-    row_t column_i (row_strict_t for A_ak, A_ab), added to the sums of ``_wy_other_blocks``
-    (rows: x, y = k, b; dq's and da's terms; COLUMNS: x, y = q, a; dk's and db's), each
-    gradient's blocks read where they are used. keep: of the transposed blocks for COLUMNS."""
-    keep = keep[None, :, :]
-    if COLUMNS:
-        x = x * row
-        y = y * row_strict
-        first_sum += column * _wy_blocks_dot(source, WY_A_QK, 0, True, keep, x, _wy_blocks_dot(
-            source, WY_A_AK, 0, True, keep, y, None, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
-            SPLIT, HEADS, V, BV, C, BLOCK, PRECISION)
-        second_sum += column * _wy_blocks_dot(source, WY_A_QB, 0, True, keep, x, _wy_blocks_dot(
-            source, WY_DA_AB, 0, True, keep, y, None, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
-            SPLIT, HEADS, V, BV, C, BLOCK, PRECISION)
-    else:
-        x = x * column
-        y = y * column
-        first_sum += row * _wy_blocks_dot(source, WY_A_QK, 0, False, keep, x, _wy_blocks_dot(
-            source, WY_A_QB, 0, False, keep, y, None, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION),
-            SPLIT, HEADS, V, BV, C, BLOCK, PRECISION)
-        second_sum += row_strict * _wy_blocks_dot(source, WY_A_AK, 0, False, keep, x,
-                                                  _wy_blocks_dot(source, WY_DA_AB, 0, False,
-                                                                 keep, y, None, SPLIT, HEADS, V,
-                                                                 BV, C, BLOCK, PRECISION),
-                                                  SPLIT, HEADS, V, BV, C, BLOCK, PRECISION)
-    return first_sum, second_sum
-
-
-@triton.jit
-def _wy_strictly_lower(BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """keep[t, i] = i < t ([BLOCK, BLOCK]), or its transpose."""
-    index = tl.arange(0, BLOCK)
-    if TRANSPOSED:
-        keep = index[:, None] < index[None, :]
-    else:
-        keep = index[:, None] > index[None, :]
-    return keep
-
-
-@triton.jit
-def _wy_in_chunk_pairs(x_ptr, y_ptr, w_ptr, source, k_first, x_scale, x, y, w, gi, ge,
-                       first_sum, second_sum, COLUMNS: tl.constexpr, TAME: tl.constexpr,
-                       SPLIT: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr,
-                       V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                       BLOCK_LEVELS: tl.constexpr, FLOOR: tl.constexpr,
-                       PRECISION: tl.constexpr):
-    """The terms of every pair i < t of the chunk's A matrices in dq and da (rows: x, y = k, b,
-    [C / BLOCK, BLOCK, BK] as the blocks' rows, w their log decays, gi, ge their sums inside
-    each block) or in dk and db (COLUMNS: x, y = q, a), added to first_sum and second_sum:
-    the pairs of different blocks (``_wy_other_blocks``), exact for every decay; each block's
-    own: TAME, one product each, factors referenced to the block's middle row (within
-    e^(+-BLOCK / 2) for log decays >= -1); else level by level inside the blocks
-    (``level_factors``; a loop, one level's factors live at a time)."""
-    BLOCK: tl.constexpr = 1 << BLOCK_LEVELS
-    index = tl.arange(0, BLOCK)
-    other_first, other_second = _wy_other_blocks(
-        x_ptr, y_ptr, w_ptr, source, k_first, x_scale, COLUMNS, SPLIT, HEADS, K, V, BK, BV, C,
-        BLOCK, FLOOR, PRECISION)
-    if COLUMNS:
-        to_end = tl.exp(tl.cumsum(w, axis=1, reverse=True) - w)
-        first_sum += to_end * other_first
-        second_sum += to_end * other_second
-    else:
-        first_sum += tl.exp(gi) * other_first
-        second_sum += tl.exp(ge) * other_second
+def _wy_pair_gradient(x, y, w, dA, dx, dy, STRICT: tl.constexpr, TAME: tl.constexpr,
+                      C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """The backward of one of ``_wy_pairs``' matrices, A_xy (x = q, or a if STRICT; y = k or
+    b), for its pairs i < t (the diagonal's factor is e^0: the caller's): their terms added to
+    dx (rows) and dy (columns) from dA ([C, C] as stored, ``_gradient_dot``; entries i >= t
+    ignored). TAME: the forward's factors, referenced to the chunk's middle row, one product
+    each; else level by level over the chunk (``level_factors_at``: one level's tiles live at
+    a time, every factor <= 1, exact for every decay; the forward's exact path splits the same
+    pairs' factors by 16-token blocks instead)."""
     if TAME:
-        middle = tl.sum(tl.where((index == BLOCK // 2 - 1)[None, :, None], gi, 0.0), axis=1,
-                        keep_dims=True)
-        first_sum, second_sum = _wy_block_pairs(
-            source, x, y, tl.exp(gi - middle), tl.exp(ge - middle), tl.exp(middle - gi),
-            _wy_strictly_lower(BLOCK, COLUMNS), first_sum, second_sum, COLUMNS, SPLIT, HEADS, V,
-            BV, C, BLOCK, PRECISION)
+        index = tl.arange(0, C)
+        gi = tl.cumsum(w, axis=0)
+        middle = _middle(gi, 0, C)
+        if STRICT:
+            row = tl.exp(gi - w - middle)
+        else:
+            row = tl.exp(gi - middle)
+        column = tl.exp(middle - gi)
+        kept = tl.where(index[:, None] > index[None, :], dA, 0.0)
+        dx += row * _gradient_dot(kept, y * column, PRECISION)
+        dy += column * _gradient_dot(tl.trans(kept), x * row, PRECISION)
     else:
-        LEVELS: tl.constexpr = C.bit_length() - 1
-        for level in tl.range(BLOCK_LEVELS, disable_licm=True):
-            # (segments of BLOCK >> (level + 1) rows, inside the blocks)
-            row, row_strict, column = level_factors_at(tl.reshape(w, [C, BK]),
-                                                       level + LEVELS - BLOCK_LEVELS, LEVELS,
-                                                       C)[:3]
-            first_sum, second_sum = _wy_block_pairs(
-                source, x, y, _wy_blocks_of(row, BLOCK), _wy_blocks_of(row_strict, BLOCK),
-                _wy_blocks_of(column, BLOCK), level_pairs(BLOCK >> (level + 1), BLOCK, COLUMNS),
-                first_sum, second_sum, COLUMNS, SPLIT, HEADS, V, BV, C, BLOCK, PRECISION)
-    return first_sum, second_sum
+        for level in range(LEVELS):
+            row, row_strict, column, keep = level_factors_at(w, level, LEVELS, C)
+            if STRICT:
+                row = row_strict
+            kept = tl.where(keep, dA, 0.0)
+            dx += row * _gradient_dot(kept, y * column, PRECISION)
+            dy += column * _gradient_dot(tl.trans(kept), x * row, PRECISION)
+    return dx, dy
 
 
 @triton.jit
-def _wy_diagonal(x, BLOCK: tl.constexpr):
-    """The diagonals of [*, BLOCK, BLOCK] blocks, [*, BLOCK, 1]."""
-    index = tl.arange(0, BLOCK)
-    return tl.sum(tl.where(index[:, None] == index[None, :], x.to(tl.float32), 0.0), axis=2,
-                  keep_dims=True)
-
-
-@triton.jit
-def _wy_blocks_of(x, BLOCK: tl.constexpr):
-    """A [C, N] tile as [C / BLOCK, BLOCK, N]: its row blocks."""
-    return tl.reshape(x, [x.shape[0] // BLOCK, BLOCK, x.shape[1]])
+def _wy_diagonal(x, C: tl.constexpr):
+    """The diagonal of a [C, C] tile as a column, [C, 1]."""
+    index = tl.arange(0, C)
+    return tl.sum(tl.where(index[:, None] == index[None, :], x.to(tl.float32), 0.0),
+                  axis=1)[:, None]
 
 
 @triton.jit
@@ -2136,32 +1955,27 @@ def rwkv7_wy_key_gradient_kernel(
     dA_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,                         # inputs
     dr_ptr, dw_ptr, dk_ptr, da_ptr, db_ptr,                                      # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, BLOCK_LEVELS: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
     FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
     """Grid (chunk slots * ceil(K / BK), HEADS): every K-side gradient of one chunk's block of
-    BK keys (BK divides K, or one block covers it), summed over all of V in blocks of BV inside
-    the program, so that nothing is left for a later sum. dr, dw, dk, da, db [rows, HEADS, K]
-    in their dtypes; u: the forward's U, states its H at every chunk's start, dstates dH'
-    (kernel 4), dx (kernel 5), float32 or bfloat16 (``_stored_dot``), in the chunk's slot.
+    BK keys (BK divides K, or one block covers it), summed over all of V in blocks of BV inside the
+    program, so that nothing is left for a later sum. dr, dw, dk, da, db [rows, HEADS, K] in
+    their dtypes; u: the forward's U, states its H at every chunk's start, dstates dH' (kernel
+    4), dx (kernel 5), float32 or bfloat16 (``_stored_dot``), in the chunk's slot.
 
-    The chunk's rows in blocks of BLOCK = 2^BLOCK_LEVELS (the plan's 16-token blocks), all
-    blocks at once as [C / BLOCK, BLOCK, BK] tiles (a block a batch of the products, a warp
-    each at 4 warps), so that no [C, C] tile is held: the gradients of the A matrices are read
-    as [BLOCK, BLOCK] blocks (``_wy_gradient_blocks``), SPLIT from dA_ptr
-    (``rwkv7_wy_matrix_gradient_kernel``, bfloat16 for 16-bit inputs), else summed over V here
-    (dA_ptr not read). In two phases, each with its own products with a state
-    (``_wy_state_products``) and its own in-chunk terms (``_wy_in_chunk_pairs``), so that the
-    tiles of one are not held through the other: the rows' gradients dq, da (against H), then
-    the columns' dk, db (against dH') and dg, the gate gradients summed across both. The
-    diagonal of A_qk and A_qb (factor e^0) is added to dq, dk, db outside dw: its terms in
-    q dq - k dk - b db cancel exactly, and would leave rounding where strong decays make dw
-    small. A log decay raised to FLOOR has dw 0. Rows past the sequence's end read as zeros
-    (w = 0) and are not written; an unused slot reads and writes nothing."""
-    BLOCK: tl.constexpr = 1 << BLOCK_LEVELS
-    BLOCKS: tl.constexpr = C // BLOCK
+    First the four state products in one pass over V (``_wy_state_products``), then the A
+    matrices one at a time, so that one [C, C] gradient is held at a time
+    (``_wy_matrix_gradient``): A_qk, A_ak (dk then done), A_qb (dq done), A_ab (da, db done).
+    SPLIT: their gradients D Y^T are read from dA_ptr (``rwkv7_wy_matrix_gradient_kernel``)
+    as stored, bfloat16 for 16-bit inputs; else summed over V here (dA_ptr not read). The
+    diagonal of A_qk and A_qb (factor e^0) is added to dq, dk, db outside
+    dw: its terms in q dq - k dk - b db cancel exactly, and would leave rounding
+    where strong decays make dw small. A log decay raised to FLOOR has dw 0. Rows past the
+    sequence's end read as zeros (w = 0) and are not written; an unused slot reads and writes
+    nothing."""
     # (a chunk's blocks of keys are consecutive programs: they run together and share its
     # V-side tiles and dA in L2)
     KEY_BLOCKS: tl.constexpr = (K + BK - 1) // BK
@@ -2170,59 +1984,64 @@ def rwkv7_wy_key_gradient_kernel(
     head = tl.program_id(1)
     used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
                                   TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    k_tile, k_cols_in, _, v_cols_in = chunk_tiles(tl.arange(0, BV), HEADS, K, V, BK, BV, C, False)
+    k_base, k_in, _, _ = row_bases(first, end, head, k_cols_in, v_cols_in, HEADS, K, V, C,
+                                   False)
+    k_base += k_first
+    offsets = k_base + k_tile
     states_ptr += k_first * V  # (the program's K rows of the [K, V] states)
     dstates_ptr += k_first * V
-    source = (do_ptr, dx_ptr, v_ptr, u_ptr, dA_ptr, slot, used, first, end, head)
-    base, tile, mask = _wy_key_blocks(0, first, end, head, k_first, HEADS, K, BK, BLOCKS, BLOCK)
-    offsets = base + tile
-    w = _log_decays(w_ptr, base, tile, mask, FLOOR)
-    gi, ge, total, to_end = _decays(w, 1)  # (inside each block)
-    # The chunk's sums, each a sum of two of the same sign: before each block and after it.
-    before = (tl.cumsum(total, axis=0) - total)[:, None, :]
-    after = (tl.cumsum(total, axis=0, reverse=True) - total)[:, None, :]
-    d_qk = _wy_diagonal(_wy_gradient_blocks(source, WY_A_QK, 0, False, SPLIT, HEADS, V, BV, C,
-                                            BLOCK, PRECISION), BLOCK)
-    d_qb = _wy_diagonal(_wy_gradient_blocks(source, WY_A_QB, 0, False, SPLIT, HEADS, V, BV, C,
-                                            BLOCK, PRECISION), BLOCK)
-    # The rows: dq = e^gi dO H^T + ..., da = e^ge dX H^T + ...
-    dq, da, _ = _wy_state_products(do_ptr, dx_ptr, states_ptr, None, slot, used, first, end,
-                                   head, HEADS, K, V, BK, BV, C, PRECISION)
-    dq = _wy_blocks_of(dq, BLOCK) * tl.exp(before + gi)
-    da = _wy_blocks_of(da, BLOCK) * tl.exp(before + ge)
-    k = rows(k_ptr, base, tile, mask)
-    b = rows(b_ptr, base, tile, mask)
-    dq, da = _wy_in_chunk_pairs(k_ptr, b_ptr, w_ptr, source, k_first, 1.0, k, b, w, gi, ge, dq,
-                                da, False, TAME, SPLIT, HEADS, K, V, BK, BV, C, BLOCK_LEVELS,
-                                FLOOR, PRECISION)
-    q = rows(r_ptr, base, tile, mask) * scale
-    a = rows(a_ptr, base, tile, mask)
-    tl.store(dr_ptr + offsets, ((dq + d_qk * k + d_qb * b) * scale).to(
-        dr_ptr.dtype.element_ty), mask=mask)
-    tl.store(da_ptr + offsets, da.to(da_ptr.dtype.element_ty), mask=mask)
+    dq, da, dk, db, h_dh = _wy_state_products(do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr,
+                                              dstates_ptr, slot, used, first, end, head, HEADS,
+                                              K, V, BK, BV, C, PRECISION)
+    # (The K-side tiles are loaded where they are used, not held from one matrix to the next.)
+    w = _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR)
+    gi, ge, g_end, to_end = _decays(w, 0)
+    dq *= tl.exp(gi)
+    da *= tl.exp(ge)
+    dk *= tl.exp(to_end)
+    db *= tl.exp(to_end)
+    dg = tl.exp(g_end) * h_dh + tl.sum(rows(k_ptr, k_base, k_tile, k_in) * dk
+                                       + rows(b_ptr, k_base, k_tile, k_in) * db, axis=0)
+    # A_qk (O = q~ H + A_qk V + A_qb U) and A_ak (X = a~ H + A_ak V): dk then done.
+    dA = _wy_matrix_gradient(do_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_QK,
+                             SPLIT, HEADS, V, BV, C, PRECISION)
+    d_qk = _wy_diagonal(dA, C)
+    k = rows(k_ptr, k_base, k_tile, k_in)
+    dq, dk = _wy_pair_gradient(rows(r_ptr, k_base, k_tile, k_in) * scale, k, w, dA, dq, dk,
+                               False, TAME, C, LEVELS, PRECISION)
+    dA = _wy_matrix_gradient(dx_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_AK,
+                             SPLIT, HEADS, V, BV, C, PRECISION)
+    da, dk = _wy_pair_gradient(rows(a_ptr, k_base, k_tile, k_in), k, w, dA, da, dk, True, TAME,
+                               C, LEVELS, PRECISION)
     # (q_t enters a chunk only as q_t e^gi_t, a_t as a_t e^ge_t, k_i and b_i as x_i e^-gi_i
     # and (k^, b^) x_i e^(g - gi_i), and H as e^g H: gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t;
     # d_gates sums the gradients of gi (q dq - k dk - b db) and ge (a da).)
+    d_gates = -k * dk
+    tl.store(dk_ptr + offsets,
+             (dk + d_qk * rows(r_ptr, k_base, k_tile, k_in) * scale).to(dk_ptr.dtype.element_ty),
+             mask=k_in)
+    # A_qb: dq then done.
+    dA = _wy_matrix_gradient(do_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_A_QB,
+                             SPLIT, HEADS, V, BV, C, PRECISION)
+    d_qb = _wy_diagonal(dA, C)
+    b = rows(b_ptr, k_base, k_tile, k_in)
+    q = rows(r_ptr, k_base, k_tile, k_in) * scale
+    dq, db = _wy_pair_gradient(q, b, w, dA, dq, db, False, TAME, C, LEVELS, PRECISION)
+    d_gates += q * dq
+    dq += d_qk * rows(k_ptr, k_base, k_tile, k_in) + d_qb * b
+    tl.store(dr_ptr + offsets, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
+    # A_ab: da, db done.
+    dA = _wy_matrix_gradient(dx_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_DA_AB,
+                             SPLIT, HEADS, V, BV, C, PRECISION)
+    a = rows(a_ptr, k_base, k_tile, k_in)
+    da, db = _wy_pair_gradient(a, b, w, dA, da, db, True, TAME, C, LEVELS, PRECISION)
+    tl.store(da_ptr + offsets, da.to(da_ptr.dtype.element_ty), mask=k_in)
+    tl.store(db_ptr + offsets,
+             (db + d_qb * rows(r_ptr, k_base, k_tile, k_in) * scale).to(db_ptr.dtype.element_ty),
+             mask=k_in)
     d_ge = a * da
-    d_gates = q * dq + d_ge
-    # The columns: dk = e^(g - gi) V dH'^T + ..., db likewise with U; dg.
-    dk, db, h_dh = _wy_state_products(v_ptr, u_ptr, dstates_ptr, states_ptr, slot, used, first,
-                                      end, head, HEADS, K, V, BK, BV, C, PRECISION)
-    k = rows(k_ptr, base, tile, mask)  # (read again rather than held through the rows)
-    b = rows(b_ptr, base, tile, mask)
-    to_end = tl.exp(after + to_end)
-    dk = _wy_blocks_of(dk, BLOCK) * to_end
-    db = _wy_blocks_of(db, BLOCK) * to_end
-    dg = (tl.exp(tl.sum(total, axis=0)) * h_dh
-          + tl.sum(tl.sum(k * dk + b * db, axis=1), axis=0))
-    dk, db = _wy_in_chunk_pairs(r_ptr, a_ptr, w_ptr, source, k_first, scale, q, a, w, gi, ge,
-                                dk, db, True, TAME, SPLIT, HEADS, K, V, BK, BV, C, BLOCK_LEVELS,
-                                FLOOR, PRECISION)
-    tl.store(dk_ptr + offsets, (dk + d_qk * q).to(dk_ptr.dtype.element_ty), mask=mask)
-    tl.store(db_ptr + offsets, (db + d_qb * q).to(db_ptr.dtype.element_ty), mask=mask)
-    d_gates -= k * dk + b * db
-    sums = tl.sum(d_gates, axis=1)  # (per block; the later blocks' added to each block's rows)
-    dw = (tl.cumsum(d_gates, axis=1, reverse=True)
-          + (tl.cumsum(sums, axis=0, reverse=True) - sums)[:, None, :] - d_ge + dg[None, None, :])
+    dw = tl.cumsum(d_gates - b * db + d_ge, axis=0, reverse=True) - d_ge + dg[None, :]
     if not TAME:  # (a tame call has no decay below FLOOR)
-        dw = tl.where(rows(w_ptr, base, tile, mask) < FLOOR, 0.0, dw)
-    tl.store(dw_ptr + offsets, dw.to(dw_ptr.dtype.element_ty), mask=mask)
+        dw = tl.where(rows(w_ptr, k_base, k_tile, k_in) < FLOOR, 0.0, dw)
+    tl.store(dw_ptr + offsets, dw.to(dw_ptr.dtype.element_ty), mask=k_in)

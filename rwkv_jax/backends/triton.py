@@ -760,28 +760,22 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
 
 
 # The 64-token K-side kernel's blocks: K rows per program where they tile K (else one block
-# covers K) and the most V columns per step of its sums over V. Unsplit (``split=False``) the
-# kernel sums each [16, 16] block of the four dA over V where it uses it (the blocks of
-# rwkv7_wy_key_gradient_kernel: about twice the sums of the whole [64, 64] tiles, and no
-# buffer). sm_90, bf16, K=V=128, tame/exact spills: 16 keys, 8 warps 444/344 B, 4 warps
-# 1320/768 B; 32 keys, 8 warps 1314/932 B (before the 16-token row blocks: 32 keys, 8 warps
-# 76/32 B). Not timed since (the split K side is the op's default); 32 keys kept, which also
-# leaves K = 48 one padded block of 64 keys (test_backward_padded_head_sizes).
+# covers K) and the most V columns per step of its sums over V. sm_90, bf16, 8 warps, spills
+# tame/exact: K=V=64 32/0 B, K=V=128 76/32 B (session 13's four passes over V: 4/0 and 52/36 B;
+# there BK=64 spilled 672-840 B, BV=64 1028/2280 B, 4 warps 904/1092 B). Blocks of 32 keys redo
+# the A matrices' gradients (sums over V) once per block: the price of few spills, not timed.
 K_SIDE_BLOCK_K64 = 32
 K_SIDE_BLOCK_V64 = 32
-# The split K side (``split=True``, the default): keys per program of the K-side kernel that
-# reads the dA buffer, its warps, and V columns per step of the dA kernel's sums. The kernel
-# takes the chunk by 16-token row blocks, all four at once as [4, 16, BK] tiles (a warp a
-# block at 4 warps), so that no [64, 64] tile is held. sm_90, bf16 (benchmarks/compile_report.py
-# --family rwkv7-64, "wy key gradient split"), tame/exact: at 16 keys and 4 warps, K=128: 255
-# registers, spills 8/32 B, 42 KB shared, 128 HMMA (mma.sync on the [16, 16] blocks) and 40
-# HGMMA (the state products); K=64: spills 56/4 B. At 8 warps no spills (249-255 registers).
-# At 32 keys 824-892 B of spills at 4 warps, ~200 B at 8. The 64-token row tiles before
-# (whole [64, 64] dA tiles): at 16 keys and 4 warps, 244-255 registers, spills 80/0 B, 72 KB
-# shared; measured then (H200, B=8 T=4096 bf16, session 14) 9.21 ms at K=64 and 9.91 at
-# K=128, against 10.62 and 11.17 at 32 keys and 8 warps. GPU timing of the row blocks is
-# pending: 16 keys and 4 warps kept (two programs per SM by registers). The dA kernel 108-120
-# registers, no spills, 72 KB shared at 32 columns (64: 144 KB at V = 128).
+# The split K side (``split=True``): keys per program of the K-side kernel that reads the dA
+# buffer, and V columns per step of the dA kernel's sums. sm_90, bf16, 8 warps
+# (benchmarks/compile_report.py --family rwkv7-64): the K-side kernel at 32 keys, 241-255
+# registers and no spills at K = 64 and 128, tame and exact, float32 or bfloat16 residuals
+# (--bf16-saved); at 64 keys 692-792 B of spills (K = 64). With 4 warps, 32 keys spill
+# 560-832 B; 16 keys (block_k=16) 80-104 B tame, none exact, at 246-255 registers: two
+# programs per SM. Measured (H200, B=8 T=4096 bf16, session 14): that kernel at 16 keys and 4
+# warps 9.21 ms at K=64 and 9.91 at K=128, against 10.62 and 11.17 at 32 keys and 8 warps, and
+# 16.74 / 17.61 at 16 keys and 8 warps: the default. The dA kernel 108-120 registers, no
+# spills, 72 KB shared at 32 columns (64: 144 KB at V = 128).
 K_SIDE_SPLIT_BLOCK_K64 = 16
 K_SIDE_SPLIT_WARPS64 = 4
 DA_BLOCK_V64 = 32
@@ -800,7 +794,7 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
     exact path as :func:`tame_path` picks on the device (``exact`` forces the exact one).
     ``block_v``: V columns per step of the program's sums over V, at most
     K_SIDE_BLOCK_V64; ``warps``: a dict, keys "tame" and "exact" (defaults: 8, from sm_90
-    compile reports only, the fewest spills; split, K_SIDE_SPLIT_WARPS64).
+    compile reports only, the fewest spills; split, K_SIDE_SPLIT_WARPS64, measured).
 
     ``split``: two launches instead, ``rwkv7_wy_matrix_gradient_kernel`` (a program per chunk
     and head: the four dA [64, 64] summed over V once per chunk, into a [chunk slots, H, 4, 64,
@@ -834,8 +828,8 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
         tuple(setup.per_row(common["K"], x.dtype) for x in (r, w, k, a, b)),
         (slots * -(-common["K"] // block_k), heads),  # (a chunk's blocks of keys together)
         num_warps=warps["tame" if TAME else "exact"],
-        scale=float(scale), BLOCK_LEVELS=BLOCK64.bit_length() - 1, TAME=TAME,
-        SEQUENCES=setup.sequences, CHUNK_SLOTS=slots, SPLIT=split,
+        scale=float(scale), LEVELS=LEVELS64, TAME=TAME, SEQUENCES=setup.sequences,
+        CHUNK_SLOTS=slots, SPLIT=split,
         **dict(common, BK=block_k, BV=min(common["BV"], K_SIDE_BLOCK_V64)))
     grads = _on_path(not exact and tame_path(w), launch)
     return tuple(g.reshape(setup.shape[:3] + (common["K"],)) for g in grads)
