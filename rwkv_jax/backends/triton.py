@@ -160,9 +160,9 @@ def default_config(k_size: int, v_size: int, streams: int = FEW_RECURRENCE_PROGR
     # of 64 K rows at K=128 (session 13, B=8 T=4096 bf16 forward+backward: K=64 15.20 ms against
     # 18.02 in two K-side kernels; K=128 32.05 against 36.54, and 39.09 without K blocks).
     # bfloat16 saved states and dH at K <= 64 only (KernelConfig.bf16_saved). Above K = 64 the
-    # 64-token kernels (session 14, H200, B=8 T=4096 H=32 K=128 bf16, forward+backward: 27.96 ms
-    # against 30.58, peak 7.57 GiB against 11.56); at K = 64 the 16-token ones (14.52 against
-    # 20.30).
+    # 64-token kernels (session 15, H200, B=8 T=4096 H=32 K=128 bf16, forward+backward: 22.13 ms
+    # against 30.87, peak 7.57 GiB against 11.56); at K = 64 the 16-token ones (14.91 against
+    # 18.95; but one sequence of 65536 tokens, H=32: 29.24 against 25.17, not yet switched).
     few = streams * -(-v_size // 64) < FEW_RECURRENCE_PROGRAMS and block_v >= 64
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
                         backward_warps=4, fused_tame_gradient=True,
