@@ -1018,10 +1018,10 @@ def rwkv7_tame_gradient_kernel(
 # this order: the outputs read the first two, the backward all four.
 #
 # The buffers between the 64-token kernels are float32, or, for W, H per chunk and the decayed
-# rows, bfloat16 for 16-bit inputs (forward_chunk64's bf16_residuals; each kernel takes either): each
-# kernel stores them rounded to its buffer's dtype (``_wy_store``) and reads them as stored, so
-# that two stored 16-bit tiles multiply at the tensor cores' bfloat16 rate (``dot``). The
-# sequential passes carry H and dH in float32; only what they store is rounded.
+# rows, bfloat16 for 16-bit inputs (forward_chunk64's bf16_residuals; each kernel takes
+# either): each kernel stores them rounded to its buffer's dtype (``_wy_store``) and reads them
+# as stored, so that two stored 16-bit tiles multiply at the tensor cores' bfloat16 rate
+# (``dot``). The sequential passes carry H and dH in float32; only what they store is rounded.
 WY_A_QK, WY_A_QB, WY_A_AK, WY_T = (tl.constexpr(i) for i in range(4))
 
 
@@ -1305,8 +1305,9 @@ def rwkv7_wy_kernel(
 
     In three passes over K (KI columns at a time: [C, KI] tiles) so that at most two [C, C]
     sums are built at once: A_ak and A_ab, then T = (I - A_ab)^-1 and T A_ak; U0 (VI columns of
-    V at a time) and W (a~ per K part); A_qk and A_qb, stored; last the decayed rows. Each pass rereads its K
-    tiles (k and b twice in all), which costs less than holding four [C, C] sums."""
+    V at a time) and W (a~ per K part); A_qk and A_qb, stored; last the decayed rows. Each
+    pass rereads its K tiles (k and b twice in all), which costs less than holding four [C, C]
+    sums."""
     head = tl.program_id(1)
     slot = tl.program_id(0)
     used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,

@@ -636,10 +636,11 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     # T_D as batched [4, 16, 16] products and the log decays' sums as bf16 products: tame K=64
     # none / none (SASS 5416), K=128 none / none (8200; at 8 warps 250 registers), exact K=64
     # 168 / 264 B, K=128 280 / 472 B; before: tame K=64 none / 244 B (7640), K=128 none / 292 B
-    # (12264), exact 212 / 324 B and 380 / 516 B. GPU timing of these pending (H200, before:
-    # 3.94 ms at K=64, 6.27 at K=128, B=8 T=4096; 8 warps, or parts of 64 at 8 warps, 0 spills
-    # and SASS 7408 at K=128, are the candidates to time beside 4). H100 (session 13, B=8
-    # T=4096 H=64 K=64 bf16): the tame path took 3.78 ms in parts of 32 (the kernel before its
+    # (12264), exact 212 / 324 B and 380 / 516 B. H200, B=8 T=4096 (session 15), with the
+    # decayed rows it now also stores (their own kernel took 0.70 ms): 4.43 ms at K=64 and 6.13
+    # at K=128, against 3.94 + 0.70 and 6.27 + 0.70 before (8 warps, or parts of 64 at 8 warps,
+    # 0 spills and SASS 7408 at K=128, are the candidates to time beside 4). H100 (session 13,
+    # B=8 T=4096 H=64 K=64 bf16): the tame path took 3.78 ms in parts of 32 (the kernel before its
     # masks moved after the K sums), 4.63 in parts of 16.
     # The state pass (bf16 inputs, sm_90, spills at 4 / 8 warps; 255 registers throughout):
     # K=64 none with its ``while`` loop (stages 0), nor at 1 or 2 stages (49 / 98 KB shared),
@@ -729,7 +730,8 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
     launches: the state-gradient pass (sequential, reverse: dH', dU, dh0) and the V-side
     gradients (all chunks at once: dX, dV).
     ``warps``: a dict, keys "state" (default STATE_GRADIENT_WARPS64) and "value";
-    ``block_v`` and ``recurrence_block_v`` as :func:`forward_chunk64`'s; ``state_stages``:
+    ``block_v`` and ``recurrence_block_v`` as :func:`forward_chunk64`'s (``scale`` is in the
+    residuals' q~, and not read here); ``state_stages``:
     num_stages of the state-gradient pass's loop over chunks, 0 for its ``while`` loop
     (KernelConfig.chunk64_state_gradient_stages; None: STATE_GRADIENT_STAGES64)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
