@@ -244,6 +244,9 @@ def test_few_sequences_take_narrow_v_blocks():
     per head here), packed with an empty segment."""
     assert triton_backend.default_config(64, 64, 32).recurrence_block_v == 32
     assert triton_backend.default_config(64, 64, 512).recurrence_block_v is None
+    # (and train at 64-token chunks, whose passes take 4x fewer serial steps)
+    assert triton_backend.default_config(64, 64, 32).chunk == 64
+    assert triton_backend.default_config(64, 64, 512).chunk == 16
     check(Case(steps=40, key=64, value=64, cu_seqlens=(0, 0, 23, 40),
                config=dict(SHORT_SPANS, recurrence_block_v=32)), seed=13)
 

@@ -162,14 +162,16 @@ def default_config(k_size: int, v_size: int, streams: int = FEW_RECURRENCE_PROGR
     # bfloat16 saved states and dH at K <= 64 only (KernelConfig.bf16_saved). Above K = 64 the
     # 64-token kernels (session 15, H200, B=8 T=4096 H=32 K=128 bf16, forward+backward: 22.13 ms
     # against 30.87, peak 7.57 GiB against 11.56); at K = 64 the 16-token ones (14.91 against
-    # 18.95; but one sequence of 65536 tokens, H=32: 29.24 against 25.17, not yet switched).
+    # 18.95), except for few sequence-heads, whose sequential passes are latency-bound and take
+    # 4x fewer steps at 64 tokens (one sequence of 65536 tokens, H=32: 25.17 against 29.24;
+    # below K = 64 not timed).
     few = streams * -(-v_size // 64) < FEW_RECURRENCE_PROGRAMS and block_v >= 64
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
                         backward_warps=4, fused_tame_gradient=True,
                         gradient_block_k=64 if block_k == 128 else None,
                         gradient_stages=3 if block_k == 128 else 0,
                         recurrence_block_v=32 if few else None, bf16_saved=block_k <= 64,
-                        chunk=CHUNK64 if block_k > 64 else CHUNK)
+                        chunk=CHUNK64 if block_k > 64 or (few and block_k == 64) else CHUNK)
 
 
 # (K, V) -> KernelConfig, to try other settings (benchmarks/gpu_rwkv7.py) without editing code.
