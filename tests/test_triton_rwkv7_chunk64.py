@@ -295,7 +295,7 @@ def check_backward(case, seed):
             exact=case.exact, residuals=True, **case.options)
         block_v = case.options.get("block_v", 64)
         dv, dh0, dstates, du, dx = triton_backend.backward_chunk64_v_side(
-            *inputs, residuals, do, dht, scale=0.5, cu_seqlens=cu_seqlens, block_v=block_v,
+            *inputs, residuals, do, dht, cu_seqlens=cu_seqlens, block_v=block_v,
             recurrence_block_v=case.options.get("recurrence_block_v"))
         k_side = triton_backend.backward_chunk64_k_side(
             *inputs, residuals, do, dstates, dx, scale=0.5, cu_seqlens=cu_seqlens,

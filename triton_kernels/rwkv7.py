@@ -1561,9 +1561,9 @@ def rwkv7_wy_output_kernel(
     PRECISION: tl.constexpr,
 ):
     """Grid (chunk slots * V blocks of BV, HEADS): O = q~ H + A_qk V + A_qb U, all chunks at
-    once, from the chunk's H saved by the state pass (in the same chunk slot) and its A_qk, A_qb
-    (``rwkv7_wy_kernel``), q~ from ``rwkv7_wy_kernel``. o [rows, HEADS, V] in its
-    dtype. Each product takes its tiles as stored (``dot``)."""
+    once, from the chunk's H saved by the state pass (in the same chunk slot) and its q~, A_qk
+    and A_qb (``rwkv7_wy_kernel``). o [rows, HEADS, V] in its dtype. Each product takes its
+    tiles as stored (``dot``)."""
     (slot, head, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, k_base, k_in, v_base,
      v_in) = _wy_chunk_program(cu_ptr, chunk_index_ptr, chunk_sequence_ptr, HEADS, K, V, BK, BV,
                                C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
@@ -1741,8 +1741,9 @@ def rwkv7_wy_value_gradient_kernel(
 ):
     """Grid (chunk slots * V blocks of BV, HEADS), all chunks at once: dX = T^T dU and
     dV = A_qk^T dO + A_ak^T dX + k^ dH', from the state-gradient pass's dU and dH' (same chunk
-    slot), the forward's matrices and k^ (``rwkv7_wy_kernel``). dv [rows, HEADS, V] in its dtype; dx
-    [rows, HEADS, V] (the backend's float32), and as stored in dV (as the K side reads it).
+    slot), the forward's matrices and k^ (``rwkv7_wy_kernel``). dv [rows, HEADS, V] in its
+    dtype; dx [rows, HEADS, V] (the backend's float32), and as stored in dV (as the K side
+    reads it).
     The matrices, dU, dO and dX multiply as stored (``dot``). An unused slot reads and writes
     nothing."""
     (slot, head, used, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, k_base, k_in, v_base,

@@ -458,7 +458,7 @@ _rwkv7.defvjp(_rwkv7_fwd, _rwkv7_bwd)
 # step. A call that is not differentiated takes the 16-token forward.
 def _chunk64_options(static, cu_seqlens):
     state_warps = static.config.chunk64_state_warps
-    return dict(scale=static.scale, cu_seqlens=cu_seqlens, block_v=static.config.block_v,
+    return dict(cu_seqlens=cu_seqlens, block_v=static.config.block_v,
                 warps=state_warps and dict(state=state_warps))
 
 
@@ -475,8 +475,8 @@ def _rwkv7_chunk64(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
 
 
 def _rwkv7_chunk64_fwd(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
-    o, ht, saved = forward_chunk64(r, w, k, v, a, b, initial_state=h0, residuals=True,
-                                   exact=not static.config.tame,
+    o, ht, saved = forward_chunk64(r, w, k, v, a, b, scale=static.scale, initial_state=h0,
+                                   residuals=True, exact=not static.config.tame,
                                    bf16_residuals=static.config.chunk64_bf16_residuals,
                                    state_stages=static.config.chunk64_state_stages,
                                    recurrence_block_v=static.config.recurrence_block_v,
@@ -494,8 +494,8 @@ def _rwkv7_chunk64_bwd(static, residuals, cotangents):
         state_stages=static.config.chunk64_state_gradient_stages, **options)
     warps = static.config.chunk64_k_side_warps
     dr, dw, dk, da, db = backward_chunk64_k_side(
-        r, w, k, v, a, b, saved, do, dstates, dx, exact=not static.config.tame,
-        split=static.config.chunk64_split, block_k=static.config.chunk64_k_side_block_k,
+        r, w, k, v, a, b, saved, do, dstates, dx, scale=static.scale,
+        exact=not static.config.tame, split=static.config.chunk64_split, block_k=static.config.chunk64_k_side_block_k,
         **dict(options, warps=warps and dict(tame=warps, exact=warps)))
     return dr, dw, dk, dv, da, db, dh0, None, None
 
@@ -721,9 +721,8 @@ STATE_GRADIENT_WARPS64 = 4
 STATE_GRADIENT_STAGES64 = 0
 
 
-def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
-                            cu_seqlens=None, block_v=64, warps=None, recurrence_block_v=None,
-                            state_stages=None):
+def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=None,
+                            block_v=64, warps=None, recurrence_block_v=None, state_stages=None):
     """The first two kernels of the 64-token backward:
     from the inputs as :func:`forward_chunk64` took them, its ``residuals`` and the cotangents
     ``do`` [B, T, H, V] and ``dht`` [N, H, K, V] (of o and ht), (dv [B, T, H, V] in v's dtype,
@@ -732,8 +731,8 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, scale=1.0,
     launches: the state-gradient pass (sequential, reverse: dH', dU, dh0) and the V-side
     gradients (all chunks at once: dX, dV).
     ``warps``: a dict, keys "state" (default STATE_GRADIENT_WARPS64) and "value";
-    ``block_v`` and ``recurrence_block_v`` as :func:`forward_chunk64`'s (``scale`` is in the
-    residuals' q~, and not read here); ``state_stages``:
+    ``block_v`` and ``recurrence_block_v`` as :func:`forward_chunk64`'s (no ``scale``: the
+    residuals' q~ carries it); ``state_stages``:
     num_stages of the state-gradient pass's loop over chunks, 0 for its ``while`` loop
     (KernelConfig.chunk64_state_gradient_stages; None: STATE_GRADIENT_STAGES64)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
