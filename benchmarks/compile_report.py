@@ -98,9 +98,9 @@ def main():
                         help="rwkv7-64: K columns per part of the in-chunk sums (default as "
                              "forward_chunk64: 32 on the tame path, 16 on the exact one)")
     parser.add_argument("--split-block-k", type=int, default=16,
-                        help="rwkv7-64: keys per program of the split K side's key gradients")
+                        help="rwkv7-64: keys per program of the K-side kernel")
     parser.add_argument("--split-block-v", type=int, default=32,
-                        help="rwkv7-64: V columns per step of the split K side's dA sums")
+                        help="rwkv7-64: V columns per step of the dA kernel's sums")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
     parser.add_argument("--key-block-k", type=int, default=16,
                         help="gla family: K columns per step of the K-side gradient kernel")
@@ -135,6 +135,8 @@ def main():
     parser.add_argument("--float32-residuals", action="store_true",
                         help="rwkv7-64: W and H per chunk in float32, as with "
                         "KernelConfig.chunk64_bf16_residuals off (on: bfloat16 for bf16 inputs)")
+    parser.add_argument("--dump", metavar="DIR",
+                        help="also write each compiled kernel's TTGIR and PTX into DIR")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
     args = parser.parse_args()
     rounded = args.family == "gla" if args.rounded is None else args.rounded
@@ -218,6 +220,12 @@ def main():
                 compiled = compile_for_hopper(kernel, inputs, options, warps,
                                               max(stages, 1) if pipelined else 3)
                 print(f"{name:15s} {path:5s} {warps} warps: {resources(compiled)}")
+                if args.dump:
+                    os.makedirs(args.dump, exist_ok=True)
+                    stem = os.path.join(args.dump, f"{name}-{path}-{warps}".replace(" ", "_"))
+                    for ir in ("ttgir", "ptx"):
+                        with open(f"{stem}.{ir}", "w") as f:
+                            f.write(compiled.asm[ir])
 
 
 def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block_v,
@@ -231,7 +239,7 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block
     num_stages (KernelConfig.chunk64_state_stages; 0: its ``while`` loop, not pipelined)."""
     buffer = "*bf16" if bf16_residuals else "*fp32"
     inputs.update({f"{n}_ptr": "*fp32" for n in ("u0", "u", "matrices", "du", "dx", "dstates")},
-                  wy_ptr=buffer, states_ptr=buffer, dA_ptr="*bf16", qd_ptr=buffer, kd_ptr=buffer,
+                  wy_ptr=buffer, states_ptr=buffer, dA_ptr="*bf16", diagonal_ptr="*fp32", qd_ptr=buffer, kd_ptr=buffer,
                   bd_ptr=buffer, decay_ptr="*fp32")
     rows = shapes["TOTAL_ROWS"]
     common = dict({n: x for n, x in shapes.items() if n not in ("scale", "LEVELS")}, C=64,
@@ -250,16 +258,12 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block
         ("wy state gradient", rwkv7.rwkv7_wy_state_gradient_kernel,
          dict(no_decays(common), PIPELINED=state_stages > 0)),
         ("wy value gradient", rwkv7.rwkv7_wy_value_gradient_kernel, no_decays(parallel)),
-        ("wy key gradient", rwkv7.rwkv7_wy_key_gradient_kernel,
-         dict(parallel, scale=1.0, LEVELS=6, BV=min(shapes["BV"], 32), SPLIT=False,
-              BK=32 if shapes["K"] % 32 == 0 else shapes["BK"])),
-        # (split=True: the dA kernel, then the K-side kernel reading its buffer)
         ("wy dA", rwkv7.rwkv7_wy_matrix_gradient_kernel,
          dict({n: parallel[n] for n in ("HEADS", "V", "C", "TOTAL_ROWS", "SEQUENCES",
                                         "CHUNK_SLOTS", "PRECISION")},
               BV=min(shapes["BV"], split_block_v))),
-        ("wy key gradient split", rwkv7.rwkv7_wy_key_gradient_kernel,
-         dict(parallel, scale=1.0, LEVELS=6, BV=min(shapes["BV"], 32), SPLIT=True,
+        ("wy key gradient", rwkv7.rwkv7_wy_key_gradient_kernel,
+         dict(parallel, scale=1.0, LEVELS=6, BV=min(shapes["BV"], 32),
               BK=split_block_k if shapes["K"] % split_block_k == 0 else shapes["BK"])),
     ]
 

@@ -38,7 +38,6 @@ class Case:
     options: dict = dataclasses.field(default_factory=dict)
     correlated: bool = False  # keys as _correlated_keys draws them
     initial: bool = True  # an initial state (else None: zeros)
-    split: bool = False  # the K side as two launches (backward_chunk64_k_side's split)
 
 
 # Log decays past the reference's kinds, [B, T, H, K]: whole tokens at -1e9 and -inf inside and
@@ -299,7 +298,7 @@ def check_backward(case, seed):
             recurrence_block_v=case.options.get("recurrence_block_v"))
         k_side = triton_backend.backward_chunk64_k_side(
             *inputs, residuals, do, dstates, dx, scale=0.5, cu_seqlens=cu_seqlens,
-            block_v=block_v, exact=case.exact, split=case.split)
+            block_v=block_v, exact=case.exact)
         return (dv, dh0, dstates, du, dx), dict(zip("rwkab", k_side)), residuals
 
     (dv, dh0, dstates, du, dx), grads, residuals = run(
@@ -391,8 +390,8 @@ def test_backward_correlated_keys(decay, exact):
 
 @pytest.mark.parametrize("decay", ["model", "-1e9 and -inf tokens"])
 def test_backward_key_blocks(decay):
-    """K = 128: the K side in two programs of 64 keys per chunk (each summing over all of V,
-    here V = 16 < K); tame and exact."""
+    """K = 128: the K side in programs of 16 keys per chunk, each reading the chunk's dA
+    buffer and summing its state products over all of V (here V = 16 < K); tame and exact."""
     check_backward(Case(steps=70, key=128, value=16, decay=decay), seed=19)
 
 
@@ -401,21 +400,6 @@ def test_backward_key_halves():
     partly past K (masked); V = 16, two heads, two chunks, hard decays."""
     check_backward(Case(steps=70, heads=2, key=96, value=16, decay="-1e9 and -inf tokens"),
                    seed=31)
-
-
-@pytest.mark.parametrize("case", [
-    Case(steps=133, heads=2, key=32, value=16, split=True),
-    Case(steps=133, heads=2, key=32, value=16, exact=True, split=True),
-    *(Case(steps=133, heads=2, key=32, value=16, decay=d, split=True) for d in sorted(HARD)),
-    Case(steps=140, heads=2, cu_seqlens=(0, 0, 70, 73, 140), dtype="bfloat16",
-         options=dict(block_v=16), split=True),
-    Case(steps=70, key=128, value=16, decay="-1e9 and -inf tokens", split=True),
-], ids=["tame", "exact", *sorted(HARD), "packed bfloat16", "K=128"])
-def test_backward_split(case):
-    """The K side split (the dA kernel, then the K-side kernel reading its buffer): tame and
-    exact paths, hard decays, packed segments with an empty one in bfloat16 (a bfloat16 dA
-    buffer, V in steps of 16), and K = 128 (blocks of keys reading the same dA)."""
-    check_backward(case, seed=29)
 
 
 def test_backward_padded_head_sizes():

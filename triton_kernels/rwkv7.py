@@ -1774,24 +1774,37 @@ def rwkv7_wy_value_gradient_kernel(
 #   dg = e^g rowsum(H dH') + sum_t (k^ dk^ + b^ db^)_t  (per K channel, within the chunk).
 
 # The dA buffer [chunk slots, HEADS, 4, C, C] of ``rwkv7_wy_matrix_gradient_kernel``: the gradients
-# of A_qk, A_qb, A_ak (WY_A_QK, ... as in the forward's matrices) and A_ab in T's place.
+# of A_qk, A_qb, A_ak (WY_A_QK, ... as in the forward's matrices) and A_ab in T's place, each
+# strictly lower triangular; the diagonals of A_qk's and A_qb's in their own buffer
+# [chunk slots, HEADS, 2, C] (float32).
 WY_DA_AB = tl.constexpr(3)
+
+
+@triton.jit
+def _wy_diagonal_gradient(diagonal_ptr, slot, used, head, WHICH: tl.constexpr,
+                          HEADS: tl.constexpr, C: tl.constexpr):
+    """The diagonal of A_qk's (WY_A_QK) or A_qb's (WY_A_QB) gradient from the diagonal buffer,
+    as a column [C, 1]."""
+    index = tl.arange(0, C)
+    return tl.load(diagonal_ptr + ((slot.to(tl.int64) * HEADS + head) * 2 + WHICH) * C + index,
+                   mask=used, other=0.0)[:, None]
 
 
 @triton.jit
 def rwkv7_wy_matrix_gradient_kernel(
     v_ptr, u_ptr, do_ptr, dx_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,  # inputs
-    dA_ptr,                                                                      # output
+    dA_ptr, diagonal_ptr,                                                        # outputs
     HEADS: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     TOTAL_ROWS: tl.constexpr, SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Grid (chunk slots, HEADS): the gradients of a chunk's four A matrices, summed over all of
     V (blocks of BV) once per chunk rather than once per block of keys in the K-side kernel:
-    dA_qk = tril(dO V^T), dA_qb = tril(dO U^T), dA_ak = strict(dX V^T), dA_ab = strict(dX U^T)
-    (entries of pairs the forward never forms are 0), stored in dA [chunk slots, HEADS, 4, C, C]
-    (WY_A_QK, WY_A_QB, WY_A_AK, WY_DA_AB) in its dtype. An unused slot reads and writes
-    nothing (its rows are all masked)."""
+    dA_qk = tril(dO V^T), dA_qb = tril(dO U^T), dA_ak = strict(dX V^T), dA_ab = strict(dX U^T).
+    Their pairs i < t are stored in dA [chunk slots, HEADS, 4, C, C] (WY_A_QK, WY_A_QB,
+    WY_A_AK, WY_DA_AB) in its dtype, zeros elsewhere, so that the K-side kernel multiplies
+    them as loaded; the diagonals of dA_qk and dA_qb in diagonal [chunk slots, HEADS, 2, C]
+    (float32). An unused slot reads and writes nothing (its rows are all masked)."""
     slot, head, used, first, steps, rows_in = _wy_chunk_rows(
         cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
     v_base = (first * HEADS + head) * V
@@ -1812,13 +1825,18 @@ def rwkv7_wy_matrix_gradient_kernel(
         dA_qb = dot(do, u, dA_qb, PRECISION)
         dA_ak = dot(dx, v, dA_ak, PRECISION)
         dA_ab = dot(dx, u, dA_ab, PRECISION)
-    lower = steps[:, None] >= steps[None, :]
     strict = steps[:, None] > steps[None, :]
+    diagonal = steps[:, None] == steps[None, :]
     out = dA_ptr.dtype.element_ty
+    diagonal_base = diagonal_ptr + ((slot.to(tl.int64) * HEADS + head) * 2) * C + steps
+    tl.store(diagonal_base + WY_A_QK * C, tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1),
+             mask=used)
+    tl.store(diagonal_base + WY_A_QB * C, tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1),
+             mask=used)
     tl.store(_wy_matrix(dA_ptr, slot, head, WY_A_QK, HEADS, C, False),
-             tl.where(lower, dA_qk, 0.0).to(out), mask=used)
+             tl.where(strict, dA_qk, 0.0).to(out), mask=used)
     tl.store(_wy_matrix(dA_ptr, slot, head, WY_A_QB, HEADS, C, False),
-             tl.where(lower, dA_qb, 0.0).to(out), mask=used)
+             tl.where(strict, dA_qb, 0.0).to(out), mask=used)
     tl.store(_wy_matrix(dA_ptr, slot, head, WY_A_AK, HEADS, C, False),
              tl.where(strict, dA_ak, 0.0).to(out), mask=used)
     tl.store(_wy_matrix(dA_ptr, slot, head, WY_DA_AB, HEADS, C, False),
@@ -1871,36 +1889,12 @@ def _wy_state_products(do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr, dstates_ptr, sl
 
 
 @triton.jit
-def _wy_matrix_gradient(d_ptr, y_ptr, dA_ptr, slot, used, first, end, head, WHICH: tl.constexpr,
-                        SPLIT: tl.constexpr, HEADS: tl.constexpr, V: tl.constexpr,
-                        BV: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
-    """The gradient of one A matrix, D Y^T ([C, C]; D = dO or dX, the rows' cotangent; Y = V
-    or U, the columns' values): SPLIT, entry WHICH of ``rwkv7_wy_matrix_gradient_kernel``'s
-    buffer as stored (masked); else summed over V here (unmasked: the callers take the pairs
-    i < t and the diagonal)."""
-    if SPLIT:
-        dA = _wy_load(dA_ptr, slot, used, head, WHICH, HEADS, C, False)
-    else:
-        steps = tl.arange(0, C)
-        rows_in = (first + steps < end)[:, None]
-        v_base = (first * HEADS + head) * V
-        dA = tl.zeros([C, C], tl.float32)
-        for v_block in range((V + BV - 1) // BV):
-            v_cols = v_block * BV + tl.arange(0, BV)
-            v_in = rows_in & (v_cols < V)[None, :]
-            v_tile = steps[:, None] * (HEADS * V) + v_cols[None, :]
-            dA = _stored_dot(stored(d_ptr + v_base, v_tile, v_in),
-                             tl.trans(stored(y_ptr + v_base, v_tile, v_in)), dA, PRECISION)
-    return dA
-
-
-@triton.jit
 def _gradient_dot(dA, x, PRECISION: tl.constexpr):
-    """dA @ x for an A matrix's gradient as stored (``_wy_matrix_gradient``) and a float32 tile
-    x (rows or columns times their factors). Against a 16-bit dA, x in two 16-bit parts, its
-    rounding and the remainder, so that both products take 16-bit operands and x keeps about
-    16 bits (x rounded once to bfloat16 doubles dw's error: past the bfloat16 contract in the
-    tests' packed case). A float32 dA (float32 inputs, or summed over V here): at PRECISION."""
+    """dA @ x for an A matrix's gradient as stored (``_wy_matrix_gradients``) and a float32
+    tile x (rows or columns times their factors). Against a 16-bit dA, x in two 16-bit parts,
+    its rounding and the remainder, so that both products take 16-bit operands and x keeps
+    about 16 bits (x rounded once to bfloat16 doubles dw's error: past the bfloat16 contract
+    in the tests' packed case). A float32 dA (float32 inputs): at PRECISION."""
     if dA.dtype == tl.float32:
         product = dot(dA, x, None, PRECISION)
     else:
@@ -1915,13 +1909,14 @@ def _wy_pair_gradient(x, y, w, dA, dx, dy, STRICT: tl.constexpr, TAME: tl.conste
                       C: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
     """The backward of one of ``_wy_pairs``' matrices, A_xy (x = q, or a if STRICT; y = k or
     b), for its pairs i < t (the diagonal's factor is e^0: the caller's): their terms added to
-    dx (rows) and dy (columns) from dA ([C, C] as stored, ``_gradient_dot``; entries i >= t
-    ignored). TAME: the forward's factors, referenced to the chunk's middle row, one product
-    each; else level by level over the chunk (``level_factors_at``: one level's tiles live at
-    a time, every factor <= 1, exact for every decay; the forward's exact path splits the same
-    pairs' factors by 16-token blocks instead)."""
+    dx (rows) and dy (columns) from dA, its gradient in the dA buffer as loaded (strictly lower
+    triangular). TAME: the forward's factors, referenced to the chunk's middle row, one product
+    each, dA and its transpose multiplied as loaded (no [C, C] tile changed in registers: the
+    compiler keeps dA in shared memory and transposes it there); else level by level over the
+    chunk (``level_factors_at``: one level's tiles live at a time, every factor <= 1, exact
+    for every decay; the forward's exact path splits the same pairs' factors by 16-token
+    blocks instead)."""
     if TAME:
-        index = tl.arange(0, C)
         gi = tl.cumsum(w, axis=0)
         middle = _middle(gi, 0, C)
         if STRICT:
@@ -1929,9 +1924,8 @@ def _wy_pair_gradient(x, y, w, dA, dx, dy, STRICT: tl.constexpr, TAME: tl.conste
         else:
             row = tl.exp(gi - middle)
         column = tl.exp(middle - gi)
-        kept = tl.where(index[:, None] > index[None, :], dA, 0.0)
-        dx += row * _gradient_dot(kept, y * column, PRECISION)
-        dy += column * _gradient_dot(tl.trans(kept), x * row, PRECISION)
+        dx += row * _gradient_dot(dA, y * column, PRECISION)
+        dy += column * _gradient_dot(tl.trans(dA), x * row, PRECISION)
     else:
         for level in range(LEVELS):
             row, row_strict, column, keep = level_factors_at(w, level, LEVELS, C)
@@ -1944,40 +1938,29 @@ def _wy_pair_gradient(x, y, w, dA, dx, dy, STRICT: tl.constexpr, TAME: tl.conste
 
 
 @triton.jit
-def _wy_diagonal(x, C: tl.constexpr):
-    """The diagonal of a [C, C] tile as a column, [C, 1]."""
-    index = tl.arange(0, C)
-    return tl.sum(tl.where(index[:, None] == index[None, :], x.to(tl.float32), 0.0),
-                  axis=1)[:, None]
-
-
-@triton.jit
 def rwkv7_wy_key_gradient_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, do_ptr, u_ptr, dx_ptr, states_ptr, dstates_ptr,
-    dA_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,                         # inputs
+    dA_ptr, diagonal_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,           # inputs
     dr_ptr, dw_ptr, dk_ptr, da_ptr, db_ptr,                                      # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr,
     FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
     """Grid (chunk slots * ceil(K / BK), HEADS): every K-side gradient of one chunk's block of
-    BK keys (BK divides K, or one block covers it), summed over all of V in blocks of BV inside the
-    program, so that nothing is left for a later sum. dr, dw, dk, da, db [rows, HEADS, K] in
-    their dtypes; u: the forward's U, states its H at every chunk's start, dstates dH' (kernel
-    4), dx (kernel 5), float32 or bfloat16 (``_stored_dot``), in the chunk's slot.
+    BK keys (BK divides K, or one block covers it), summed over all of V in blocks of BV inside
+    the program, so that nothing is left for a later sum. dr, dw, dk, da, db [rows, HEADS, K]
+    in their dtypes; u: the forward's U, states its H at every chunk's start, dstates dH'
+    (kernel 4), dx (kernel 5), float32 or bfloat16 (``_stored_dot``), in the chunk's slot; dA
+    and diagonal the A matrices' gradients (``rwkv7_wy_matrix_gradient_kernel``).
 
     First the four state products in one pass over V (``_wy_state_products``), then the A
-    matrices one at a time, so that one [C, C] gradient is held at a time
-    (``_wy_matrix_gradient``): A_qk, A_ak (dk then done), A_qb (dq done), A_ab (da, db done).
-    SPLIT: their gradients D Y^T are read from dA_ptr (``rwkv7_wy_matrix_gradient_kernel``)
-    as stored, bfloat16 for 16-bit inputs; else summed over V here (dA_ptr not read). The
-    diagonal of A_qk and A_qb (factor e^0) is added to dq, dk, db outside
-    dw: its terms in q dq - k dk - b db cancel exactly, and would leave rounding
-    where strong decays make dw small. A log decay raised to FLOOR has dw 0. Rows past the
-    sequence's end read as zeros (w = 0) and are not written; an unused slot reads and writes
-    nothing."""
+    matrices one at a time (``_wy_pair_gradient``, their gradients loaded as dot operands):
+    A_qk, A_ak (dk then done), A_qb (dq done), A_ab (da, db done). The diagonal of A_qk and
+    A_qb (factor e^0, its own buffer) is added to dq, dk, db outside dw: its terms in q dq - k dk - b db
+    cancel exactly, and would leave rounding where strong decays make dw small. A log decay
+    raised to FLOOR has dw 0. Rows past the sequence's end read as zeros (w = 0) and are not
+    written; an unused slot reads and writes nothing."""
     # (a chunk's blocks of keys are consecutive programs: they run together and share its
     # V-side tiles and dA in L2)
     KEY_BLOCKS: tl.constexpr = (K + BK - 1) // BK
@@ -2006,38 +1989,36 @@ def rwkv7_wy_key_gradient_kernel(
     dg = tl.exp(g_end) * h_dh + tl.sum(rows(k_ptr, k_base, k_tile, k_in) * dk
                                        + rows(b_ptr, k_base, k_tile, k_in) * db, axis=0)
     # A_qk (O = q~ H + A_qk V + A_qb U) and A_ak (X = a~ H + A_ak V): dk then done.
-    dA = _wy_matrix_gradient(do_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_QK,
-                             SPLIT, HEADS, V, BV, C, PRECISION)
-    d_qk = _wy_diagonal(dA, C)
     k = rows(k_ptr, k_base, k_tile, k_in)
-    dq, dk = _wy_pair_gradient(rows(r_ptr, k_base, k_tile, k_in) * scale, k, w, dA, dq, dk,
-                               False, TAME, C, LEVELS, PRECISION)
-    dA = _wy_matrix_gradient(dx_ptr, v_ptr, dA_ptr, slot, used, first, end, head, WY_A_AK,
-                             SPLIT, HEADS, V, BV, C, PRECISION)
-    da, dk = _wy_pair_gradient(rows(a_ptr, k_base, k_tile, k_in), k, w, dA, da, dk, True, TAME,
-                               C, LEVELS, PRECISION)
+    dq, dk = _wy_pair_gradient(rows(r_ptr, k_base, k_tile, k_in) * scale, k, w,
+                               _wy_load(dA_ptr, slot, used, head, WY_A_QK, HEADS, C, False),
+                               dq, dk, False, TAME, C, LEVELS, PRECISION)
+    da, dk = _wy_pair_gradient(rows(a_ptr, k_base, k_tile, k_in), k, w,
+                               _wy_load(dA_ptr, slot, used, head, WY_A_AK, HEADS, C, False),
+                               da, dk, True, TAME, C, LEVELS, PRECISION)
     # (q_t enters a chunk only as q_t e^gi_t, a_t as a_t e^ge_t, k_i and b_i as x_i e^-gi_i
     # and (k^, b^) x_i e^(g - gi_i), and H as e^g H: gi_t = w_1 + ... + w_t, ge_t = gi_t - w_t;
     # d_gates sums the gradients of gi (q dq - k dk - b db) and ge (a da).)
     d_gates = -k * dk
+    d_qk = _wy_diagonal_gradient(diagonal_ptr, slot, used, head, WY_A_QK, HEADS, C)
     tl.store(dk_ptr + offsets,
              (dk + d_qk * rows(r_ptr, k_base, k_tile, k_in) * scale).to(dk_ptr.dtype.element_ty),
              mask=k_in)
     # A_qb: dq then done.
-    dA = _wy_matrix_gradient(do_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_A_QB,
-                             SPLIT, HEADS, V, BV, C, PRECISION)
-    d_qb = _wy_diagonal(dA, C)
     b = rows(b_ptr, k_base, k_tile, k_in)
     q = rows(r_ptr, k_base, k_tile, k_in) * scale
-    dq, db = _wy_pair_gradient(q, b, w, dA, dq, db, False, TAME, C, LEVELS, PRECISION)
+    dq, db = _wy_pair_gradient(q, b, w, _wy_load(dA_ptr, slot, used, head, WY_A_QB, HEADS, C,
+                                                 False), dq, db, False, TAME, C, LEVELS,
+                               PRECISION)
     d_gates += q * dq
+    d_qb = _wy_diagonal_gradient(diagonal_ptr, slot, used, head, WY_A_QB, HEADS, C)
     dq += d_qk * rows(k_ptr, k_base, k_tile, k_in) + d_qb * b
     tl.store(dr_ptr + offsets, (dq * scale).to(dr_ptr.dtype.element_ty), mask=k_in)
     # A_ab: da, db done.
-    dA = _wy_matrix_gradient(dx_ptr, u_ptr, dA_ptr, slot, used, first, end, head, WY_DA_AB,
-                             SPLIT, HEADS, V, BV, C, PRECISION)
     a = rows(a_ptr, k_base, k_tile, k_in)
-    da, db = _wy_pair_gradient(a, b, w, dA, da, db, True, TAME, C, LEVELS, PRECISION)
+    da, db = _wy_pair_gradient(a, b, w, _wy_load(dA_ptr, slot, used, head, WY_DA_AB, HEADS, C,
+                                                 False), da, db, True, TAME, C, LEVELS,
+                               PRECISION)
     tl.store(da_ptr + offsets, da.to(da_ptr.dtype.element_ty), mask=k_in)
     tl.store(db_ptr + offsets,
              (db + d_qb * rows(r_ptr, k_base, k_tile, k_in) * scale).to(db_ptr.dtype.element_ty),

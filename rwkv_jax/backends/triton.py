@@ -97,10 +97,6 @@ class KernelConfig:
     # outputs and V-side gradients) and the chunk64_* fields below; a call that is not
     # differentiated takes the 16-token forward either way.
     chunk: int = 16
-    # At 64-token chunks: the K-side gradients' four dA sums in their own kernel, once per chunk
-    # (backward_chunk64_k_side's ``split``), rather than once per block of keys. H200, B=8
-    # T=4096 bf16 forward+backward (session 13): K=64 25.99 -> 25.80 ms, K=128 38.71 -> 36.87.
-    chunk64_split: bool = True
     # At 64-token chunks: keys per program and warps of the K-side kernel (None:
     # backward_chunk64_k_side's defaults), and warps of the two sequential passes (None: 4).
     chunk64_k_side_block_k: int | None = None
@@ -495,7 +491,7 @@ def _rwkv7_chunk64_bwd(static, residuals, cotangents):
     warps = static.config.chunk64_k_side_warps
     dr, dw, dk, da, db = backward_chunk64_k_side(
         r, w, k, v, a, b, saved, do, dstates, dx, scale=static.scale,
-        exact=not static.config.tame, split=static.config.chunk64_split, block_k=static.config.chunk64_k_side_block_k,
+        exact=not static.config.tame, block_k=static.config.chunk64_k_side_block_k,
         **dict(options, warps=warps and dict(tame=warps, exact=warps)))
     return dr, dw, dk, dv, da, db, dh0, None, None
 
@@ -762,78 +758,58 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
     return dv.reshape(setup.shape), dh0, dstates, du, dx
 
 
-# The 64-token K-side kernel's blocks: K rows per program where they tile K (else one block
-# covers K) and the most V columns per step of its sums over V. sm_90, bf16, 8 warps, spills
-# tame/exact: K=V=64 32/0 B, K=V=128 76/32 B (session 13's four passes over V: 4/0 and 52/36 B;
-# there BK=64 spilled 672-840 B, BV=64 1028/2280 B, 4 warps 904/1092 B). Blocks of 32 keys redo
-# the A matrices' gradients (sums over V) once per block: the price of few spills, not timed.
-K_SIDE_BLOCK_K64 = 32
+# The 64-token K side: keys per program of the K-side kernel and its warps, and V columns per
+# step of the dA kernel's sums and of the K-side kernel's state products. sm_90, bf16
+# (benchmarks/compile_report.py --family rwkv7-64): see K_SIDE_BLOCK_K64's measurements in
+# BENCHMARKS.md. The dA kernel 108-120 registers, no spills, 72 KB shared at 32 columns (64:
+# 144 KB at V = 128).
+K_SIDE_BLOCK_K64 = 16
+K_SIDE_WARPS64 = 4
 K_SIDE_BLOCK_V64 = 32
-# The split K side (``split=True``): keys per program of the K-side kernel that reads the dA
-# buffer, and V columns per step of the dA kernel's sums. sm_90, bf16, 8 warps
-# (benchmarks/compile_report.py --family rwkv7-64): the K-side kernel at 32 keys, 241-255
-# registers and no spills at K = 64 and 128, tame and exact, float32 or bfloat16 residuals
-# (--bf16-saved); at 64 keys 692-792 B of spills (K = 64). With 4 warps, 32 keys spill
-# 560-832 B; 16 keys (block_k=16) 80-104 B tame, none exact, at 246-255 registers: two
-# programs per SM. Measured (H200, B=8 T=4096 bf16, session 14): that kernel at 16 keys and 4
-# warps 9.21 ms at K=64 and 9.91 at K=128, against 10.62 and 11.17 at 32 keys and 8 warps, and
-# 16.74 / 17.61 at 16 keys and 8 warps: the default. The dA kernel 108-120 registers, no
-# spills, 72 KB shared at 32 columns (64: 144 KB at V = 128).
-K_SIDE_SPLIT_BLOCK_K64 = 16
-K_SIDE_SPLIT_WARPS64 = 4
-DA_BLOCK_V64 = 32
 
 
 def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, scale=1.0,
-                            cu_seqlens=None, block_v=64, exact=False, warps=None, split=False,
-                            block_k=None):
-    """The last kernel of the 64-token backward (kernel 6): from the inputs as
+                            cu_seqlens=None, block_v=64, exact=False, warps=None, block_k=None):
+    """The last kernels of the 64-token backward (kernel 6): from the inputs as
     :func:`forward_chunk64` took them, its ``residuals`` (the chunk states H and U), the
     cotangent ``do`` [B, T, H, V] of o and what :func:`backward_chunk64_v_side` returned
     (``dstates``: dH' per chunk; ``dx``: dX, which carries dU), the K-side gradients (dr, dw,
-    dk, da, db), each [B, T, H, K] in the dtype of r, w, k, a, b. One launch of
-    ``rwkv7_wy_key_gradient_kernel``, all chunks at once (a program per chunk, head and block
-    of K_SIDE_BLOCK_K64 keys, summing over all of V inside: no partial sums), on the tame or
-    exact path as :func:`tame_path` picks on the device (``exact`` forces the exact one).
-    ``block_v``: V columns per step of the program's sums over V, at most
-    K_SIDE_BLOCK_V64; ``warps``: a dict, keys "tame" and "exact" (defaults: 8, from sm_90
-    compile reports only, the fewest spills; split, K_SIDE_SPLIT_WARPS64, measured).
-
-    ``split``: two launches instead, ``rwkv7_wy_matrix_gradient_kernel`` (a program per chunk
-    and head: the four dA [64, 64] summed over V once per chunk, into a [chunk slots, H, 4, 64,
-    64] buffer, bfloat16 for 16-bit inputs, float32 for float32 ones; warps: key "dA") and the
-    K-side kernel reading them (blocks of K_SIDE_SPLIT_BLOCK_K64 keys, K_SIDE_SPLIT_WARPS64
-    warps), not rebuilding them for each block of keys. ``block_k``: keys per K-side program
-    (None: the default above)."""
+    dk, da, db), each [B, T, H, K] in the dtype of r, w, k, a, b. Two launches:
+    ``rwkv7_wy_matrix_gradient_kernel`` (a program per chunk and head: the four dA [64, 64]
+    summed over V once per chunk, into a [chunk slots, H, 4, 64, 64] buffer, bfloat16 for
+    16-bit inputs, float32 for float32 ones, strictly lower triangular, and the diagonals of
+    dA_qk and dA_qb in float32), then ``rwkv7_wy_key_gradient_kernel`` reading
+    them, all chunks at once (a program per chunk, head and block of ``block_k`` keys, default
+    K_SIDE_BLOCK_K64, summing the state products over all of V inside: no partial sums), on
+    the tame or exact path as :func:`tame_path` picks on the device (``exact`` forces the
+    exact one). ``block_v``: V columns per step of the sums over V, at most K_SIDE_BLOCK_V64;
+    ``warps``: a dict, keys "tame", "exact" (default K_SIDE_WARPS64) and "dA" (8)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
-    block_k = block_k or (K_SIDE_SPLIT_BLOCK_K64 if split else K_SIDE_BLOCK_K64)
+    block_k = block_k or K_SIDE_BLOCK_K64
     block_k = block_k if common["K"] % block_k == 0 else common["BK"]
-    k_side_warps = K_SIDE_SPLIT_WARPS64 if split else 8
-    warps = dict(dict(tame=k_side_warps, exact=k_side_warps, dA=8), **(warps or {}))
+    warps = dict(dict(tame=K_SIDE_WARPS64, exact=K_SIDE_WARPS64, dA=8), **(warps or {}))
     do = do.reshape(common["TOTAL_ROWS"], heads, common["V"])
-    dA = dx  # (not read unless split)
-    if split:
-        dA, = _launch.launch(
-            _kernels.rwkv7_wy_matrix_gradient_kernel,
-            (v, residuals["u"], do, dx, *setup.index),
-            (jax.ShapeDtypeStruct((slots, heads, 4, CHUNK64, CHUNK64),
-                                  jnp.float32 if common["PRECISION"] == "tf32x3"
-                                  else jnp.bfloat16),),
-            (slots, heads), num_warps=warps["dA"], HEADS=heads, V=common["V"],
-            BV=min(common["BV"], DA_BLOCK_V64), C=CHUNK64, TOTAL_ROWS=common["TOTAL_ROWS"],
-            SEQUENCES=setup.sequences, CHUNK_SLOTS=slots, PRECISION=common["PRECISION"])
+    block_v = min(common["BV"], K_SIDE_BLOCK_V64)
+    dA, diagonal = _launch.launch(
+        _kernels.rwkv7_wy_matrix_gradient_kernel,
+        (v, residuals["u"], do, dx, *setup.index),
+        (jax.ShapeDtypeStruct((slots, heads, 4, CHUNK64, CHUNK64),
+                              jnp.float32 if common["PRECISION"] == "tf32x3" else jnp.bfloat16),
+         jax.ShapeDtypeStruct((slots, heads, 2, CHUNK64), jnp.float32)),
+        (slots, heads), num_warps=warps["dA"], HEADS=heads, V=common["V"], BV=block_v,
+        C=CHUNK64, TOTAL_ROWS=common["TOTAL_ROWS"], SEQUENCES=setup.sequences,
+        CHUNK_SLOTS=slots, PRECISION=common["PRECISION"])
     launch = lambda TAME: _launch.launch(
         _kernels.rwkv7_wy_key_gradient_kernel,
-        (r, w, k, v, a, b, do, residuals["u"], dx, residuals["states"], dstates, dA,
+        (r, w, k, v, a, b, do, residuals["u"], dx, residuals["states"], dstates, dA, diagonal,
          *setup.index),
         tuple(setup.per_row(common["K"], x.dtype) for x in (r, w, k, a, b)),
         (slots * -(-common["K"] // block_k), heads),  # (a chunk's blocks of keys together)
         num_warps=warps["tame" if TAME else "exact"],
         scale=float(scale), LEVELS=LEVELS64, TAME=TAME, SEQUENCES=setup.sequences,
-        CHUNK_SLOTS=slots, SPLIT=split,
-        **dict(common, BK=block_k, BV=min(common["BV"], K_SIDE_BLOCK_V64)))
+        CHUNK_SLOTS=slots, **dict(common, BK=block_k, BV=block_v))
     grads = _on_path(not exact and tame_path(w), launch)
     return tuple(g.reshape(setup.shape[:3] + (common["K"],)) for g in grads)
 
