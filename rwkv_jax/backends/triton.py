@@ -102,6 +102,10 @@ class KernelConfig:
     chunk64_k_side_block_k: int | None = None
     chunk64_k_side_warps: int | None = None
     chunk64_state_warps: int | None = None
+    # At 64-token chunks: warps and K columns per part of the in-chunk kernel's tame path
+    # (None: forward_chunk64's defaults, 4 and 32).
+    chunk64_in_chunk_warps: int | None = None
+    chunk64_in_chunk_block_k: int | None = None
     # At 64-token chunks: num_stages of the forward state pass's loop over chunks, a ``for``
     # that Triton pipelines (the next chunks' loads, which do not depend on the state, in
     # flight in shared memory during this one's products); 0: a ``while`` loop carrying the
@@ -471,12 +475,15 @@ def _rwkv7_chunk64(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
 
 
 def _rwkv7_chunk64_fwd(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
+    config, options = static.config, _chunk64_options(static, cu_seqlens)
+    if config.chunk64_in_chunk_warps:
+        options["warps"] = dict(options["warps"] or {}, tame=config.chunk64_in_chunk_warps)
     o, ht, saved = forward_chunk64(r, w, k, v, a, b, scale=static.scale, initial_state=h0,
-                                   residuals=True, exact=not static.config.tame,
-                                   bf16_residuals=static.config.chunk64_bf16_residuals,
-                                   state_stages=static.config.chunk64_state_stages,
-                                   recurrence_block_v=static.config.recurrence_block_v,
-                                   **_chunk64_options(static, cu_seqlens))
+                                   residuals=True, exact=not config.tame,
+                                   bf16_residuals=config.chunk64_bf16_residuals,
+                                   state_stages=config.chunk64_state_stages,
+                                   recurrence_block_v=config.recurrence_block_v,
+                                   block_k_in_chunk=config.chunk64_in_chunk_block_k, **options)
     return (o, ht), (r, w, k, v, a, b, saved, cu_seqlens)
 
 
@@ -611,7 +618,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     ``block_v``: V columns per program of the state pass and the outputs (and of each U0
     product); ``recurrence_block_v``: the state pass's instead, where set (fewer columns, more
     programs, for few sequences: KernelConfig.recurrence_block_v); ``block_k_in_chunk``: K
-    columns per part of the in-chunk sums (None: 32 on the tame path, 16 on the exact one).
+    columns per part of the tame path's in-chunk sums (None: 32; the exact path's: 16).
     ``warps``: those of the in-chunk kernel's tame and exact paths, the state pass and the
     outputs (a dict, keys "tame", "exact", "state", "output"; the defaults: sm_90 compile
     reports (the fewest spills) and, for "state", timing). ``residuals``: also return what the
@@ -669,7 +676,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
          *(setup.per_row(common["K"], buffer),) * 3,
          jax.ShapeDtypeStruct((slots, heads, common["K"]), jnp.float32)),
         (slots, heads), num_warps=warps["tame" if TAME else "exact"], scale=float(scale),
-        TAME=TAME, LEVELS=LEVELS64, KI=min(block_k_in_chunk or (32 if TAME else 16), block_k),
+        TAME=TAME, LEVELS=LEVELS64, KI=min((block_k_in_chunk or 32) if TAME else 16, block_k),
         VI=block_v,
         SEQUENCES=setup.sequences, CHUNK_SLOTS=slots,
         # float32 inputs: tf32x3 (split products, float32's precision), not the 16-token
