@@ -95,10 +95,10 @@ def main():
     parser.add_argument("--family", choices=("rwkv7", "gla", "rwkv7-64"), default="rwkv7",
                         help="rwkv7-64: the 64-token prototypes (forward_chunk64, the K side)")
     parser.add_argument("--block-k-in-chunk", type=int, default=None,
-                        help="rwkv7-64: K columns per part of the in-chunk sums (default as "
-                             "forward_chunk64: 32 on the tame path, 16 on the exact one)")
+                        help="rwkv7-64: K columns per part of the in-chunk kernel's tame path "
+                             "(default as forward_chunk64: 64; the exact path's: 16)")
     parser.add_argument("--split-block-k", type=int, default=16,
-                        help="rwkv7-64: keys per program of the K-side kernel")
+                        help="rwkv7-64: keys per program of the K-side kernel (K_SIDE_BLOCK_K64)")
     parser.add_argument("--split-block-v", type=int, default=32,
                         help="rwkv7-64: V columns per step of the dA kernel's sums")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
@@ -197,11 +197,9 @@ def main():
         tame_constexprs["key gradient"] = dict(BK=min(args.tame_key_block_k, bk),
                                                KEYS=min(args.tame_key_program_k, bk))
     if args.family == "rwkv7-64":
-        kernels = chunk64_kernels(shapes, inputs, args.block_k_in_chunk or 16,
-                                  args.split_block_k, args.split_block_v,
+        kernels = chunk64_kernels(shapes, inputs, 16, args.split_block_k, args.split_block_v,
                                   not args.float32_residuals, stages)
-        if args.block_k_in_chunk is None:
-            tame_constexprs["wy in-chunk"] = dict(KI=min(32, bk))
+        tame_constexprs["wy in-chunk"] = dict(KI=min(args.block_k_in_chunk or 64, bk))
         if args.bf16_saved:
             inputs.update(states_ptr=bf16, dstates_ptr=bf16, u_ptr=bf16, dx_ptr=bf16)
     print(f"{args.family}: K={args.key} V={args.value} (BK={bk}, BV={bv}), bf16 inputs, sm_90")
@@ -232,8 +230,9 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block
                     bf16_residuals, state_stages):
     """The 64-token forward (triton.forward_chunk64's launches), the backward's sequential pass
     and V side (backward_chunk64_v_side's) and its K side (backward_chunk64_k_side's, on its
-    blocks: K_SIDE_BLOCK_K64, K_SIDE_BLOCK_V64; split, on ``split_block_k`` keys and dA sums in
-    steps of ``split_block_v``), bf16 inputs: the pointer types and constexprs.
+    ``split_block_k`` keys per program, the dA kernel's sums in steps of ``split_block_v``),
+    bf16 inputs: the pointer types and constexprs. ``block_k_in_chunk``: the in-chunk kernel's
+    K parts (its exact path's; the caller sets the tame path's).
     ``bf16_residuals``: W, H per chunk and the decayed rows in bfloat16
     (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``: the state pass's
     num_stages (KernelConfig.chunk64_state_stages; 0: its ``while`` loop, not pipelined)."""

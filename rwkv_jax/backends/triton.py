@@ -103,7 +103,7 @@ class KernelConfig:
     chunk64_k_side_warps: int | None = None
     chunk64_state_warps: int | None = None
     # At 64-token chunks: warps and K columns per part of the in-chunk kernel's tame path
-    # (None: forward_chunk64's defaults, 4 and 32).
+    # (None: forward_chunk64's defaults, 4 and IN_CHUNK_BLOCK_K64).
     chunk64_in_chunk_warps: int | None = None
     chunk64_in_chunk_block_k: int | None = None
     # At 64-token chunks: num_stages of the forward state pass's loop over chunks, a ``for``
@@ -604,6 +604,15 @@ def _recurrence64(setup, block_v):
                 common=dict(setup.common, BV=block_v))
 
 
+# K columns per part of the in-chunk kernel's tame sums (the exact path's: 16, as parts of 64
+# spill 3-6 KB there). sm_90 bf16, 4 warps (benchmarks/compile_report.py --family rwkv7-64),
+# tame K=128: parts of 32 255 registers, 16 B of spills, 229 barriers, SASS 10896; of 64 253
+# registers, none, 127 barriers, 10512 (8 warps: 16 B, 138, 8824). H200, B=8 T=4096 bf16, one
+# process with fla (session 16): that kernel K=128 5.97 -> 5.71 ms, fwd+bwd 19.46 -> 19.29;
+# K=64 4.37 -> 3.55 ms, the 64-token fwd+bwd 16.28 -> 15.50.
+IN_CHUNK_BLOCK_K64 = 64
+
+
 def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqlens=None,
                     exact=False, block_v=64, block_k_in_chunk=None, warps=None, residuals=False,
                     bf16_residuals=True, state_stages=None, recurrence_block_v=None):
@@ -618,7 +627,8 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     ``block_v``: V columns per program of the state pass and the outputs (and of each U0
     product); ``recurrence_block_v``: the state pass's instead, where set (fewer columns, more
     programs, for few sequences: KernelConfig.recurrence_block_v); ``block_k_in_chunk``: K
-    columns per part of the tame path's in-chunk sums (None: 32; the exact path's: 16).
+    columns per part of the tame path's in-chunk sums (None: IN_CHUNK_BLOCK_K64; the exact
+    path's: 16).
     ``warps``: those of the in-chunk kernel's tame and exact paths, the state pass and the
     outputs (a dict, keys "tame", "exact", "state", "output"; the defaults: sm_90 compile
     reports (the fewest spills) and, for "state", timing). ``residuals``: also return what the
@@ -676,7 +686,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
          *(setup.per_row(common["K"], buffer),) * 3,
          jax.ShapeDtypeStruct((slots, heads, common["K"]), jnp.float32)),
         (slots, heads), num_warps=warps["tame" if TAME else "exact"], scale=float(scale),
-        TAME=TAME, LEVELS=LEVELS64, KI=min((block_k_in_chunk or 32) if TAME else 16, block_k),
+        TAME=TAME, LEVELS=LEVELS64, KI=min((block_k_in_chunk or IN_CHUNK_BLOCK_K64) if TAME else 16, block_k),
         VI=block_v,
         SEQUENCES=setup.sequences, CHUNK_SLOTS=slots,
         # float32 inputs: tf32x3 (split products, float32's precision), not the 16-token
@@ -767,9 +777,14 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
 
 # The 64-token K side: keys per program of the K-side kernel and its warps, and V columns per
 # step of the dA kernel's sums and of the K-side kernel's state products. sm_90, bf16
-# (benchmarks/compile_report.py --family rwkv7-64): see K_SIDE_BLOCK_K64's measurements in
-# BENCHMARKS.md. The dA kernel 108-120 registers, no spills, 72 KB shared at 32 columns (64:
-# 144 KB at V = 128).
+# (benchmarks/compile_report.py --family rwkv7-64), the K-side kernel's tame path at K=128:
+# 16 keys and 4 warps 204 registers, no spills, 41 barriers, SASS 2752 (session 15, with its
+# dA tiles in registers: 255, 80 B, 66, 4296); 32 keys at 4 warps spill 360 B. Measured (H200,
+# B=8 T=4096 bf16): session 14, 16 keys and 4 warps 9.21 / 9.91 ms at K=64 / 128 against
+# 10.62 / 11.17 at 32 keys and 8 warps; session 16, dA multiplied as loaded: 16 keys and 4
+# warps 8.51 / 9.23 ms, at 8 warps 16.70 / 17.26, 32 keys and 8 warps 10.80 / 11.23; then with
+# the decays' sums as products and the tiles loaded once, 6.88 / 7.62. The dA kernel 177 / 122 registers at 4 / 8 warps, no spills, 72 KB
+# shared at 32 columns (64: 144 KB at V = 128).
 K_SIDE_BLOCK_K64 = 16
 K_SIDE_WARPS64 = 4
 K_SIDE_BLOCK_V64 = 32
