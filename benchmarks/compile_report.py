@@ -238,7 +238,8 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block
     num_stages (KernelConfig.chunk64_state_stages; 0: its ``while`` loop, not pipelined)."""
     buffer = "*bf16" if bf16_residuals else "*fp32"
     inputs.update({f"{n}_ptr": "*fp32" for n in ("u0", "u", "matrices", "du", "dx", "dstates")},
-                  wy_ptr=buffer, states_ptr=buffer, dA_ptr="*bf16", diagonal_ptr="*fp32", qd_ptr=buffer, kd_ptr=buffer,
+                  wy_ptr=buffer, states_ptr=buffer, dA_ptr="*bf16", diagonal_ptr="*fp32",
+                  qd_ptr=buffer, kd_ptr=buffer,
                   bd_ptr=buffer, decay_ptr="*fp32")
     rows = shapes["TOTAL_ROWS"]
     common = dict({n: x for n, x in shapes.items() if n not in ("scale", "LEVELS")}, C=64,

@@ -247,8 +247,20 @@ def test_few_sequences_take_narrow_v_blocks():
     # (and train at 64-token chunks, whose passes take 4x fewer serial steps)
     assert triton_backend.default_config(64, 64, 32).chunk == 64
     assert triton_backend.default_config(64, 64, 512).chunk == 16
+    # (and a call not differentiated takes the 64-token forward: the same passes)
+    assert triton_backend.default_config(64, 64, 32).chunk64_inference
+    assert not triton_backend.default_config(128, 128, 512).chunk64_inference
     check(Case(steps=40, key=64, value=64, cu_seqlens=(0, 0, 23, 40),
                config=dict(SHORT_SPANS, recurrence_block_v=32)), seed=13)
+
+
+@pytest.mark.parametrize("hard", ["", "-1e9 and -inf tokens"])
+def test_chunk64_inference(hard):
+    """A call not differentiated at 64-token chunks through the 64-token forward
+    (KernelConfig.chunk64_inference): forward and final state, packed with an empty segment,
+    on the tame and exact paths."""
+    check(Case(steps=140, heads=2, key=32, value=16, cu_seqlens=(0, 0, 65, 130, 140), hard=hard,
+               config=dict(chunk=64, chunk64_inference=True)), seed=41, differentiate=False)
 
 
 def test_head_size_above_limit_is_refused():

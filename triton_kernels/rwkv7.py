@@ -1890,8 +1890,8 @@ def _wy_state_products(do_ptr, dx_ptr, v_ptr, u_ptr, states_ptr, dstates_ptr, sl
 
 @triton.jit
 def _gradient_dot(dA, x, PRECISION: tl.constexpr):
-    """dA @ x for an A matrix's gradient as stored (``_wy_matrix_gradients``) and a float32
-    tile x (rows or columns times their factors). Against a 16-bit dA, x in two 16-bit parts,
+    """dA @ x for an A matrix's gradient as loaded from the dA buffer and a float32 tile x
+    (rows or columns times their factors). Against a 16-bit dA, x in two 16-bit parts,
     its rounding and the remainder, so that both products take 16-bit operands and x keeps
     about 16 bits (x rounded once to bfloat16 doubles dw's error: past the bfloat16 contract
     in the tests' packed case). A float32 dA (float32 inputs): at PRECISION."""
@@ -1914,10 +1914,10 @@ def _wy_pair_gradient(x, y, w, centered, dA, dx, dy, STRICT: tl.constexpr,
     triangular). TAME: the forward's factors, referenced to the chunk's middle row (``centered``
     = gi - m, ``_wy_log_decay_sums``), one product each, dA and its transpose multiplied as
     loaded (no [C, C] tile changed in registers: the compiler keeps dA in shared memory and
-    transposes it there); else (``centered`` not read) level by level over the
-    chunk (``level_factors_at``: one level's tiles live at a time, every factor <= 1, exact
-    for every decay; the forward's exact path splits the same pairs' factors by 16-token
-    blocks instead)."""
+    transposes it there); else (``centered`` not read) level by level over the chunk
+    (``level_factors_at``: one level's tiles live at a time, every factor <= 1, exact for
+    every decay; the forward's exact path splits the same pairs' factors by 16-token blocks
+    instead), each level's pairs masked in registers."""
     if TAME:
         if STRICT:
             row = tl.exp(centered - w)
@@ -1957,10 +1957,10 @@ def rwkv7_wy_key_gradient_kernel(
     First the four state products in one pass over V (``_wy_state_products``), then the A
     matrices one at a time (``_wy_pair_gradient``, their gradients loaded as dot operands):
     A_qk, A_ak (dk then done), A_qb (dq done), A_ab (da, db done). The diagonal of A_qk and
-    A_qb (factor e^0, its own buffer) is added to dq, dk, db outside dw: its terms in q dq - k dk - b db
-    cancel exactly, and would leave rounding where strong decays make dw small. A log decay
-    raised to FLOOR has dw 0. Rows past the sequence's end read as zeros (w = 0) and are not
-    written; an unused slot reads and writes nothing."""
+    A_qb (factor e^0, its own buffer) is added to dq, dk, db outside dw: its terms in
+    q dq - k dk - b db cancel exactly, and would leave rounding where strong decays make dw
+    small. A log decay raised to FLOOR has dw 0. Rows past the sequence's end read as zeros
+    (w = 0) and are not written; an unused slot reads and writes nothing."""
     # (a chunk's blocks of keys are consecutive programs: they run together and share its
     # V-side tiles and dA in L2)
     KEY_BLOCKS: tl.constexpr = (K + BK - 1) // BK

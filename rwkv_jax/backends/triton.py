@@ -106,6 +106,9 @@ class KernelConfig:
     # (None: forward_chunk64's defaults, 4 and IN_CHUNK_BLOCK_K64).
     chunk64_in_chunk_warps: int | None = None
     chunk64_in_chunk_block_k: int | None = None
+    # At 64-token chunks: a call that is not differentiated takes the 64-token forward too
+    # (else the 16-token one, which saves nothing; default_config: for few sequence-heads).
+    chunk64_inference: bool = False
     # At 64-token chunks: num_stages of the forward state pass's loop over chunks, a ``for``
     # that Triton pipelines (the next chunks' loads, which do not depend on the state, in
     # flight in shared memory during this one's products); 0: a ``while`` loop carrying the
@@ -161,17 +164,21 @@ def default_config(k_size: int, v_size: int, streams: int = FEW_RECURRENCE_PROGR
     # 18.02 in two K-side kernels; K=128 32.05 against 36.54, and 39.09 without K blocks).
     # bfloat16 saved states and dH at K <= 64 only (KernelConfig.bf16_saved). Above K = 64 the
     # 64-token kernels (session 15, H200, B=8 T=4096 H=32 K=128 bf16, forward+backward: 22.13 ms
-    # against 30.87, peak 7.57 GiB against 11.56); at K = 64 the 16-token ones (14.91 against
-    # 18.95), except for few sequence-heads, whose sequential passes are latency-bound and take
-    # 4x fewer steps at 64 tokens (one sequence of 65536 tokens, H=32: 25.17 against 29.24;
-    # below K = 64 not timed).
+    # against 30.87, peak 7.57 GiB against 11.56; session 16: 19.29); at K = 64 the 16-token
+    # ones (session 16: 14.54 against 15.50), except for few sequence-heads, whose sequential
+    # passes are latency-bound and take 4x fewer steps at 64 tokens (session 15, one sequence
+    # of 65536 tokens, H=32: 25.17 against 29.24; below K = 64 not timed), in training and in
+    # calls not differentiated (the 64-token forward, residuals included, 8.34 ms against the
+    # 16-token forward's 10.85). Inference at many sequence-heads keeps the 16-token forward
+    # (K=128: 5.28 ms against 7.95).
     few = streams * -(-v_size // 64) < FEW_RECURRENCE_PROGRAMS and block_v >= 64
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
                         backward_warps=4, fused_tame_gradient=True,
                         gradient_block_k=64 if block_k == 128 else None,
                         gradient_stages=3 if block_k == 128 else 0,
                         recurrence_block_v=32 if few else None, bf16_saved=block_k <= 64,
-                        chunk=CHUNK64 if block_k > 64 or (few and block_k == 64) else CHUNK)
+                        chunk=CHUNK64 if block_k > 64 or (few and block_k == 64) else CHUNK,
+                        chunk64_inference=few and block_k >= 64)
 
 
 # (K, V) -> KernelConfig, to try other settings (benchmarks/gpu_rwkv7.py) without editing code.
@@ -462,11 +469,27 @@ def _chunk64_options(static, cu_seqlens):
                 warps=state_warps and dict(state=state_warps))
 
 
+def _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, residuals):
+    """forward_chunk64 as the op's KernelConfig sets it."""
+    config, options = static.config, _chunk64_options(static, cu_seqlens)
+    if config.chunk64_in_chunk_warps:
+        options["warps"] = dict(options["warps"] or {}, tame=config.chunk64_in_chunk_warps)
+    return forward_chunk64(r, w, k, v, a, b, scale=static.scale, initial_state=h0,
+                           residuals=residuals, exact=not config.tame,
+                           bf16_residuals=config.chunk64_bf16_residuals,
+                           state_stages=config.chunk64_state_stages,
+                           recurrence_block_v=config.recurrence_block_v,
+                           block_k_in_chunk=config.chunk64_in_chunk_block_k, **options)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rwkv7_chunk64(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
-    # Not differentiated (inference): the 16-token forward, which saves nothing and is the
-    # faster one (H200, B=8 T=4096 H=32 K=128 bf16: 5.33 ms against 11.06, session 14); only
-    # training needs the 64-token forward's residuals.
+    # Not differentiated (inference): the 64-token forward where KernelConfig.chunk64_inference
+    # says so, else the 16-token one, which is the faster one for many sequence-heads (H200,
+    # B=8 T=4096 H=32 K=128 bf16, session 16: 5.28 ms against 7.95 for the 64-token forward
+    # with its residuals).
+    if static.config.chunk64_inference:
+        return _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, False)
     batch, steps, heads, _ = r.shape
     rows = lambda x: x.reshape(batch * steps, heads, x.shape[-1])
     o, ht, _, _, _ = _forward(static, *map(rows, (r, w, k, v, a, b)), h0, cu, False,
@@ -475,15 +498,7 @@ def _rwkv7_chunk64(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
 
 
 def _rwkv7_chunk64_fwd(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
-    config, options = static.config, _chunk64_options(static, cu_seqlens)
-    if config.chunk64_in_chunk_warps:
-        options["warps"] = dict(options["warps"] or {}, tame=config.chunk64_in_chunk_warps)
-    o, ht, saved = forward_chunk64(r, w, k, v, a, b, scale=static.scale, initial_state=h0,
-                                   residuals=True, exact=not config.tame,
-                                   bf16_residuals=config.chunk64_bf16_residuals,
-                                   state_stages=config.chunk64_state_stages,
-                                   recurrence_block_v=config.recurrence_block_v,
-                                   block_k_in_chunk=config.chunk64_in_chunk_block_k, **options)
+    o, ht, saved = _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, True)
     return (o, ht), (r, w, k, v, a, b, saved, cu_seqlens)
 
 
@@ -686,7 +701,8 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
          *(setup.per_row(common["K"], buffer),) * 3,
          jax.ShapeDtypeStruct((slots, heads, common["K"]), jnp.float32)),
         (slots, heads), num_warps=warps["tame" if TAME else "exact"], scale=float(scale),
-        TAME=TAME, LEVELS=LEVELS64, KI=min((block_k_in_chunk or IN_CHUNK_BLOCK_K64) if TAME else 16, block_k),
+        TAME=TAME, LEVELS=LEVELS64,
+        KI=min((block_k_in_chunk or IN_CHUNK_BLOCK_K64) if TAME else 16, block_k),
         VI=block_v,
         SEQUENCES=setup.sequences, CHUNK_SLOTS=slots,
         # float32 inputs: tf32x3 (split products, float32's precision), not the 16-token
@@ -783,8 +799,8 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
 # B=8 T=4096 bf16): session 14, 16 keys and 4 warps 9.21 / 9.91 ms at K=64 / 128 against
 # 10.62 / 11.17 at 32 keys and 8 warps; session 16, dA multiplied as loaded: 16 keys and 4
 # warps 8.51 / 9.23 ms, at 8 warps 16.70 / 17.26, 32 keys and 8 warps 10.80 / 11.23; then with
-# the decays' sums as products and the tiles loaded once, 6.88 / 7.62. The dA kernel 177 / 122 registers at 4 / 8 warps, no spills, 72 KB
-# shared at 32 columns (64: 144 KB at V = 128).
+# the decays' sums as products and the tiles loaded once, 6.88 / 7.62. The dA kernel 177 / 122
+# registers at 4 / 8 warps, no spills, 72 KB shared at 32 columns (64: 144 KB at V = 128).
 K_SIDE_BLOCK_K64 = 16
 K_SIDE_WARPS64 = 4
 K_SIDE_BLOCK_V64 = 32
