@@ -97,9 +97,9 @@ def main():
     parser.add_argument("--block-k-in-chunk", type=int, default=None,
                         help="rwkv7-64: K columns per part of the in-chunk kernel's tame path "
                              "(default as forward_chunk64: 64; the exact path's: 16)")
-    parser.add_argument("--split-block-k", type=int, default=16,
+    parser.add_argument("--k-side-block-k", type=int, default=16,
                         help="rwkv7-64: keys per program of the K-side kernel (K_SIDE_BLOCK_K64)")
-    parser.add_argument("--split-block-v", type=int, default=32,
+    parser.add_argument("--da-block-v", type=int, default=32,
                         help="rwkv7-64: V columns per step of the dA kernel's sums")
     parser.add_argument("--bonus", action="store_true", help="gla family: RWKV-6's kernels")
     parser.add_argument("--key-block-k", type=int, default=16,
@@ -197,7 +197,7 @@ def main():
         tame_constexprs["key gradient"] = dict(BK=min(args.tame_key_block_k, bk),
                                                KEYS=min(args.tame_key_program_k, bk))
     if args.family == "rwkv7-64":
-        kernels = chunk64_kernels(shapes, inputs, 16, args.split_block_k, args.split_block_v,
+        kernels = chunk64_kernels(shapes, inputs, 16, args.k_side_block_k, args.da_block_v,
                                   not args.float32_residuals, stages)
         tame_constexprs["wy in-chunk"] = dict(KI=min(args.block_k_in_chunk or 64, bk))
         if args.bf16_saved:
@@ -226,11 +226,11 @@ def main():
                             f.write(compiled.asm[ir])
 
 
-def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block_v,
+def chunk64_kernels(shapes, inputs, block_k_in_chunk, k_side_block_k, da_block_v,
                     bf16_residuals, state_stages):
     """The 64-token forward (triton.forward_chunk64's launches), the backward's sequential pass
     and V side (backward_chunk64_v_side's) and its K side (backward_chunk64_k_side's, on its
-    ``split_block_k`` keys per program, the dA kernel's sums in steps of ``split_block_v``),
+    ``k_side_block_k`` keys per program, the dA kernel's sums in steps of ``da_block_v``),
     bf16 inputs: the pointer types and constexprs. ``block_k_in_chunk``: the in-chunk kernel's
     K parts (its exact path's; the caller sets the tame path's).
     ``bf16_residuals``: W, H per chunk and the decayed rows in bfloat16
@@ -261,10 +261,10 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk, split_block_k, split_block
         ("wy dA", rwkv7.rwkv7_wy_matrix_gradient_kernel,
          dict({n: parallel[n] for n in ("HEADS", "V", "C", "TOTAL_ROWS", "SEQUENCES",
                                         "CHUNK_SLOTS", "PRECISION")},
-              BV=min(shapes["BV"], split_block_v))),
+              BV=min(shapes["BV"], da_block_v))),
         ("wy key gradient", rwkv7.rwkv7_wy_key_gradient_kernel,
          dict(parallel, scale=1.0, LEVELS=6, BV=min(shapes["BV"], 32),
-              BK=split_block_k if shapes["K"] % split_block_k == 0 else shapes["BK"])),
+              BK=k_side_block_k if shapes["K"] % k_side_block_k == 0 else shapes["BK"])),
     ]
 
 
