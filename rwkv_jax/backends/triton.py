@@ -95,7 +95,7 @@ class KernelConfig:
     # kernels of the section "64-token chunks" (docs/RWKV7-CHUNK64.md; default_config's choice
     # above K = 64), which take block_v (the V columns per program of their state passes,
     # outputs and V-side gradients) and the chunk64_* fields below; a call that is not
-    # differentiated takes the 16-token forward either way.
+    # differentiated takes the 16-token forward unless chunk64_inference.
     chunk: int = 16
     # At 64-token chunks: keys per program and warps of the K-side kernel (None:
     # backward_chunk64_k_side's defaults), and warps of the two sequential passes (None: 4).
