@@ -1781,13 +1781,20 @@ WY_DA_AB = tl.constexpr(3)
 
 
 @triton.jit
+def _wy_diagonal(diagonal_ptr, slot, head, WHICH: tl.constexpr, HEADS: tl.constexpr,
+                 C: tl.constexpr):
+    """Pointers to the diagonal of A_qk's (WY_A_QK) or A_qb's (WY_A_QB) gradient in the
+    diagonal buffer, [C]."""
+    return diagonal_ptr + ((slot.to(tl.int64) * HEADS + head) * 2 + WHICH) * C + tl.arange(0, C)
+
+
+@triton.jit
 def _wy_diagonal_gradient(diagonal_ptr, slot, used, head, WHICH: tl.constexpr,
                           HEADS: tl.constexpr, C: tl.constexpr):
     """The diagonal of A_qk's (WY_A_QK) or A_qb's (WY_A_QB) gradient from the diagonal buffer,
     as a column [C, 1]."""
-    index = tl.arange(0, C)
-    return tl.load(diagonal_ptr + ((slot.to(tl.int64) * HEADS + head) * 2 + WHICH) * C + index,
-                   mask=used, other=0.0)[:, None]
+    return tl.load(_wy_diagonal(diagonal_ptr, slot, head, WHICH, HEADS, C), mask=used,
+                   other=0.0)[:, None]
 
 
 @triton.jit
@@ -1828,11 +1835,10 @@ def rwkv7_wy_matrix_gradient_kernel(
     strict = steps[:, None] > steps[None, :]
     diagonal = steps[:, None] == steps[None, :]
     out = dA_ptr.dtype.element_ty
-    diagonal_base = diagonal_ptr + ((slot.to(tl.int64) * HEADS + head) * 2) * C + steps
-    tl.store(diagonal_base + WY_A_QK * C, tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1),
-             mask=used)
-    tl.store(diagonal_base + WY_A_QB * C, tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1),
-             mask=used)
+    tl.store(_wy_diagonal(diagonal_ptr, slot, head, WY_A_QK, HEADS, C),
+             tl.sum(tl.where(diagonal, dA_qk, 0.0), axis=1), mask=used)
+    tl.store(_wy_diagonal(diagonal_ptr, slot, head, WY_A_QB, HEADS, C),
+             tl.sum(tl.where(diagonal, dA_qb, 0.0), axis=1), mask=used)
     tl.store(_wy_matrix(dA_ptr, slot, head, WY_A_QK, HEADS, C, False),
              tl.where(strict, dA_qk, 0.0).to(out), mask=used)
     tl.store(_wy_matrix(dA_ptr, slot, head, WY_A_QB, HEADS, C, False),
