@@ -38,7 +38,7 @@ TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 SASS = ("HGMMA", "HMMA", "LDL", "STL", "BAR.SYNC", "LDS", "STS", "LDG", "STG")
 
 
-def compile_for_hopper(kernel, pointer_types, constexprs, warps, stages=3):
+def compile_for_hopper(kernel, pointer_types, constexprs, warps, stages=3, max_registers=None):
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else pointer_types[n] for n in names}
     # Launches pass 16-byte aligned pointers; say so, or loads would not be vectorised.
@@ -46,7 +46,8 @@ def compile_for_hopper(kernel, pointer_types, constexprs, warps, stages=3):
     source = ASTSource(kernel, signature, {(names.index(n),): v for n, v in constexprs.items()},
                        aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages})
+                          options={"num_warps": warps, "num_stages": stages,
+                                   "maxnreg": max_registers})
 
 
 def resources(compiled):
@@ -135,6 +136,10 @@ def main():
     parser.add_argument("--float32-residuals", action="store_true",
                         help="rwkv7-64: W and H per chunk in float32, as with "
                         "KernelConfig.chunk64_bf16_residuals off (on: bfloat16 for bf16 inputs)")
+    parser.add_argument("--max-registers", type=int, default=None,
+                        help="a cap on every kernel's registers per thread (Triton's maxnreg, as "
+                        "_launch.launch's max_registers; the backend's rwkv7-64 caps: "
+                        "IN_CHUNK_MAX_REGISTERS64, K_SIDE_MAX_REGISTERS64, tame paths)")
     parser.add_argument("--dump", metavar="DIR",
                         help="also write each compiled kernel's TTGIR and PTX into DIR")
     parser.add_argument("--only", default="", help="e.g. 'gradient': only the kernels so named")
@@ -216,7 +221,8 @@ def main():
                 pipelined = ("ROUNDED" in kernel.arg_names if args.family == "gla"
                              else "PIPELINED" in kernel.arg_names)
                 compiled = compile_for_hopper(kernel, inputs, options, warps,
-                                              max(stages, 1) if pipelined else 3)
+                                              max(stages, 1) if pipelined else 3,
+                                              args.max_registers)
                 print(f"{name:15s} {path:5s} {warps} warps: {resources(compiled)}")
                 if args.dump:
                     os.makedirs(args.dump, exist_ok=True)

@@ -59,6 +59,22 @@ def test_launch_under_vmap_runs_each_element():
                                rtol=1e-6)
 
 
+def test_register_cap_reaches_the_compiler():
+    # On the GPU a capped launch's backends parse its options with Triton's maxnreg (jax-triton
+    # passes none); the interpreter has no registers and runs the kernel as it is.
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    make = lambda device, capability: CUDABackend(GPUTarget("cuda", capability, 32))
+    capped = _launch.capped_backend(make, 168)(0, 90).parse_options({"num_warps": 4})
+    assert (capped.maxnreg, capped.num_warps) == (168, 4)
+    assert make(0, 90).parse_options({"num_warps": 4}).maxnreg is None
+    x = jnp.arange(16, dtype=jnp.float32)
+    out_shapes = (jax.ShapeDtypeStruct((16,), jnp.float32),) * 2
+    doubled, _ = _launch.launch(_scale_and_shift_kernel, (x, x), out_shapes, (1,),
+                                max_registers=64, SIZE=16, SHIFT=0.0)
+    np.testing.assert_array_equal(np.asarray(doubled), np.asarray(x * 2))
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     steps: int = 20

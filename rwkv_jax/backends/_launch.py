@@ -84,8 +84,13 @@ def kernels(module: str):
 
 
 def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDtypeStruct],
-           grid: tuple, *, num_warps: int = 4, num_stages: Optional[int] = None, **constexprs):
+           grid: tuple, *, num_warps: int = 4, num_stages: Optional[int] = None,
+           max_registers: Optional[int] = None, **constexprs):
     """Run ``kernel[grid](*inputs, *outputs, **constexprs)`` and return the outputs (a tuple).
+
+    ``max_registers``: a cap on each thread's registers (Triton's ``maxnreg``, PTX
+    ``.maxnreg``), so that more programs fit on an SM at the price of some spills; None: the
+    compiler's choice (up to 255). The interpreter has no registers and ignores it.
 
     Outputs are uninitialised: the kernel must write every element that is read back. On the
     CPU path they start as NaN (integers as -1), so an element a kernel forgets shows up.
@@ -93,6 +98,8 @@ def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDt
     out_shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes)
     if _on_gpu():
         jax_triton = _import_jax_triton()
+        if max_registers is not None:
+            kernel = _register_capped(kernel, max_registers)
 
         def run(*arrays):
             return tuple(jax_triton.triton_call(
@@ -105,6 +112,47 @@ def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDt
             host = lambda *xs: _interpret(kernel, grid, xs, out_shapes, constexprs)
             return tuple(jax.pure_callback(host, out_shapes, *arrays))
     return _one_at_a_time_under_vmap(run)(*inputs)
+
+
+# jax-triton 0.3.1 passes no register cap to Triton (its compile options are num_warps,
+# num_stages, num_ctas and enable_fp_fusion), so a capped launch runs a copy of the kernel (its
+# own entry in jax-triton's kernel cache, which is keyed by the kernel), and the cap of that
+# copy is added to the options jax-triton has Triton's CUDA backend parse.
+_REGISTER_CAPS = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _register_capped(kernel, max_registers: int):
+    """A copy of the ``@triton.jit`` kernel that compiles under jax-triton with ``maxnreg``."""
+    import triton
+    _cap_registers_in_jax_triton()
+    copy = triton.JITFunction(kernel.fn)
+    _REGISTER_CAPS[copy] = max_registers
+    return copy
+
+
+def capped_backend(make_backend, max_registers: int):
+    """``make_backend`` (jax-triton's ``(device, compute_capability) -> backend``) whose
+    backends parse every compile's options with ``maxnreg=max_registers``."""
+    def make_capped(device, compute_capability):
+        backend = make_backend(device, compute_capability)
+        parse = backend.parse_options
+        backend.parse_options = lambda options: parse(dict(options, maxnreg=max_registers))
+        return backend
+    return make_capped
+
+
+@functools.lru_cache(maxsize=None)
+def _cap_registers_in_jax_triton():
+    from jax_triton import triton_lib
+    compile_kernel = triton_lib.get_or_create_triton_kernel
+
+    def get_or_create_triton_kernel(make_backend, platform, fn, *args, **kwargs):
+        if fn in _REGISTER_CAPS:
+            make_backend = capped_backend(make_backend, _REGISTER_CAPS[fn])
+        return compile_kernel(make_backend, platform, fn, *args, **kwargs)
+
+    triton_lib.get_or_create_triton_kernel = get_or_create_triton_kernel
 
 
 def _one_at_a_time_under_vmap(run):

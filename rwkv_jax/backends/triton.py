@@ -626,11 +626,21 @@ def _recurrence64(setup, block_v):
 # process with fla (session 16): that kernel K=128 5.97 -> 5.71 ms, fwd+bwd 19.46 -> 19.29;
 # K=64 4.37 -> 3.55 ms, the 64-token fwd+bwd 16.28 -> 15.50.
 IN_CHUNK_BLOCK_K64 = 64
+# Registers per thread of the in-chunk kernel's tame path, by BK (none where absent): its 253
+# at K=128 (4 warps) let two programs share an SM, 168 three (sm_90: 668 B of spills, shared
+# memory 64 KB each). H200, B=8 T=4096 bf16 (session 17, the forward with its residuals):
+# K=128 7.79 -> 7.10 ms; at K=64 (255 -> 168, 548 B of spills) 5.35 -> 5.60, so not there.
+# Slower, same runs: the tame path at 8 warps (9.05 ms at K=128, 8.28 at K=64; capped at 128
+# registers: 9.32, 7.91), and the state pass capped at 128 (two programs per SM -> four, 672
+# B of spills at K=128: 7.21 -> 8.38 ms; the state-gradient pass likewise 3.40 -> 3.83 with
+# the V side).
+IN_CHUNK_MAX_REGISTERS64 = {128: 168}
 
 
 def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqlens=None,
                     exact=False, block_v=64, block_k_in_chunk=None, warps=None, residuals=False,
-                    bf16_residuals=True, state_stages=None, recurrence_block_v=None):
+                    bf16_residuals=True, state_stages=None, recurrence_block_v=None,
+                    max_registers=None):
     """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
     "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
     inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
@@ -646,7 +656,9 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     path's: 16).
     ``warps``: those of the in-chunk kernel's tame and exact paths, the state pass and the
     outputs (a dict, keys "tame", "exact", "state", "output"; the defaults: sm_90 compile
-    reports (the fewest spills) and, for "state", timing). ``residuals``: also return what the
+    reports (the fewest spills) and, for "state", timing); ``max_registers``: a cap on their
+    registers per thread, a dict with the same keys (None or absent: none; default: the tame
+    path's IN_CHUNK_MAX_REGISTERS64 at its BK). ``residuals``: also return what the
     backward reads (a dict: ``states`` [chunk slots, H, K, V], H at every chunk's start; ``u``
     and ``wy`` [B * T, H, V or K], U float32 and W; ``matrices`` [chunk slots, H, 4, 64, 64]
     float32, A_qk, A_qb, A_ak, T; ``qd``, ``kd``, ``bd`` [B * T, H, K], the decayed rows, and
@@ -690,6 +702,8 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     # (the passes at 64) the outputs too (1.91; the V side 2.49): fwd+bwd 27.97 against 29.09
     # and 28.18.
     warps = dict(dict(tame=4, exact=4, state=4, output=4), **(warps or {}))
+    if max_registers is None:
+        max_registers = dict(tame=IN_CHUNK_MAX_REGISTERS64.get(block_k))
     if state_stages is None:
         state_stages = 2
     # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path; the
@@ -700,7 +714,8 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
          jax.ShapeDtypeStruct((slots, heads, 4, CHUNK64, CHUNK64), jnp.float32),
          *(setup.per_row(common["K"], buffer),) * 3,
          jax.ShapeDtypeStruct((slots, heads, common["K"]), jnp.float32)),
-        (slots, heads), num_warps=warps["tame" if TAME else "exact"], scale=float(scale),
+        (slots, heads), num_warps=warps["tame" if TAME else "exact"],
+        max_registers=max_registers.get("tame" if TAME else "exact"), scale=float(scale),
         TAME=TAME, LEVELS=LEVELS64,
         KI=min((block_k_in_chunk or IN_CHUNK_BLOCK_K64) if TAME else 16, block_k),
         VI=block_v,
@@ -718,15 +733,15 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         _kernels.rwkv7_wy_state_kernel,
         (kd, v, bd, decay, wy, u0, setup.h0, setup.cu, setup.chunk_index),
         (setup.states(setup.sequences), setup.states(slots, buffer), setup.per_row(common["V"])),
-        recurrence["grid"], num_warps=warps["state"], num_stages=max(state_stages, 1),
-        PIPELINED=state_stages > 0, CHUNK_SLOTS=slots,
+        recurrence["grid"], num_warps=warps["state"], max_registers=max_registers.get("state"),
+        num_stages=max(state_stages, 1), PIPELINED=state_stages > 0, CHUNK_SLOTS=slots,
         **_without(recurrence["common"], "FLOOR"))
     # 3. The outputs, all chunks at once.
     (o,) = _launch.launch(
         _kernels.rwkv7_wy_output_kernel, (qd, v, u, states, matrices, *setup.index),
         (setup.per_row(common["V"], v.dtype),), (slots * setup.v_blocks, heads),
-        num_warps=warps["output"], SEQUENCES=setup.sequences, CHUNK_SLOTS=slots,
-        **_without(common, "FLOOR"))
+        num_warps=warps["output"], max_registers=max_registers.get("output"),
+        SEQUENCES=setup.sequences, CHUNK_SLOTS=slots, **_without(common, "FLOOR"))
     o = o.reshape(setup.shape)
     if residuals:
         return o, ht, dict(states=states, u=u, wy=wy, matrices=matrices, qd=qd, kd=kd, bd=bd,
@@ -751,7 +766,8 @@ STATE_GRADIENT_STAGES64 = 0
 
 
 def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=None,
-                            block_v=64, warps=None, recurrence_block_v=None, state_stages=None):
+                            block_v=64, warps=None, recurrence_block_v=None, state_stages=None,
+                            max_registers=None):
     """The first two kernels of the 64-token backward:
     from the inputs as :func:`forward_chunk64` took them, its ``residuals`` and the cotangents
     ``do`` [B, T, H, V] and ``dht`` [N, H, K, V] (of o and ht), (dv [B, T, H, V] in v's dtype,
@@ -760,6 +776,8 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
     launches: the state-gradient pass (sequential, reverse: dH', dU, dh0) and the V-side
     gradients (all chunks at once: dX, dV).
     ``warps``: a dict, keys "state" (default STATE_GRADIENT_WARPS64) and "value";
+    ``max_registers``: a cap on their registers per thread, a dict with the same keys (default
+    none);
     ``block_v`` and ``recurrence_block_v`` as :func:`forward_chunk64`'s (no ``scale``: the
     residuals' q~ carries it); ``state_stages``:
     num_stages of the state-gradient pass's loop over chunks, 0 for its ``while`` loop
@@ -768,6 +786,7 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     warps = dict(dict(state=STATE_GRADIENT_WARPS64, value=4), **(warps or {}))
+    max_registers = max_registers or {}
     if state_stages is None:
         state_stages = STATE_GRADIENT_STAGES64
     do = do.reshape(common["TOTAL_ROWS"], heads, common["V"])
@@ -778,15 +797,16 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
         (residuals["qd"], residuals["bd"], residuals["decay"], do, residuals["wy"],
          residuals["matrices"], dht.astype(jnp.float32), setup.cu, setup.chunk_index),
         (setup.states(setup.sequences), setup.states(slots), setup.per_row(common["V"])),
-        recurrence["grid"], num_warps=warps["state"], CHUNK_SLOTS=slots,
-        num_stages=max(state_stages, 1), PIPELINED=state_stages > 0,
+        recurrence["grid"], num_warps=warps["state"], max_registers=max_registers.get("state"),
+        CHUNK_SLOTS=slots, num_stages=max(state_stages, 1), PIPELINED=state_stages > 0,
         **_without(recurrence["common"], "FLOOR"))
     # 5. The V-side gradients, all chunks at once.
     dv, dx = _launch.launch(
         _kernels.rwkv7_wy_value_gradient_kernel,
         (residuals["kd"], do, du, dstates, residuals["matrices"], *setup.index),
         (setup.per_row(common["V"], v.dtype), setup.per_row(common["V"])),
-        (slots * setup.v_blocks, heads), num_warps=warps["value"], SEQUENCES=setup.sequences,
+        (slots * setup.v_blocks, heads), num_warps=warps["value"],
+        max_registers=max_registers.get("value"), SEQUENCES=setup.sequences,
         CHUNK_SLOTS=slots, **_without(common, "FLOOR"))
     return dv.reshape(setup.shape), dh0, dstates, du, dx
 
@@ -804,10 +824,19 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
 K_SIDE_BLOCK_K64 = 16
 K_SIDE_WARPS64 = 4
 K_SIDE_BLOCK_V64 = 32
+# Registers per thread of the K-side kernel's tame path: its 204 (4 warps, 16 keys) let two
+# programs share an SM, 168 three (sm_90: 152 B of spills; 72 KB of shared memory each).
+# H200, B=8 T=4096 bf16 (session 17, the dA and K-side kernels): K=128 8.44 -> 7.05 ms, K=64
+# 7.94 -> 6.72. The dA kernel likewise, at 4 warps (188 registers, 73 KB shared: two programs
+# per SM; 163 under the cap, no spills: three): then 7.11 -> 7.08 ms at K=128, 6.80 -> 6.61 at
+# K=64, against 8 warps (122 registers at K=128, 110 at 64: two).
+K_SIDE_MAX_REGISTERS64 = 168
+DA_WARPS64 = 4
 
 
 def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, scale=1.0,
-                            cu_seqlens=None, block_v=64, exact=False, warps=None, block_k=None):
+                            cu_seqlens=None, block_v=64, exact=False, warps=None, block_k=None,
+                            max_registers=None):
     """The last kernels of the 64-token backward (kernel 6): from the inputs as
     :func:`forward_chunk64` took them, its ``residuals`` (the chunk states H and U), the
     cotangent ``do`` [B, T, H, V] of o and what :func:`backward_chunk64_v_side` returned
@@ -821,13 +850,18 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
     K_SIDE_BLOCK_K64, summing the state products over all of V inside: no partial sums), on
     the tame or exact path as :func:`tame_path` picks on the device (``exact`` forces the
     exact one). ``block_v``: V columns per step of the sums over V, at most K_SIDE_BLOCK_V64;
-    ``warps``: a dict, keys "tame", "exact" (default K_SIDE_WARPS64) and "dA" (8)."""
+    ``warps``: a dict, keys "tame", "exact" (default K_SIDE_WARPS64) and "dA" (DA_WARPS64);
+    ``max_registers``: a cap on their registers per thread, a dict with the same keys (None or
+    absent: none; default: K_SIDE_MAX_REGISTERS64 on the tame path and the dA kernel)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     block_k = block_k or K_SIDE_BLOCK_K64
     block_k = block_k if common["K"] % block_k == 0 else common["BK"]
-    warps = dict(dict(tame=K_SIDE_WARPS64, exact=K_SIDE_WARPS64, dA=8), **(warps or {}))
+    warps = dict(dict(tame=K_SIDE_WARPS64, exact=K_SIDE_WARPS64, dA=DA_WARPS64),
+                 **(warps or {}))
+    if max_registers is None:
+        max_registers = dict(tame=K_SIDE_MAX_REGISTERS64, dA=K_SIDE_MAX_REGISTERS64)
     do = do.reshape(common["TOTAL_ROWS"], heads, common["V"])
     block_v = min(common["BV"], K_SIDE_BLOCK_V64)
     dA, diagonal = _launch.launch(
@@ -836,7 +870,8 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
         (jax.ShapeDtypeStruct((slots, heads, 4, CHUNK64, CHUNK64),
                               jnp.float32 if common["PRECISION"] == "tf32x3" else jnp.bfloat16),
          jax.ShapeDtypeStruct((slots, heads, 2, CHUNK64), jnp.float32)),
-        (slots, heads), num_warps=warps["dA"], HEADS=heads, V=common["V"], BV=block_v,
+        (slots, heads), num_warps=warps["dA"], max_registers=max_registers.get("dA"),
+        HEADS=heads, V=common["V"], BV=block_v,
         C=CHUNK64, TOTAL_ROWS=common["TOTAL_ROWS"], SEQUENCES=setup.sequences,
         CHUNK_SLOTS=slots, PRECISION=common["PRECISION"])
     launch = lambda TAME: _launch.launch(
@@ -846,6 +881,7 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
         tuple(setup.per_row(common["K"], x.dtype) for x in (r, w, k, a, b)),
         (slots * -(-common["K"] // block_k), heads),  # (a chunk's blocks of keys together)
         num_warps=warps["tame" if TAME else "exact"],
+        max_registers=max_registers.get("tame" if TAME else "exact"),
         scale=float(scale), LEVELS=LEVELS64, TAME=TAME, SEQUENCES=setup.sequences,
         CHUNK_SLOTS=slots, **dict(common, BK=block_k, BV=block_v))
     grads = _on_path(not exact and tame_path(w), launch)
