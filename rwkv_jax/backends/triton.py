@@ -827,11 +827,10 @@ K_SIDE_BLOCK_V64 = 32
 # Registers per thread of the K-side kernel's tame path: its 204 (4 warps, 16 keys) let two
 # programs share an SM, 168 three (sm_90: 152 B of spills; 72 KB of shared memory each).
 # H200, B=8 T=4096 bf16 (session 17, the dA and K-side kernels): K=128 8.44 -> 7.05 ms, K=64
-# 7.94 -> 6.72. The dA kernel likewise, at 4 warps (188 registers, 73 KB shared: two programs
-# per SM; 163 under the cap, no spills: three): then 7.11 -> 7.08 ms at K=128, 6.80 -> 6.61 at
-# K=64, against 8 warps (122 registers at K=128, 110 at 64: two).
+# 7.94 -> 6.72. The dA kernel at 4 warps and capped likewise (163 registers, no spills: three
+# programs per SM against two at 8 warps) was no faster: 7.11 -> 7.08 ms at K=128, 6.80 ->
+# 6.61 at K=64 in one run, 7.15 and 6.78 in the next.
 K_SIDE_MAX_REGISTERS64 = 168
-DA_WARPS64 = 4
 
 
 def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, scale=1.0,
@@ -850,18 +849,17 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
     K_SIDE_BLOCK_K64, summing the state products over all of V inside: no partial sums), on
     the tame or exact path as :func:`tame_path` picks on the device (``exact`` forces the
     exact one). ``block_v``: V columns per step of the sums over V, at most K_SIDE_BLOCK_V64;
-    ``warps``: a dict, keys "tame", "exact" (default K_SIDE_WARPS64) and "dA" (DA_WARPS64);
+    ``warps``: a dict, keys "tame", "exact" (default K_SIDE_WARPS64) and "dA" (8);
     ``max_registers``: a cap on their registers per thread, a dict with the same keys (None or
-    absent: none; default: K_SIDE_MAX_REGISTERS64 on the tame path and the dA kernel)."""
+    absent: none; default: the tame path's K_SIDE_MAX_REGISTERS64)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     block_k = block_k or K_SIDE_BLOCK_K64
     block_k = block_k if common["K"] % block_k == 0 else common["BK"]
-    warps = dict(dict(tame=K_SIDE_WARPS64, exact=K_SIDE_WARPS64, dA=DA_WARPS64),
-                 **(warps or {}))
+    warps = dict(dict(tame=K_SIDE_WARPS64, exact=K_SIDE_WARPS64, dA=8), **(warps or {}))
     if max_registers is None:
-        max_registers = dict(tame=K_SIDE_MAX_REGISTERS64, dA=K_SIDE_MAX_REGISTERS64)
+        max_registers = dict(tame=K_SIDE_MAX_REGISTERS64)
     do = do.reshape(common["TOTAL_ROWS"], heads, common["V"])
     block_v = min(common["BV"], K_SIDE_BLOCK_V64)
     dA, diagonal = _launch.launch(
