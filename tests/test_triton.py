@@ -260,9 +260,10 @@ def test_few_sequences_take_narrow_v_blocks():
     per head here), packed with an empty segment."""
     assert triton_backend.default_config(64, 64, 32).recurrence_block_v == 32
     assert triton_backend.default_config(64, 64, 512).recurrence_block_v is None
-    # (and train at 64-token chunks, whose passes take 4x fewer serial steps)
+    # (and train at 64-token chunks, whose passes take 4x fewer serial steps; so do many)
     assert triton_backend.default_config(64, 64, 32).chunk == 64
-    assert triton_backend.default_config(64, 64, 512).chunk == 16
+    assert triton_backend.default_config(64, 64, 512).chunk == 64
+    assert triton_backend.default_config(32, 32, 512).chunk == 16
     # (and a call not differentiated takes the 64-token forward: the same passes)
     assert triton_backend.default_config(64, 64, 32).chunk64_inference
     assert not triton_backend.default_config(128, 128, 512).chunk64_inference

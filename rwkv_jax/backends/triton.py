@@ -164,20 +164,22 @@ def default_config(k_size: int, v_size: int, streams: int = FEW_RECURRENCE_PROGR
     # 18.02 in two K-side kernels; K=128 32.05 against 36.54, and 39.09 without K blocks).
     # bfloat16 saved states and dH at K <= 64 only (KernelConfig.bf16_saved). Above K = 64 the
     # 64-token kernels (session 15, H200, B=8 T=4096 H=32 K=128 bf16, forward+backward: 22.13 ms
-    # against 30.87, peak 7.57 GiB against 11.56; session 16: 19.29); at K = 64 the 16-token
-    # ones (session 16: 14.54 against 15.50), except for few sequence-heads, whose sequential
+    # against 30.87, peak 7.57 GiB against 11.56; session 16: 19.29; session 17, their K-side
+    # and in-chunk kernels under register caps: 17.45), and at K = 64 since session 17 (H=64:
+    # 14.47 against the 16-token kernels' 14.88, same run; session 16: 15.50 against 14.54;
+    # peak 7.81 GiB against 6.15); below K = 64 not timed. Few sequence-heads' sequential
     # passes are latency-bound and take 4x fewer steps at 64 tokens (session 15, one sequence
-    # of 65536 tokens, H=32: 25.17 against 29.24; below K = 64 not timed), in training and in
-    # calls not differentiated (the 64-token forward, residuals included, 8.34 ms against the
-    # 16-token forward's 10.85). Inference at many sequence-heads keeps the 16-token forward
-    # (K=128: 5.28 ms against 7.95).
+    # of 65536 tokens, H=32 K=64: 25.17 against 29.24), in training and in calls not
+    # differentiated (the 64-token forward, residuals included, 8.34 ms against the 16-token
+    # forward's 10.85). Inference at many sequence-heads keeps the 16-token forward (K=128:
+    # 5.28 ms against 7.95; K=64 3.28 against 5.32, session 17).
     few = streams * -(-v_size // 64) < FEW_RECURRENCE_PROGRAMS and block_v >= 64
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
                         backward_warps=4, fused_tame_gradient=True,
                         gradient_block_k=64 if block_k == 128 else None,
                         gradient_stages=3 if block_k == 128 else 0,
                         recurrence_block_v=32 if few else None, bf16_saved=block_k <= 64,
-                        chunk=CHUNK64 if block_k > 64 or (few and block_k == 64) else CHUNK,
+                        chunk=CHUNK64 if block_k >= 64 else CHUNK,
                         chunk64_inference=few and block_k >= 64)
 
 
