@@ -1,0 +1,117 @@
+"""The 64-token RWKV-7 path in three timed stages, one process per variant: the forward with
+its residuals (in-chunk kernel, state pass, outputs), the V side (state-gradient pass, V-side
+gradients) and the K side (dA and K-side kernels), at B=8 T=4096 H=4096/K bf16, model-range
+decays: where a kernel change moves the time, without fla or the whole op.
+
+    source benchmarks/gpu_env.sh   # on the GPU machine: wheels, PYTHONPATH
+    python benchmarks/gpu_chunk64_variants.py \
+        'base={}|uncapped={"k": {"max_registers": {}}}' 128,64
+
+A variant is JSON: "fwd", "v", "k": keyword arguments of ``forward_chunk64``,
+``backward_chunk64_v_side`` and ``backward_chunk64_k_side`` (e.g. ``warps``, ``max_registers``:
+a dict replaces the function's default); "patch": {"path": [[old, new], ...]}, text
+replacements in a copy of the tree (each ``old`` must occur once), which the variant's process
+imports instead. Each stage is the median of 15 rounds of 10 calls (ms); their sum includes a
+little dispatch that the op's one jitted call does not pay (off the GPU: one call at a toy size
+in Triton's interpreter, a smoke test). Session 17 (H200) found the register
+caps with it (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def timed(fn, *args):
+    import jax
+    out = jax.block_until_ready(fn(*args))
+    rounds, calls = (15, 10) if jax.default_backend() == "gpu" else (1, 1)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls * 1e3)
+    return statistics.median(times), out
+
+
+def child(variant, size):
+    import jax
+    import jax.numpy as jnp
+    from rwkv_jax.backends import triton as backend
+    batch, steps, heads = 8, 4096, 4096 // size
+    if jax.default_backend() != "gpu":  # (the interpreter: a smoke test)
+        batch, steps, heads, size = 1, 70, 2, 16
+    keys = jax.random.split(jax.random.PRNGKey(0), 7)
+    normal = lambda i: jax.random.normal(keys[i], (batch, steps, heads, size), jnp.float32)
+    k = normal(2)
+    kk = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    x = dict(r=normal(0), w=-0.6065 * jax.nn.sigmoid(normal(1)), k=k, v=normal(3), a=-kk,
+             b=kk * jax.nn.sigmoid(normal(4)))
+    inputs = [x[n].astype(jnp.bfloat16) for n in "rwkvab"]
+    do = normal(5).astype(jnp.bfloat16)
+    dht = jax.random.normal(keys[6], (batch, heads, size, size), jnp.float32)
+    forward = jax.jit(lambda *a: backend.forward_chunk64(*a, residuals=True,
+                                                         **variant.get("fwd", {})))
+    t_forward, (_, _, residuals) = timed(forward, *inputs)
+    v_side = jax.jit(lambda *a: backend.backward_chunk64_v_side(*a, **variant.get("v", {})))
+    t_v, (_, _, dstates, _, dx) = timed(v_side, *inputs, residuals, do, dht)
+    k_side = jax.jit(lambda *a: backend.backward_chunk64_k_side(*a, **variant.get("k", {})))
+    t_k, grads = timed(k_side, *inputs, residuals, do, dstates, dx)
+    finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
+    print(json.dumps(dict(fwd=round(t_forward, 3), v=round(t_v, 3), k=round(t_k, 3),
+                          total=round(t_forward + t_v + t_k, 3), finite=finite)))
+
+
+def patched_tree(name, patches):
+    """A copy of the tree at /tmp/chunk64_variant_<name> with ``patches`` applied."""
+    root = f"/tmp/chunk64_variant_{name}"
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(ROOT, root, symlinks=True,
+                    ignore=shutil.ignore_patterns(".whl", ".gpu-cache", ".git", ".venv"))
+    for path, pairs in patches.items():
+        with open(os.path.join(root, path)) as f:
+            text = f.read()
+        for old, new in pairs:
+            if text.count(old) != 1:
+                raise ValueError(f"variant {name}: {old[:60]!r} occurs {text.count(old)} times "
+                                 f"in {path}, not once")
+            text = text.replace(old, new)
+        with open(os.path.join(root, path), "w") as f:
+            f.write(text)
+    return root
+
+
+def main():
+    variants = [v.split("=", 1) for v in sys.argv[1].split("|")]
+    sizes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["128", "64"]
+    for name, spec in variants:
+        patches = json.loads(spec).get("patch", {})
+        root = patched_tree(name, patches) if patches else ROOT
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                      if p and os.path.abspath(p) != ROOT]))
+        for size in sizes:
+            start = time.time()
+            result = subprocess.run(
+                [sys.executable, os.path.join(root, "benchmarks", os.path.basename(__file__)),
+                 "--child", spec, size], capture_output=True, text=True, env=env, cwd=root)
+            lines = result.stdout.strip().splitlines()
+            line = lines[-1] if lines else result.stderr[-800:]
+            print(f"{name:12s} K={size}: {line}  ({time.time() - start:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--child":
+        child(json.loads(sys.argv[2]), int(sys.argv[3]))
+    else:
+        main()
