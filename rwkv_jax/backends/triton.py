@@ -171,8 +171,9 @@ def default_config(k_size: int, v_size: int, streams: int = FEW_RECURRENCE_PROGR
     # passes are latency-bound and take 4x fewer steps at 64 tokens (session 15, one sequence
     # of 65536 tokens, H=32 K=64: 25.17 against 29.24), in training and in calls not
     # differentiated (the 64-token forward, residuals included, 8.34 ms against the 16-token
-    # forward's 10.85). Inference at many sequence-heads keeps the 16-token forward (K=128:
-    # 5.28 ms against 7.95; K=64 3.28 against 5.32, session 17).
+    # forward's 10.85). Inference at many sequence-heads keeps the 16-token forward (session
+    # 17, B=8: K=128 5.35 ms against 7.15 for the 64-token forward with its residuals, K=64
+    # 3.28 against 5.32).
     few = streams * -(-v_size // 64) < FEW_RECURRENCE_PROGRAMS and block_v >= 64
     return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
                         backward_warps=4, fused_tame_gradient=True,
