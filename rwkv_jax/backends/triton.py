@@ -93,7 +93,7 @@ class KernelConfig:
     k_side_warps: int | None = None
     # Tokens per chunk of the training kernels: 16, the kernels above, or 64, the WY-form
     # kernels of the section "64-token chunks" (docs/RWKV7-CHUNK64.md; default_config's choice
-    # above K = 64), which take block_v (the V columns per program of their state passes,
+    # from K = 64), which take block_v (the V columns per program of their state passes,
     # outputs and V-side gradients) and the chunk64_* fields below; a call that is not
     # differentiated takes the 16-token forward unless chunk64_inference.
     chunk: int = 16
@@ -544,7 +544,7 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
 
 
 # 64-token chunks (docs/RWKV7-CHUNK64.md): the op's training kernels at KernelConfig.chunk = 64
-# (the default above K = 64: BENCHMARKS.md session 14).
+# (the default from K = 64: BENCHMARKS.md sessions 14 and 17).
 CHUNK64 = 64
 LEVELS64 = CHUNK64.bit_length() - 1
 # The plan's 16-token blocks: of the exact path's in-chunk factors and of the in-chunk inverse's
