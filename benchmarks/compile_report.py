@@ -202,7 +202,7 @@ def main():
         tame_constexprs["key gradient"] = dict(BK=min(args.tame_key_block_k, bk),
                                                KEYS=min(args.tame_key_program_k, bk))
     if args.family == "rwkv7-64":
-        kernels = chunk64_kernels(shapes, inputs, 16, args.k_side_block_k, args.da_block_v,
+        kernels = chunk64_kernels(shapes, inputs, args.k_side_block_k, args.da_block_v,
                                   not args.float32_residuals, stages)
         tame_constexprs["wy in-chunk"] = dict(KI=min(args.block_k_in_chunk or 64, bk))
         if args.bf16_saved:
@@ -232,13 +232,12 @@ def main():
                             f.write(compiled.asm[ir])
 
 
-def chunk64_kernels(shapes, inputs, block_k_in_chunk, k_side_block_k, da_block_v,
-                    bf16_residuals, state_stages):
+def chunk64_kernels(shapes, inputs, k_side_block_k, da_block_v, bf16_residuals, state_stages):
     """The 64-token forward (triton.forward_chunk64's launches), the backward's sequential pass
     and V side (backward_chunk64_v_side's) and its K side (backward_chunk64_k_side's, on its
     ``k_side_block_k`` keys per program, the dA kernel's sums in steps of ``da_block_v``),
-    bf16 inputs: the pointer types and constexprs. ``block_k_in_chunk``: the in-chunk kernel's
-    K parts (its exact path's; the caller sets the tame path's).
+    bf16 inputs: the pointer types and constexprs. The in-chunk kernel in K parts of 16, as
+    forward_chunk64's exact path (the caller sets the tame path's).
     ``bf16_residuals``: W, H per chunk and the decayed rows in bfloat16
     (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``: the state pass's
     num_stages (KernelConfig.chunk64_state_stages; 0: its ``while`` loop, not pipelined)."""
@@ -255,7 +254,7 @@ def chunk64_kernels(shapes, inputs, block_k_in_chunk, k_side_block_k, da_block_v
     return [
         # (as launched: one program takes every V block of U0, VI = BV columns at a time)
         ("wy in-chunk", rwkv7.rwkv7_wy_kernel,
-         dict(parallel, scale=1.0, LEVELS=6, KI=min(block_k_in_chunk, shapes["BK"]),
+         dict(parallel, scale=1.0, LEVELS=6, KI=min(16, shapes["BK"]),
               BV=-(-shapes["V"] // shapes["BV"]) * shapes["BV"], VI=shapes["BV"],
               INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4)),
         ("wy state", rwkv7.rwkv7_wy_state_kernel,

@@ -11,10 +11,10 @@ A variant is JSON: "fwd", "v", "k": keyword arguments of ``forward_chunk64``,
 ``backward_chunk64_v_side`` and ``backward_chunk64_k_side`` (e.g. ``warps``, ``max_registers``:
 a dict replaces the function's default); "patch": {"path": [[old, new], ...]}, text
 replacements in a copy of the tree (each ``old`` must occur once), which the variant's process
-imports instead. Each stage is the median of 15 rounds of 10 calls (ms); their sum includes a
-little dispatch that the op's one jitted call does not pay (off the GPU: one call at a toy size
-in Triton's interpreter, a smoke test). Session 17 (H200) found the register
-caps with it (BENCHMARKS.md).
+imports instead. Each stage is timed as the main benchmark times the op (``gpu_rwkv7.time_jax``:
+median ms); their sum includes a little dispatch that the op's one jitted call does not pay.
+Off the GPU it runs a toy size in Triton's interpreter (a smoke test). Session 17 (H200) found
+the register caps with it (BENCHMARKS.md; its stages then the median of 15 rounds of 10 calls).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -31,17 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def timed(fn, *args):
-    import jax
-    out = jax.block_until_ready(fn(*args))
-    rounds, calls = (15, 10) if jax.default_backend() == "gpu" else (1, 1)
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(times), out
+    """(median ms of ``fn(*args)``, as the main benchmark times it, and its output)."""
+    from gpu_rwkv7 import time_jax  # (benchmarks/, beside this script)
+    return time_jax(fn, *args), fn(*args)
 
 
 def child(variant, size):
