@@ -5,13 +5,15 @@ decays: where a kernel change moves the time, without fla or the whole op.
 
     source benchmarks/gpu_env.sh   # on the GPU machine: wheels, PYTHONPATH
     python benchmarks/gpu_chunk64_variants.py \
-        'base={}|uncapped={"k": {"max_registers": {}}}' 128,64
+        'base={}|uncapped={"k": {"max_registers": {"tame": null}}}' 128,64
 
 A variant is JSON: "fwd", "v", "k": keyword arguments of ``forward_chunk64``,
 ``backward_chunk64_v_side`` and ``backward_chunk64_k_side`` (e.g. ``warps``, ``max_registers``:
-a dict replaces the function's default); "patch": {"path": [[old, new], ...]}, text
-replacements in a copy of the tree (each ``old`` must occur once), which the variant's process
-imports instead. Each stage is timed as the main benchmark times the op (``gpu_rwkv7.time_jax``:
+caps over the function's defaults, null for none); "stages": those to time (default ["fwd",
+"v", "k"]; ["fwd"]: the forward alone; "k" runs "v" too, for its inputs); "patch": {"path":
+[[old, new], ...]}, text replacements in a copy of the tree (each ``old`` must occur once),
+which the variant's process imports instead. ``@FILE``: the variants from FILE, a JSON object
+(name -> variant). Each stage is timed as the main benchmark times the op (``gpu_rwkv7.time_jax``:
 median ms); their sum includes a little dispatch that the op's one jitted call does not pay.
 Off the GPU it runs a toy size in Triton's interpreter (a smoke test). Session 17 (H200) found
 the register caps with it (BENCHMARKS.md; its stages then the median of 15 rounds of 10 calls).
@@ -53,11 +55,18 @@ def child(variant, size):
     dht = jax.random.normal(keys[6], (batch, heads, size, size), jnp.float32)
     forward = jax.jit(lambda *a: backend.forward_chunk64(*a, residuals=True,
                                                          **variant.get("fwd", {})))
-    t_forward, (_, _, residuals) = timed(forward, *inputs)
-    v_side = jax.jit(lambda *a: backend.backward_chunk64_v_side(*a, **variant.get("v", {})))
-    t_v, (_, _, dstates, _, dx) = timed(v_side, *inputs, residuals, do, dht)
-    k_side = jax.jit(lambda *a: backend.backward_chunk64_k_side(*a, **variant.get("k", {})))
-    t_k, grads = timed(k_side, *inputs, residuals, do, dstates, dx)
+    stages = variant.get("stages", ["fwd", "v", "k"])
+    t_forward, (o, _, residuals) = timed(forward, *inputs)
+    t_v = t_k = 0.0
+    grads = [o]
+    if "v" in stages or "k" in stages:
+        v_side = jax.jit(lambda *a: backend.backward_chunk64_v_side(*a, **variant.get("v", {})))
+        t_v, (dv, _, dstates, _, dx) = timed(v_side, *inputs, residuals, do, dht)
+        grads.append(dv)
+    if "k" in stages:
+        k_side = jax.jit(lambda *a: backend.backward_chunk64_k_side(*a, **variant.get("k", {})))
+        t_k, k_grads = timed(k_side, *inputs, residuals, do, dstates, dx)
+        grads += list(k_grads)
     finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
     print(json.dumps(dict(fwd=round(t_forward, 3), v=round(t_v, 3), k=round(t_k, 3),
                           total=round(t_forward + t_v + t_k, 3), finite=finite)))
@@ -83,7 +92,11 @@ def patched_tree(name, patches):
 
 
 def main():
-    variants = [v.split("=", 1) for v in sys.argv[1].split("|")]
+    if sys.argv[1].startswith("@"):  # a JSON object name -> variant (patches outgrow a command)
+        with open(sys.argv[1][1:]) as f:
+            variants = [(name, json.dumps(v)) for name, v in json.load(f).items()]
+    else:
+        variants = [v.split("=", 1) for v in sys.argv[1].split("|")]
     sizes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["128", "64"]
     for name, spec in variants:
         patches = json.loads(spec).get("patch", {})

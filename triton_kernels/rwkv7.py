@@ -1286,49 +1286,20 @@ def _wy_inverse(lower, C: tl.constexpr, LEVELS: tl.constexpr, BLOCK_LEVELS: tl.c
 
 
 @triton.jit
-def rwkv7_wy_kernel(
-    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,
-    wy_ptr, u0_ptr, matrices_ptr, qd_ptr, kd_ptr, bd_ptr, decay_ptr,            # outputs
-    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, KI: tl.constexpr, VI: tl.constexpr, C: tl.constexpr,
-    LEVELS: tl.constexpr, FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
-    SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
-    INVERSE_PRECISION: tl.constexpr, BLOCK_LEVELS: tl.constexpr,
-):
-    """Grid (chunk slots, HEADS), one 64-token chunk per program. wy [rows, HEADS, K]: W = T a~;
-    u0 [rows, HEADS, V]: U0 = T A_ak V; matrices [chunk slots, HEADS, 4, C, C]: A_qk, A_qb, A_ak,
-    T (``_wy_matrix``; the last two only the backward reads); qd, kd, bd [rows, HEADS, K]: the
-    decayed rows q~ = scale r e^gi, k^ = k e^(g - gi), b^ = b e^(g - gi), and decay [chunk
-    slots, HEADS, K] float32: e^g, which the later kernels read instead of the decays. Each
-    float32 or bfloat16, rounded once from its float32 value. Rows past the sequence's end read
-    as zeros (w = 0) and are not stored; nor is anything of an unused slot.
-
-    In three passes over K (KI columns at a time: [C, KI] tiles) so that at most two [C, C]
-    sums are built at once: A_ak and A_ab, then T = (I - A_ab)^-1 and T A_ak; U0 (VI columns of
-    V at a time) and W (a~ per K part); A_qk and A_qb, stored; last the decayed rows. Each
-    pass rereads its K tiles (k and b twice in all), which costs less than holding four [C, C]
-    sums."""
-    head = tl.program_id(1)
-    slot = tl.program_id(0)
-    used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
-                                  TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
-    steps = tl.arange(0, C)
-    rows_in = (first + steps < end)[:, None]
-    k_base = (first * HEADS + head) * K
-    v_base = (first * HEADS + head) * V
+def _wy_transform(a_ptr, k_ptr, b_ptr, w_ptr, v_ptr, wy_ptr, u0_ptr, matrices_ptr, slot, head,
+                  used, steps, rows_in, k_base, v_base, HEADS: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KI: tl.constexpr,
+                  VI: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr, FLOOR: tl.constexpr,
+                  TAME: tl.constexpr, PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
+                  BLOCK_LEVELS: tl.constexpr):
+    """A chunk's WY transform: A_ak and A_ab, T = (I - A_ab)^-1, W = T a~ and U0 = T A_ak V;
+    stores A_ak, T, W and U0. A_ak goes to memory before the inverse and comes back after W
+    (T A_ak, then U0 per VI columns of V): at most two [C, C] tiles beside the inverse's."""
     A_ak, A_ab = _wy_pairs(a_ptr, k_ptr, b_ptr, w_ptr, k_base, rows_in, 1.0, True, TAME, HEADS,
                            K, BK, KI, C, BLOCK_LEVELS, FLOOR, PRECISION)
-    inverse = _wy_inverse(A_ab, C, LEVELS, BLOCK_LEVELS, INVERSE_PRECISION)
     _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_A_AK, HEADS, C, False), 0, A_ak, used)
+    inverse = _wy_inverse(A_ab, C, LEVELS, BLOCK_LEVELS, INVERSE_PRECISION)
     _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_T, HEADS, C, False), 0, inverse, used)
-    # U0 = T (A_ak V) = (T A_ak) V: one [C, C] product, then one per part of V.
-    inverse_ak = tl.dot(inverse, A_ak, input_precision=INVERSE_PRECISION)
-    for part in tl.static_range(BV // VI):
-        v_cols = part * VI + tl.arange(0, VI)
-        v_in = rows_in & (v_cols < V)[None, :]
-        v_tile = steps[:, None] * (HEADS * V) + v_cols[None, :]
-        u0 = tl.dot(inverse_ak, rows(v_ptr, v_base, v_tile, v_in), input_precision=PRECISION)
-        _wy_store(u0_ptr + v_base, v_tile, u0, v_in)
     # W = T a~, a~ = a e^ge (per K column: ge is a cumulative sum down the chunk, <= 0).
     for part in tl.static_range((K + KI - 1) // KI):
         part_base, k_tile, k_in = _k_part(part, k_base, rows_in, steps, HEADS, K, KI)
@@ -1336,13 +1307,32 @@ def rwkv7_wy_kernel(
         decayed = rows(a_ptr, part_base, k_tile, k_in) * tl.exp(gi - w)
         _wy_store(wy_ptr + part_base, k_tile, tl.dot(inverse, decayed, input_precision=PRECISION),
                   k_in)
+    # U0 = T (A_ak V) = (T A_ak) V: one [C, C] product, then one per part of V. A_ak read back
+    # as this program stored it (float32: exact) once all its threads have.
+    tl.debug_barrier()
+    inverse_ak = tl.dot(inverse, _wy_load(matrices_ptr, slot, used, head, WY_A_AK, HEADS, C,
+                                          False), input_precision=INVERSE_PRECISION)
+    for part in tl.static_range(BV // VI):
+        v_cols = part * VI + tl.arange(0, VI)
+        v_in = rows_in & (v_cols < V)[None, :]
+        v_tile = steps[:, None] * (HEADS * V) + v_cols[None, :]
+        u0 = tl.dot(inverse_ak, rows(v_ptr, v_base, v_tile, v_in), input_precision=PRECISION)
+        _wy_store(u0_ptr + v_base, v_tile, u0, v_in)
+
+
+@triton.jit
+def _wy_queries(r_ptr, k_ptr, b_ptr, w_ptr, matrices_ptr, qd_ptr, kd_ptr, bd_ptr, decay_ptr,
+                slot, head, used, steps, rows_in, k_base, scale, HEADS: tl.constexpr,
+                K: tl.constexpr, BK: tl.constexpr, KI: tl.constexpr, C: tl.constexpr,
+                FLOOR: tl.constexpr, TAME: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_LEVELS: tl.constexpr):
+    """A chunk's A_qk and A_qb, stored; then the decayed rows the later kernels read instead of
+    the decays, q~ = q e^gi, k^ = k e^(g - gi), b^ = b e^(g - gi) and e^g (every factor <= 1),
+    when no [C, C] tile is live (beside T they spilled 40-68 B, sm_90 4 warps)."""
     A_qk, A_qb = _wy_pairs(r_ptr, k_ptr, b_ptr, w_ptr, k_base, rows_in, scale, False, TAME,
                            HEADS, K, BK, KI, C, BLOCK_LEVELS, FLOOR, PRECISION)
     _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C, False), 0, A_qk, used)
     _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, False), 0, A_qb, used)
-    # The decayed rows the later kernels read instead of the decays, q~ = q e^gi,
-    # k^ = k e^(g - gi), b^ = b e^(g - gi) and e^g (every factor <= 1): last, when no [C, C]
-    # tile is live (in W's loop beside T they spilled 40-68 B, sm_90 4 warps).
     for part in tl.static_range((K + KI - 1) // KI):
         part_base, k_tile, k_in = _k_part(part, k_base, rows_in, steps, HEADS, K, KI)
         w, gi, after = _wy_log_decay_sums(w_ptr, part_base, k_tile, k_in, FLOOR, C, False)
@@ -1354,6 +1344,53 @@ def rwkv7_wy_kernel(
         k_cols = part * KI + tl.arange(0, KI)
         tl.store(_wy_decay(decay_ptr, slot, head, HEADS, K, k_cols), tl.exp(tl.sum(w, axis=0)),
                  mask=in_range(k_cols, K, KI) & used)
+
+
+@triton.jit
+def rwkv7_wy_kernel(
+    r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, cu_ptr, chunk_index_ptr, chunk_sequence_ptr,
+    wy_ptr, u0_ptr, matrices_ptr, qd_ptr, kd_ptr, bd_ptr, decay_ptr,            # outputs
+    scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, KI: tl.constexpr, VI: tl.constexpr, C: tl.constexpr,
+    LEVELS: tl.constexpr, FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
+    SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+    INVERSE_PRECISION: tl.constexpr, BLOCK_LEVELS: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Grid (chunk slots, HEADS), one 64-token chunk per program, or (2 * chunk slots, HEADS)
+    if SPLIT: two programs per chunk, side by side, one for the WY transform and one for the
+    queries' matrices and the decayed rows (each with fewer registers live than both). wy
+    [rows, HEADS, K]: W = T a~; u0 [rows, HEADS, V]: U0 = T A_ak V; matrices [chunk slots, HEADS,
+    4, C, C]: A_qk, A_qb, A_ak, T (``_wy_matrix``; the last two only the backward reads); qd,
+    kd, bd [rows, HEADS, K]: the decayed rows q~ = scale r e^gi, k^ = k e^(g - gi),
+    b^ = b e^(g - gi), and decay [chunk slots, HEADS, K] float32: e^g, which the later kernels
+    read instead of the decays. Each float32 or bfloat16, rounded once from its float32 value.
+    Rows past the sequence's end read as zeros (w = 0) and are not stored; nor is anything of an
+    unused slot.
+
+    In passes over K (KI columns at a time: [C, KI] tiles) so that at most two [C, C] sums are
+    built at once: A_ak and A_ab, then T and W, then U0 (``_wy_transform``); A_qk and A_qb, then
+    the decayed rows (``_wy_queries``). Each pass rereads its K tiles (k and b twice in all),
+    which costs less than holding four [C, C] sums."""
+    head = tl.program_id(1)
+    slot = tl.program_id(0) // 2 if SPLIT else tl.program_id(0)
+    used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
+                                  TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
+    steps = tl.arange(0, C)
+    rows_in = (first + steps < end)[:, None]
+    k_base = (first * HEADS + head) * K
+    v_base = (first * HEADS + head) * V
+    if SPLIT:
+        role = tl.program_id(0) % 2  # 0: the WY transform, 1: the queries
+    else:
+        role = 2  # (both)
+    if role != 1:
+        _wy_transform(a_ptr, k_ptr, b_ptr, w_ptr, v_ptr, wy_ptr, u0_ptr, matrices_ptr, slot,
+                      head, used, steps, rows_in, k_base, v_base, HEADS, K, V, BK, BV, KI, VI,
+                      C, LEVELS, FLOOR, TAME, PRECISION, INVERSE_PRECISION, BLOCK_LEVELS)
+    if role != 0:
+        _wy_queries(r_ptr, k_ptr, b_ptr, w_ptr, matrices_ptr, qd_ptr, kd_ptr, bd_ptr, decay_ptr,
+                    slot, head, used, steps, rows_in, k_base, scale, HEADS, K, BK, KI, C, FLOOR,
+                    TAME, PRECISION, BLOCK_LEVELS)
 
 
 @triton.jit

@@ -629,21 +629,28 @@ def _recurrence64(setup, block_v):
 # process with fla (session 16): that kernel K=128 5.97 -> 5.71 ms, fwd+bwd 19.46 -> 19.29;
 # K=64 4.37 -> 3.55 ms, the 64-token fwd+bwd 16.28 -> 15.50.
 IN_CHUNK_BLOCK_K64 = 64
-# Registers per thread of the in-chunk kernel's tame path, by BK (none where absent): its 253
-# at K=128 (4 warps) let two programs share an SM, 168 three (sm_90: 668 B of spills, shared
-# memory 64 KB each). H200, B=8 T=4096 bf16 (session 17, the forward with its residuals):
-# K=128 7.79 -> 7.10 ms; at K=64 (255 -> 168, 548 B of spills) 5.35 -> 5.60, so not there.
-# Slower, same runs: the tame path at 8 warps (9.05 ms at K=128, 8.28 at K=64; capped at 128
-# registers: 9.32, 7.91), and the state pass capped at 128 (two programs per SM -> four, 672
-# B of spills at K=128: 7.21 -> 8.38 ms; the state-gradient pass likewise 3.40 -> 3.83 with
-# the V side).
-IN_CHUNK_MAX_REGISTERS64 = {128: 168}
+# The in-chunk kernel in two programs per chunk, side by side (rwkv7_wy_kernel's SPLIT): one
+# for the WY transform (A_ak, A_ab, T, W, U0), one for A_qk, A_qb and the decayed rows. H100,
+# B=8 T=4096 bf16, the forward with its residuals (session 18): K=128 8.26 ms in one program
+# per chunk (capped at 168 registers, below) -> 7.50 split (uncapped; 7.80 capped); K=64 5.81
+# (uncapped) -> 5.62 split and capped at 168 (5.95 uncapped).
+IN_CHUNK_SPLIT64 = True
+# Registers per thread of the in-chunk kernel's tame path, by BK (none where absent). 168 lets
+# three programs share an SM instead of two (sm_90, 4 warps, split: K=64 264 B of spills, 48 KB
+# of shared memory each; K=128 980 B). Session 17 (H200), one program per chunk: capped at
+# K=128 7.79 -> 7.10 ms, at K=64 5.35 -> 5.60. Slower, same runs: the tame path at 8 warps
+# (9.05 ms at K=128, 8.28 at K=64; capped at 128 registers: 9.32, 7.91), and the state pass
+# capped at 128 (two programs per SM -> four, 672 B of spills at K=128: 7.21 -> 8.38 ms; the
+# state-gradient pass likewise 3.40 -> 3.83 with the V side). Session 18 (H100): the state
+# passes on V blocks of 32 (four programs per SM at K=64) slower at K=128, forward 8.29 ->
+# 8.97 ms and V side 3.50 -> 4.15 (8.84 and 4.05 capped at 128 registers).
+IN_CHUNK_MAX_REGISTERS64 = {64: 168}
 
 
 def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqlens=None,
                     exact=False, block_v=64, block_k_in_chunk=None, warps=None, residuals=False,
                     bf16_residuals=True, state_stages=None, recurrence_block_v=None,
-                    max_registers=None):
+                    max_registers=None, split_in_chunk=None):
     """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
     "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
     inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
@@ -659,9 +666,9 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     path's: 16).
     ``warps``: those of the in-chunk kernel's tame and exact paths, the state pass and the
     outputs (a dict, keys "tame", "exact", "state", "output"; the defaults: sm_90 compile
-    reports (the fewest spills) and, for "state", timing); ``max_registers``: a cap on their
-    registers per thread, a dict with the same keys (None or absent: none; default: the tame
-    path's IN_CHUNK_MAX_REGISTERS64 at its BK). ``residuals``: also return what the
+    reports (the fewest spills) and, for "state", timing); ``max_registers``: caps on their
+    registers per thread, a dict with the same keys over the defaults (None: no cap; default:
+    the tame path's IN_CHUNK_MAX_REGISTERS64 at its BK). ``residuals``: also return what the
     backward reads (a dict: ``states`` [chunk slots, H, K, V], H at every chunk's start; ``u``
     and ``wy`` [B * T, H, V or K], U float32 and W; ``matrices`` [chunk slots, H, 4, 64, 64]
     float32, A_qk, A_qb, A_ak, T; ``qd``, ``kd``, ``bd`` [B * T, H, K], the decayed rows, and
@@ -670,7 +677,8 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``:
     num_stages of the state pass's loop over chunks, 0 for its ``while`` loop
     (KernelConfig.chunk64_state_stages; None: 2, as measured). The op's
-    forward at KernelConfig.chunk = 64."""
+    forward at KernelConfig.chunk = 64. ``split_in_chunk``: the in-chunk kernel in two programs
+    per chunk (its WY transform and its queries' part; None: IN_CHUNK_SPLIT64)."""
     setup = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
@@ -705,10 +713,10 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     # (the passes at 64) the outputs too (1.91; the V side 2.49): fwd+bwd 27.97 against 29.09
     # and 28.18.
     warps = dict(dict(tame=4, exact=4, state=4, output=4), **(warps or {}))
-    if max_registers is None:
-        max_registers = dict(tame=IN_CHUNK_MAX_REGISTERS64.get(block_k))
+    max_registers = dict(dict(tame=IN_CHUNK_MAX_REGISTERS64.get(block_k)), **(max_registers or {}))
     if state_stages is None:
         state_stages = 2
+    split = IN_CHUNK_SPLIT64 if split_in_chunk is None else split_in_chunk
     # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path; the
     # decayed rows q~, k^, b^ and e^g per chunk, which the kernels below read.
     in_chunk = lambda TAME: _launch.launch(
@@ -717,7 +725,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
          jax.ShapeDtypeStruct((slots, heads, 4, CHUNK64, CHUNK64), jnp.float32),
          *(setup.per_row(common["K"], buffer),) * 3,
          jax.ShapeDtypeStruct((slots, heads, common["K"]), jnp.float32)),
-        (slots, heads), num_warps=warps["tame" if TAME else "exact"],
+        (slots * (2 if split else 1), heads), num_warps=warps["tame" if TAME else "exact"],
         max_registers=max_registers.get("tame" if TAME else "exact"), scale=float(scale),
         TAME=TAME, LEVELS=LEVELS64,
         KI=min((block_k_in_chunk or IN_CHUNK_BLOCK_K64) if TAME else 16, block_k),
@@ -727,7 +735,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         # kernels' "ieee": ten [64, 64] products without tensor cores spilled 8.6 KB at K=32
         # (sm_90, 4 warps; tf32x3: 328 B tame, 1.4 KB exact).
         INVERSE_PRECISION=common["PRECISION"],
-        BLOCK_LEVELS=BLOCK64.bit_length() - 1,
+        BLOCK_LEVELS=BLOCK64.bit_length() - 1, SPLIT=split,
         **dict(common, BV=setup.v_blocks * block_v))
     wy, u0, matrices, qd, kd, bd, decay = _on_path(not exact and tame_path(w), in_chunk)
     # 2. The state pass: U, the state at every chunk's start, the final states.
@@ -779,7 +787,7 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
     launches: the state-gradient pass (sequential, reverse: dH', dU, dh0) and the V-side
     gradients (all chunks at once: dX, dV).
     ``warps``: a dict, keys "state" (default STATE_GRADIENT_WARPS64) and "value";
-    ``max_registers``: a cap on their registers per thread, a dict with the same keys (default
+    ``max_registers``: caps on their registers per thread, a dict with the same keys (default
     none);
     ``block_v`` and ``recurrence_block_v`` as :func:`forward_chunk64`'s (no ``scale``: the
     residuals' q~ carries it); ``state_stages``:
@@ -853,16 +861,15 @@ def backward_chunk64_k_side(r, w, k, v, a, b, residuals, do, dstates, dx, *, sca
     the tame or exact path as :func:`tame_path` picks on the device (``exact`` forces the
     exact one). ``block_v``: V columns per step of the sums over V, at most K_SIDE_BLOCK_V64;
     ``warps``: a dict, keys "tame", "exact" (default K_SIDE_WARPS64) and "dA" (8);
-    ``max_registers``: a cap on their registers per thread, a dict with the same keys (None or
-    absent: none; default: the tame path's K_SIDE_MAX_REGISTERS64)."""
+    ``max_registers``: caps on their registers per thread, a dict with the same keys over the
+    defaults (None: no cap; default: the tame path's K_SIDE_MAX_REGISTERS64)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     block_k = block_k or K_SIDE_BLOCK_K64
     block_k = block_k if common["K"] % block_k == 0 else common["BK"]
     warps = dict(dict(tame=K_SIDE_WARPS64, exact=K_SIDE_WARPS64, dA=8), **(warps or {}))
-    if max_registers is None:
-        max_registers = dict(tame=K_SIDE_MAX_REGISTERS64)
+    max_registers = dict(dict(tame=K_SIDE_MAX_REGISTERS64), **(max_registers or {}))
     do = do.reshape(common["TOTAL_ROWS"], heads, common["V"])
     block_v = min(common["BV"], K_SIDE_BLOCK_V64)
     dA, diagonal = _launch.launch(
