@@ -136,8 +136,6 @@ def main():
     parser.add_argument("--float32-residuals", action="store_true",
                         help="rwkv7-64: W and H per chunk in float32, as with "
                         "KernelConfig.chunk64_bf16_residuals off (on: bfloat16 for bf16 inputs)")
-    parser.add_argument("--split-in-chunk", action="store_true",
-                        help="rwkv7-64: the in-chunk kernel in two programs per chunk (SPLIT)")
     parser.add_argument("--max-registers", type=int, default=None,
                         help="a cap on every kernel's registers per thread (Triton's maxnreg, as "
                         "_launch.launch's max_registers; the backend's rwkv7-64 caps: "
@@ -205,7 +203,7 @@ def main():
                                                KEYS=min(args.tame_key_program_k, bk))
     if args.family == "rwkv7-64":
         kernels = chunk64_kernels(shapes, inputs, args.k_side_block_k, args.da_block_v,
-                                  not args.float32_residuals, stages, args.split_in_chunk)
+                                  not args.float32_residuals, stages)
         tame_constexprs["wy in-chunk"] = dict(KI=min(args.block_k_in_chunk or 64, bk))
         if args.bf16_saved:
             inputs.update(states_ptr=bf16, dstates_ptr=bf16, u_ptr=bf16, dx_ptr=bf16)
@@ -234,8 +232,7 @@ def main():
                             f.write(compiled.asm[ir])
 
 
-def chunk64_kernels(shapes, inputs, k_side_block_k, da_block_v, bf16_residuals, state_stages,
-                    split_in_chunk):
+def chunk64_kernels(shapes, inputs, k_side_block_k, da_block_v, bf16_residuals, state_stages):
     """The 64-token forward (triton.forward_chunk64's launches), the backward's sequential pass
     and V side (backward_chunk64_v_side's) and its K side (backward_chunk64_k_side's, on its
     ``k_side_block_k`` keys per program, the dA kernel's sums in steps of ``da_block_v``),
@@ -243,8 +240,7 @@ def chunk64_kernels(shapes, inputs, k_side_block_k, da_block_v, bf16_residuals, 
     forward_chunk64's exact path (the caller sets the tame path's).
     ``bf16_residuals``: W, H per chunk and the decayed rows in bfloat16
     (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``: the state pass's
-    num_stages (KernelConfig.chunk64_state_stages; 0: its ``while`` loop, not pipelined).
-    ``split_in_chunk``: the in-chunk kernel's SPLIT (two programs per chunk)."""
+    num_stages (KernelConfig.chunk64_state_stages; 0: its ``while`` loop, not pipelined)."""
     buffer = "*bf16" if bf16_residuals else "*fp32"
     inputs.update({f"{n}_ptr": "*fp32" for n in ("u0", "u", "matrices", "du", "dx", "dstates")},
                   wy_ptr=buffer, states_ptr=buffer, dA_ptr="*bf16", diagonal_ptr="*fp32",
@@ -260,7 +256,7 @@ def chunk64_kernels(shapes, inputs, k_side_block_k, da_block_v, bf16_residuals, 
         ("wy in-chunk", rwkv7.rwkv7_wy_kernel,
          dict(parallel, scale=1.0, LEVELS=6, KI=min(16, shapes["BK"]),
               BV=-(-shapes["V"] // shapes["BV"]) * shapes["BV"], VI=shapes["BV"],
-              INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4, SPLIT=split_in_chunk)),
+              INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4)),
         ("wy state", rwkv7.rwkv7_wy_state_kernel,
          dict(no_decays(common), PIPELINED=state_stages > 0)),
         ("wy output", rwkv7.rwkv7_wy_output_kernel, no_decays(parallel)),

@@ -22,6 +22,8 @@ export OUT
 # first, which is harmless, so they run without it).
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONSAFEPATH=1
+# Several processes share the GPU (pytest workers): none takes most of its memory up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-python3}
 
 ALL_PARTS=(install info gpu-tests tests check bench baseline scripts)
@@ -58,6 +60,10 @@ pytest_ran_tests() {  # pytest exits 5 when it collected no test: that is a fail
   return $rc
 }
 
+parallel() {  # four pytest workers where pytest-xdist is installed (the tests mostly compile)
+  "$PY" -c "import xdist" 2>/dev/null && echo "-n 4"
+}
+
 bench() {
   local plot=()
   "$PY" -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/bench.png")
@@ -83,7 +89,7 @@ run_part() {
   case $part in
     install) install ;;
     info) "$PY" -m rwkv_jax info ;;
-    gpu-tests) pytest_ran_tests -q -m gpu ;;
+    gpu-tests) pytest_ran_tests -q -m gpu $(parallel) ;;
     tests) pytest_ran_tests -q ;;
     check) "$PY" -m rwkv_jax check ;;
     bench) bench ;;

@@ -301,10 +301,12 @@ CHUNK64_CASES = {
     "V != K": Case(steps=66, key=32, value=16),
     "strong decays": Case(steps=70, decay="strong"),
     "-1e9 and -inf tokens": Case(steps=70, hard="-1e9 and -inf tokens"),
+    "-1e9 and -inf tokens, bfloat16": Case(steps=70, hard="-1e9 and -inf tokens",
+                                           dtype="bfloat16"),
     "uniform down to -1e3": Case(steps=70, hard="uniform down to -1e3"),
     "float32 buffers between the kernels, packed bfloat16": Case(
         steps=140, cu_seqlens=(0, 0, 65, 130, 140), dtype="bfloat16",
-        config=dict(chunk64_bf16_residuals=False)),
+        config=dict(chunk64_bf16_residuals=False, chunk64_bf16_state_gradients=False)),
 }
 
 

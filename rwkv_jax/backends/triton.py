@@ -135,6 +135,13 @@ class KernelConfig:
     # side's rowsum(H dH'). With W and H: output 3.32e-3 -> 3.38e-3, worst gradient 6.14e-3
     # -> 6.31e-3 (split K side). float32 inputs keep float32 buffers.
     chunk64_bf16_residuals: bool = True
+    # dH' per chunk (the state-gradient pass's output, which the V and K sides read) in
+    # bfloat16 for 16-bit inputs (backward_chunk64_v_side's bf16_state_gradients). H100, B=8
+    # T=4096 bf16, one process with fla (session 18): fwd+bwd K=128 18.30 -> 17.92 ms, peak
+    # 7.57 -> 7.06 GiB; K=64 15.13 -> 15.01, 7.81 -> 7.55 GiB; errors against float64
+    # unchanged there (output 2.0e-3, worst gradient 3.0e-3; fla 2.5e-3, 3.6e-3). On the
+    # interpreter (small cases) dv's and db's errors rise by ~10% (session 17).
+    chunk64_bf16_state_gradients: bool = True
 
 
 def _pow2_at_least(n, floor=16):
@@ -512,7 +519,8 @@ def _rwkv7_chunk64_bwd(static, residuals, cotangents):
     options = _chunk64_options(static, cu_seqlens)
     dv, dh0, dstates, _, dx = backward_chunk64_v_side(
         r, w, k, v, a, b, saved, do, dht, recurrence_block_v=static.config.recurrence_block_v,
-        state_stages=static.config.chunk64_state_gradient_stages, **options)
+        state_stages=static.config.chunk64_state_gradient_stages,
+        bf16_state_gradients=static.config.chunk64_bf16_state_gradients, **options)
     warps = static.config.chunk64_k_side_warps
     dr, dw, dk, da, db = backward_chunk64_k_side(
         r, w, k, v, a, b, saved, do, dstates, dx, scale=static.scale,
@@ -629,15 +637,12 @@ def _recurrence64(setup, block_v):
 # process with fla (session 16): that kernel K=128 5.97 -> 5.71 ms, fwd+bwd 19.46 -> 19.29;
 # K=64 4.37 -> 3.55 ms, the 64-token fwd+bwd 16.28 -> 15.50.
 IN_CHUNK_BLOCK_K64 = 64
-# The in-chunk kernel in two programs per chunk, side by side (rwkv7_wy_kernel's SPLIT): one
-# for the WY transform (A_ak, A_ab, T, W, U0), one for A_qk, A_qb and the decayed rows. H100,
-# B=8 T=4096 bf16, the forward with its residuals (session 18): K=128 8.26 ms in one program
-# per chunk (capped at 168 registers, below) -> 7.50 split (uncapped; 7.80 capped); K=64 5.81
-# (uncapped) -> 5.62 split and capped at 168 (5.95 uncapped).
-IN_CHUNK_SPLIT64 = True
 # Registers per thread of the in-chunk kernel's tame path, by BK (none where absent). 168 lets
-# three programs share an SM instead of two (sm_90, 4 warps, split: K=64 264 B of spills, 48 KB
-# of shared memory each; K=128 980 B). Session 17 (H200), one program per chunk: capped at
+# three programs share an SM instead of two (sm_90, 4 warps: K=64 264 B of spills, 48 KB of
+# shared memory each; K=128 980 B). H100, B=8 T=4096 bf16, the forward with its residuals
+# (session 18), two programs per chunk (rwkv7_wy_kernel): K=128 7.50 ms uncapped, 7.80 capped;
+# K=64 5.62 capped, 5.95 uncapped. One program per chunk, as before: K=128 8.26 capped, 8.47
+# uncapped; K=64 5.81 uncapped, 6.24 capped. Session 17 (H200), one program per chunk: capped at
 # K=128 7.79 -> 7.10 ms, at K=64 5.35 -> 5.60. Slower, same runs: the tame path at 8 warps
 # (9.05 ms at K=128, 8.28 at K=64; capped at 128 registers: 9.32, 7.91), and the state pass
 # capped at 128 (two programs per SM -> four, 672 B of spills at K=128: 7.21 -> 8.38 ms; the
@@ -650,7 +655,7 @@ IN_CHUNK_MAX_REGISTERS64 = {64: 168}
 def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqlens=None,
                     exact=False, block_v=64, block_k_in_chunk=None, warps=None, residuals=False,
                     bf16_residuals=True, state_stages=None, recurrence_block_v=None,
-                    max_registers=None, split_in_chunk=None):
+                    max_registers=None):
     """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
     "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
     inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
@@ -677,8 +682,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``:
     num_stages of the state pass's loop over chunks, 0 for its ``while`` loop
     (KernelConfig.chunk64_state_stages; None: 2, as measured). The op's
-    forward at KernelConfig.chunk = 64. ``split_in_chunk``: the in-chunk kernel in two programs
-    per chunk (its WY transform and its queries' part; None: IN_CHUNK_SPLIT64)."""
+    forward at KernelConfig.chunk = 64."""
     setup = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
@@ -716,7 +720,6 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     max_registers = dict(dict(tame=IN_CHUNK_MAX_REGISTERS64.get(block_k)), **(max_registers or {}))
     if state_stages is None:
         state_stages = 2
-    split = IN_CHUNK_SPLIT64 if split_in_chunk is None else split_in_chunk
     # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path; the
     # decayed rows q~, k^, b^ and e^g per chunk, which the kernels below read.
     in_chunk = lambda TAME: _launch.launch(
@@ -725,7 +728,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
          jax.ShapeDtypeStruct((slots, heads, 4, CHUNK64, CHUNK64), jnp.float32),
          *(setup.per_row(common["K"], buffer),) * 3,
          jax.ShapeDtypeStruct((slots, heads, common["K"]), jnp.float32)),
-        (slots * (2 if split else 1), heads), num_warps=warps["tame" if TAME else "exact"],
+        (2 * slots, heads), num_warps=warps["tame" if TAME else "exact"],
         max_registers=max_registers.get("tame" if TAME else "exact"), scale=float(scale),
         TAME=TAME, LEVELS=LEVELS64,
         KI=min((block_k_in_chunk or IN_CHUNK_BLOCK_K64) if TAME else 16, block_k),
@@ -735,7 +738,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         # kernels' "ieee": ten [64, 64] products without tensor cores spilled 8.6 KB at K=32
         # (sm_90, 4 warps; tf32x3: 328 B tame, 1.4 KB exact).
         INVERSE_PRECISION=common["PRECISION"],
-        BLOCK_LEVELS=BLOCK64.bit_length() - 1, SPLIT=split,
+        BLOCK_LEVELS=BLOCK64.bit_length() - 1,
         **dict(common, BV=setup.v_blocks * block_v))
     wy, u0, matrices, qd, kd, bd, decay = _on_path(not exact and tame_path(w), in_chunk)
     # 2. The state pass: U, the state at every chunk's start, the final states.
@@ -778,12 +781,12 @@ STATE_GRADIENT_STAGES64 = 0
 
 def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=None,
                             block_v=64, warps=None, recurrence_block_v=None, state_stages=None,
-                            max_registers=None):
+                            max_registers=None, bf16_state_gradients=False):
     """The first two kernels of the 64-token backward:
     from the inputs as :func:`forward_chunk64` took them, its ``residuals`` and the cotangents
     ``do`` [B, T, H, V] and ``dht`` [N, H, K, V] (of o and ht), (dv [B, T, H, V] in v's dtype,
-    dh0 [N, H, K, V] float32, dstates [chunk slots, H, K, V] float32: the gradient of every
-    chunk's end state, du and dx [B * T, H, V] float32, whatever the residuals' dtype). Two
+    dh0 [N, H, K, V] float32, dstates [chunk slots, H, K, V]: the gradient of every chunk's end
+    state (float32, or bfloat16 under ``bf16_state_gradients``), du and dx [B * T, H, V] float32, whatever the residuals' dtype). Two
     launches: the state-gradient pass (sequential, reverse: dH', dU, dh0) and the V-side
     gradients (all chunks at once: dX, dV).
     ``warps``: a dict, keys "state" (default STATE_GRADIENT_WARPS64) and "value";
@@ -792,7 +795,9 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
     ``block_v`` and ``recurrence_block_v`` as :func:`forward_chunk64`'s (no ``scale``: the
     residuals' q~ carries it); ``state_stages``:
     num_stages of the state-gradient pass's loop over chunks, 0 for its ``while`` loop
-    (KernelConfig.chunk64_state_gradient_stages; None: STATE_GRADIENT_STAGES64)."""
+    (KernelConfig.chunk64_state_gradient_stages; None: STATE_GRADIENT_STAGES64).
+    ``bf16_state_gradients``: dstates in bfloat16 for 16-bit inputs (float32 inputs keep
+    float32; KernelConfig.chunk64_bf16_state_gradients)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
@@ -807,7 +812,8 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
         _kernels.rwkv7_wy_state_gradient_kernel,
         (residuals["qd"], residuals["bd"], residuals["decay"], do, residuals["wy"],
          residuals["matrices"], dht.astype(jnp.float32), setup.cu, setup.chunk_index),
-        (setup.states(setup.sequences), setup.states(slots), setup.per_row(common["V"])),
+        (setup.states(setup.sequences), setup.states(slots, _residual_dtype(
+            common, bf16_state_gradients)), setup.per_row(common["V"])),
         recurrence["grid"], num_warps=warps["state"], max_registers=max_registers.get("state"),
         CHUNK_SLOTS=slots, num_stages=max(state_stages, 1), PIPELINED=state_stages > 0,
         **_without(recurrence["common"], "FLOOR"))
