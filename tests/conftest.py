@@ -18,8 +18,8 @@ import tempfile  # noqa: E402
 # gradient of chunked rwkv7 at T=37: 4.7 -> 0.7 s; native: 1.3 -> 0.3 s) and leave the math as
 # written (no fast-math either way). The main job (`rwkv-jax check`, which CI runs too) checks
 # every op x backend with XLA's defaults.
-# XLA aborts on a flag it does not know, and jaxlib 0.11 (the GPU image's 0.11.2) no longer has
-# the second, so it goes only to older jaxlibs.
+# XLA aborts on a flag it does not know, and jaxlib 0.11 (the GPU image's 0.11.2) has no
+# fusion-emitter flag any more: it goes only to older jaxlibs.
 _CPU_FLAGS = ["--xla_backend_optimization_level=0"]
 if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
     _CPU_FLAGS.append("--xla_cpu_use_fusion_emitters=false")

@@ -786,9 +786,9 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
     from the inputs as :func:`forward_chunk64` took them, its ``residuals`` and the cotangents
     ``do`` [B, T, H, V] and ``dht`` [N, H, K, V] (of o and ht), (dv [B, T, H, V] in v's dtype,
     dh0 [N, H, K, V] float32, dstates [chunk slots, H, K, V]: the gradient of every chunk's end
-    state (float32, or bfloat16 under ``bf16_state_gradients``), du and dx [B * T, H, V] float32, whatever the residuals' dtype). Two
-    launches: the state-gradient pass (sequential, reverse: dH', dU, dh0) and the V-side
-    gradients (all chunks at once: dX, dV).
+    state (float32, or bfloat16 under ``bf16_state_gradients``), du and dx [B * T, H, V]
+    float32, whatever the residuals' dtype). Two launches: the state-gradient pass (sequential,
+    reverse: dH', dU, dh0) and the V-side gradients (all chunks at once: dX, dV).
     ``warps``: a dict, keys "state" (default STATE_GRADIENT_WARPS64) and "value";
     ``max_registers``: caps on their registers per thread, a dict with the same keys (default
     none);
