@@ -1,7 +1,8 @@
 """The 64-token RWKV-7 path in three timed stages, one process per variant: the forward with
 its residuals (in-chunk kernel, state pass, outputs), the V side (state-gradient pass, V-side
 gradients) and the K side (dA and K-side kernels), at B=8 T=4096 H=4096/K bf16, model-range
-decays: where a kernel change moves the time, without fla or the whole op.
+inputs (``rwkv_jax._bench.make_case``, as the main job's bench): where a kernel change moves
+the time, without fla or the whole op.
 
     source benchmarks/gpu_env.sh   # on the GPU machine: wheels, PYTHONPATH
     python benchmarks/gpu_chunk64_variants.py \
@@ -40,19 +41,16 @@ def timed(fn, *args):
 def child(variant, size):
     import jax
     import jax.numpy as jnp
+    from rwkv_jax._bench import make_case
     from rwkv_jax.backends import triton as backend
     batch, steps, heads = 8, 4096, 4096 // size
     if jax.default_backend() != "gpu":  # (the interpreter: a smoke test)
         batch, steps, heads, size = 1, 70, 2, 16
-    keys = jax.random.split(jax.random.PRNGKey(0), 7)
-    normal = lambda i: jax.random.normal(keys[i], (batch, steps, heads, size), jnp.float32)
-    k = normal(2)
-    kk = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    x = dict(r=normal(0), w=-0.6065 * jax.nn.sigmoid(normal(1)), k=k, v=normal(3), a=-kk,
-             b=kk * jax.nn.sigmoid(normal(4)))
-    inputs = [x[n].astype(jnp.bfloat16) for n in "rwkvab"]
-    do = normal(5).astype(jnp.bfloat16)
-    dht = jax.random.normal(keys[6], (batch, heads, size, size), jnp.float32)
+    x = make_case("rwkv7", batch, steps, heads, size).as_dtype(jnp.bfloat16)
+    inputs = [jnp.asarray(x[n]) for n in "rwkvab"]
+    do_key, dht_key = jax.random.split(jax.random.PRNGKey(0))
+    do = jax.random.normal(do_key, inputs[3].shape, jnp.float32).astype(jnp.bfloat16)
+    dht = jax.random.normal(dht_key, (batch, heads, size, size), jnp.float32)
     forward = jax.jit(lambda *a: backend.forward_chunk64(*a, residuals=True,
                                                          **variant.get("fwd", {})))
     stages = variant.get("stages", ["fwd", "v", "k"])

@@ -21,7 +21,7 @@ import tempfile  # noqa: E402
 # XLA aborts on a flag it does not know, and jaxlib 0.11 (the GPU image's 0.11.2) has no
 # fusion-emitter flag any more: it goes only to older jaxlibs.
 _CPU_FLAGS = ["--xla_backend_optimization_level=0"]
-if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
+if jax.__version_info__ < (0, 11):
     _CPU_FLAGS.append("--xla_cpu_use_fusion_emitters=false")
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *_CPU_FLAGS]))
 
