@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from .. import _checks as checks
+from .. import ops
 
 
 class SizesConfig:
@@ -61,43 +62,73 @@ def zero_layer_state(slots, n_embd, n_head, head_size) -> LayerState:
 
 class Sequence:
     """Run layers over whole sequences (training, prefill). A state, when given, holds one row
-    per batch row; without one, every sequence starts from zeros."""
+    per batch row, or one per segment with ``cu_seqlens``; without one, every sequence starts
+    from zeros.
 
-    def __init__(self, backend=None, wkv_op=None):
+    ``cu_seqlens`` (int ``[N + 1]``, B = 1) packs N sequences along T: the wkv op restarts its
+    state at every segment, and so does the token shift (the first token of a segment sees its
+    own initial shift, never the last token of the segment before it)."""
+
+    def __init__(self, backend=None, wkv_op=None, cu_seqlens=None):
         if backend is not None and wkv_op is not None:
             raise ValueError(f"pass either backend= or wkv_op= (which picks its own backend), "
                              f"got backend={backend!r} and wkv_op={wkv_op!r}")
         self.backend = backend
         self.wkv_op = wkv_op
+        self.cu_seqlens = cu_seqlens
+
+    def segments(self, x):
+        """For packed ``x [1, T, C]``: (int32 offsets, traced validity or None), offsets checked
+        as the wkv op checks them (invalid traced ones replaced by a harmless set)."""
+        cu = checks.cu_seqlens(self.cu_seqlens, x.shape[0], x.shape[1])
+        return ops._guard_offsets(cu, x.shape[1])
 
     def previous(self, x, shift):
-        """The token before each position of ``x [B, T, C]``; ``shift [B, C]`` (or None: zeros)
-        precedes the first."""
-        if shift is None:
-            return jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
-        if shift.shape != x.shape[:1] + x.shape[2:]:
-            raise ValueError(f"in sequence mode the state holds one row per batch row: a token "
-                             f"shift of shape {x.shape[:1] + x.shape[2:]} is needed, got "
+        """The token before each position of ``x [B, T, C]``; ``shift [B, C]`` (``[N, C]`` when
+        packed; None: zeros) precedes the first token of each row (segment)."""
+        rows = x.shape[:1] if self.cu_seqlens is None else (
+            checks.cu_seqlens(self.cu_seqlens, x.shape[0], x.shape[1]).shape[0] - 1,)
+        if shift is not None and shift.shape != rows + x.shape[2:]:
+            what = "batch row" if self.cu_seqlens is None else "segment of cu_seqlens"
+            raise ValueError(f"in sequence mode the state holds one row per {what}: a token "
+                             f"shift of shape {rows + x.shape[2:]} is needed, got "
                              f"{tuple(shift.shape)}")
-        first = shift[:, None].astype(x.dtype)
-        return jnp.concatenate([first, x[:, :-1]], axis=1)
+        before = jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+        if self.cu_seqlens is None:
+            return before if shift is None else before.at[:, 0].set(shift.astype(x.dtype))
+        cu, _ = self.segments(x)
+        position = jnp.arange(x.shape[1])
+        segment = jnp.searchsorted(cu[1:], position, side="right")  # cu[s] <= t < cu[s + 1]
+        first = position == cu[jnp.minimum(segment, cu.shape[0] - 2)]
+        start = jnp.zeros_like(x[0]) if shift is None else shift[segment].astype(x.dtype)
+        return jnp.where(first[None, :, None], start[None], before)
 
     def keep_last(self, shift, x):
-        return x[:, -1].astype(jnp.float32)
+        if self.cu_seqlens is None:
+            return x[:, -1].astype(jnp.float32)
+        cu, ok = self.segments(x)
+        last = x[0, jnp.maximum(cu[1:] - 1, 0)].astype(jnp.float32)
+        # An empty segment keeps its initial shift.
+        kept = jnp.zeros_like(last) if shift is None else shift.astype(jnp.float32)
+        return ops._nan_unless(ok, jnp.where((cu[1:] > cu[:-1])[:, None], last, kept))
 
     def wkv(self, sequence_op, step_op, args, state):
         op = self.wkv_op or functools.partial(sequence_op, backend=self.backend)
-        return op(*args, initial_state=state)
+        packed = {} if self.cu_seqlens is None else {"cu_seqlens": self.cu_seqlens}
+        return op(*args, initial_state=state, **packed)
 
 
 class Step:
-    """Advance rows ``state_indices`` (default ``arange(B)``) of state pools by the ``T`` (small)
-    tokens of ``x`` (decoding, or prefill through the step kernels)."""
+    """Advance rows ``state_indices`` (default: rows ``0..B-1``) of state pools by the ``T``
+    (small) tokens of ``x`` (decoding, or prefill through the step kernels).
+
+    The token-shift pools are guarded as the wkv step op guards its pool (ops.py,
+    ``_guard_rows``): known indices are checked (in ``[0, S)``, distinct); a traced index that
+    is out of range or shared by two rows reads a NaN row and writes nothing, so no other slot
+    of any pool changes."""
 
     def __init__(self, batch, state_indices=None, backend=None):
-        if state_indices is None:
-            state_indices = jnp.arange(batch, dtype=jnp.int32)
-        else:
+        if state_indices is not None:
             state_indices = checks.shaped("state_indices", state_indices, ("B",),
                                           {"B": (batch, "tokens")}, kind=checks.integer)
             # Known values are checked before the int32 cast (an int64 2**32 + 1 must not wrap
@@ -107,14 +138,37 @@ class Step:
                 raise ValueError(f"state_indices must be pool rows in [0, 2**31), got "
                                  f"{values.tolist()}")
             state_indices = jnp.asarray(state_indices, jnp.int32)
+        self.batch = batch
         self.indices = state_indices
         self.backend = backend
 
+    def rows(self, shift):
+        """Pool rows of the batch for a token-shift pool ``shift [S, C]``: a slice (no
+        indices) or guarded int32 rows (the sentinel S for invalid traced ones)."""
+        slots = shift.shape[0]
+        if self.indices is None:
+            if slots < self.batch:
+                raise ValueError(f"state has S={slots} slots for a batch of B={self.batch}; "
+                                 f"pass state_indices [B] to pick a slot per row")
+            return slice(0, self.batch)
+        checks.indices("state_indices", self.indices, slots, distinct=True)
+        return ops._guard_rows(self.indices, slots)[0]
+
     def previous(self, x, shift):
-        return jnp.concatenate([shift[self.indices][:, None].astype(x.dtype), x[:, :-1]], axis=1)
+        if shift.ndim != 2 or shift.shape[1] != x.shape[2] or shift.dtype != jnp.float32:
+            raise ValueError(f"a token-shift pool must be float32 [S, {x.shape[2]}], got shape "
+                             f"{tuple(shift.shape)} and dtype {shift.dtype}")
+        rows = self.rows(shift)
+        first = (shift[rows] if isinstance(rows, slice)
+                 else shift.at[rows].get(mode="fill", fill_value=jnp.nan))
+        return jnp.concatenate([first[:, None].astype(x.dtype), x[:, :-1]], axis=1)
 
     def keep_last(self, shift, x):
-        return shift.at[self.indices].set(x[:, -1].astype(jnp.float32))
+        last = x[:, -1].astype(jnp.float32)
+        rows = self.rows(shift)
+        if isinstance(rows, slice):
+            return last if shift.shape[0] == self.batch else shift.at[rows].set(last)
+        return shift.at[rows].set(last, mode="drop")
 
     def wkv(self, sequence_op, step_op, args, state):
         return step_op(*args, state, state_indices=self.indices, backend=self.backend)
@@ -158,10 +212,11 @@ class ChannelMixBase(nnx.Module):
     """The two modes of a channel-mix layer, whose only state is its token shift; subclasses
     define ``run(x, shift, runner) -> (y, shift)``."""
 
-    def __call__(self, x, shift=None):
+    def __call__(self, x, shift=None, *, cu_seqlens=None):
         """Sequence mode: ``x [B, T, C]``, ``shift [B, C]`` (the token before ``x``) or None
-        for zeros. Returns ``(y [B, T, C], the last token of x as float32 [B, C])``."""
-        return self.run(x, shift, Sequence())
+        for zeros. Returns ``(y [B, T, C], the last token of x as float32 [B, C])``. With
+        ``cu_seqlens`` (B = 1) per packed segment: ``shift`` and the result are ``[N, C]``."""
+        return self.run(x, shift, Sequence(cu_seqlens=cu_seqlens))
 
     def step(self, x, shift, *, state_indices=None):
         """Step mode on a token-shift pool ``shift [S, C]``. Returns ``(y, updated pool)``."""
@@ -186,10 +241,28 @@ def channel_ramp(n_embd: int, power: float) -> np.ndarray:
     return 1.0 - (np.arange(n_embd) / n_embd) ** power
 
 
-def check_tokens(tokens):
+def check_tokens(tokens, vocab_size):
+    """``tokens`` int ``[B, T]``; known values must be ids in ``[0, vocab_size)`` (a ValueError
+    names the first bad one). Traced values cannot be read here: see :func:`embed`."""
     tokens = checks.array("tokens", tokens)
     if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim != 2:
         raise TypeError(f"tokens must be an integer array [B, T], got shape {tuple(tokens.shape)} "
                         f"and dtype {tokens.dtype}")
     checks.positive_length("tokens", tokens.shape[1])
+    values = checks.host_values(tokens)
+    if values is not None:
+        bad = np.argwhere((values < 0) | (values >= vocab_size))
+        if bad.size:
+            row, col = bad[0].tolist()
+            raise ValueError(f"tokens must be ids in [0, {vocab_size}) (the vocabulary), got "
+                             f"tokens[{row}, {col}] = {values[row, col]} ({len(bad)} bad in all)")
     return tokens
+
+
+def embed(table, tokens, dtype):
+    """Rows ``tokens`` of the embedding ``table [V, C]`` in ``dtype``. A traced id outside
+    ``[0, V)`` gives a NaN row (then NaN logits, and NaN in the state it feeds), never a wrapped
+    or clamped token."""
+    vocab = table.shape[0]
+    rows = jnp.where((tokens >= 0) & (tokens < vocab), tokens, vocab).astype(jnp.int32)
+    return table.astype(dtype).at[rows].get(mode="fill", fill_value=jnp.nan)

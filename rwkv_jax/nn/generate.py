@@ -1,18 +1,33 @@
 """Text generation with :class:`rwkv_jax.nn.RWKV7LM`: prompts of token ids in, sampled token ids
-out, through the model's step mode on a donated state pool.
+out, on a donated float32 state pool with one slot per lane.
 
-Continuous batching: ``batch_size`` lanes run side by side, one token per lane per step. Each
-request (prompt) owns one slot of the state pool; a lane feeds its request's prompt tokens one
-by one, then the tokens it samples, and when the request is done (``max_new_tokens`` or the
-stop token) the lane takes the next waiting request. ``state_indices`` tells the step which
-slot each lane advances, so prompts of different lengths and requests that start late share
-every step. A step (model step, sampling, pool update) is one compiled call.
+:class:`Generator` is the engine:
+
+- **prefill** packs the prompts of the requests that start (all but each prompt's last token)
+  along T with ``cu_seqlens`` and runs them through the model's sequence mode (the chunked
+  kernels) in one compiled call, from zero states, writing each prompt's final states (wkv state
+  and both token shifts of every layer) into its lane's slot of the pool;
+- **decode** runs up to ``steps_per_call`` steps in one compiled call (a ``lax.while_loop`` on
+  the device): each step feeds every lane its next token through the step mode, samples the next
+  one (greedy, temperature, top-p, top-k, the official package's frequency/presence penalties),
+  stops a lane at a stop token or at its request's ``max_new_tokens``, and writes the sampled
+  tokens to an output buffer. The host sees the lanes only between calls: after
+  ``steps_per_call`` steps, or, while requests wait, as soon as one lane finishes;
+- **generate** serves a list of prompts with continuous batching: a finished lane is refilled
+  with the next waiting request (prefill into its slot) between decode calls.
+
+Randomness: the key of request ``r``'s ``n``-th sampled token is
+``fold_in(fold_in(key(seed), r), n)``, so a seed gives the same tokens whatever the batch
+composition, the lane a request lands in, or ``steps_per_call``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import numbers
 import operator
+import time
 from typing import NamedTuple, Sequence
 
 import jax
@@ -24,53 +39,191 @@ from .rwkv7 import RWKV7LM
 
 
 class Generation(NamedTuple):
-    """``tokens[i]``: the tokens sampled for prompt ``i`` (without the stop token); ``state``:
-    the state pool, slot ``i`` holding request ``i``'s state after its last fed token."""
+    """``tokens[i]``: the tokens sampled for prompt ``i`` (without the stop token);
+    ``finish[i]``: "stop" (a stop token was sampled) or "length" (``max_new_tokens`` reached);
+    ``prefill_tokens``/``prefill_seconds`` and ``decode_tokens``/``decode_seconds``: the tokens
+    each phase processed and the wall time it took (compilation included the first time);
+    ``decode_calls``: the compiled decode calls made (the host's only looks at the lanes)."""
     tokens: list[list[int]]
-    state: tuple
+    finish: list[str]
+    prefill_tokens: int
+    prefill_seconds: float
+    decode_tokens: int
+    decode_seconds: float
+    decode_calls: int
 
 
-def sample_logits(logits, key, temperature, top_p):
-    """One token per row of ``logits [B, V]``: greedy where ``temperature == 0``, else drawn from
-    ``softmax(logits / temperature)`` restricted to the smallest set of most likely tokens whose
-    probability reaches ``top_p`` (nucleus sampling). ``temperature``/``top_p`` are scalars or
-    ``[B]`` arrays (traced: changing them does not recompile)."""
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How one request samples, with the names of the official ``rwkv`` package's
+    ``PIPELINE_ARGS``: the logits of tokens already generated are lowered by
+    ``alpha_presence + alpha_frequency * count`` (counts decay by ``alpha_decay`` at every new
+    token; prompt tokens do not count), then the nucleus of probability ``top_p`` and the
+    ``top_k`` most likely tokens (0: all) are kept and the token is drawn from
+    ``probs ** (1 / temperature)``. ``temperature == 0`` is greedy (the most likely token after
+    the penalties). The defaults change nothing; the official pipeline's are ``top_p=0.85,
+    alpha_frequency=0.2, alpha_presence=0.2, alpha_decay=0.996``. (The official pipeline also
+    counts whitespace and digit tokens as 0 occurrences; here every token counts 1.)"""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    alpha_frequency: float = 0.0
+    alpha_presence: float = 0.0
+    alpha_decay: float = 1.0
+
+    def __post_init__(self):
+        for name in ("temperature", "top_p", "alpha_frequency", "alpha_presence", "alpha_decay"):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+            if not np.isfinite(float(value)):
+                raise ValueError(f"{name} must be finite, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0 <= self.top_p <= 1:
+            raise ValueError(f"top_p must be in [0, 1] (1: no nucleus cut), got {self.top_p}")
+        if not 0 <= self.alpha_decay <= 1:
+            raise ValueError(f"alpha_decay must be in [0, 1], got {self.alpha_decay}")
+        try:
+            top_k = operator.index(self.top_k)
+        except TypeError:
+            raise TypeError(f"top_k must be an int, got {type(self.top_k).__name__} "
+                            f"{self.top_k!r}") from None
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no cut), got {top_k}")
+        object.__setattr__(self, "top_k", top_k)
+
+    @property
+    def penalised(self) -> bool:
+        return self.alpha_frequency != 0 or self.alpha_presence != 0
+
+
+class Lanes(NamedTuple):
+    """What the device knows of each lane ``[L]`` between calls (one pytree, donated)."""
+    token: jax.Array  # int32: the next token to feed
+    active: jax.Array  # bool
+    request: jax.Array  # int32: the request's id (its random stream)
+    generated: jax.Array  # int32: tokens sampled so far
+    max_new: jax.Array  # int32
+    temperature: jax.Array  # float32, and the rest of Sampling per lane
+    top_p: jax.Array
+    top_k: jax.Array
+    alpha_frequency: jax.Array
+    alpha_presence: jax.Array
+    alpha_decay: jax.Array
+    counts: jax.Array  # float32 [L, V] decayed occurrence counts, [L, 0] without penalties
+    seen: jax.Array  # bool [L, V] tokens generated at least once, [L, 0] without penalties
+    seed: jax.Array  # uint32 scalar
+
+
+def sample_logits(logits, keys, temperature, top_p, top_k=0):
+    """One token per row of ``logits [B, V]`` with the official ``rwkv`` sampler: keep the
+    nucleus (the most likely tokens whose probability, at temperature 1, first reaches ``top_p``)
+    and the ``top_k`` most likely (0: all), then draw from ``probs ** (1 / temperature)``;
+    ``temperature == 0`` is greedy. ``keys``: one key, or one per row (``[B]``) for streams
+    that do not depend on the other rows. ``temperature``, ``top_p``, ``top_k``: scalars or
+    ``[B]`` (traced: changing them does not recompile)."""
     logits = logits.astype(jnp.float32)
-    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:1])
-    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), logits.shape[:1])
-    greedy = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep a token if the tokens more likely than it have not yet reached top_p (the most
-    # likely token is always kept).
-    before = jnp.cumsum(probs, axis=-1) - probs
-    kept = jnp.where(before < top_p[:, None], sorted_logits, -jnp.inf)
-    choice = jax.random.categorical(key, kept, axis=-1)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+    rows, vocab = logits.shape
+    per_row = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (rows,))
+    temperature = per_row(temperature, jnp.float32)
+    top_p, top_k = per_row(top_p, jnp.float32), per_row(top_k, jnp.int32)
+    if jnp.ndim(keys) == 0:
+        keys = jax.random.split(keys, rows)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampling = temperature > 0
+    cutting = sampling & ((top_p < 1) | ((top_k > 0) & (top_k < vocab)))
+
+    def kept(logits):
+        """Per row, the logits outside the nucleus and the top k replaced by -inf."""
+        probs = jax.nn.softmax(logits, axis=-1)
+        ordered = -jnp.sort(-probs, axis=-1)
+        reached = jnp.cumsum(ordered, axis=-1) >= top_p[:, None]
+        # The probability of the token that reaches top_p (the last one when rounding keeps
+        # the sum below it); every token at least as likely is kept.
+        first = jnp.where(reached.any(-1), jnp.argmax(reached, axis=-1), vocab - 1)
+        cutoff = jnp.take_along_axis(ordered, first[:, None], axis=-1)
+        kth = jnp.take_along_axis(ordered, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
+        cutoff = jnp.where((top_k > 0)[:, None], jnp.maximum(cutoff, kth), cutoff)
+        return jnp.where(cutting[:, None] & (probs < cutoff), -jnp.inf, logits)
+
+    def draw(logits):
+        # Sorting the vocabulary is the costly part: skipped when no row cuts.
+        logits = jax.lax.cond(jnp.any(cutting), kept, lambda x: x, logits)
+        scaled = logits / jnp.where(sampling, temperature, 1.0)[:, None]
+        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+
+    sampled = jax.lax.cond(jnp.any(sampling), draw, lambda x: greedy, logits)
+    return jnp.where(sampling, sampled, greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "backend", "sample_below"),
-                   donate_argnames=("state",))
-def _step(params, state, tokens, slots, active, key, temperature, top_p, *, graphdef, backend,
-          sample_below):
-    """Feed ``tokens [B]`` to the pool rows ``slots [B]``; rows of inactive lanes are left as
-    they were. Returns ``(next token per lane [B], state)``."""
+def _penalised(logits, lanes):
+    if lanes.counts.shape[1] == 0:
+        return logits
+    penalty = lanes.alpha_presence[:, None] + lanes.alpha_frequency[:, None] * lanes.counts
+    return logits - jnp.where(lanes.seen, penalty, 0.0)
+
+
+def _count(lanes, token, emitted):
+    if lanes.counts.shape[1] == 0:
+        return lanes
+    rows = jnp.arange(token.shape[0])
+    decay = jnp.where(emitted, lanes.alpha_decay, 1.0)[:, None]
+    counts = (lanes.counts * decay).at[rows, token].add(emitted.astype(jnp.float32))
+    seen = lanes.seen.at[rows, token].max(emitted)
+    return lanes._replace(counts=counts, seen=seen)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "backend", "sample_below"),
+                   donate_argnames=("pool", "lanes"))
+def _decode(params, pool, lanes, stop_tokens, stop_on_finish, *, graphdef, steps, backend,
+            sample_below):
+    """Up to ``steps`` decode steps of every lane; returns ``(pool, lanes, tokens [L, steps]``
+    (-1 where nothing was emitted), ``steps done)``."""
     model = nnx.merge(graphdef, params)
-    before = jax.tree.map(lambda pool: pool[slots], state)
-    logits, state = model.step(tokens[:, None], state, state_indices=slots, backend=backend)
+    width = lanes.token.shape[0]
+    base = jax.random.key(lanes.seed)
 
-    def keep_inactive(pool, old):
-        mask = active.reshape((-1,) + (1,) * (old.ndim - 1))
-        return pool.at[slots].set(jnp.where(mask, pool[slots], old))
+    def step(carry):
+        i, pool, lanes, out, finished = carry
+        logits, pool = model.step(lanes.token[:, None], pool, backend=backend)
+        logits = logits[:, 0].astype(jnp.float32)
+        if sample_below is not None:  # e.g. ids a tokenizer cannot decode
+            logits = jnp.where(jnp.arange(logits.shape[-1]) < sample_below, logits, -jnp.inf)
+        logits = _penalised(logits, lanes)
+        keys = jax.vmap(lambda r, n: jax.random.fold_in(jax.random.fold_in(base, r), n))(
+            lanes.request, lanes.generated)
+        token = sample_logits(logits, keys, lanes.temperature, lanes.top_p, lanes.top_k)
+        stop = jnp.any(token[:, None] == stop_tokens[None, :], axis=-1)
+        emitted = lanes.active & ~stop
+        generated = lanes.generated + emitted
+        done = lanes.active & (stop | (generated >= lanes.max_new))
+        out = out.at[:, i].set(jnp.where(emitted, token, -1))
+        lanes = _count(lanes, token, emitted)
+        lanes = lanes._replace(token=jnp.where(emitted, token, lanes.token),
+                               active=lanes.active & ~done, generated=generated)
+        return i + 1, pool, lanes, out, finished | jnp.any(done)
 
-    state = jax.tree.map(keep_inactive, state, before)
-    logits = logits[:, -1]
-    if sample_below is not None:  # e.g. ids a tokenizer cannot decode
-        logits = jnp.where(jnp.arange(logits.shape[-1]) < sample_below, logits, -jnp.inf)
-    return sample_logits(logits, key, temperature, top_p), state
+    def more(carry):
+        i, _, lanes, _, finished = carry
+        return (i < steps) & jnp.any(lanes.active) & ~(stop_on_finish & finished)
+
+    out = jnp.full((width, steps), -1, jnp.int32)
+    done, pool, lanes, out, _ = jax.lax.while_loop(
+        more, step, (jnp.int32(0), pool, lanes, out, jnp.bool_(False)))
+    return pool, lanes, out, done
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "backend"), donate_argnames=("pool",))
+def _prefill(params, pool, packed, cu_seqlens, slots, *, graphdef, backend):
+    """Run the packed prompts ``packed [1, T]`` (segments ``cu_seqlens [N + 1]``) from zero
+    states and write segment ``i``'s final state into slot ``slots[i]`` of every pool (slots
+    out of range: segments whose state is dropped, such as the padding)."""
+    model = nnx.merge(graphdef, params)
+    _, final = model.hidden(packed, model.init_state(slots.shape[0]), backend=backend,
+                            cu_seqlens=cu_seqlens)
+    return jax.tree.map(lambda pool, rows: pool.at[slots].set(rows, mode="drop"), pool, final)
 
 
 def _check_prompts(prompts, vocab_size) -> list[np.ndarray]:
@@ -83,9 +236,10 @@ def _check_prompts(prompts, vocab_size) -> list[np.ndarray]:
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"prompts[{i}] must be a non-empty 1-D sequence of integer token ids, "
                              f"got shape {ids.shape} and dtype {ids.dtype}")
-        if ids.min() < 0 or ids.max() >= vocab_size:
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+        if bad.size:
             raise ValueError(f"prompts[{i}] must hold token ids in [0, {vocab_size}) (the model's "
-                             f"vocabulary), got ids in [{ids.min()}, {ids.max()}]")
+                             f"vocabulary), got {ids[bad[0]]} at position {bad[0]}")
         checked.append(ids.astype(np.int32))
     return checked
 
@@ -94,73 +248,222 @@ def _positive_int(name, value):
     try:
         value = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value
 
 
-def generate(model: RWKV7LM, prompts, *, max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0, stop_token: int | None = None, batch_size: int | None = None,
-             sample_below: int | None = None, seed: int = 0, backend=None) -> Generation:
-    """Sample up to ``max_new_tokens`` tokens after each prompt (a list of token-id sequences
-    of any lengths).
+def _bucket(n, smallest=16):
+    """The padded size of ``n``: a power of two, so that few sizes are ever compiled."""
+    return max(smallest, 1 << max(0, int(n) - 1).bit_length())
 
-    ``temperature=0`` is greedy decoding; otherwise tokens are drawn at ``temperature`` from the
-    nucleus of probability ``top_p``. Generation of a prompt ends early at ``stop_token`` (not
-    included in the output). ``batch_size`` lanes (default: all prompts, at most 16) run in each
-    compiled step; ``sample_below`` restricts sampling to ids below it (a tokenizer may know
-    fewer ids than the model's output head); ``backend`` picks the step kernels.
+
+class Generator:
+    """A generation engine for an :class:`RWKV7LM` (any model with its ``hidden``/``step``/
+    ``head``/``init_state``): ``max_batch`` lanes, each with a slot of a float32 state pool.
+
+    ``steps_per_call``: decode steps per compiled call (the host sees the lanes between calls);
+    ``backend``: the step kernels' backend (None: the platform's default); ``prefill_backend``:
+    the sequence kernels' backend for prefill; ``sample_below``: sample only ids below it (a
+    tokenizer may know fewer ids than the head has outputs); ``prefill_tokens``: the most prompt
+    tokens packed into one prefill call (longer prompts go alone).
+
+    The engine takes the model's weights when it is built: build a new one after changing them.
+    Use :meth:`generate`, or drive it by hand: :meth:`prefill` requests into free lanes, then
+    :meth:`decode` until they finish.
     """
-    if not isinstance(model, RWKV7LM):
-        raise TypeError(f"model must be an RWKV7LM, got {type(model).__name__}")
-    vocab = model.config.vocab_size
-    prompts = _check_prompts(prompts, vocab)
-    max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
-    lanes = min(len(prompts), _positive_int("batch_size", 16 if batch_size is None else batch_size))
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
-    if sample_below is not None and not 1 <= _positive_int("sample_below", sample_below) <= vocab:
-        raise ValueError(f"sample_below must be in [1, {vocab}], got {sample_below}")
-    if stop_token is not None and not 0 <= operator.index(stop_token) < vocab:
-        raise ValueError(f"stop_token must be in [0, {vocab}), got {stop_token}")
 
-    graphdef, params = nnx.split(model)
-    state = model.init_state(len(prompts))  # slot i: request i
-    step = functools.partial(_step, graphdef=graphdef, backend=backend,
-                             sample_below=sample_below)
-    key = jax.random.key(seed)
-    outputs: list[list[int]] = [[] for _ in prompts]
-    request = list(range(lanes))  # the request each lane serves
-    position = [0] * lanes  # tokens of its request fed so far
-    active = [True] * lanes
-    waiting = lanes  # the next request to start
-    steps = 0
-    while any(active):
-        tokens = np.array([prompts[r][p] if p < len(prompts[r]) else outputs[r][-1]
-                           for r, p in zip(request, position)], np.int32)
-        sampled, state = step(params, state, tokens, np.array(request, np.int32),
-                              np.array(active), jax.random.fold_in(key, steps),
-                              float(temperature), float(top_p))
-        next_token = np.asarray(sampled)
-        steps += 1
-        for lane in range(lanes):
-            if not active[lane]:
-                continue
-            r = request[lane]
-            position[lane] += 1
-            if position[lane] < len(prompts[r]):
-                continue  # still reading the prompt: the sample is not used
-            token = int(next_token[lane])
-            done = token == stop_token
-            if not done:
-                outputs[r].append(token)
-                done = len(outputs[r]) == max_new_tokens
-            if done and waiting < len(prompts):
-                request[lane], position[lane] = waiting, 0
+    def __init__(self, model, *, max_batch: int = 16, steps_per_call: int = 32, backend=None,
+                 prefill_backend=None, sample_below: int | None = None,
+                 prefill_tokens: int = 8192):
+        if not isinstance(model, RWKV7LM):
+            raise TypeError(f"model must be an RWKV7LM, got {type(model).__name__}")
+        self.model = model
+        self.vocab = model.config.vocab_size
+        self.max_batch = _positive_int("max_batch", max_batch)
+        self.steps_per_call = _positive_int("steps_per_call", steps_per_call)
+        self.prefill_tokens = _positive_int("prefill_tokens", prefill_tokens)
+        if sample_below is not None and not 1 <= _positive_int("sample_below",
+                                                              sample_below) <= self.vocab:
+            raise ValueError(f"sample_below must be in [1, {self.vocab}], got {sample_below}")
+        self.graphdef, self.params = nnx.split(model)
+        self.backend, self.prefill_backend, self.sample_below = (backend, prefill_backend,
+                                                                 sample_below)
+        self.pool = model.init_state(self.max_batch)
+        self.lanes = None
+        self.stop_tokens = jnp.full((8,), -1, jnp.int32)
+
+    # --- lanes -----------------------------------------------------------------------------
+
+    def reset(self, *, penalties: bool = False, seed: int = 0, stop_tokens=()):
+        """Every lane idle; ``penalties`` allocates the ``[L, vocab]`` occurrence counts;
+        ``seed`` and ``stop_tokens`` (ids that end a request, not emitted) hold for every
+        request until the next reset."""
+        seed = operator.index(seed)
+        stops = sorted({self._token_id("stop_tokens", t) for t in stop_tokens})
+        stops = stops + [-1] * (_bucket(len(stops), 8) - len(stops))
+        width, vocab = self.max_batch, self.vocab if penalties else 0
+        zeros = lambda dtype: jnp.zeros((width,), dtype)
+        self.lanes = Lanes(token=zeros(jnp.int32), active=zeros(bool), request=zeros(jnp.int32),
+                           generated=zeros(jnp.int32), max_new=zeros(jnp.int32),
+                           temperature=zeros(jnp.float32), top_p=zeros(jnp.float32),
+                           top_k=zeros(jnp.int32), alpha_frequency=zeros(jnp.float32),
+                           alpha_presence=zeros(jnp.float32), alpha_decay=zeros(jnp.float32),
+                           counts=jnp.zeros((width, vocab), jnp.float32),
+                           seen=jnp.zeros((width, vocab), bool),
+                           seed=jnp.asarray(seed % 2**32, jnp.uint32))
+        self.stop_tokens = jnp.asarray(stops, jnp.int32)
+
+    def _token_id(self, name, token):
+        try:
+            token = operator.index(token)
+        except TypeError:
+            raise TypeError(f"{name} must hold int token ids, got {token!r}") from None
+        if not 0 <= token < self.vocab:
+            raise ValueError(f"{name} must hold token ids in [0, {self.vocab}), got {token}")
+        return token
+
+    def prefill(self, lanes: Sequence[int], prompts: Sequence, requests: Sequence[int], *,
+                max_new_tokens: int, sampling: Sampling = Sampling()) -> int:
+        """Start ``requests`` (ids: each one's random stream) in the free ``lanes``: their
+        ``prompts`` but the last token go through the sequence mode into the lanes' slots, the
+        last token waits for the next :meth:`decode`. Returns the number of tokens prefilled."""
+        if self.lanes is None:
+            self.reset(penalties=sampling.penalised)
+        if sampling.penalised and self.lanes.counts.shape[1] == 0:
+            raise ValueError("penalties (alpha_frequency, alpha_presence) need the occurrence "
+                             "counts: reset(penalties=True) first")
+        prompts = _check_prompts(list(prompts), self.vocab)
+        max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+        lanes = [operator.index(lane) for lane in lanes]
+        if len(lanes) != len(prompts) or len(requests) != len(prompts):
+            raise ValueError(f"lanes, prompts and requests must have one entry per request, got "
+                             f"{len(lanes)}, {len(prompts)} and {len(requests)}")
+        if len(set(lanes)) != len(lanes) or not all(0 <= x < self.max_batch for x in lanes):
+            raise ValueError(f"lanes must be distinct lanes in [0, {self.max_batch}), got {lanes}")
+        heads = [p[:-1] for p in prompts]
+        total = sum(map(len, heads))
+        # Segments: one per lane slot (empty ones for the lanes not started) and the padding.
+        lengths = np.zeros(self.max_batch + 1, np.int64)
+        packed = np.zeros((1, _bucket(total)), np.int32)
+        offset, order = 0, np.argsort(lanes)
+        for i in order:
+            packed[0, offset:offset + len(heads[i])] = heads[i]
+            offset += len(heads[i])
+            lengths[lanes[i]] = len(heads[i])
+        lengths[-1] = packed.shape[1] - total
+        cu = np.zeros(self.max_batch + 2, np.int32)
+        cu[1:] = np.cumsum(lengths)
+        # Segment i is lane i (the tokens went in lane order); the segments of the other lanes
+        # are empty and, like the padding's, their states are dropped (slot out of range).
+        slots = np.full(self.max_batch + 1, self.max_batch + 1, np.int32)
+        slots[lanes] = lanes
+        self.pool = _prefill(self.params, self.pool, packed, cu, slots,
+                             graphdef=self.graphdef, backend=self.prefill_backend)
+
+        def at_lanes(field, values, dtype):
+            return field.at[np.asarray(lanes)].set(jnp.asarray(values, dtype))
+
+        count = len(lanes)
+        lane = self.lanes
+        self.lanes = lane._replace(
+            token=at_lanes(lane.token, [p[-1] for p in prompts], jnp.int32),
+            active=at_lanes(lane.active, [True] * count, bool),
+            request=at_lanes(lane.request, list(requests), jnp.int32),
+            generated=at_lanes(lane.generated, [0] * count, jnp.int32),
+            max_new=at_lanes(lane.max_new, [max_new_tokens] * count, jnp.int32),
+            **{name: at_lanes(getattr(lane, name), [getattr(sampling, name)] * count,
+                              jnp.int32 if name == "top_k" else jnp.float32)
+               for name in ("temperature", "top_p", "top_k", "alpha_frequency",
+                            "alpha_presence", "alpha_decay")},
+            counts=lane.counts.at[np.asarray(lanes)].set(0.0),
+            seen=lane.seen.at[np.asarray(lanes)].set(False))
+        return total
+
+    def decode(self, *, stop_on_finish: bool = False):
+        """One compiled call of up to ``steps_per_call`` steps (fewer when every lane is idle,
+        or with ``stop_on_finish`` once a lane finishes). Returns ``(tokens, active)``: numpy
+        ``[L, steps done]`` sampled tokens (-1 where a lane emitted nothing) and ``[L]`` whether
+        each lane still runs."""
+        if self.lanes is None:
+            raise ValueError("nothing to decode: prefill requests first")
+        self.pool, self.lanes, out, done = _decode(
+            self.params, self.pool, self.lanes, self.stop_tokens, jnp.bool_(stop_on_finish),
+            graphdef=self.graphdef, steps=self.steps_per_call, backend=self.backend,
+            sample_below=self.sample_below)
+        return np.asarray(out)[:, :int(done)], np.asarray(self.lanes.active)
+
+    # --- the whole loop --------------------------------------------------------------------
+
+    def generate(self, prompts, *, max_new_tokens: int, sampling: Sampling = Sampling(),
+                 stop_tokens=(), seed: int = 0) -> Generation:
+        """Sample up to ``max_new_tokens`` tokens after each prompt (token-id sequences of any
+        lengths), ``max_batch`` requests at a time; request ``i``'s random stream is ``(seed,
+        i)``. Generation of a request ends at any of ``stop_tokens`` (not included)."""
+        prompts = _check_prompts(prompts, self.vocab)
+        max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+        self.reset(penalties=sampling.penalised, seed=seed, stop_tokens=stop_tokens)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        finish = [""] * len(prompts)
+        serving = [-1] * self.max_batch  # the request in each lane
+        waiting = 0
+        prefilled = decoded = calls = 0
+        prefill_s = decode_s = 0.0
+        while True:
+            free = [lane for lane, r in enumerate(serving) if r < 0]
+            start, budget = [], self.prefill_tokens
+            while free and waiting < len(prompts):
+                cost = len(prompts[waiting]) - 1
+                if start and cost > budget:
+                    break
+                start.append((free.pop(0), waiting))
+                budget -= cost
                 waiting += 1
-            elif done:
-                active[lane] = False  # idle: its slot (a finished request's) is left as it is
-    return Generation(outputs, state)
+            if start:
+                began = time.perf_counter()
+                prefilled += self.prefill([lane for lane, _ in start],
+                                          [prompts[r] for _, r in start],
+                                          [r for _, r in start],
+                                          max_new_tokens=max_new_tokens, sampling=sampling)
+                jax.block_until_ready(self.pool)
+                prefill_s += time.perf_counter() - began
+                for lane, r in start:
+                    serving[lane] = r
+            if all(r < 0 for r in serving):
+                break
+            began = time.perf_counter()
+            tokens, active = self.decode(stop_on_finish=waiting < len(prompts))
+            decode_s += time.perf_counter() - began
+            calls += 1
+            decoded += tokens.shape[1] * sum(r >= 0 for r in serving)
+            for lane, r in enumerate(serving):
+                if r < 0:
+                    continue
+                outputs[r].extend(int(t) for t in tokens[lane] if t >= 0)
+                if not active[lane]:
+                    finish[r] = "length" if len(outputs[r]) >= max_new_tokens else "stop"
+                    serving[lane] = -1
+        return Generation(outputs, finish, prefilled, prefill_s, decoded, decode_s, calls)
+
+
+def generate(model: RWKV7LM, prompts, *, max_new_tokens: int, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, alpha_frequency: float = 0.0,
+             alpha_presence: float = 0.0, alpha_decay: float = 1.0, stop_tokens=(),
+             batch_size: int | None = None, steps_per_call: int = 32,
+             sample_below: int | None = None, seed: int = 0, backend=None,
+             prefill_backend=None) -> Generation:
+    """Sample up to ``max_new_tokens`` tokens after each prompt: a :class:`Generator` with
+    ``batch_size`` lanes (default: all prompts, at most 16) and its :meth:`Generator.generate`.
+    Sampling arguments as in :class:`Sampling` (``temperature=0``: greedy)."""
+    sampling = Sampling(temperature, top_p, top_k, alpha_frequency, alpha_presence, alpha_decay)
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise TypeError(f"prompts must be a non-empty list of token-id sequences, got "
+                        f"{type(prompts).__name__}")
+    lanes = min(len(prompts), _positive_int("batch_size", 16 if batch_size is None else batch_size))
+    engine = Generator(model, max_batch=lanes, steps_per_call=steps_per_call, backend=backend,
+                       prefill_backend=prefill_backend, sample_below=sample_below)
+    return engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                           stop_tokens=stop_tokens, seed=seed)

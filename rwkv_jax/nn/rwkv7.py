@@ -28,8 +28,8 @@ from flax import nnx
 
 from ..ops import rwkv7, rwkv7_step
 from .common import (ChannelMixBase, GroupNormPerHead, LayerState, Sequence, SizesConfig, Step,
-                     TimeMixState, channel_ramp, check_layer_state, check_tokens, lora, param,
-                     zero_layer_state)
+                     TimeMixState, channel_ramp, check_layer_state, check_tokens, embed, lora,
+                     param, zero_layer_state)
 
 # w = -exp(-0.5) * sigmoid(.) keeps the per-step decay exp(w) in [exp(-0.6065), 1).
 _MAX_LOG_DECAY = math.exp(-0.5)
@@ -80,8 +80,10 @@ class RWKV7TimeMix(nnx.Module):
             setattr(self, name, param(channel_ramp(c, power * depth), param_dtype))
 
         def low_rank(width):
-            # Down-projections start at zero, up-projections small and orthogonal.
-            up = nnx.initializers.orthogonal(scale=0.1)(rngs.params(), (width, c), param_dtype)
+            # Down-projections start at zero, up-projections small and orthogonal (drawn in
+            # float32: the QR decomposition behind it takes no 16-bit dtype).
+            up = nnx.initializers.orthogonal(scale=0.1)(rngs.params(), (width, c), jnp.float32)
+            up = up.astype(param_dtype)
             return nnx.Param(jnp.zeros((c, width), param_dtype)), nnx.Param(up)
 
         # Decay biases spread over each head from slow (log decay ~ -0.004) to fast (~ -0.45).
@@ -108,12 +110,13 @@ class RWKV7TimeMix(nnx.Module):
         self.ln_x = GroupNormPerHead(c, param_dtype=param_dtype)
 
     def __call__(self, x, v_first=None, state: Optional[TimeMixState] = None, *, backend=None,
-                 wkv_op=None):
+                 wkv_op=None, cu_seqlens=None):
         """Sequence mode. ``x [B, T, C]``; ``v_first [B, T, C]`` from layer 0 (None in layer 0);
-        ``state`` None (zeros) or one row per batch row. ``wkv_op`` replaces
-        :func:`rwkv_jax.rwkv7` (same signature, e.g. a ``rwkv_jax.shard`` of it).
+        ``state`` None (zeros) or one row per batch row (per segment with ``cu_seqlens``, which
+        packs sequences along T with B = 1). ``wkv_op`` replaces :func:`rwkv_jax.rwkv7` (same
+        signature, e.g. a ``rwkv_jax.shard`` of it).
         Returns ``(y [B, T, C], v_first, final TimeMixState)``."""
-        return self.run(x, v_first, state, Sequence(backend, wkv_op))
+        return self.run(x, v_first, state, Sequence(backend, wkv_op, cu_seqlens))
 
     def step(self, x, v_first, state: TimeMixState, *, state_indices=None, backend=None):
         """Step mode: as the sequence mode, advancing rows ``state_indices`` of the pools."""
@@ -196,9 +199,9 @@ class RWKV7Block(nnx.Module):
                                    rngs=rngs)
 
     def __call__(self, x, v_first=None, state: Optional[LayerState] = None, *, backend=None,
-                 wkv_op=None):
+                 wkv_op=None, cu_seqlens=None):
         """Sequence mode; returns ``(x, v_first, final LayerState)``."""
-        return self.run(x, v_first, state, Sequence(backend, wkv_op))
+        return self.run(x, v_first, state, Sequence(backend, wkv_op, cu_seqlens))
 
     def step(self, x, v_first, state: LayerState, *, state_indices=None, backend=None):
         """Step mode on state pools; returns ``(x, v_first, updated LayerState)``."""
@@ -242,22 +245,40 @@ class RWKV7LM(nnx.Module):
         return tuple(zero_layer_state(slots, cfg.n_embd, cfg.n_head, cfg.head_size)
                      for _ in range(cfg.n_layer))
 
-    def __call__(self, tokens, state=None, *, return_state=False, backend=None, wkv_op=None):
+    def __call__(self, tokens, state=None, *, return_state=False, backend=None, wkv_op=None,
+                 cu_seqlens=None):
         """Sequence mode. ``tokens`` int ``[B, T]``; ``state`` None (zeros) or one row per batch
         row (``init_state(B)`` or a state returned earlier). Returns logits ``[B, T, vocab]``,
         and the final state too when ``return_state``. ``backend`` / ``wkv_op`` as in
-        :class:`RWKV7TimeMix`."""
-        logits, state = self.run(check_tokens(tokens), state, Sequence(backend, wkv_op))
+        :class:`RWKV7TimeMix`. ``cu_seqlens`` (int ``[N + 1]``, B = 1) packs N sequences along
+        T: each starts from its own row of ``state`` (``init_state(N)``), its token shifts and
+        wkv state restart at its first token, and the final state has one row per sequence.
+
+        Token ids must lie in ``[0, vocab)``: known ones are checked (ValueError); traced ones
+        (under ``jax.jit``) cannot be, and an id outside gives NaN logits for its position and
+        the positions after it in its sequence."""
+        x, state = self.hidden(tokens, state, backend=backend, wkv_op=wkv_op,
+                               cu_seqlens=cu_seqlens)
+        logits = self.head(x)
         return (logits, state) if return_state else logits
+
+    def hidden(self, tokens, state=None, *, backend=None, wkv_op=None, cu_seqlens=None):
+        """The sequence mode up to the output head: ``(ln_out(x) [B, T, C], final state)``, for
+        callers that need logits at a few positions only (prefill)."""
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        return self.run(tokens, state, Sequence(backend, wkv_op, cu_seqlens))
 
     def step(self, tokens, state, *, state_indices=None, backend=None):
         """Step mode: feed ``tokens [B, T]`` (T small, usually 1) to the rows ``state_indices``
-        (default ``arange(B)``) of ``state``. Returns ``(logits [B, T, vocab], new state)``;
-        donate ``state`` under ``jax.jit`` so the pools update in place."""
+        (default ``0..B-1``) of ``state``. Returns ``(logits [B, T, vocab], new state)``;
+        donate ``state`` under ``jax.jit`` so the pools update in place. Token ids as in the
+        sequence mode; an invalid traced ``state_indices`` row reads NaN and writes no slot of
+        any pool."""
         if state is None:
             raise ValueError("step needs a state; make one with init_state(slots)")
-        tokens = check_tokens(tokens)
-        return self.run(tokens, state, Step(tokens.shape[0], state_indices, backend))
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        x, state = self.run(tokens, state, Step(tokens.shape[0], state_indices, backend))
+        return self.head(x), state
 
     def run(self, tokens, state, runner):
         cfg = self.config
@@ -270,11 +291,11 @@ class RWKV7LM(nnx.Module):
             for i, layer_state in enumerate(state):
                 check_layer_state(f"state[{i}]", layer_state, cfg.n_embd, cfg.n_head,
                                   cfg.head_size)
-        x = self.emb(tokens)
+        x = embed(self.emb.embedding[...], tokens, self.emb.dtype or self.emb.param_dtype)
         v_first = None
         new_state = []
         for i, block in enumerate(self.blocks):
             x, v_first, layer_state = block.run(x, v_first, None if state is None else state[i],
                                                 runner)
             new_state.append(layer_state)
-        return self.head(self.ln_out(x)), tuple(new_state)
+        return self.ln_out(x), tuple(new_state)
