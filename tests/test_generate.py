@@ -167,12 +167,16 @@ def _greedy_by_steps(model, prompt, count, below=VOCAB, stop=()):
 def test_generator_greedy_equals_step_by_step_decoding(backend, op, model):
     # Two lanes for four prompts of different lengths, three steps per call: requests start in
     # the lanes others leave, and calls end in the middle of requests.
-    engine = rnn.Generator(model, max_batch=2, steps_per_call=3, backend=backend)
-    result = engine.generate(PROMPTS, max_new_tokens=5, sampling=rnn.Sampling(temperature=0))
-    for prompt, tokens in zip(PROMPTS, result.tokens):
-        assert tokens == _greedy_by_steps(model, prompt, 5)
-    assert result.finish == ["length"] * 4
-    assert result.prefill_tokens == sum(len(p) - 1 for p in PROMPTS)
+    # Both loop forms: ending a call early, or always steps_per_call steps.
+    for early_exit in (True, False):
+        engine = rnn.Generator(model, max_batch=2, steps_per_call=3, backend=backend,
+                               early_exit=early_exit)
+        result = engine.generate(PROMPTS, max_new_tokens=5, sampling=rnn.Sampling(temperature=0))
+        for prompt, tokens in zip(PROMPTS, result.tokens):
+            assert tokens == _greedy_by_steps(model, prompt, 5)
+        assert result.finish == ["length"] * 4
+        assert result.prefill_tokens == sum(len(p) - 1 for p in PROMPTS)
+        assert result.decode_tokens >= sum(map(len, result.tokens))
 
 
 def test_prefill_states_equal_stepping_token_by_token(model):
@@ -224,7 +228,9 @@ def test_same_seed_same_tokens_whatever_the_batch(model):
     runs = [rnn.generate(model, PROMPTS, max_new_tokens=7, batch_size=lanes,
                          steps_per_call=steps, seed=11, **sampling).tokens
             for lanes, steps in ((4, 8), (1, 3), (3, 2))]
-    assert runs[0] == runs[1] == runs[2]
+    fixed = rnn.generate(model, PROMPTS, max_new_tokens=7, batch_size=2, steps_per_call=5,
+                         seed=11, early_exit=False, **sampling).tokens
+    assert runs[0] == runs[1] == runs[2] == fixed
     assert all(len(t) == 7 for t in runs[0])
     # A request's tokens depend on its id and the seed only, not on its neighbours.
     alone = rnn.generate(model, PROMPTS[:2], max_new_tokens=7, seed=11, **sampling).tokens

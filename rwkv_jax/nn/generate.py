@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .. import _checks as checks
 from .rwkv7 import RWKV7LM
 
 
@@ -117,13 +118,18 @@ class Lanes(NamedTuple):
     seed: jax.Array  # uint32 scalar
 
 
-def sample_logits(logits, keys, temperature, top_p, top_k=0):
+def sample_logits(logits, keys, temperature, top_p, top_k=0, *, draw=True, cut=True):
     """One token per row of ``logits [B, V]`` with the official ``rwkv`` sampler: keep the
     nucleus (the most likely tokens whose probability, at temperature 1, first reaches ``top_p``)
     and the ``top_k`` most likely (0: all), then draw from ``probs ** (1 / temperature)``;
     ``temperature == 0`` is greedy. ``keys``: one key, or one per row (``[B]``) for streams
     that do not depend on the other rows. ``temperature``, ``top_p``, ``top_k``: scalars or
-    ``[B]`` (traced: changing them does not recompile)."""
+    ``[B]`` (traced: changing them does not recompile).
+
+    ``draw=False`` promises that every row is greedy, ``cut=False`` that no row cuts (top_p 1,
+    top_k 0): the work they skip (a draw over the vocabulary; sorting it) is not compiled in.
+    Static flags rather than run-time branches: a branch on device values costs a device-to-host
+    read of its predicate on GPUs."""
     logits = logits.astype(jnp.float32)
     rows, vocab = logits.shape
     per_row = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (rows,))
@@ -148,13 +154,12 @@ def sample_logits(logits, keys, temperature, top_p, top_k=0):
         cutoff = jnp.where((top_k > 0)[:, None], jnp.maximum(cutoff, kth), cutoff)
         return jnp.where(cutting[:, None] & (probs < cutoff), -jnp.inf, logits)
 
-    def draw(logits):
-        # Sorting the vocabulary is the costly part: skipped when no row cuts.
-        logits = jax.lax.cond(jnp.any(cutting), kept, lambda x: x, logits)
-        scaled = logits / jnp.where(sampling, temperature, 1.0)[:, None]
-        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-
-    sampled = jax.lax.cond(jnp.any(sampling), draw, lambda x: greedy, logits)
+    if not draw:
+        return greedy
+    if cut:
+        logits = kept(logits)
+    scaled = logits / jnp.where(sampling, temperature, 1.0)[:, None]
+    sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     return jnp.where(sampling, sampled, greedy)
 
 
@@ -175,12 +180,15 @@ def _count(lanes, token, emitted):
     return lanes._replace(counts=counts, seen=seen)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "backend", "sample_below"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "backend", "sample_below",
+                                             "draw", "cut", "early_exit"),
                    donate_argnames=("pool", "lanes"))
 def _decode(params, pool, lanes, stop_tokens, stop_on_finish, *, graphdef, steps, backend,
-            sample_below):
+            sample_below, draw, cut, early_exit):
     """Up to ``steps`` decode steps of every lane; returns ``(pool, lanes, tokens [L, steps]``
-    (-1 where nothing was emitted), ``steps done)``."""
+    (-1 where nothing was emitted), ``steps done)``. ``early_exit``: a ``while_loop`` that ends
+    when every lane is idle, or when one finishes if ``stop_on_finish``; else exactly ``steps``
+    steps (a loop of known trip count: no predicate to read back per step)."""
     model = nnx.merge(graphdef, params)
     width = lanes.token.shape[0]
     base = jax.random.key(lanes.seed)
@@ -194,7 +202,8 @@ def _decode(params, pool, lanes, stop_tokens, stop_on_finish, *, graphdef, steps
         logits = _penalised(logits, lanes)
         keys = jax.vmap(lambda r, n: jax.random.fold_in(jax.random.fold_in(base, r), n))(
             lanes.request, lanes.generated)
-        token = sample_logits(logits, keys, lanes.temperature, lanes.top_p, lanes.top_k)
+        token = sample_logits(logits, keys, lanes.temperature, lanes.top_p, lanes.top_k,
+                              draw=draw, cut=cut)
         stop = jnp.any(token[:, None] == stop_tokens[None, :], axis=-1)
         emitted = lanes.active & ~stop
         generated = lanes.generated + emitted
@@ -209,9 +218,11 @@ def _decode(params, pool, lanes, stop_tokens, stop_on_finish, *, graphdef, steps
         i, _, lanes, _, finished = carry
         return (i < steps) & jnp.any(lanes.active) & ~(stop_on_finish & finished)
 
-    out = jnp.full((width, steps), -1, jnp.int32)
-    done, pool, lanes, out, _ = jax.lax.while_loop(
-        more, step, (jnp.int32(0), pool, lanes, out, jnp.bool_(False)))
+    carry = (jnp.int32(0), pool, lanes, jnp.full((width, steps), -1, jnp.int32), jnp.bool_(False))
+    if early_exit:
+        done, pool, lanes, out, _ = jax.lax.while_loop(more, step, carry)
+    else:
+        done, pool, lanes, out, _ = jax.lax.fori_loop(0, steps, lambda i, c: step(c), carry)
     return pool, lanes, out, done
 
 
@@ -267,7 +278,10 @@ class Generator:
     ``backend``: the step kernels' backend (None: the platform's default); ``prefill_backend``:
     the sequence kernels' backend for prefill; ``sample_below``: sample only ids below it (a
     tokenizer may know fewer ids than the head has outputs); ``prefill_tokens``: the most prompt
-    tokens packed into one prefill call (longer prompts go alone).
+    tokens packed into one prefill call (longer prompts go alone); ``early_exit``: a decode call
+    ends as soon as every lane is idle (or, while requests wait, when one finishes) instead of
+    always running ``steps_per_call`` steps (a loop of fixed length spares the GPU a read-back
+    of the loop condition per step; idle lanes then wait for the call's end).
 
     The engine takes the model's weights when it is built: build a new one after changing them.
     Use :meth:`generate`, or drive it by hand: :meth:`prefill` requests into free lanes, then
@@ -276,7 +290,7 @@ class Generator:
 
     def __init__(self, model, *, max_batch: int = 16, steps_per_call: int = 32, backend=None,
                  prefill_backend=None, sample_below: int | None = None,
-                 prefill_tokens: int = 8192):
+                 prefill_tokens: int = 8192, early_exit: bool = True):
         if not isinstance(model, RWKV7LM):
             raise TypeError(f"model must be an RWKV7LM, got {type(model).__name__}")
         self.model = model
@@ -290,6 +304,7 @@ class Generator:
         self.graphdef, self.params = nnx.split(model)
         self.backend, self.prefill_backend, self.sample_below = (backend, prefill_backend,
                                                                  sample_below)
+        self.early_exit = checks.flag("early_exit", early_exit)
         self.pool = model.init_state(self.max_batch)
         self.lanes = None
         self.stop_tokens = jnp.full((8,), -1, jnp.int32)
@@ -314,6 +329,7 @@ class Generator:
                            seen=jnp.zeros((width, vocab), bool),
                            seed=jnp.asarray(seed % 2**32, jnp.uint32))
         self.stop_tokens = jnp.asarray(stops, jnp.int32)
+        self.draw = self.cut = False  # what the lanes' sampling needs (see sample_logits)
 
     def _token_id(self, name, token):
         try:
@@ -334,6 +350,8 @@ class Generator:
         if sampling.penalised and self.lanes.counts.shape[1] == 0:
             raise ValueError("penalties (alpha_frequency, alpha_presence) need the occurrence "
                              "counts: reset(penalties=True) first")
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling must be a Sampling, got {type(sampling).__name__}")
         prompts = _check_prompts(list(prompts), self.vocab)
         max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
         lanes = [operator.index(lane) for lane in lanes]
@@ -365,6 +383,9 @@ class Generator:
         def at_lanes(field, values, dtype):
             return field.at[np.asarray(lanes)].set(jnp.asarray(values, dtype))
 
+        drawn = sampling.temperature > 0
+        self.draw |= drawn
+        self.cut |= drawn and (sampling.top_p < 1 or 0 < sampling.top_k < self.vocab)
         count = len(lanes)
         lane = self.lanes
         self.lanes = lane._replace(
@@ -382,8 +403,8 @@ class Generator:
         return total
 
     def decode(self, *, stop_on_finish: bool = False):
-        """One compiled call of up to ``steps_per_call`` steps (fewer when every lane is idle,
-        or with ``stop_on_finish`` once a lane finishes). Returns ``(tokens, active)``: numpy
+        """One compiled call of ``steps_per_call`` steps (with ``early_exit``, fewer when every
+        lane is idle, or with ``stop_on_finish`` once a lane finishes). Returns ``(tokens, active)``: numpy
         ``[L, steps done]`` sampled tokens (-1 where a lane emitted nothing) and ``[L]`` whether
         each lane still runs."""
         if self.lanes is None:
@@ -391,7 +412,8 @@ class Generator:
         self.pool, self.lanes, out, done = _decode(
             self.params, self.pool, self.lanes, self.stop_tokens, jnp.bool_(stop_on_finish),
             graphdef=self.graphdef, steps=self.steps_per_call, backend=self.backend,
-            sample_below=self.sample_below)
+            sample_below=self.sample_below, draw=self.draw, cut=self.cut,
+            early_exit=self.early_exit)
         return np.asarray(out)[:, :int(done)], np.asarray(self.lanes.active)
 
     # --- the whole loop --------------------------------------------------------------------
@@ -454,7 +476,7 @@ def generate(model: RWKV7LM, prompts, *, max_new_tokens: int, temperature: float
              alpha_presence: float = 0.0, alpha_decay: float = 1.0, stop_tokens=(),
              batch_size: int | None = None, steps_per_call: int = 32,
              sample_below: int | None = None, seed: int = 0, backend=None,
-             prefill_backend=None) -> Generation:
+             prefill_backend=None, early_exit: bool = True) -> Generation:
     """Sample up to ``max_new_tokens`` tokens after each prompt: a :class:`Generator` with
     ``batch_size`` lanes (default: all prompts, at most 16) and its :meth:`Generator.generate`.
     Sampling arguments as in :class:`Sampling` (``temperature=0``: greedy)."""
@@ -464,6 +486,7 @@ def generate(model: RWKV7LM, prompts, *, max_new_tokens: int, temperature: float
                         f"{type(prompts).__name__}")
     lanes = min(len(prompts), _positive_int("batch_size", 16 if batch_size is None else batch_size))
     engine = Generator(model, max_batch=lanes, steps_per_call=steps_per_call, backend=backend,
-                       prefill_backend=prefill_backend, sample_below=sample_below)
+                       prefill_backend=prefill_backend, sample_below=sample_below,
+                       early_exit=early_exit)
     return engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                            stop_tokens=stop_tokens, seed=seed)

@@ -1,0 +1,318 @@
+"""Generation speed of ``rwkv_jax.nn.Generator`` against the official ``rwkv`` package (0.8.32)
+on the same random checkpoint, in one process.
+
+    source benchmarks/gpu_env.sh        # on the GPU machine: wheels (rwkv 0.8.32 among them)
+    python benchmarks/gpu_generate.py --sizes 0.1b,1.5b --backends ffi,triton,native
+
+Random weights in the official RWKV-7 shapes (0.1B: L=12 C=768; 1.5B: L=24 C=2048; vocab 65536,
+head 64), bfloat16 weights and compute, float32 state pool. Per size and step backend:
+
+- single stream: one request, 16 prompt tokens, greedy, ``--new-tokens`` decoded; both decode
+  loop forms (``early_exit`` while_loop, and the fixed-length loop);
+- ``--concurrent`` requests at once (one lane each), 16 prompt tokens, greedy, and the same
+  with the official defaults' sampling (top_p 0.85 and the penalties);
+- prefill of one ``--prompt-tokens`` prompt against the model's sequence-mode forward
+  (with and without the output head) on the same tokens;
+- steps per compiled call and calls made: the host sees the lanes once per call;
+- the official package (``RWKV_CUDA_ON=1``, ``RWKV_V7_ON=1``, strategy "cuda fp16", loading the
+  checkpoint written with ``save_rwkv7``): its single-stream tokens/s and the agreement of its
+  last-position logits with ours (relative error, same top-1), on the prompt;
+- ``--breakdown``: the time of one decode step split by part (embedding, per layer:
+  projections, LoRAs, the wkv step, norms; output head; sampling), each part a jitted function
+  timed alone, summed over layers.
+
+Off the GPU it runs a tiny model as a smoke test (the official package needs torch CUDA and is
+skipped, saying so). ``$OUT/gpu_generate.json`` gets the numbers when ``OUT`` is set.
+XLA flags to try go in ``XLA_FLAGS`` (e.g. ``--xla_gpu_enable_command_buffer=...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from _log import log  # noqa: E402
+from rwkv_jax import backends, rwkv7_step  # noqa: E402
+from rwkv_jax import nn as rnn  # noqa: E402
+from rwkv_jax.nn.common import lora  # noqa: E402
+
+SIZES = {"0.1b": dict(n_layer=12, n_embd=768), "1.5b": dict(n_layer=24, n_embd=2048),
+         "tiny": dict(n_layer=2, n_embd=128)}
+
+
+def random_model(size, vocab, seed=0):
+    """An RWKV7LM with bfloat16 weights and compute whose every matrix is random (the fresh
+    init leaves the output projections and LoRA down-projections at zero, which would make the
+    layers trivial)."""
+    config = rnn.RWKV7Config(vocab_size=vocab, head_size=64, **SIZES[size])
+    model = rnn.RWKV7LM(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                        rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    keys = iter(jax.random.split(jax.random.key(seed + 1), len(jax.tree.leaves(state))))
+
+    def fill(x):
+        key = next(keys)
+        if x.ndim != 2:
+            return x
+        scale = 0.5 / np.sqrt(x.shape[0])
+        return (scale * jax.random.normal(key, x.shape, jnp.float32)).astype(x.dtype)
+
+    nnx.update(model, jax.tree.map(fill, state))
+    return model
+
+
+def timed(fn, *args, reps=5):
+    """Median seconds of ``fn(*args)`` (waited for), after one untimed call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def decode_rate(model, prompts, new_tokens, backend, steps, sampling, early_exit=True):
+    engine = rnn.Generator(model, max_batch=len(prompts), steps_per_call=steps, backend=backend,
+                           early_exit=early_exit)
+    run = lambda: engine.generate(prompts, max_new_tokens=new_tokens, sampling=sampling)
+    run()  # compiles
+    result = run()
+    generated = sum(map(len, result.tokens))
+    return dict(tokens_per_s=generated / result.decode_seconds,
+                ms_per_step=1e3 * result.decode_seconds / max(1, new_tokens),
+                decode_calls=result.decode_calls, steps_per_call=steps,
+                generated=generated), result
+
+
+def prefill_rate(model, prompt, backend):
+    engine = rnn.Generator(model, max_batch=1, prefill_tokens=len(prompt), steps_per_call=1)
+    engine.prefill_backend = backend
+
+    def prefill():
+        engine.reset()
+        engine.prefill([0], [prompt], [0], max_new_tokens=1)
+        return engine.pool
+
+    seconds = timed(prefill)
+    tokens = np.asarray(prompt[:-1], np.int32)[None]
+    graphdef, params = nnx.split(model)
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, backend=backend))
+    hidden = jax.jit(lambda p, t: nnx.merge(graphdef, p).hidden(t, backend=backend)[0])
+    full, trunk = timed(forward, params, tokens), timed(hidden, params, tokens)
+    count = tokens.shape[1]
+    return dict(prefill_tokens_per_s=count / seconds, forward_tokens_per_s=count / full,
+                forward_without_head_tokens_per_s=count / trunk,
+                prefill_over_forward=full / seconds, prefill_over_forward_without_head=trunk / seconds)
+
+
+def breakdown(model, batch, backend):
+    """Milliseconds of one decode step's parts, each a jitted function timed alone."""
+    cfg = model.config
+    c, h, n = cfg.n_embd, cfg.n_head, cfg.head_size
+    block = model.blocks[1]
+    att = block.att
+    key = iter(jax.random.split(jax.random.key(3), 16))
+    x = jax.random.normal(next(key), (batch, 1, c), jnp.bfloat16)
+    heads = lambda: jax.random.normal(next(key), (batch, 1, h, n), jnp.bfloat16)
+    r, k, v, kk = heads(), heads(), heads(), heads()
+    w = -jax.nn.sigmoid(heads())
+    kk = kk / jnp.linalg.norm(kk.astype(jnp.float32), axis=-1, keepdims=True).astype(kk.dtype)
+    pool = jnp.zeros((batch, h, n, n), jnp.float32)
+    parts = {}
+
+    def jitted(module, fn):
+        """``fn(module, *args)`` as a plain jitted function of the module's arrays (no Python
+        work per call beyond the dispatch), and those arrays."""
+        graphdef, params = nnx.split(module)
+        call = jax.jit(lambda p, *args: fn(nnx.merge(graphdef, p), *args))
+        return lambda *args: call(params, *args)
+
+    projections = jitted(block, lambda b, x: (
+        b.att.receptance(x), b.att.key(x), b.att.value(x), b.att.output(x),
+        b.ffn.value(jnp.square(jax.nn.relu(b.ffn.key(x))))))
+    loras = jitted(att, lambda a, x: (
+        lora(x, a.w1, a.w2, jnp.tanh), lora(x, a.a1, a.a2), lora(x, a.v1, a.v2),
+        lora(x, a.g1, a.g2, jax.nn.sigmoid)))
+    norms = jitted(block, lambda b, x: (b.ln1(x), b.ln2(x),
+                                        b.att.ln_x(x.reshape(batch, 1, h, n))))
+
+    wkv = jax.jit(lambda pool: rwkv7_step(r, w, k, v, -kk, kk * 0.5, pool, backend=backend),
+                  donate_argnums=0)
+    step_ms = lambda fn, *a: 1e3 * timed(fn, *a)
+    per_layer = {"projections": step_ms(projections, x), "loras": step_ms(loras, x),
+                 "norms": step_ms(norms, x)}
+    holder = [pool]
+
+    def wkv_once():
+        holder[0] = wkv(holder[0])[1]
+        return holder[0]
+
+    per_layer["wkv step"] = step_ms(wkv_once)
+    parts.update({f"{name} (x{cfg.n_layer} layers)": ms * cfg.n_layer
+                  for name, ms in per_layer.items()})
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    parts["embedding"] = step_ms(jitted(model.emb, lambda e, t: rnn.common.embed(
+        e.embedding[...], t, jnp.bfloat16)), tokens)
+    parts["head (ln_out + matmul)"] = step_ms(jitted(model, lambda m, x: m.head(m.ln_out(x))), x)
+    logits = jax.random.normal(next(key), (batch, cfg.vocab_size), jnp.float32)
+    keys = jax.random.split(next(key), batch)
+    for label, kwargs in (("sampling, greedy", dict(draw=False, cut=False)),
+                          ("sampling, top_p 0.85", dict(draw=True, cut=True))):
+        fn = jax.jit(lambda l, k, kw=kwargs: rnn.sample_logits(l, k, 1.0, 0.85, **kw))
+        parts[label] = step_ms(fn, logits, keys)
+    graphdef, params = nnx.split(model)
+    state = model.init_state(batch)
+    step = jax.jit(lambda p, t, s: nnx.merge(graphdef, p).step(t, s, backend=backend),
+                   donate_argnums=2)
+    holder = [state]
+
+    def one_step():
+        logits, holder[0] = step(params, tokens, holder[0])
+        return logits
+
+    parts["whole model.step (one call)"] = step_ms(one_step)
+    return parts
+
+
+def official(path_pth, prompt, new_tokens):
+    """The official package on the same checkpoint: single-stream greedy tokens/s and its
+    logits after the prompt; None (with the reason) where it cannot run."""
+    try:
+        import torch
+    except ImportError:
+        return None, "torch is not installed"
+    if not torch.cuda.is_available():
+        return None, "torch has no CUDA device here: the official package's CUDA path is skipped"
+    os.environ["RWKV_V7_ON"] = "1"
+    os.environ["RWKV_CUDA_ON"] = "1"
+    os.environ.setdefault("RWKV_JIT_ON", "1")
+    try:
+        from rwkv import model as official_model
+        engine = official_model.RWKV_x070(path_pth[:-len(".pth")], "cuda fp16")
+    except Exception as err:  # report it, keep our numbers
+        return None, f"the official package failed to load: {type(err).__name__}: {err}"
+    with torch.no_grad():
+        logits, state = engine.forward(list(prompt), None)
+        first = logits.float().cpu().numpy()
+
+        def decode():
+            out, st = logits, [s.clone() for s in state]
+            for _ in range(new_tokens):
+                out, st = engine.forward(int(torch.argmax(out)), st)
+            torch.cuda.synchronize()
+
+        decode()
+        start = time.perf_counter()
+        decode()
+        seconds = time.perf_counter() - start
+    return dict(tokens_per_s=new_tokens / seconds, logits=first), None
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default=None, help="comma-separated: 0.1b, 1.5b (GPU "
+                        "default both), tiny (CPU default)")
+    parser.add_argument("--backends", default=None, help="step backends to compare (default: "
+                        "every one that runs rwkv7_step here)")
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--concurrent", type=int, default=None)
+    parser.add_argument("--prompt-tokens", type=int, default=None)
+    parser.add_argument("--steps-per-call", type=int, default=64)
+    parser.add_argument("--breakdown", action="store_true", help="time one step's parts")
+    parser.add_argument("--no-official", action="store_true")
+    args = parser.parse_args(argv)
+
+    gpu = jax.default_backend() == "gpu"
+    sizes = (args.sizes or ("0.1b,1.5b" if gpu else "tiny")).split(",")
+    vocab = 65536 if gpu else 512
+    new_tokens = args.new_tokens or (512 if gpu else 8)
+    concurrent = args.concurrent or (256 if gpu else 4)
+    prompt_tokens = args.prompt_tokens or (4096 if gpu else 64)
+    where = backends.platform()
+    step_backends = (args.backends.split(",") if args.backends else
+                     [b for b in backends.names() if backends.implements(b, "rwkv7_step")
+                      and backends.unavailable_reason(b, where) is None])
+    log(f"devices: {jax.devices()}; jax {jax.__version__}; step backends {step_backends}")
+    results = {}
+    rng = np.random.default_rng(0)
+    for size in sizes:
+        model = random_model(size, vocab)
+        log(f"\n== {size}: {model.config}")
+        prompt = rng.integers(1, vocab, 16).tolist()
+        out = results[size] = {}
+        greedy = rnn.Sampling(temperature=0)
+        official_sampling = rnn.Sampling(temperature=1.0, top_p=0.85, alpha_frequency=0.2,
+                                         alpha_presence=0.2, alpha_decay=0.996)
+        ours_first = None
+        for backend in step_backends:
+            row = out[backend] = {}
+            for early_exit in (True, False):
+                label = "single stream" + ("" if early_exit else ", fixed-length loop")
+                row[label], result = decode_rate(model, [prompt], new_tokens, backend,
+                                                 args.steps_per_call, greedy, early_exit)
+                log(f"{backend:7s} {label:40s} {row[label]['tokens_per_s']:10.1f} tokens/s "
+                    f"({row[label]['ms_per_step']:.3f} ms/step, {row[label]['decode_calls']} "
+                    f"calls of <= {args.steps_per_call} steps)")
+            prompts = [rng.integers(1, vocab, 16).tolist() for _ in range(concurrent)]
+            for label, sampling in ((f"{concurrent} concurrent, greedy", greedy),
+                                    (f"{concurrent} concurrent, official sampling",
+                                     official_sampling)):
+                row[label], _ = decode_rate(model, prompts, new_tokens, backend,
+                                            args.steps_per_call, sampling)
+                log(f"{backend:7s} {label:40s} {row[label]['tokens_per_s']:10.1f} tokens/s "
+                    f"({row[label]['ms_per_step']:.3f} ms/step)")
+            if args.breakdown:
+                for batch in (1, concurrent):
+                    parts = breakdown(model, batch, backend)
+                    row[f"breakdown, batch {batch} (ms)"] = parts
+                    log(f"{backend:7s} one step at batch {batch}: " + ", ".join(
+                        f"{name} {ms:.3f}" for name, ms in parts.items()) + " ms")
+        big = rng.integers(1, vocab, prompt_tokens + 1).tolist()
+        out["prefill"] = prefill_rate(model, big, None)
+        log(f"prefill of {prompt_tokens} tokens: "
+            + ", ".join(f"{k} {v:.3f}" if "over" in k else f"{k} {v:.0f}"
+                        for k, v in out["prefill"].items()))
+        # Our logits after the prompt, for the agreement with the official package.
+        graphdef, params = nnx.split(model)
+        ours_first = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(
+            params, np.asarray([prompt], np.int32))[0, -1], np.float32)
+        if not args.no_official:
+            path = os.path.join(tempfile.mkdtemp(), "random.pth")
+            rnn.save_rwkv7(model, path)
+            anchor, reason = official(path, prompt, new_tokens)
+            if anchor is None:
+                log(f"official rwkv package: skipped ({reason})")
+                out["official"] = {"skipped": reason}
+            else:
+                theirs = anchor.pop("logits")
+                anchor["logits_relative_error"] = float(
+                    np.linalg.norm(ours_first - theirs) / np.linalg.norm(theirs))
+                anchor["same_top1"] = bool(np.argmax(ours_first) == np.argmax(theirs))
+                out["official"] = anchor
+                log(f"official rwkv 0.8.32 (cuda fp16) single stream: "
+                    f"{anchor['tokens_per_s']:.1f} tokens/s; logits vs ours (bf16): relative "
+                    f"error {anchor['logits_relative_error']:.2e}, same top-1 "
+                    f"{anchor['same_top1']}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_generate.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
