@@ -232,8 +232,7 @@ def _prefill(params, pool, packed, cu_seqlens, slots, *, graphdef, backend):
     states and write segment ``i``'s final state into slot ``slots[i]`` of every pool (slots
     out of range: segments whose state is dropped, such as the padding)."""
     model = nnx.merge(graphdef, params)
-    _, final = model.hidden(packed, model.init_state(slots.shape[0]), backend=backend,
-                            cu_seqlens=cu_seqlens)
+    _, final = model.hidden(packed, backend=backend, cu_seqlens=cu_seqlens)
     return jax.tree.map(lambda pool, rows: pool.at[slots].set(rows, mode="drop"), pool, final)
 
 
@@ -266,8 +265,11 @@ def _positive_int(name, value):
 
 
 def _bucket(n, smallest=16):
-    """The padded size of ``n``: a power of two, so that few sizes are ever compiled."""
-    return max(smallest, 1 << max(0, int(n) - 1).bit_length())
+    """The padded size of ``n`` (at least ``smallest``): a multiple of an eighth of the power of
+    two below it, so that few sizes ever compile and at most 1/8 is padding."""
+    n = max(int(n), smallest)
+    step = 1 << max(0, n.bit_length() - 4)
+    return -(-n // step) * step
 
 
 class Generator:
@@ -362,21 +364,18 @@ class Generator:
             raise ValueError(f"lanes must be distinct lanes in [0, {self.max_batch}), got {lanes}")
         heads = [p[:-1] for p in prompts]
         total = sum(map(len, heads))
-        # Segments: one per lane slot (empty ones for the lanes not started) and the padding.
-        lengths = np.zeros(self.max_batch + 1, np.int64)
-        packed = np.zeros((1, _bucket(total)), np.int32)
-        offset, order = 0, np.argsort(lanes)
-        for i in order:
-            packed[0, offset:offset + len(heads[i])] = heads[i]
-            offset += len(heads[i])
-            lengths[lanes[i]] = len(heads[i])
-        lengths[-1] = packed.shape[1] - total
-        cu = np.zeros(self.max_batch + 2, np.int32)
-        cu[1:] = np.cumsum(lengths)
-        # Segment i is lane i (the tokens went in lane order); the segments of the other lanes
-        # are empty and, like the padding's, their states are dropped (slot out of range).
-        slots = np.full(self.max_batch + 1, self.max_batch + 1, np.int32)
-        slots[lanes] = lanes
+        # Segments: one per request, empty ones up to a bucketed count, then the padding up to
+        # a bucketed length (so that few shapes compile); the states of all but the requests'
+        # segments are dropped (a slot out of range).
+        segments = min(_bucket(len(lanes), 1), self.max_batch) + 1
+        lengths = np.zeros(segments, np.int64)
+        lengths[:len(heads)] = [len(h) for h in heads]
+        lengths[-1] = _bucket(total) - total
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        packed = np.zeros((1, int(cu[-1])), np.int32)
+        packed[0, :total] = np.concatenate(heads)
+        slots = np.full(segments, self.max_batch, np.int32)
+        slots[:len(lanes)] = lanes
         self.pool = _prefill(self.params, self.pool, packed, cu, slots,
                              graphdef=self.graphdef, backend=self.prefill_backend)
 
