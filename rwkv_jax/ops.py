@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _checks as checks
 from .backends import resolve
@@ -251,7 +252,7 @@ def _step(op, named, extra, state, scale, state_indices, backend):
         if slots < batch:
             raise ValueError(f"state has S={slots} slots for a batch of B={batch}; "
                              f"pass state_indices [B] to pick a slot per row")
-        state_indices = jnp.arange(batch, dtype=jnp.int32)
+        state_indices = np.arange(batch, dtype=np.int32)  # concrete: no run-time guard
     else:
         state_indices = checks.shaped("state_indices", state_indices, ("B",), sizes,
                                       kind=checks.integer)

@@ -236,6 +236,17 @@ def _prefill(params, pool, packed, cu_seqlens, slots, *, graphdef, backend):
     return jax.tree.map(lambda pool, rows: pool.at[slots].set(rows, mode="drop"), pool, final)
 
 
+@functools.partial(jax.jit, donate_argnames=("lanes",))
+def _admit(lanes, rows, fields):
+    """Lanes ``rows`` (out of range: none) take the values ``fields`` (name -> ``[n]``) of the
+    requests they start; their occurrence counts restart."""
+    updates = {name: getattr(lanes, name).at[rows].set(value.astype(getattr(lanes, name).dtype),
+                                                       mode="drop")
+               for name, value in fields.items()}
+    return lanes._replace(**updates, counts=lanes.counts.at[rows].set(0.0, mode="drop"),
+                          seen=lanes.seen.at[rows].set(False, mode="drop"))
+
+
 def _check_prompts(prompts, vocab_size) -> list[np.ndarray]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise TypeError(f"prompts must be a non-empty list of token-id sequences, got "
@@ -379,26 +390,21 @@ class Generator:
         self.pool = _prefill(self.params, self.pool, packed, cu, slots,
                              graphdef=self.graphdef, backend=self.prefill_backend)
 
-        def at_lanes(field, values, dtype):
-            return field.at[np.asarray(lanes)].set(jnp.asarray(values, dtype))
-
         drawn = sampling.temperature > 0
         self.draw |= drawn
         self.cut |= drawn and (sampling.top_p < 1 or 0 < sampling.top_k < self.vocab)
-        count = len(lanes)
-        lane = self.lanes
-        self.lanes = lane._replace(
-            token=at_lanes(lane.token, [p[-1] for p in prompts], jnp.int32),
-            active=at_lanes(lane.active, [True] * count, bool),
-            request=at_lanes(lane.request, list(requests), jnp.int32),
-            generated=at_lanes(lane.generated, [0] * count, jnp.int32),
-            max_new=at_lanes(lane.max_new, [max_new_tokens] * count, jnp.int32),
-            **{name: at_lanes(getattr(lane, name), [getattr(sampling, name)] * count,
-                              jnp.int32 if name == "top_k" else jnp.float32)
-               for name in ("temperature", "top_p", "top_k", "alpha_frequency",
-                            "alpha_presence", "alpha_decay")},
-            counts=lane.counts.at[np.asarray(lanes)].set(0.0),
-            seen=lane.seen.at[np.asarray(lanes)].set(False))
+        # The lanes' new values in one call, rows padded (dropped) to a bucketed count.
+        width = slots.shape[0] - 1
+        pad = lambda values: np.concatenate([values, np.zeros(width - len(values),
+                                                              np.asarray(values).dtype)])
+        fields = dict(token=pad([p[-1] for p in prompts]), active=pad([True] * len(lanes)),
+                      request=pad(np.asarray(requests, np.int32)),
+                      generated=pad([0] * len(lanes)),
+                      max_new=pad([max_new_tokens] * len(lanes)),
+                      **{name: pad([getattr(sampling, name)] * len(lanes))
+                         for name in ("temperature", "top_p", "top_k", "alpha_frequency",
+                                      "alpha_presence", "alpha_decay")})
+        self.lanes = _admit(self.lanes, slots[:-1], fields)
         return total
 
     def decode(self, *, stop_on_finish: bool = False):
