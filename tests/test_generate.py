@@ -193,6 +193,7 @@ def test_prefill_states_equal_stepping_token_by_token(model):
                                                        PROMPTS[3][-1]])
     # Refilling lane 0 alone overwrites its slot (from zeros) and leaves the others as they were.
     before = jax.tree.map(np.asarray, engine.pool)
+    engine.reset()  # every lane idle; the pool as it was
     engine.prefill([0], [PROMPTS[2]], [3], max_new_tokens=1)
     pool = model.init_state(1)
     for token in PROMPTS[2][:-1]:
@@ -303,6 +304,13 @@ def test_generate_errors_name_the_argument(model):
         kwargs = {"prompts": [[1, 2]], "max_new_tokens": 2, **change}
         with pytest.raises(error, match=message):
             rnn.generate(model, kwargs.pop("prompts"), **kwargs)
+    engine = rnn.Generator(model, max_batch=2)
+    engine.prefill([1], [[1, 2]], [0], max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"lanes \[1\] still serve a request"):
+        engine.prefill([0, 1], [[1], [2]], [1, 2], max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"penalties .* need the occurrence counts"):
+        engine.prefill([0], [[1]], [1], max_new_tokens=3,
+                       sampling=rnn.Sampling(alpha_presence=0.5))
     # numpy scalars are numbers.
     result = rnn.generate(model, [[1, 2]], max_new_tokens=np.int64(2), temperature=np.float32(0),
                           top_p=np.float64(0.5), top_k=np.int32(3))

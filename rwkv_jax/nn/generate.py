@@ -373,6 +373,10 @@ class Generator:
                              f"{len(lanes)}, {len(prompts)} and {len(requests)}")
         if len(set(lanes)) != len(lanes) or not all(0 <= x < self.max_batch for x in lanes):
             raise ValueError(f"lanes must be distinct lanes in [0, {self.max_batch}), got {lanes}")
+        busy = [lane for lane in lanes if np.asarray(self.lanes.active)[lane]]
+        if busy:
+            raise ValueError(f"lanes {busy} still serve a request: prefill only free lanes "
+                             f"(decode until they finish, or reset())")
         heads = [p[:-1] for p in prompts]
         total = sum(map(len, heads))
         # Segments: one per request, empty ones up to a bucketed count, then the padding up to
