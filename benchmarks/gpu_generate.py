@@ -119,7 +119,8 @@ def prefill_rate(model, prompt, backend):
     count = tokens.shape[1]
     return dict(prefill_tokens_per_s=count / seconds, forward_tokens_per_s=count / full,
                 forward_without_head_tokens_per_s=count / trunk,
-                prefill_over_forward=full / seconds, prefill_over_forward_without_head=trunk / seconds)
+                prefill_over_forward=full / seconds,
+                prefill_over_forward_without_head=trunk / seconds)
 
 
 def breakdown(model, batch, backend):

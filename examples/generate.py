@@ -1,7 +1,7 @@
 """Generate text with an official RWKV-7 checkpoint.
 
     python examples/generate.py --checkpoint rwkv7-g1-0.1b.pth --prompt "The capital of France is"
-    python examples/generate.py --checkpoint model.pth --prompt "Once" --prompt "A long prompt ..." \\
+    python examples/generate.py --checkpoint model.pth --prompt "Once" --prompt "A long one" \\
         --temperature 0      # several prompts share each step (continuous batching); 0 = greedy
     python examples/generate.py --random-checkpoint /tmp/random.npz --prompt "Hi"
                              # writes a small random model first (gibberish, for a first try)

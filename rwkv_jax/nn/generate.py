@@ -284,8 +284,8 @@ def _bucket(n, smallest=16):
 
 
 class Generator:
-    """A generation engine for an :class:`RWKV7LM` (any model with its ``hidden``/``step``/
-    ``head``/``init_state``): ``max_batch`` lanes, each with a slot of a float32 state pool.
+    """A generation engine for an :class:`RWKV7LM`: ``max_batch`` lanes, each with a slot of a
+    float32 state pool (lane i, slot i).
 
     ``steps_per_call``: decode steps per compiled call (the host sees the lanes between calls);
     ``backend``: the step kernels' backend (None: the platform's default); ``prefill_backend``:
@@ -413,9 +413,9 @@ class Generator:
 
     def decode(self, *, stop_on_finish: bool = False):
         """One compiled call of ``steps_per_call`` steps (with ``early_exit``, fewer when every
-        lane is idle, or with ``stop_on_finish`` once a lane finishes). Returns ``(tokens, active)``: numpy
-        ``[L, steps done]`` sampled tokens (-1 where a lane emitted nothing) and ``[L]`` whether
-        each lane still runs."""
+        lane is idle, or with ``stop_on_finish`` once a lane finishes). Returns ``(tokens,
+        active)``: numpy ``[L, steps done]`` sampled tokens (-1 where a lane emitted nothing)
+        and ``[L]`` whether each lane still runs."""
         if self.lanes is None:
             raise ValueError("nothing to decode: prefill requests first")
         self.pool, self.lanes, out, done = _decode(
