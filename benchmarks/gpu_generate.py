@@ -13,7 +13,8 @@ head 64), bfloat16 weights and compute, float32 state pool. Per size and step ba
   with the official defaults' sampling (top_p 0.85 and the penalties);
 - prefill of one ``--prompt-tokens`` prompt against the model's sequence-mode forward
   (with and without the output head) on the same tokens;
-- steps per compiled call and calls made: the host sees the lanes once per call;
+- steps per compiled call and calls made: the host sees the lanes once per call
+  (``--per-token-calls`` adds a run of one step per call: a host round trip per token);
 - the official package (``RWKV_CUDA_ON=1``, ``RWKV_V7_ON=1``, strategy "cuda fp16", loading the
   checkpoint written with ``save_rwkv7``): its single-stream tokens/s and the agreement of its
   last-position logits with ours (relative error, same top-1), on the prompt;
@@ -238,6 +239,8 @@ def main(argv=None):
     parser.add_argument("--steps-per-call", type=int, default=64)
     parser.add_argument("--breakdown", action="store_true", help="time one step's parts")
     parser.add_argument("--no-official", action="store_true")
+    parser.add_argument("--per-token-calls", action="store_true", help="also decode one step "
+                        "per call (a host round trip per token), for contrast")
     args = parser.parse_args(argv)
 
     gpu = jax.default_backend() == "gpu"
@@ -264,13 +267,17 @@ def main(argv=None):
         ours_first = None
         for backend in step_backends:
             row = out[backend] = {}
-            for early_exit in (True, False):
-                label = "single stream" + ("" if early_exit else ", fixed-length loop")
-                row[label], result = decode_rate(model, [prompt], new_tokens, backend,
-                                                 args.steps_per_call, greedy, early_exit)
+            forms = [(args.steps_per_call, True), (args.steps_per_call, False)]
+            if args.per_token_calls:  # what a host round trip per token costs, for contrast
+                forms.append((1, False))
+            for steps, early_exit in forms:
+                label = "single stream" + ("" if early_exit else ", fixed-length loop") + (
+                    "" if steps == args.steps_per_call else f", {steps} step per call")
+                row[label], result = decode_rate(model, [prompt], new_tokens, backend, steps,
+                                                 greedy, early_exit)
                 log(f"{backend:7s} {label:40s} {row[label]['tokens_per_s']:10.1f} tokens/s "
                     f"({row[label]['ms_per_step']:.3f} ms/step, {row[label]['decode_calls']} "
-                    f"calls of <= {args.steps_per_call} steps)")
+                    f"calls of <= {steps} steps)")
             prompts = [rng.integers(1, vocab, 16).tolist() for _ in range(concurrent)]
             for label, sampling in ((f"{concurrent} concurrent, greedy", greedy),
                                     (f"{concurrent} concurrent, official sampling",

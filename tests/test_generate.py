@@ -211,6 +211,9 @@ def test_continuous_batching_with_stop_tokens_and_an_immediate_stop(model):
     stop = {first}
     result = rnn.generate(model, PROMPTS, max_new_tokens=6, temperature=0, batch_size=2,
                           stop_tokens=stop, steps_per_call=4)
+    one_id = rnn.generate(model, PROMPTS, max_new_tokens=6, temperature=0, batch_size=2,
+                          stop_tokens=np.int64(first), steps_per_call=4)
+    assert one_id.tokens == result.tokens
     assert result.tokens[0] == [] and result.finish[0] == "stop"
     for prompt, tokens, finish in zip(PROMPTS, result.tokens, result.finish):
         want = _greedy_by_steps(model, prompt, 6, stop=stop)

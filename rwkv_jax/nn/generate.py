@@ -329,6 +329,8 @@ class Generator:
         ``seed`` and ``stop_tokens`` (ids that end a request, not emitted) hold for every
         request until the next reset."""
         seed = operator.index(seed)
+        if isinstance(stop_tokens, (numbers.Integral, np.integer)):
+            stop_tokens = [stop_tokens]  # one id
         stops = sorted({self._token_id("stop_tokens", t) for t in stop_tokens})
         stops = stops + [-1] * (_bucket(len(stops), 8) - len(stops))
         width, vocab = self.max_batch, self.vocab if penalties else 0
