@@ -304,7 +304,10 @@ def main(argv=None):
         if not args.no_official:
             path = os.path.join(tempfile.mkdtemp(), "random.pth")
             rnn.save_rwkv7(model, path)
-            anchor, reason = official(path, prompt, new_tokens)
+            try:
+                anchor, reason = official(path, prompt, new_tokens)
+            except Exception as err:  # keep our numbers
+                anchor, reason = None, f"the official package failed: {type(err).__name__}: {err}"
             if anchor is None:
                 log(f"official rwkv package: skipped ({reason})")
                 out["official"] = {"skipped": reason}
