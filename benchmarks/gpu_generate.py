@@ -239,9 +239,14 @@ def main(argv=None):
     parser.add_argument("--steps-per-call", type=int, default=64)
     parser.add_argument("--breakdown", action="store_true", help="time one step's parts")
     parser.add_argument("--no-official", action="store_true")
+    parser.add_argument("--parts", default="single,concurrent,prefill",
+                        help="comma-separated parts to run: single, concurrent, prefill")
     parser.add_argument("--per-token-calls", action="store_true", help="also decode one step "
                         "per call (a host round trip per token), for contrast")
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"single", "concurrent", "prefill"}:
+        parser.error(f"--parts takes single, concurrent, prefill; got {args.parts!r}")
 
     gpu = jax.default_backend() == "gpu"
     sizes = (args.sizes or ("0.1b,1.5b" if gpu else "tiny")).split(",")
@@ -268,6 +273,8 @@ def main(argv=None):
         for backend in step_backends:
             row = out[backend] = {}
             forms = [(args.steps_per_call, True), (args.steps_per_call, False)]
+            if "single" not in parts:
+                forms = []
             if args.per_token_calls:  # what a host round trip per token costs, for contrast
                 forms.append((1, False))
             for steps, early_exit in forms:
@@ -281,7 +288,7 @@ def main(argv=None):
             prompts = [rng.integers(1, vocab, 16).tolist() for _ in range(concurrent)]
             for label, sampling in ((f"{concurrent} concurrent, greedy", greedy),
                                     (f"{concurrent} concurrent, official sampling",
-                                     official_sampling)):
+                                     official_sampling)) if "concurrent" in parts else ():
                 row[label], _ = decode_rate(model, prompts, new_tokens, backend,
                                             args.steps_per_call, sampling)
                 log(f"{backend:7s} {label:40s} {row[label]['tokens_per_s']:10.1f} tokens/s "
@@ -292,11 +299,12 @@ def main(argv=None):
                     row[f"breakdown, batch {batch} (ms)"] = parts
                     log(f"{backend:7s} one step at batch {batch}: " + ", ".join(
                         f"{name} {ms:.3f}" for name, ms in parts.items()) + " ms")
-        big = rng.integers(1, vocab, prompt_tokens + 1).tolist()
-        out["prefill"] = prefill_rate(model, big, None)
-        log(f"prefill of {prompt_tokens} tokens: "
-            + ", ".join(f"{k} {v:.3f}" if "over" in k else f"{k} {v:.0f}"
-                        for k, v in out["prefill"].items()))
+        if "prefill" in parts:
+            big = rng.integers(1, vocab, prompt_tokens + 1).tolist()
+            out["prefill"] = prefill_rate(model, big, None)
+            log(f"prefill of {prompt_tokens} tokens: "
+                + ", ".join(f"{k} {v:.3f}" if "over" in k else f"{k} {v:.0f}"
+                            for k, v in out["prefill"].items()))
         # Our logits after the prompt, for the agreement with the official package.
         graphdef, params = nnx.split(model)
         ours_first = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(

@@ -282,4 +282,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv6BackwardCuda, Rwkv6BackwardCuda,
                               RWKV_JAX_STREAM RWKV_JAX_RWKV6_BWD_OPS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv6StepCuda, Rwkv6StepCuda,
-                              RWKV_JAX_STREAM RWKV_JAX_RWKV6_STEP_OPS);
+                              RWKV_JAX_STREAM RWKV_JAX_RWKV6_STEP_OPS,
+                              {ffi::Traits::kCmdBufferCompatible});

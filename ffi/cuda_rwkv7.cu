@@ -281,4 +281,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv7BackwardCuda, Rwkv7BackwardCuda,
                               RWKV_JAX_STREAM RWKV_JAX_RWKV7_BWD_OPS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RwkvJaxRwkv7StepCuda, Rwkv7StepCuda,
-                              RWKV_JAX_STREAM RWKV_JAX_RWKV7_STEP_OPS);
+                              RWKV_JAX_STREAM RWKV_JAX_RWKV7_STEP_OPS,
+                              {ffi::Traits::kCmdBufferCompatible});
