@@ -14,12 +14,14 @@ options), and a failure lists every decay that fails with its first error.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import reference
 from conftest import has_gpu
-from test_ops import Case, _seed, check_case, forward_and_gradients
+from test_ops import (Case, _seed, check_case, forward_and_gradients, make_inputs,
+                      traced_options)
 
 STEPS = 37
 KEY = 64 if has_gpu() else 16  # the ffi backend's CUDA kernels take K in (64, 128)
@@ -113,3 +115,27 @@ def test_summed_gate_gradient_at_model_head_size(backend, op):
                     options, "float32")
         run = run or forward_and_gradients(case, backend)
         check_case(backend, case, _seed(variant, decay, "k64"), run)
+
+
+# Positive log decays (decays > 1) are outside the contract and not inspected; every backend
+# computes the same recurrence with no clamp (DESIGN.md, numerical contract).
+POSITIVE = {"small_positive": ("uniform", 0.05), "tokens_plus_inf": ("tokens", np.inf)}
+
+
+@pytest.mark.parametrize("op, variant", [pytest.param(OPS[v][0], v, id=v) for v in OPS])
+def test_positive_log_decays_are_computed_unclamped(backend, op, variant):
+    """Small positive log decays match the reference within the float32 contract, outputs and
+    gradients; +inf overflows to a non-finite output and state on every backend (none makes it
+    finite)."""
+    name, inputs, options = OPS[variant]
+    case = lambda decay: Case(name, dict(inputs, batch=1, steps=STEPS, key=KEY, decay=decay),
+                              options)
+    small = case(POSITIVE["small_positive"])
+    run = forward_and_gradients(small, backend)
+    check_case(backend, small, _seed(variant, "small_positive"), run)
+    overflow = case(POSITIVE["tokens_plus_inf"])
+    x, _, _ = make_inputs(overflow, _seed(variant, "plus_inf"))
+    state0 = x["state" if "state" in x else "initial_state"]
+    out, state, _ = run(x, traced_options(overflow), jnp.ones_like(x["v"]), jnp.ones_like(state0))
+    assert not np.isfinite(np.asarray(out, np.float64)).all(), "finite output for w = +inf"
+    assert not np.isfinite(np.asarray(state)).all(), "finite state for w = +inf"
