@@ -59,10 +59,10 @@ def generalized_delta_rule(r, w, k, v, a, b, initial_state=None, output_final_st
     the log decay ``-exp(w)``. States are **value-major**, ``S[v, k]``, as in every rwkv_ops
     kernel and the official RWKV-7 code (the core op's are key-major ``h[k, v]``, their
     transpose): ``initial_state`` is ``[B, H, V, K]`` or ``[1, H, V, K]`` (shared by every
-    sequence; V = K in rwkv_ops), and so is the final state. ``mask`` ``[B, T]`` (or ``[B, T, 1, 1]``): 1
-    advances the state at that step, 0 freezes it (the step runs with decay 1 and zero ``k``,
-    ``a``, ``b``, so the state is exactly unchanged; its output reads the frozen state and is
-    padding). ``chunk_size`` is accepted for the signature and ignored (each backend picks its
+    sequence; V = K in rwkv_ops), and so is the final state. ``mask`` ``[B, T]`` (or
+    ``[B, T, 1, 1]``): 1 advances the state at that step, 0 freezes it (the step runs with decay
+    1 and zero ``k``, ``a``, ``b``, so the state is exactly unchanged; its output reads the
+    frozen state and is padding). ``chunk_size`` is accepted for the signature and ignored (each backend picks its
     own). ``head_size`` (set by :func:`get_generalized_delta_rule`), when given, must equal ``K``.
     Returns ``(o, final_state)``, or ``o`` alone when ``output_final_state`` is False, as
     ``rwkv_ops`` does; ``o`` is ``[B, T, H, K]`` (``[B, H, T, K]`` when ``head_first``).

@@ -97,8 +97,8 @@ def check_shape(op, k_size, v_size, sequences, platform=None):
     if platform != "gpu":
         return
     if k_size not in CUDA_HEAD_SIZES or v_size % 32 or v_size < 32:
-        raise ValueError(f"{op}: the ffi backend's CUDA kernels need K in {CUDA_HEAD_SIZES} and V a "
-                         f"multiple of 32 up to {MAX_VALUE_SIZE}, got K={k_size}, V={v_size}")
+        raise ValueError(f"{op}: the ffi backend's CUDA kernels need K in {CUDA_HEAD_SIZES} and "
+                         f"V a multiple of 32 up to {MAX_VALUE_SIZE}, got K={k_size}, V={v_size}")
     if sequences > CUDA_MAX_SEQUENCES:
         raise ValueError(f"{op}: the ffi backend's CUDA kernels run at most {CUDA_MAX_SEQUENCES} "
                          f"sequences per call (the batch size B, or the segments of cu_seqlens), "
