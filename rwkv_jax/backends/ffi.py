@@ -8,12 +8,11 @@ Each op is a ``jax.custom_vjp``: the forward kernel saves the state every ``chec
 steps and the backward kernel recomputes each chunk from its checkpoint and runs the exact
 reverse recurrence. Kernels take one float dtype (float32, bfloat16 or float16; float64 inputs
 are refused before they get here, see ``backends.resolve``), accumulate in float32 and return
-the state in float32. Under ``vmap`` the calls
-run sequentially over the mapped axis; inside ``shard_map`` results keep their inputs' varying
-axes (result types come from ``jax.typeof``). The ``*_step`` ops update the float32 state pool
-in place (the pool is aliased to the output; donate it under ``jit``); a row whose index is
-outside the pool (the ops layer's sentinel S for an invalid row) is skipped: its slot is neither
-read nor written and its output row is NaN.
+the state in float32. Under ``vmap`` the calls run sequentially over the mapped axis; inside
+``shard_map`` results keep their inputs' varying axes (result types come from ``jax.typeof``).
+The ``*_step`` ops update the float32 state pool in place (the pool is aliased to the output;
+donate it under ``jit``); a row whose index is outside the pool (the ops layer's sentinel S for
+an invalid row) is skipped: its slot is neither read nor written and its output row is NaN.
 """
 
 from __future__ import annotations
@@ -80,10 +79,6 @@ def _call(target, results, *args, aliases=None, **attrs):
 def _like(x, shape, dtype):
     """Result type of ``shape`` and ``dtype`` that keeps ``x``'s varying mesh axes (shard_map)."""
     return jax.typeof(x).update(shape=tuple(shape), dtype=jnp.dtype(dtype))
-
-
-def _kernel_dtype(*xs):
-    return jnp.result_type(*xs)
 
 
 def check_shape(op, k_size, v_size, sequences, platform=None):
@@ -160,7 +155,7 @@ _rwkv7.defvjp(_rwkv7_fwd, _rwkv7_bwd)
 
 
 def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seqlens):
-    dtype = _kernel_dtype(r, w, k, v, a, b)
+    dtype = jnp.result_type(r, w, k, v, a, b)
     batch, length = r.shape[:2]
     cu = _segments(batch, length, cu_seqlens)
     check_shape("rwkv7", r.shape[3], v.shape[3], cu.shape[0] - 1)
@@ -194,7 +189,7 @@ _rwkv7_step.defvjp(_rwkv7_step_fwd, _rwkv7_step_bwd)
 
 def rwkv7_step(r, w, k, v, a, b, state, *, scale, state_indices):
     check_shape("rwkv7_step", r.shape[3], v.shape[3], r.shape[0])
-    dtype = _kernel_dtype(r, w, k, v, a, b)
+    dtype = jnp.result_type(r, w, k, v, a, b)
     o, state = _rwkv7_step(float(scale), *(x.astype(dtype) for x in (r, w, k, v, a, b)), state,
                            state_indices.astype(jnp.int32))
     return o.astype(v.dtype), state
@@ -237,7 +232,7 @@ _rwkv6.defvjp(_rwkv6_fwd, _rwkv6_bwd)
 
 
 def rwkv6(r, k, v, w, u, *, scale, initial_state, output_final_state, cu_seqlens):
-    dtype = _kernel_dtype(r, k, v, w)
+    dtype = jnp.result_type(r, k, v, w)
     batch, length = r.shape[:2]
     cu = _segments(batch, length, cu_seqlens)
     check_shape("rwkv6", r.shape[3], v.shape[3], cu.shape[0] - 1)
@@ -272,7 +267,7 @@ _rwkv6_step.defvjp(_rwkv6_step_fwd, _rwkv6_step_bwd)
 
 def rwkv6_step(r, k, v, w, u, state, *, scale, state_indices):
     check_shape("rwkv6_step", r.shape[3], v.shape[3], r.shape[0])
-    dtype = _kernel_dtype(r, k, v, w)
+    dtype = jnp.result_type(r, k, v, w)
     o, state = _rwkv6_step(float(scale), *(x.astype(dtype) for x in (r, k, v, w)),
                            u.astype(jnp.float32), state, state_indices.astype(jnp.int32))
     return o.astype(v.dtype), state
@@ -314,7 +309,7 @@ _rwkv4.defvjp(_rwkv4_fwd, _rwkv4_bwd)
 
 
 def rwkv4(w, u, k, v, *, initial_state, output_final_state):
-    dtype = _kernel_dtype(k, v)
+    dtype = jnp.result_type(k, v)
     batch, _, channels = k.shape
     if initial_state is None:
         zeros = jnp.zeros((batch, channels), jnp.float32)
