@@ -60,9 +60,11 @@ inline float dot(const float* __restrict x, const float* __restrict y, int64_t n
 }
 
 // exp(x) in a form the compiler vectorises (libm's expf is a call per element): x = n ln2 + f,
-// |f| <= ln2 / 2, e^f by its Taylor series to degree 7 (truncation < 1e-8 relative).
+// |f| <= ln2 / 2, e^f by its Taylor series to degree 7 (truncation < 1e-8 relative). 2^n is
+// applied as two normal halves, so that e^x overflows to inf past float's range as expf does
+// (x = +inf included: no clamp that would make a positive log decay's overflow finite).
 inline float vexp(float x) {
-  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float xc = std::min(std::max(x, -87.0f), 89.0f);
   const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
   const float f = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
   float p = 1.f / 5040.f;
@@ -73,10 +75,12 @@ inline float vexp(float x) {
   p = p * f + 0.5f;
   p = p * f + 1.f;
   p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  const float y = p * scale;
+  const int32_t m = static_cast<int32_t>(n), half = m / 2;  // m in [-126, 128]
+  const int32_t bits_a = (half + 127) << 23, bits_b = (m - half + 127) << 23;
+  float scale_a, scale_b;
+  std::memcpy(&scale_a, &bits_a, 4);
+  std::memcpy(&scale_b, &bits_b, 4);
+  const float y = p * scale_a * scale_b;
   return x < -87.0f ? 0.f : (x == x ? y : x);
 }
 inline void vexp_inplace(float* x, int64_t n) {

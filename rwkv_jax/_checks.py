@@ -101,6 +101,19 @@ def positive_length(name, t):
         raise ValueError(f"{name} must have at least one time step, got T={t}")
 
 
+_SIZE_NAMES = {"K": "key (head) size", "V": "value size"}
+
+
+def positive_sizes(sizes: dict, dims: str):
+    """Each of ``dims`` (names ``shaped`` bound in ``sizes``, e.g. "KV") at least 1: an empty
+    key or value axis is a ValueError naming the argument that set it, on every backend."""
+    for dim in dims:
+        if dim in sizes and sizes[dim][0] < 1:
+            size, name = sizes[dim]
+            raise ValueError(f"{name} must have a {_SIZE_NAMES.get(dim, dim)} {dim} >= 1 (its last "
+                             f"axis), got {dim}={size}")
+
+
 def host_values(x):
     """The values of ``x`` as a numpy array when Python can know them (numpy arrays and scalars,
     lists, tuples, Python ints, jax arrays that are not tracers), else None (a tracer). Read in

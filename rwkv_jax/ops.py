@@ -132,10 +132,11 @@ def _sequence(op, named, scale, initial_state, output_final_state, cu_seqlens, h
         arrays[name] = None if x is None else checks.shaped(name, x, spec, sizes)
     batch, total = sizes["B"][0], sizes["T"][0]
     checks.positive_length("the inputs", total)
+    checks.positive_sizes(sizes, "KV")
     dtype = _sequence_dtype({n: arrays[n] for n in named})
     initial_state, cu_seqlens, offsets_ok = _state_and_segments(initial_state, cu_seqlens, sizes,
                                                                 batch, total)
-    name, fn = resolve(op, backend)
+    name, fn = resolve(op, backend, dtype=dtype)
     arrays = {n: (_to_bthk(x, head_first) if n in named else x) for n, x in arrays.items()}
     o, h = fn(**arrays, scale=scale, initial_state=_in_state_dtype(initial_state, dtype),
               output_final_state=output_final_state, cu_seqlens=cu_seqlens, **options)
@@ -203,8 +204,10 @@ def gated_linear_attention(q, k, v, *, g=None, g_gamma=None, gk=None, gv=None, s
     """
     reverse = checks.flag("reverse", reverse)
     if scale is None:
-        k_size = checks.shaped("q", q, _heads(checks.flag("head_first", head_first), "K"), {})
-        scale = float(k_size.shape[-1]) ** -0.5
+        sizes: dict = {}
+        checks.shaped("q", q, _heads(checks.flag("head_first", head_first), "K"), sizes)
+        checks.positive_sizes(sizes, "K")
+        scale = float(sizes["K"][0]) ** -0.5
     scale = checks.scalar("scale", scale)
     named = dict(q=(q, "K", False), k=(k, "K", False), v=(v, "V", False), g=(g, None, True),
                  gk=(gk, "K", True), gv=(gv, "V", True))
@@ -230,7 +233,7 @@ def rwkv4(w, u, k, v, *, initial_state=None, output_final_state=True, backend=No
     dtype = _sequence_dtype(dict(k=k, v=v))
     if initial_state is not None:
         initial_state = checks.shaped("initial_state", initial_state, ("B", "C", "3"), sizes)
-    _, fn = resolve("rwkv4", backend)
+    _, fn = resolve("rwkv4", backend, dtype=dtype)
     y, state = fn(w, u, k, v, initial_state=_in_state_dtype(initial_state, dtype),
                   output_final_state=output_final_state)
     return _results(y, state if output_final_state else None, dtype)
@@ -242,11 +245,12 @@ def _step(op, named, extra, state, scale, state_indices, backend):
     arrays = {n: checks.shaped(n, x, _heads(False, last), sizes) for n, (x, last) in named.items()}
     arrays.update({n: checks.shaped(n, x, spec, sizes) for n, (x, spec) in extra.items()})
     checks.positive_length("the inputs", sizes["T"][0])
+    checks.positive_sizes(sizes, "KV")
     dtype = _sequence_dtype({n: arrays[n] for n in named})
     state = checks.shaped("state", state, ("S", "H", "K", "V"), sizes)
-    if state.dtype != jnp.float32:
-        raise TypeError(f"state must be a float32 pool [S, H, K, V] (it is updated in place), "
-                        f"got dtype {state.dtype}")
+    if state.dtype not in (jnp.float32, _state_dtype(dtype)):
+        raise TypeError(f"state must be a float32 pool [S, H, K, V] (it is updated in place; "
+                        f"float64 too with float64 inputs), got dtype {state.dtype}")
     batch, slots = sizes["B"][0], sizes["S"][0]
     if state_indices is None:
         if slots < batch:
@@ -258,14 +262,15 @@ def _step(op, named, extra, state, scale, state_indices, backend):
                                       kind=checks.integer)
         state_indices = checks.indices("state_indices", state_indices, slots, distinct=True)
     state_indices, rows_ok = _guard_rows(state_indices, slots)
-    _, fn = resolve(op, backend)
+    _, fn = resolve(op, backend, dtype=dtype)
     o, state = fn(**arrays, state=state, scale=scale, state_indices=state_indices)
-    return _nan_unless(rows_ok, o.astype(dtype)), state  # the pool keeps its float32
+    return _nan_unless(rows_ok, o.astype(dtype)), state  # the pool keeps its dtype
 
 
 def rwkv7_step(r, w, k, v, a, b, state, *, scale=1.0, state_indices=None, backend=None):
     """RWKV-7 inference: advance the rows ``state_indices`` of the float32 pool ``state``
-    ``[S, H, K, V]`` by the ``T`` (small) steps of ``r, w, k, v, a, b`` ``[B, T, H, *]``.
+    ``[S, H, K, V]`` by the ``T`` (small) steps of ``r, w, k, v, a, b`` ``[B, T, H, *]`` (the
+    pool may be float64 with float64 inputs, so that nothing is rounded to float32).
 
     Returns ``(o [B, T, H, V], updated pool)``; donate ``state`` so the update is in place.
     Rows of ``state_indices`` must be distinct.

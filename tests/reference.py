@@ -388,7 +388,8 @@ def relative_error(x, ref):
 # ---------------------------------------------------------------------------------------------
 
 DECAYS = ("model", "strong", "zero")
-# Decay patterns (tuples) beyond those: ("uniform", lo) draws uniform in [lo, 0];
+# Decay patterns (tuples) beyond those: ("uniform", lo) draws uniform in [lo, 0] (in [0, lo]
+# for lo > 0: positive log decays, outside the contract);
 # ("tokens", value) puts whole tokens SPIKE_TOKENS at value (inside a chunk of 16 or 32 tokens,
 # never on its boundary) and the rest in the model's range; ("every_third", value) puts tokens
 # 1, 4, 7, ... at value (the first token keeps a path from the initial state). value may be
@@ -411,7 +412,7 @@ def _log_decay(rng, shape, decay, model):
         return np.zeros(shape)
     kind, value = decay if isinstance(decay, tuple) and len(decay) == 2 else (None, None)
     if kind == "uniform":
-        return rng.uniform(value, 0.0, shape)
+        return rng.uniform(min(value, 0.0), max(value, 0.0), shape)
     if kind in ("tokens", "every_third"):
         x = model(rng.standard_normal(shape))
         steps = shape[1]

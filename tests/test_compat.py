@@ -19,8 +19,8 @@ def chosen_backends(monkeypatch):
     """Records the backend each public op resolves to (the first element of every call)."""
     seen = []
 
-    def spy(op, backend):
-        name, fn = backends.resolve(op, backend)
+    def spy(op, backend, **options):
+        name, fn = backends.resolve(op, backend, **options)
         seen.append(name)
         return name, fn
 
@@ -46,14 +46,21 @@ def assert_close(x, ref, backend, kind="forward"):
 # generalized_delta_rule / rwkv7_op: raw w (decay exp(-exp(w))), shared state, mask.
 # ------------------------------------------------------------------------------------------
 
+def value_major(state):
+    """A key-major state h[.., k, v] (the core ops', the reference's) as rwkv_ops' value-major
+    S[.., v, k], and back."""
+    return np.swapaxes(np.asarray(state, np.float64), -1, -2)
+
+
 def raw_rwkv7_inputs(seed, batch=B, steps=T):
     """(float32 arguments in rwkv_ops' convention, the same values in the core convention as
-    float64 for the reference): raw w = log(-log decay)."""
+    float64 for the reference): raw w = log(-log decay), the initial state value-major."""
     x = reference.random_inputs("rwkv7", np.random.default_rng(seed), batch=batch, steps=steps,
                                 heads=H, key=N)
     x = {n: np.asarray(jnp.asarray(a, jnp.float32), np.float64) for n, a in x.items()}
     raw = dict(x, w=np.log(-x["w"]))
     core = dict(x, w=-np.exp(raw["w"]))  # the log decay the compatibility layer passes on
+    raw["initial_state"] = value_major(x["initial_state"])
     return {n: jnp.asarray(a, jnp.float32) for n, a in raw.items()}, core
 
 
@@ -72,16 +79,18 @@ def test_raw_w_padding_is_decay_one_exactly():
 
 def assert_gradients(grads, ref, core, backend, shared_state=False):
     """Gradients in rwkv_ops' convention against the float64 reference's: d raw w =
-    d log decay * log decay; a shared [1, H, K, K] initial state sums its rows' gradients."""
-    expected = dict(ref, w=ref["w"] * core["w"])
+    d log decay * log decay; the initial state's value-major; a shared [1, H, K, K] initial state
+    sums its rows' gradients."""
+    expected = dict(ref, w=ref["w"] * core["w"], initial_state=value_major(ref["initial_state"]))
     if shared_state:
-        expected["initial_state"] = ref["initial_state"].sum(0, keepdims=True)
+        expected["initial_state"] = expected["initial_state"].sum(0, keepdims=True)
     for name, g in grads.items():
         assert_close(g, expected[name], backend, "gradient")
 
 
 def _delta_rule_gradients(args, d_o, d_h, backend):
-    """The gradients of generalized_delta_rule's arguments for the cotangents d_o, d_h."""
+    """The gradients of generalized_delta_rule's arguments for the cotangents d_o, d_h (d_h
+    value-major, as the final state it multiplies)."""
     def loss(args):
         o, h = rwkv_jax.generalized_delta_rule(**args, backend=backend)
         return jnp.sum(o * d_o) + jnp.sum(h * d_h)
@@ -95,11 +104,12 @@ def test_generalized_delta_rule_matches_reference(backend):
     ref_o, ref_h = reference.forward("rwkv7", core)
     assert o.shape == (B, T, H, N) and h.shape == (B, H, N, N)
     assert_close(o, ref_o, backend)
-    assert_close(h, ref_h, backend)
+    assert_close(h, value_major(ref_h), backend)
     rng = np.random.default_rng(11)
     d_o, d_h = rng.standard_normal(ref_o.shape), rng.standard_normal(ref_h.shape)
     grads = _delta_rule_gradients(raw, d_o, d_h, backend)
-    assert_gradients(grads, reference.gradients("rwkv7", core, d_o, d_h), core, backend)
+    assert_gradients(grads, reference.gradients("rwkv7", core, d_o, value_major(d_h)), core,
+                     backend)
 
 
 def test_generalized_delta_rule_head_first_and_no_final_state(backend):
@@ -116,17 +126,53 @@ def test_generalized_delta_rule_shared_initial_state(backend):
     """An initial state [1, H, K, K] serves every sequence; its gradient sums theirs."""
     raw, core = raw_rwkv7_inputs(13)
     shared = raw["initial_state"][:1]
-    core = dict(core, initial_state=np.repeat(np.asarray(shared, np.float64), B, axis=0))
+    core = dict(core, initial_state=np.repeat(value_major(shared), B, axis=0))
     o, h = rwkv_jax.generalized_delta_rule(**dict(raw, initial_state=shared), backend=backend)
     ref_o, ref_h = reference.forward("rwkv7", core)
     assert_close(o, ref_o, backend)
-    assert_close(h, ref_h, backend)
+    assert_close(h, value_major(ref_h), backend)
     rng = np.random.default_rng(14)
     d_o, d_h = rng.standard_normal(ref_o.shape), rng.standard_normal(ref_h.shape)
     grads = _delta_rule_gradients(dict(raw, initial_state=shared), d_o, d_h, backend)
     assert grads["initial_state"].shape == (1, H, N, N)
-    assert_gradients(grads, reference.gradients("rwkv7", core, d_o, d_h), core, backend,
-                     shared_state=True)
+    assert_gradients(grads, reference.gradients("rwkv7", core, d_o, value_major(d_h)), core,
+                     backend, shared_state=True)
+
+
+def rwkv_ops_recurrence(r, w, k, v, a, b, initial_state):
+    """rwkv_ops 0.11.3's RWKV-7 recurrence as its reference implementation writes it, restated
+    in float64 numpy: the state value-major, S[v, k] per head,
+    S = S diag(exp(-exp(w))) + (S a) b^T + v k^T, o = S r. Returns (o, final S)."""
+    r, w, k, v, a, b, S = (np.asarray(x, np.float64) for x in (r, w, k, v, a, b, initial_state))
+    o = np.zeros(v.shape)
+    for t in range(r.shape[1]):
+        decay = np.exp(-np.exp(w[:, t]))                                   # [B, H, K]
+        sa = np.einsum("bhvk,bhk->bhv", S, a[:, t])
+        S = (S * decay[:, :, None, :] + sa[..., None] * b[:, t, :, None, :]
+             + v[:, t, :, :, None] * k[:, t, :, None, :])
+        o[:, t] = np.einsum("bhvk,bhk->bhv", S, r[:, t])
+    return o, S
+
+
+def test_generalized_delta_rule_state_is_value_major(backend):
+    """The states in and out are rwkv_ops' value-major S[v, k] (every rwkv_ops kernel's and the
+    official RWKV-7 layout): from an initial state far from symmetric, the outputs and the final
+    state are those of rwkv_ops' own recurrence, and a final state handed back as the next
+    call's initial state continues the sequence."""
+    raw, _ = raw_rwkv7_inputs(20)
+    assert np.linalg.norm(raw["initial_state"] - value_major(raw["initial_state"])) > 1.0
+    o, h = rwkv_jax.generalized_delta_rule(**raw, backend=backend)
+    ref_o, ref_h = rwkv_ops_recurrence(**raw)
+    assert_close(o, ref_o, backend)
+    assert_close(h, ref_h, backend)
+    half = T // 2
+    first = {n: (x if n == "initial_state" else x[:, :half]) for n, x in raw.items()}
+    second = {n: x[:, half:] for n, x in raw.items() if n != "initial_state"}
+    _, h_half = rwkv_jax.generalized_delta_rule(**first, backend=backend)
+    o_rest, h_end = rwkv_jax.generalized_delta_rule(**second, initial_state=h_half,
+                                                    backend=backend)
+    assert_close(o_rest, ref_o[:, half:], backend)
+    assert_close(h_end, ref_h, backend)
 
 
 MASKS = {  # 1 advances the state, 0 freezes it: leading (left padding), inner and trailing zeros
@@ -162,8 +208,9 @@ def test_generalized_delta_rule_mask_skips_frozen_steps(backend, mask_name, layo
                for n, a in core.items()}
         ref_o, ref_h = reference.forward("rwkv7", sub)
         assert_close(o[row:row + 1, kept], ref_o, backend)
-        assert_close(h[row:row + 1], ref_h, backend)
-        ref = reference.gradients("rwkv7", sub, d_o[row:row + 1, kept], d_h[row:row + 1])
+        assert_close(h[row:row + 1], value_major(ref_h), backend)
+        ref = reference.gradients("rwkv7", sub, d_o[row:row + 1, kept],
+                                  value_major(d_h[row:row + 1]))
         sub_grads = {n: (g[row:row + 1] if n == "initial_state" else g[row:row + 1, kept])
                      for n, g in grads.items()}
         assert_gradients(sub_grads, ref, sub, backend)
@@ -197,7 +244,7 @@ def test_get_generalized_delta_rule(kernel_type, backend, chunked, chosen_backen
     assert chosen_backends == [backend]
     ref_o, ref_h = reference.forward("rwkv7", core)
     assert_close(o, ref_o, backend)
-    assert_close(h, ref_h, backend)
+    assert_close(h, value_major(ref_h), backend)
 
 
 def test_get_generalized_delta_rule_follows_the_environment(monkeypatch, chosen_backends):
@@ -205,6 +252,43 @@ def test_get_generalized_delta_rule_follows_the_environment(monkeypatch, chosen_
     fn, uses_chunked_kernel = rwkv_jax.get_generalized_delta_rule(N)
     fn(**raw_rwkv7_inputs(18)[0])
     assert chosen_backends == ["native"] and not uses_chunked_kernel
+
+
+@pytest.mark.parametrize("spelling", ["head_size", "HEAD_SIZE", "positional"])
+def test_get_generalized_delta_rule_takes_both_spellings(spelling, chosen_backends):
+    """rwkv_ops 0.11.3 spells it get_generalized_delta_rule(HEAD_SIZE=64, KERNEL_TYPE=...,
+    chunk_size=16); the README head_size=. Both build the same function (returned with
+    uses_chunked_kernel, not 0.11.3's inference op), which checks K against the head size."""
+    sizes = {"head_size": dict(head_size=N), "HEAD_SIZE": dict(HEAD_SIZE=N)}.get(spelling, {})
+    args = (N,) if spelling == "positional" else ()
+    fn, uses_chunked_kernel = rwkv_jax.get_generalized_delta_rule(*args, **sizes,
+                                                                  KERNEL_TYPE="native",
+                                                                  chunk_size=32)
+    assert uses_chunked_kernel is False
+    raw, core = raw_rwkv7_inputs(21)
+    o, h = fn(**raw)
+    assert chosen_backends == ["native"]
+    ref_o, ref_h = reference.forward("rwkv7", core)
+    assert_close(o, ref_o, "native")
+    assert_close(h, value_major(ref_h), "native")
+    twice = {name: 2 * N for name in sizes}
+    wrong, _ = rwkv_jax.get_generalized_delta_rule(*(2 * N for _ in args), **twice,
+                                                   KERNEL_TYPE="native")
+    with pytest.raises(ValueError, match=f"K={N}, .*head_size={2 * N}"):
+        wrong(**raw)
+
+
+@pytest.mark.parametrize("arguments, error, words", [
+    (dict(head_size=N, HEAD_SIZE=N), TypeError, ["head_size", "HEAD_SIZE", "once"]),
+    (dict(HEAD_SIZE=0), ValueError, ["HEAD_SIZE", "0"]),
+    (dict(head_size=True), ValueError, ["head_size", "True"]),
+    (dict(chunk_size=0), ValueError, ["chunk_size", "0"]),
+], ids=["both_spellings", "HEAD_SIZE_zero", "head_size_bool", "chunk_size_zero"])
+def test_get_generalized_delta_rule_rejects_bad_arguments(arguments, error, words):
+    with pytest.raises(error) as info:
+        rwkv_jax.get_generalized_delta_rule(**arguments)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
 
 
 GDR_BAD = [  # (id, changes to the arguments, error, words the message must contain)
@@ -421,3 +505,74 @@ def test_rwkv6_op_reads_kernel_type(monkeypatch, chosen_backends):
     official, _ = rwkv6_official_inputs(5)
     rwkv_jax.RWKV6_OP(head_size=N)(**{n: jnp.asarray(a) for n, a in official.items()})
     assert chosen_backends == ["native"]
+
+
+def _rwkv6_with_states(seed):
+    """Official arguments, init_state [3, H, N, N] (key-major, as rwkv_ops' RWKV-6 kernels
+    keep it), state_map [2, 0], and the float64 reference of the rows they pick."""
+    official, ours = rwkv6_official_inputs(seed)
+    init_state = 0.5 * np.random.default_rng(seed).standard_normal((3, H, N, N))
+    init_state = np.asarray(jnp.asarray(init_state, jnp.float32), np.float64)
+    ours64 = {n: np.asarray(a, np.float64) for n, a in ours.items()}
+    ours64["initial_state"] = init_state[[2, 0]]
+    args = {n: jnp.asarray(a, jnp.float32) for n, a in official.items()}
+    return args, jnp.asarray(init_state, jnp.float32), reference.forward("rwkv6", ours64)
+
+
+@pytest.mark.parametrize("output_final_state", [True, False])
+def test_rwkv6_op_direct_call(backend, output_final_state):
+    """rwkv_ops 0.11.3's direct form, RWKV6_OP(r, k, v, w, u, initial_state=...,
+    output_final_state=..., state_map=...): y alone, or (y, state) with output_final_state; the
+    head size from u [H, N]; the same results as the class form."""
+    args, init_state, (ref_y, ref_state) = _rwkv6_with_states(7)
+    state_map = jnp.asarray([2, 0], jnp.int32)
+    result = rwkv_jax.RWKV6_OP(*(args[n] for n in "rkvwu"), initial_state=init_state,
+                               output_final_state=output_final_state, state_map=state_map,
+                               backend=backend)
+    if output_final_state:
+        y, state = result
+        assert state.shape == (B, H, N, N) and state.dtype == jnp.float32
+        assert_close(state, ref_state, backend)
+    else:
+        y = result
+        assert isinstance(y, jax.Array)
+    assert y.shape == (B, T, C)
+    assert_close(y, ref_y.reshape(B, T, C), backend)
+
+
+def test_rwkv6_op_direct_call_options(chosen_backends):
+    """The direct form with u [C] and head_size=, with head_first ([B, H, T, N] in and out), and
+    with numpy arrays, equals the class form."""
+    args, init_state, _ = _rwkv6_with_states(8)
+    state_map = np.array([2, 0], np.int32)
+    y_class, state_class = rwkv_jax.RWKV6_OP(head_size=N)(**args, with_state=True,
+                                                           init_state=init_state,
+                                                           state_map=state_map)
+    flat_u = dict(args, u=args["u"].reshape(C))
+    y, state = rwkv_jax.RWKV6_OP(**flat_u, head_size=N, initial_state=init_state,
+                                 state_map=state_map, output_final_state=True)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_class))
+    np.testing.assert_array_equal(np.asarray(state), np.asarray(state_class))
+    heads = lambda x: jnp.swapaxes(x.reshape(B, T, H, N), 1, 2)
+    y_heads = rwkv_jax.RWKV6_OP(*(heads(args[n]) for n in "rkvw"), args["u"], head_first=True,
+                                initial_state=init_state, state_map=state_map)
+    np.testing.assert_array_equal(np.asarray(y_heads), np.asarray(heads(y_class)))
+    y_numpy = rwkv_jax.RWKV6_OP(*(np.asarray(args[n]) for n in "rkvwu"),
+                                initial_state=np.asarray(init_state), state_map=state_map)
+    np.testing.assert_array_equal(np.asarray(y_numpy), np.asarray(y_class))
+
+
+@pytest.mark.parametrize("first, words", [
+    ("r", ["RWKV6_OP", "head size", "r, k, v, w, u", "str"]),
+    (64.0, ["RWKV6_OP", "head size", "float", "64.0"]),
+    (None, ["RWKV6_OP", "NoneType"]),
+])
+def test_rwkv6_op_form_is_unambiguous(first, words):
+    """The first argument picks the form: arrays run the op, an int builds it; anything else is
+    a TypeError saying what each form takes."""
+    assert isinstance(rwkv_jax.RWKV6_OP(N), rwkv_jax.RWKV6_OP)
+    assert isinstance(rwkv_jax.RWKV6_OP(head_size=N), rwkv_jax.RWKV6_OP)
+    with pytest.raises(TypeError) as info:
+        rwkv_jax.RWKV6_OP(first)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))

@@ -100,29 +100,81 @@ def test_reverse_mode_is_not_mistaken_for_forward_mode(backend):
 
 # ------------------------------------------------------------------------------------------
 # jax_enable_x64: outputs in the inputs' dtype, the state float32 (float64 for float64 inputs),
-# the step pool float32; no warning.
+# the step pool as given; no warning. float64 inputs are computed in float64 or refused.
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("inputs", ["float32", "float64"])
 @pytest.mark.parametrize("op", OPS)
-def test_x64_dtype_rule(backend, op, inputs):
+def test_x64_dtype_rule(backend, op):
+    """float32 inputs under jax_enable_x64 stay float32, whatever the float64 arrays beside them
+    (the initial state jnp.zeros would give): results float32, within the float32 contract."""
     with jax.enable_x64(True):
         x, x64, _ = make_inputs(small_case(op), 23)
-        # float64 everywhere but the step pool; float32 inputs get a float64 initial state (what
-        # jnp.zeros gives under x64), which the state's float32 rule converts.
-        x = {n: (a if n == "state" else
-                 a.astype(jnp.float64 if inputs == "float64" or n == "initial_state" else
-                          jnp.float32)) for n, a in x.items()}
+        # float32 inputs get a float64 initial state (what jnp.zeros gives under x64), which
+        # the state's float32 rule converts; the step pool stays float32.
+        x = {n: a.astype(jnp.float64 if n == "initial_state" else jnp.float32)
+             for n, a in x.items()}
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # e.g. FutureWarning: scatter inputs have incompatible types
             out, state = call_op(op, x, {}, backend)
         ref_out, ref_state = reference.forward(op, x64)
-    assert out.dtype == jnp.dtype(inputs)
-    expected_state = jnp.float32 if op.endswith("_step") else jnp.dtype(inputs)
-    assert state.dtype == expected_state, (state.dtype, expected_state)
+    assert out.dtype == jnp.float32 and state.dtype == jnp.float32, (out.dtype, state.dtype)
     limit = tolerance(backend, "float32", "forward")
     assert reference.relative_error(out, ref_out) <= limit
     assert reference.relative_error(state, ref_state) <= limit
+
+
+def _float64_backends(op):
+    platform = backends.platform()
+    return [n for n in backends.names() if backends.computes_float64(n)
+            and backends.unavailable_reason(n, platform) is None and backends.implements(n, op)]
+
+
+def _assert_computed_in_float64(op, backend, seed):
+    """float64 inputs (state and step pool too) on ``backend`` (None: the default): float64
+    results, forward and gradients within the float64 contract (1e-9) of the reference, where
+    a float32 computation would be ~1e-7 off."""
+    with jax.enable_x64(True):
+        _, x64, rng = make_inputs(small_case(op), seed)
+        x = {n: jnp.asarray(a, jnp.float64) for n, a in x64.items()}
+        ref_out, ref_state = reference.forward(op, x64)
+        d_out, d_state = rng.standard_normal(ref_out.shape), rng.standard_normal(ref_state.shape)
+        ref_grads = reference.gradients(op, x64, d_out, d_state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            (out, state), pullback = jax.vjp(lambda x: call_op(op, x, {}, backend), x)
+            (grads,) = pullback((jnp.asarray(d_out), jnp.asarray(d_state)))
+    assert out.dtype == jnp.float64 and state.dtype == jnp.float64, (out.dtype, state.dtype)
+    limit = backends.FLOAT64_TOLERANCE
+    errors = {"output": reference.relative_error(out, ref_out),
+              "state": reference.relative_error(state, ref_state),
+              **{f"d{n}": reference.relative_error(g, ref_grads[n]) for n, g in grads.items()}}
+    assert all(e <= limit for e in errors.values()), {n: f"{e:.1e}" for n, e in errors.items()}
+    assert all(g.dtype == jnp.float64 for g in grads.values())
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_float64_is_computed_in_float64_or_refused(backend, op):
+    """float64 inputs: a backend that computes in float64 holds 1e-9; any other (its kernels run
+    float32 or 16-bit) refuses them up front with a TypeError naming the backends that do."""
+    if backends.computes_float64(backend):
+        _assert_computed_in_float64(op, backend, 26)
+        return
+    with jax.enable_x64(True):
+        x, _, _ = make_inputs(small_case(op), 26)
+        x = {n: a.astype(jnp.float64) for n, a in x.items()}
+        with pytest.raises(TypeError, match=rf"{op} on backend '{backend}' got float64") as info:
+            call_op(op, x, {}, backend)
+    able = _float64_backends(op)
+    assert able and all(repr(n) in str(info.value) for n in able), str(info.value)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_float64_default_is_a_float64_backend(op, monkeypatch):
+    """With no backend named, float64 inputs run on a backend that computes in float64 (the
+    default and the environment's preference skip the others)."""
+    monkeypatch.setenv("RWKV_JAX_BACKEND", "ffi" if "ffi" in backends.names() else "native")
+    assert backends.resolve(op, None, dtype=jnp.float64)[0] in _float64_backends(op)
+    _assert_computed_in_float64(op, None, 27)
 
 
 # ------------------------------------------------------------------------------------------

@@ -14,12 +14,14 @@ options), and a failure lists every decay that fails with its first error.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import reference
 from conftest import has_gpu
-from test_ops import Case, _seed, check_case, forward_and_gradients
+from test_ops import (Case, _seed, check_case, forward_and_gradients, make_inputs,
+                      traced_options)
 
 STEPS = 37
 KEY = 64 if has_gpu() else 16  # the ffi backend's CUDA kernels take K in (64, 128)
@@ -113,3 +115,30 @@ def test_summed_gate_gradient_at_model_head_size(backend, op):
                     options, "float32")
         run = run or forward_and_gradients(case, backend)
         check_case(backend, case, _seed(variant, decay, "k64"), run)
+
+
+# Positive log decays (decays > 1) are outside the contract and not inspected; every backend
+# computes the same recurrence with no clamp (DESIGN.md, numerical contract).
+DECAY_NAMES = {"gla_g": "g", "gla_gk": "gk", "gla_gv": "gv", "gla_g_gamma": "g_gamma"}
+
+
+@pytest.mark.parametrize("op, variant", [pytest.param(OPS[v][0], v, id=v) for v in OPS])
+def test_positive_log_decays_are_computed_unclamped(backend, op, variant):
+    """Small positive log decays match the reference within the float32 contract, outputs and
+    gradients. One log decay at +inf on the first token, from a zero state: e^inf * 0 is NaN, in
+    the output and the state, on every backend (a clamped exp, e^88 for e^inf, gives 0 there and
+    keeps everything finite)."""
+    name, inputs, options = OPS[variant]
+    small = Case(name, dict(inputs, batch=1, steps=STEPS, key=KEY, decay=("uniform", 0.05)),
+                 options)
+    run = forward_and_gradients(small, backend)
+    check_case(backend, small, _seed(variant, "small_positive"), run)
+    x, _, _ = make_inputs(small, _seed(variant, "plus_inf"))
+    decay = DECAY_NAMES.get(variant, "w")
+    x[decay] = x[decay].at[(0,) * x[decay].ndim].set(jnp.inf)
+    state_name = "state" if "state" in x else "initial_state"
+    x[state_name] = jnp.zeros_like(x[state_name])
+    out, state, _ = run(x, traced_options(small), jnp.ones_like(x["v"]),
+                        jnp.ones_like(x[state_name]))
+    assert not np.isfinite(np.asarray(out, np.float64)).all(), "finite output for w = +inf"
+    assert not np.isfinite(np.asarray(state)).all(), "finite state for w = +inf"

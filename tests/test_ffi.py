@@ -172,12 +172,35 @@ def test_shard_map_keeps_varying_axes():
     assert rel(out, ref_out) <= FORWARD_TOL and rel(state, ref_state) <= FORWARD_TOL
 
 
-def test_float64_inputs_run_in_float32():
-    with jax.enable_x64(True):
-        x, rng = draw("rwkv7", seed=9, dtype=jnp.float64, batch=1, steps=12, heads=1, key=KEY)
-        out, state = call("rwkv7", x, "ffi")
-        ref_out, _ = reference.forward("rwkv7", {n: np.asarray(a) for n, a in x.items()})
-        assert out.dtype == jnp.float64 and rel(out, ref_out) <= FORWARD_TOL
+@pytest.mark.parametrize("op", ["rwkv7", "rwkv6", "rwkv7_step", "rwkv6_step"])
+def test_value_size_past_the_kernels_limit_is_a_value_error(op):
+    """V > 1024 (CPU kernels: stack rows; CUDA: a thread per value column) is a ValueError naming
+    V before any kernel runs, not a kernel error at run time."""
+    value = ffi.MAX_VALUE_SIZE + 32
+    x, _ = draw(op, seed=9, batch=1, steps=1, heads=1, key=KEY, value=value)
+    with pytest.raises(ValueError, match=rf"{op}: .*value size V .*up to 1024, got V={value}"):
+        call(op, x, "ffi")
+
+
+def test_cuda_sequence_limit_is_checked_before_the_launch():
+    """The CUDA kernels' grid holds at most 65,535 sequences: more is a ValueError, checked where
+    the CUDA kernels run (the CPU kernels have no such limit)."""
+    limit = ffi.CUDA_MAX_SEQUENCES
+    ffi.check_shape("rwkv7", 64, 64, limit, platform="gpu")
+    ffi.check_shape("rwkv7", 64, 64, limit + 1, platform="cpu")
+    with pytest.raises(ValueError, match=rf"at most {limit} sequences .*got {limit + 1}"):
+        ffi.check_shape("rwkv7", 64, 64, limit + 1, platform="gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["rwkv7", "rwkv6"])
+def test_cuda_sequence_limit_through_the_op(op):
+    """65,536 packed segments (all but one empty) on the GPU: the ValueError, before any launch."""
+    x, _ = draw(op, seed=10, batch=1, steps=1, heads=1, key=KEY, initial_state=False)
+    cu_seqlens = np.zeros(ffi.CUDA_MAX_SEQUENCES + 2, np.int32)
+    cu_seqlens[-1] = 1
+    with pytest.raises(ValueError, match=rf"at most {ffi.CUDA_MAX_SEQUENCES} sequences"):
+        call(op, x, "ffi", cu_seqlens=cu_seqlens)
 
 
 def test_kernel_rejects_bad_shapes_with_an_error():

@@ -226,3 +226,21 @@ def test_unavailable_backends_report_reasons():
     assert {row["name"] for row in rows} == set(backends.names())
     for row in rows:
         assert row["available"] or row["reason"], row
+
+
+# (op, the empty axis): K = 0 or V = 0 is one ValueError on every backend, before any kernel.
+EMPTY_AXES = [(op, axis) for op in ("rwkv7", "rwkv6", "gated_linear_attention", "rwkv7_step",
+                                    "rwkv6_step") for axis in "KV"]
+
+
+@pytest.mark.parametrize("op, axis", EMPTY_AXES, ids=[f"{op}-{axis}=0" for op, axis in EMPTY_AXES])
+def test_empty_key_or_value_axis_is_a_value_error(backend, op, axis):
+    from test_ops import Case, call_op, make_inputs
+
+    sizes = dict(batch=1, steps=3, heads=1, key=4, value=4)
+    sizes["key" if axis == "K" else "value"] = 0
+    x, _, _ = make_inputs(Case(op, sizes), 0)
+    first = "r" if op.startswith("rwkv") else "q"
+    with pytest.raises(ValueError, match=rf"^{first if axis == 'K' else 'v'} must have a "
+                                         rf".*size {axis} >= 1 .*got {axis}=0"):
+        call_op(op, x, {}, backend)

@@ -193,9 +193,16 @@ def dot(x, y, acc, PRECISION: tl.constexpr):
 # operands; others take the scans.
 
 @triton.jit
+def floored(gate, FLOOR: tl.constexpr):
+    """Log gates below FLOOR raised to it; a NaN gate stays NaN (NaN in, NaN out). Not
+    tl.maximum: on the GPU it returns the non-NaN operand, which would hide a NaN as FLOOR."""
+    return tl.where(gate < FLOOR, FLOOR, gate)
+
+
+@triton.jit
 def gate_tile(raw, FLOOR: tl.constexpr):
-    """bfloat16 log gates raised to FLOOR, still bfloat16 (FLOOR is one)."""
-    return tl.maximum(raw.to(tl.float32), FLOOR).to(tl.bfloat16)
+    """bfloat16 log gates raised to FLOOR (``floored``), still bfloat16 (FLOOR is one)."""
+    return floored(raw.to(tl.float32), FLOOR).to(tl.bfloat16)
 
 
 @triton.jit

@@ -66,8 +66,9 @@ flattened inputs, clamped to [0, ROWS) in the kernel, and saved-state slots are 
 import triton
 import triton.language as tl
 
-from .common import (INTERPRETED, clamped_rows, diagonal_tile, dot, gate_tile as _gate_tile,
-                     in_range, level_factors, level_factors_at, row_sums as _row_sums, stored)
+from .common import (INTERPRETED, clamped_rows, diagonal_tile, dot, floored,
+                     gate_tile as _gate_tile, in_range, level_factors, level_factors_at,
+                     row_sums as _row_sums, stored)
 
 
 @triton.jit
@@ -175,7 +176,7 @@ def _gate_sums(raw, FLOOR: tl.constexpr):
     """Log gates raised to FLOOR, their cumulative sums and total, and where the floor applied
     (there the gradient is 0)."""
     raw = raw.to(tl.float32)
-    gate = tl.maximum(raw, FLOOR)
+    gate = floored(raw, FLOOR)
     return gate, tl.cumsum(gate, axis=0), tl.sum(gate, axis=0), raw >= FLOOR
 
 
@@ -211,7 +212,7 @@ def _sequential_chunk(c, carried, first_slot, start, end, head, k_cols, v_cols, 
 def _to_end(raw, FLOOR: tl.constexpr):
     """Of a chunk's stored log gates: e^{G_end - G_i} (<= 1; the gates after i, summed in
     reverse: no difference of large cumulative sums) and G_end, their sum."""
-    gate = tl.maximum(raw.to(tl.float32), FLOOR)
+    gate = floored(raw.to(tl.float32), FLOOR)
     return tl.exp(tl.cumsum(gate, axis=0, reverse=True) - gate), tl.sum(gate, axis=0)
 
 
@@ -350,7 +351,7 @@ def _state_step(c, h, low, first_slot, start, end, head, k_cols, v_cols, k_ptr, 
             k_to_end, a_sum = _to_end(a_raw, FLOOR)
             h = h * tl.exp(a_sum)[:, None]
         k = _decayed(k, k_to_end, ROUNDED)
-        # (NaN as -inf: the interpreter's maximum, unlike the GPU's, keeps a NaN gate)
+        # (a NaN gate stays NaN through the floor: its sum counts as -inf here)
         low = tl.minimum(low, tl.where(a_sum == a_sum, a_sum, float("-inf")))
     if HAS_B:
         v_to_end, b_sum = _to_end(b_raw, FLOOR)
@@ -457,7 +458,7 @@ def gla_scores_kernel(
         blocks += tl.where(t16[:, None] == t16[None, :],
                            tl.reshape(diagonal, [NB, SUB])[:, :, None], 0.0)
         if HAS_A:
-            a = tl.maximum(tl.reshape(_load(a_ptr + base, off, mask), [C, BK]), FLOOR)
+            a = floored(tl.reshape(_load(a_ptr + base, off, mask), [C, BK]), FLOOR)
         for level in tl.static_range(4):  # S = 8, 4, 2, 1: within the sub-blocks
             segment = t16 // (8 >> level)
             keep = (segment[:, None] == segment[None, :] + 1) & (segment[None, :] % 2 == 0)
@@ -500,10 +501,10 @@ def _cross_level(slot, head, used, first, step, count, q_ptr, k_ptr, a_ptr, scor
         q = _load(q_ptr + base, row_off, row_in) * scale
         k = _load(k_ptr + base, column_off, column_in)
         if HAS_A:  # e^{R_t - A_b} and e^{A_b - A_i}, sums within each segment
-            a_row = tl.maximum(_load(a_ptr + base, row_off, row_in), FLOOR)
+            a_row = floored(_load(a_ptr + base, row_off, row_in), FLOOR)
             read = tl.cumsum(a_row, axis=1)
             q = q * tl.exp(read - a_row if BONUS else read)
-            a_column = tl.maximum(_load(a_ptr + base, column_off, column_in), FLOOR)
+            a_column = floored(_load(a_ptr + base, column_off, column_in), FLOOR)
             k = k * tl.exp(tl.cumsum(a_column, axis=1, reverse=True) - a_column)
         pairs += dot(q, tl.permute(k, (0, 2, 1)), None, PRECISION)
     tl.store(scores_ptr + _scores_offsets(slot, head, (even + S)[:, :, None],

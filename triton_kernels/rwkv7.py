@@ -75,7 +75,7 @@ import triton
 import triton.language as tl
 
 from .common import (INTERPRETED, PREFETCH_UP_TO, chunk_tiles, clamped, clamped_rows,
-                     diagonal_tile as _diagonal, dot, gate_tile, in_range,
+                     diagonal_tile as _diagonal, dot, floored, gate_tile, in_range,
                      level_factors as _level, level_factors_at, program, row_bases, row_sums,
                      rows, state_offsets, stored)
 
@@ -102,7 +102,7 @@ def _inverse_unit_lower(lower, C: tl.constexpr, PRECISION: tl.constexpr):
 def _log_decays(w_ptr, base, tile, mask, FLOOR: tl.constexpr):
     """A chunk's log decays, raised to FLOOR (e^FLOOR is 0 in float32: no result changes, and
     cumulative sums stay finite and precise, with no -inf - -inf)."""
-    return tl.maximum(rows(w_ptr, base, tile, mask), FLOOR)
+    return floored(rows(w_ptr, base, tile, mask), FLOOR)
 
 
 @triton.jit
@@ -482,7 +482,7 @@ def rwkv7_forward_kernel(
                 CHUNK_SLOTS)
         if not ROUNDED:
             v = v.to(tl.float32)
-        w = tl.maximum(w.to(tl.float32), FLOOR)
+        w = floored(w.to(tl.float32), FLOOR)
         a = a.to(tl.float32)
         q = q.to(tl.float32) * scale
         k = k.to(tl.float32)
@@ -550,7 +550,7 @@ def rwkv7_state_gradient_kernel(
                 CHUNK_SLOTS)
         if not ROUNDED:
             do = do.to(tl.float32)
-        w = tl.maximum(w.to(tl.float32), FLOOR)
+        w = floored(w.to(tl.float32), FLOOR)
         b = b.to(tl.float32)
         q = q.to(tl.float32) * scale
         a = a.to(tl.float32)
@@ -1121,7 +1121,7 @@ def _wy_log_decay_sums(w_ptr, base, tile, mask, FLOOR: tl.constexpr, C: tl.const
             minus = False
             after = row_sums(w, index[None, :] > index[:, None], False)
         return w.to(tl.float32), row_sums(w, index[None, :] <= index[:, None], minus), after
-    w = tl.maximum(raw.to(tl.float32), FLOOR)
+    w = floored(raw.to(tl.float32), FLOOR)
     gi = tl.cumsum(w, axis=0)
     if FROM_MIDDLE:
         return w, gi - _middle(gi, 0, C), w  # (the last not used)

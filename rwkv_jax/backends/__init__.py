@@ -13,6 +13,8 @@ Which backend runs an op (``resolve``):
    here, the default for the others;
 3. else the default: the first backend of ``DEFAULTS[(op, platform)]`` (fastest measured first)
    that can run here.
+For float64 inputs (``dtype``) only the backends that compute in float64 count: an explicit
+other one is a TypeError naming those that do, and the preference and default skip the others.
 """
 
 from __future__ import annotations
@@ -46,12 +48,16 @@ class Backend:
     float32_tolerance: tuple[float, float] = (1e-5, 1e-4)
     # Whether jax.jvp / jacfwd / hessian work through it (kernels wrapped in custom_vjp do not).
     forward_mode_ad: bool = False
+    # Whether float64 inputs are computed in float64; a backend that cannot refuses them.
+    float64: bool = False
 
 
 _BACKENDS: dict[str, Backend] = {}
 
 # bfloat16 / float16 inputs, against a reference computed from the same rounded values.
 LOW_PRECISION_TOLERANCE = 1e-2
+# float64 inputs (jax_enable_x64), on the backends that compute in float64.
+FLOAT64_TOLERANCE = 1e-9
 
 # Chunked paths raise every log decay below this to it before any cumulative sum: exp of either
 # is exactly 0 in float32 (< 1e-55 in float64), so no result changes, while in-chunk sums stay
@@ -111,13 +117,18 @@ def default_order(op: str, where: str) -> tuple[str, ...]:
 
 def register(name: str, module: str, summary: str, probe: Callable[[str], Optional[str]],
              float32_tolerance: tuple[float, float] = (1e-5, 1e-4),
-             forward_mode_ad: bool = False) -> None:
-    _BACKENDS[name] = Backend(name, module, summary, probe, float32_tolerance, forward_mode_ad)
+             forward_mode_ad: bool = False, float64: bool = False) -> None:
+    _BACKENDS[name] = Backend(name, module, summary, probe, float32_tolerance, forward_mode_ad,
+                              float64)
 
 
 def tolerance(name: str, dtype) -> tuple[float, float]:
-    """(forward, gradients) relative error that backend ``name`` may have for ``dtype`` inputs."""
-    if jax.numpy.dtype(dtype) != jax.numpy.float32:
+    """(forward, gradients) relative error that backend ``name`` may have for ``dtype`` inputs
+    (float64: on the backends that compute in float64; the others refuse float64 inputs)."""
+    dtype = jax.numpy.dtype(dtype)
+    if dtype == jax.numpy.float64:
+        return FLOAT64_TOLERANCE, FLOAT64_TOLERANCE
+    if dtype != jax.numpy.float32:
         return LOW_PRECISION_TOLERANCE, LOW_PRECISION_TOLERANCE
     return _BACKENDS[name].float32_tolerance
 
@@ -155,6 +166,11 @@ def supports_forward_mode(name: str) -> bool:
     return _BACKENDS[name].forward_mode_ad
 
 
+def computes_float64(name: str) -> bool:
+    """Whether backend ``name`` computes float64 inputs in float64 (else it refuses them)."""
+    return _BACKENDS[name].float64
+
+
 def _function(name: str, op: str) -> Callable:
     fn = getattr(importlib.import_module(_BACKENDS[name].module), op)
     return fn if supports_forward_mode(name) else _refusing_forward_mode(op, name, fn)
@@ -177,18 +193,23 @@ def preference() -> Optional[str]:
     return None
 
 
-def resolve(op: str, backend: Optional[str]) -> tuple[str, Callable]:
-    """The (name, function) that runs ``op``: the explicit ``backend`` (strict), else the
-    environment's preference where it runs ``op`` here, else the per-op default."""
+def resolve(op: str, backend: Optional[str], dtype=None) -> tuple[str, Callable]:
+    """The (name, function) that runs ``op`` on inputs of ``dtype`` (None: any): the explicit
+    ``backend`` (strict), else the environment's preference where it runs ``op`` here, else the
+    per-op default; for float64 inputs only backends that compute in float64."""
     where = platform()
+    wide = dtype is not None and jax.numpy.dtype(dtype) == jax.numpy.float64
+    fits = lambda name: _runs(name, op, where) and (not wide or computes_float64(name))
     if backend is None:
         preferred = preference()
-        if preferred is not None and _runs(preferred, op, where):
+        if preferred is not None and fits(preferred):
             return preferred, _function(preferred, op)
-        for name in default_order(op, where):
-            if name in _BACKENDS and _runs(name, op, where):
+        # (float64: any backend that computes it, where the default order has none)
+        for name in (*default_order(op, where), *(_BACKENDS if wide else ())):
+            if name in _BACKENDS and fits(name):
                 return name, _function(name, op)
-        raise BackendUnavailableError(f"no backend implements {op} on platform {where!r}")
+        what = " in float64" if wide else ""
+        raise BackendUnavailableError(f"no backend implements {op}{what} on platform {where!r}")
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     if backend not in _BACKENDS:
@@ -201,6 +222,12 @@ def resolve(op: str, backend: Optional[str]) -> tuple[str, Callable]:
         raise BackendUnavailableError(
             f"backend {backend!r} does not implement {op}; backends that do here: {', '.join(have)}"
         )
+    if wide and not computes_float64(backend):
+        able = [n for n in _BACKENDS if fits(n)]
+        raise TypeError(
+            f"{op} on backend {backend!r} got float64 inputs, which it would compute in float32 "
+            f"or less; backends that compute float64 in float64: {', '.join(map(repr, able))} "
+            f"(pass backend=..., or cast the inputs to float32)")
     return backend, _function(backend, op)
 
 
@@ -246,10 +273,10 @@ def describe() -> list[dict]:
 
 register("native", "rwkv_jax.backends.native",
          "lax.scan over time, checkpointed blocks; the readable reference", lambda p: None,
-         forward_mode_ad=True)
+         forward_mode_ad=True, float64=True)
 register("chunked", "rwkv_jax.backends.chunked",
          "chunked WY/UT-transform algorithm in jax.numpy", lambda p: None,
-         float32_tolerance=(2e-3, 2e-3), forward_mode_ad=True)
+         float32_tolerance=(2e-3, 2e-3), forward_mode_ad=True, float64=True)
 register("triton", "rwkv_jax.backends.triton",
          "chunked Triton kernels (jax-triton on GPU, Triton's interpreter on CPU)",
          lambda p: importlib.import_module("rwkv_jax.backends._launch").unavailable_reason(p),

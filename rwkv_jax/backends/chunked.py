@@ -73,8 +73,9 @@ def _floored(log_decay):
     """Log decays below ``LOG_DECAY_FLOOR`` raised to it (DESIGN.md, numerical contract). exp of
     either is 0 in float32, so no result changes, but in-chunk cumulative sums stay finite (no
     ``-inf - -inf``) and their differences precise (``-1e9 + w`` would lose ``w``). A floored
-    element's gradient is 0, as ``exp(w) * (...)`` gives it; ``where`` keeps -inf out of it."""
-    return jnp.where(log_decay > LOG_DECAY_FLOOR, log_decay, LOG_DECAY_FLOOR)
+    element's gradient is 0, as ``exp(w) * (...)`` gives it; ``where`` keeps -inf out of it.
+    The test is ``w < floor``, which a NaN fails: a NaN log decay stays NaN (NaN in, NaN out)."""
+    return jnp.where(log_decay < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, log_decay)
 
 
 def _masked_exp(exponent, mask):

@@ -7,12 +7,12 @@ names, for the platforms "cpu" and "CUDA", so one ``ffi_call`` runs wherever the
 Each op is a ``jax.custom_vjp``: the forward kernel saves the state every ``checkpoint_chunk``
 steps and the backward kernel recomputes each chunk from its checkpoint and runs the exact
 reverse recurrence. Kernels take one float dtype (float32, bfloat16 or float16; float64 inputs
-run in float32), accumulate in float32 and return the state in float32. Under ``vmap`` the calls
-run sequentially over the mapped axis; inside ``shard_map`` results keep their inputs' varying
-axes (result types come from ``jax.typeof``). The ``*_step`` ops update the float32 state pool
-in place (the pool is aliased to the output; donate it under ``jit``); a row whose index is
-outside the pool (the ops layer's sentinel S for an invalid row) is skipped: its slot is neither
-read nor written and its output row is NaN.
+are refused before they get here, see ``backends.resolve``), accumulate in float32 and return
+the state in float32. Under ``vmap`` the calls run sequentially over the mapped axis; inside
+``shard_map`` results keep their inputs' varying axes (result types come from ``jax.typeof``).
+The ``*_step`` ops update the float32 state pool in place (the pool is aliased to the output;
+donate it under ``jit``); a row whose index is outside the pool (the ops layer's sentinel S for
+an invalid row) is skipped: its slot is neither read nor written and its output row is NaN.
 """
 
 from __future__ import annotations
@@ -28,8 +28,14 @@ import numpy as np
 
 from .native import read_rows, write_rows
 
-# Head sizes K the CUDA kernels are compiled for (each needs V a multiple of 32, at most 1024).
+# Head sizes K the CUDA kernels are compiled for (each needs V a multiple of 32).
 CUDA_HEAD_SIZES = (64, 128)
+# Largest value size V of every kernel: the CPU kernels keep per-step rows of V floats on the
+# stack (ffi/cpu_util.h, kMaxValueSize); the CUDA kernels run one thread per value column.
+MAX_VALUE_SIZE = 1024
+# The CUDA kernels put the sequences (B, or the segments of cu_seqlens) on the grid's y axis,
+# which CUDA caps at 65,535 blocks.
+CUDA_MAX_SEQUENCES = 65535
 
 
 def _module_name(platform: str) -> str:
@@ -75,17 +81,23 @@ def _like(x, shape, dtype):
     return jax.typeof(x).update(shape=tuple(shape), dtype=jnp.dtype(dtype))
 
 
-def _kernel_dtype(*xs):
-    dtype = jnp.result_type(*xs)
-    return jnp.dtype(jnp.float32) if dtype == jnp.float64 else dtype
-
-
-def _check_cuda_shape(op, k_size, v_size):
-    if jax.default_backend() != "gpu":
+def check_shape(op, k_size, v_size, sequences, platform=None):
+    """The kernels' limits on ``platform`` (None: JAX's default), checked before any kernel
+    runs: a ValueError instead of a kernel's error at run time or a failed launch."""
+    platform = platform or jax.default_backend()
+    if v_size > MAX_VALUE_SIZE:
+        raise ValueError(f"{op}: the ffi backend's kernels support a value size V (v's last axis) "
+                         f"up to {MAX_VALUE_SIZE}, got V={v_size}; backends 'native' and "
+                         f"'chunked' have no such limit")
+    if platform != "gpu":
         return
-    if k_size not in CUDA_HEAD_SIZES or v_size % 32 or not 32 <= v_size <= 1024:
-        raise ValueError(f"{op}: the ffi backend's CUDA kernels need K in {CUDA_HEAD_SIZES} and V a "
-                         f"multiple of 32 up to 1024, got K={k_size}, V={v_size}")
+    if k_size not in CUDA_HEAD_SIZES or v_size % 32 or v_size < 32:
+        raise ValueError(f"{op}: the ffi backend's CUDA kernels need K in {CUDA_HEAD_SIZES} and "
+                         f"V a multiple of 32 up to {MAX_VALUE_SIZE}, got K={k_size}, V={v_size}")
+    if sequences > CUDA_MAX_SEQUENCES:
+        raise ValueError(f"{op}: the ffi backend's CUDA kernels run at most {CUDA_MAX_SEQUENCES} "
+                         f"sequences per call (the batch size B, or the segments of cu_seqlens), "
+                         f"got {sequences}; split the call")
 
 
 def _segments(batch, length, cu_seqlens):
@@ -143,10 +155,10 @@ _rwkv7.defvjp(_rwkv7_fwd, _rwkv7_bwd)
 
 
 def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seqlens):
-    _check_cuda_shape("rwkv7", r.shape[3], v.shape[3])
-    dtype = _kernel_dtype(r, w, k, v, a, b)
+    dtype = jnp.result_type(r, w, k, v, a, b)
     batch, length = r.shape[:2]
     cu = _segments(batch, length, cu_seqlens)
+    check_shape("rwkv7", r.shape[3], v.shape[3], cu.shape[0] - 1)
     h0 = _states(r, v, cu.shape[0] - 1, initial_state)
     o, h = _rwkv7(float(scale), *(x.astype(dtype) for x in (r, w, k, v, a, b)), h0, cu)
     return o.astype(v.dtype), h
@@ -176,8 +188,8 @@ _rwkv7_step.defvjp(_rwkv7_step_fwd, _rwkv7_step_bwd)
 
 
 def rwkv7_step(r, w, k, v, a, b, state, *, scale, state_indices):
-    _check_cuda_shape("rwkv7_step", r.shape[3], v.shape[3])
-    dtype = _kernel_dtype(r, w, k, v, a, b)
+    check_shape("rwkv7_step", r.shape[3], v.shape[3], r.shape[0])
+    dtype = jnp.result_type(r, w, k, v, a, b)
     o, state = _rwkv7_step(float(scale), *(x.astype(dtype) for x in (r, w, k, v, a, b)), state,
                            state_indices.astype(jnp.int32))
     return o.astype(v.dtype), state
@@ -220,10 +232,10 @@ _rwkv6.defvjp(_rwkv6_fwd, _rwkv6_bwd)
 
 
 def rwkv6(r, k, v, w, u, *, scale, initial_state, output_final_state, cu_seqlens):
-    _check_cuda_shape("rwkv6", r.shape[3], v.shape[3])
-    dtype = _kernel_dtype(r, k, v, w)
+    dtype = jnp.result_type(r, k, v, w)
     batch, length = r.shape[:2]
     cu = _segments(batch, length, cu_seqlens)
+    check_shape("rwkv6", r.shape[3], v.shape[3], cu.shape[0] - 1)
     h0 = _states(r, v, cu.shape[0] - 1, initial_state)
     o, h = _rwkv6(float(scale), *(x.astype(dtype) for x in (r, k, v, w)), u.astype(jnp.float32),
                   h0, cu)
@@ -254,8 +266,8 @@ _rwkv6_step.defvjp(_rwkv6_step_fwd, _rwkv6_step_bwd)
 
 
 def rwkv6_step(r, k, v, w, u, state, *, scale, state_indices):
-    _check_cuda_shape("rwkv6_step", r.shape[3], v.shape[3])
-    dtype = _kernel_dtype(r, k, v, w)
+    check_shape("rwkv6_step", r.shape[3], v.shape[3], r.shape[0])
+    dtype = jnp.result_type(r, k, v, w)
     o, state = _rwkv6_step(float(scale), *(x.astype(dtype) for x in (r, k, v, w)),
                            u.astype(jnp.float32), state, state_indices.astype(jnp.int32))
     return o.astype(v.dtype), state
@@ -297,7 +309,7 @@ _rwkv4.defvjp(_rwkv4_fwd, _rwkv4_bwd)
 
 
 def rwkv4(w, u, k, v, *, initial_state, output_final_state):
-    dtype = _kernel_dtype(k, v)
+    dtype = jnp.result_type(k, v)
     batch, _, channels = k.shape
     if initial_state is None:
         zeros = jnp.zeros((batch, channels), jnp.float32)
