@@ -28,6 +28,8 @@ INDICES = [5, 0, 3, 1]        # one pool row per batch row, split over the proce
 BAD_INDICES = [5, 0, 9, 1]    # row 2 outside the pool: only process 1 holds it
 SHARD_AXES = ("batch_axis", "seq_axis", "head_axis")
 MODEL = dict(vocab_size=16, n_embd=32, n_layer=2, head_size=8)
+EXAMPLE_ARGS = ["--steps", "3", "--batch", "2", "--seq-len", "8", "--width", "16", "--layers",
+                "1", "--backend", "native"]
 TIMEOUT_S = 240
 FAST_BACKENDS = ("native", "ffi")
 
@@ -48,6 +50,16 @@ def _cotangents(o_shape, h_shape):
     rng = np.random.default_rng(7)
     return (rng.standard_normal(o_shape).astype(np.float32),
             rng.standard_normal(h_shape).astype(np.float32))
+
+
+def _example():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "sharded_training.py"
+    spec = importlib.util.spec_from_file_location("sharded_training", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _raw(w):
@@ -200,6 +212,10 @@ def _worker(process_id, port, out_dir, backends):
                                        backend=backend)
             keep(f"model/{backend}/logits", logits)
             keep(f"model/{backend}/wkv", state[-1].att.wkv)
+
+    with case("example"):   # examples/sharded_training.py's multi-process mode
+        results["example/losses"] = np.asarray(
+            _example().train(_example().parse_args(EXAMPLE_ARGS)))
 
     with case("checkpoint"):   # a model whose parameters are split across the processes
         model = RWKV7LM(RWKV7Config(**MODEL), rngs=nnx.Rngs(0))
@@ -358,6 +374,12 @@ if __name__ != "__main__":
                                    state_indices=np.int32(INDICES), backend=backend)
         _close(got("logits"), logits, backend)
         _close(got("wkv"), state[-1].att.wkv, backend)
+
+    def test_sharded_training_example_across_processes(results):
+        """Two processes, each building only its rows, train as one process does."""
+        got = _case(results, "example")("losses")
+        want = _example().main(EXAMPLE_ARGS)   # one process, this test's 8 devices
+        np.testing.assert_allclose(got, want, rtol=1e-4)
 
     def test_checkpoint_of_parameters_split_across_processes(results):
         """save_rwkv7 gathers the split parameters; process 0 writes the file."""
