@@ -52,14 +52,18 @@ def _cotangents(o_shape, h_shape):
             rng.standard_normal(h_shape).astype(np.float32))
 
 
-def _example():
+def _load_script(relative_path):
     import importlib.util
     import pathlib
-    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "sharded_training.py"
-    spec = importlib.util.spec_from_file_location("sharded_training", path)
+    path = pathlib.Path(__file__).resolve().parent.parent / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _example():
+    return _load_script("examples/sharded_training.py")
 
 
 def _raw(w):
@@ -380,6 +384,15 @@ if __name__ != "__main__":
         got = _case(results, "example")("losses")
         want = _example().main(EXAMPLE_ARGS)   # one process, this test's 8 devices
         np.testing.assert_allclose(got, want, rtol=1e-4)
+
+    def test_multi_gpu_benchmark_as_two_processes():
+        """benchmarks/multi_gpu.py --processes 2: one row from two processes of 1 device each."""
+        bench = _load_script("benchmarks/multi_gpu.py")
+        argv = ["--tiny", "--processes", "2", "--repeats", "1", "--backend", "native"]
+        row = bench._run_one("sequence", "1x16x2x8", bench.parse_args(argv), argv)
+        assert row.get("error") is None, row
+        assert row["devices"] == 2 and row["processes"] == 2 and row["milliseconds"] > 0
+        assert len(row["peak_bytes_per_device"]) == 2
 
     def test_checkpoint_of_parameters_split_across_processes(results):
         """save_rwkv7 gathers the split parameters; process 0 writes the file."""
