@@ -217,6 +217,13 @@ def _worker(process_id, port, out_dir, backends):
             keep(f"model/{backend}/logits", logits)
             keep(f"model/{backend}/wkv", state[-1].att.wkv)
 
+    # Indices replicated on every device: each process holds them whole and checks them on the
+    # host, so both raise the same ValueError before any kernel runs.
+    with case("replicated_bad_indices"):
+        s = _inputs("rwkv7_step", 1, steps=1, state_rows=POOL)
+        rwkv_jax.rwkv7_step(*(put(s[n], line, *rows) for n in "rwkvab"), jnp.asarray(s["state"]),
+                            state_indices=put(np.int32(BAD_INDICES), line), backend="native")
+
     with case("example"):   # examples/sharded_training.py's multi-process mode
         results["example/losses"] = np.asarray(
             _example().train(_example().parse_args(EXAMPLE_ARGS)))
@@ -350,6 +357,10 @@ if __name__ != "__main__":
         _close(got("o")[valid], o_ok, backend)
         _close(got("pool"), pool_ok, backend)
 
+    def test_replicated_indices_are_checked_on_the_host_in_every_process(results):
+        error = str(results.get("error/replicated_bad_indices", ""))
+        assert "ValueError: state_indices must be in [0, 6)" in error, error or "no error"
+
     @pytest.mark.parametrize("backend", BACKENDS)
     def test_rwkv_ops_names_with_split_mask_and_state_map(results, backend):
         from rwkv_jax import compat
@@ -408,4 +419,5 @@ if __name__ != "__main__":
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # for reference.py
-    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(","))
+    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
+            [b for b in sys.argv[4].split(",") if b])
