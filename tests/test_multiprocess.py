@@ -286,6 +286,9 @@ def _run_workers(out_dir, backends):
 
 
 if __name__ != "__main__":
+    import fcntl
+    import json
+
     import jax
     import jax.numpy as jnp
     import pytest
@@ -297,10 +300,20 @@ if __name__ != "__main__":
     BACKENDS = [b for b in BACKENDS_UNDER_TEST if b in FAST_BACKENDS]
 
     @pytest.fixture(scope="module")
-    def results(tmp_path_factory):
-        out_dir = tmp_path_factory.mktemp("multiprocess")
-        codes, logs = _run_workers(out_dir, BACKENDS)
-        assert codes == [0, 0], f"the two processes failed:\n{logs}"
+    def results(tmp_path_factory, worker_id):
+        """The workers' results: one run per pytest run, however many xdist workers get tests of
+        this module (the first runs them under a lock, the others read its results)."""
+        root = tmp_path_factory.getbasetemp()
+        root = root if worker_id == "master" else root.parent   # shared by the xdist workers
+        out_dir = root / "multiprocess"
+        with open(root / "multiprocess.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out_dir / "outcome.json").exists():
+                out_dir.mkdir(exist_ok=True)
+                codes, logs = _run_workers(out_dir, BACKENDS)
+                (out_dir / "outcome.json").write_text(json.dumps(dict(codes=codes, logs=logs)))
+        outcome = json.loads((out_dir / "outcome.json").read_text())
+        assert outcome["codes"] == [0, 0], f"the two processes failed:\n{outcome['logs']}"
         with np.load(out_dir / "results.npz") as data:
             found = dict(data)
         found["checkpoint"] = out_dir / "model.safetensors"
