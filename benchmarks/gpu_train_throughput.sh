@@ -16,12 +16,13 @@ mkdir -p "$out"
 source benchmarks/gpu_env.sh
 for n in "${counts[@]}"; do
     case $mode in
-        data) run=(--model 1.5b --devices "$n" --batch $((2 * n)) --seq 4096 --parallel data --breakdown) ;;
-        seq) run=(--model 0.4b --devices "$n" --batch 1 --seq 65536 --parallel seq --remat --breakdown) ;;
+        data) run=(--model 1.5b --devices "$n" --batch $((2 * n)) --seq 4096 --parallel data) ;;
+        seq) run=(--model 0.4b --devices "$n" --batch 1 --seq 65536 --parallel seq --remat) ;;
         *) echo "mode must be data or seq, got $mode" >&2; exit 2 ;;
     esac
     echo "== train_throughput.py ${run[*]} $*"
-    timeout 540 python3 benchmarks/train_throughput.py "${run[@]}" "$@" \
-        --json "$out/${mode}_${n}gpu.json" 2>&1 | grep -v "^WARNING" | tee "$out/${mode}_${n}gpu.log" \
+    log="$out/${mode}_${n}gpu"
+    timeout 540 python3 benchmarks/train_throughput.py "${run[@]}" --breakdown "$@" \
+        --json "$log.json" 2>&1 | grep -v "^WARNING" | tee "$log.log" \
         || echo "== exit status $? for ${mode} on $n GPUs"
 done

@@ -187,7 +187,8 @@ def _run_one(mode, shape, args, argv):
     if len(rows) == 1:
         return rows[0]
     slowest = max(rows, key=lambda r: r["milliseconds"])
-    return dict(slowest, peak_bytes_per_device=[p for r in rows for p in r["peak_bytes_per_device"]])
+    peaks = [p for r in rows for p in r["peak_bytes_per_device"]]
+    return dict(slowest, peak_bytes_per_device=peaks)
 
 
 def _gib(n):

@@ -25,12 +25,13 @@ def _to_bthk(x, head_first):
 
 
 # ---------------------------------------------------------------------------------------------
-# Offsets and pool rows that are invalid only at run time (DESIGN.md, "Public API"). Values known
-# in Python were checked by _checks; traced ones, and ones split across processes (which no process
-# can read whole), are checked here, on the device, once for every backend. Invalid offsets are replaced by a valid set before any backend runs, and every value of
-# the results becomes NaN. An invalid pool row (outside [0, S), or a slot two rows share) is sent
-# to the sentinel slot S, which every backend's step reads as nothing and never writes, and its
-# output row becomes NaN. So no kernel ever sees an invalid offset or index.
+# Offsets and pool rows that are invalid only at run time (DESIGN.md, "Public API"). Values this
+# process can read whole were checked by _checks; traced ones, and ones split across processes,
+# are checked here, on the device, once for every backend. Invalid offsets are replaced by a
+# valid set before any backend runs, and every value of the results becomes NaN. An invalid pool
+# row (outside [0, S), or a slot two rows share) is sent to the sentinel slot S, which every
+# backend's step reads as nothing and never writes, and its output row becomes NaN. So no kernel
+# ever sees an invalid offset or index.
 
 
 def _guard_offsets(cu_seqlens, total):

@@ -204,7 +204,8 @@ def _worker(process_id, port, out_dir, backends):
             s = _inputs("rwkv6", 3, initial_state=False)
             y, state = _rwkv6_op(backend)(
                 *(put(_flat(_raw(s[n]) if n == "w" else s[n]), line, *rows) for n in "rkvw"),
-                s["u"], with_state=True, init_state=_inputs("rwkv6_step", 4, state_rows=POOL)["state"],
+                s["u"], with_state=True,
+                init_state=_inputs("rwkv6_step", 4, state_rows=POOL)["state"],
                 state_map=put(np.int32(INDICES), line, *rows))
             keep(f"compat/{backend}/rwkv6_op/y", y)
             keep(f"compat/{backend}/rwkv6_op/state", state)
