@@ -2,6 +2,7 @@
 
     python benchmarks/multi_gpu.py                 # the issue's shapes, on 2 GPUs
     python benchmarks/multi_gpu.py --tiny          # tiny shapes on 2 simulated CPU devices
+    python benchmarks/multi_gpu.py --processes 2   # data / sequence as 2 processes, 1 GPU each
 
 For each shape ``BxTxHxK`` (bfloat16 inputs by default) and each mode
 
@@ -13,8 +14,12 @@ it times ``jax.jit(jax.vjp(...))`` (the gradient of every input for a random out
 cotangent) as the median of --repeats runs after a warm-up, each ending in
 ``block_until_ready``, and reads each device's peak memory from ``device.memory_stats()``
 (inputs included). Every mode runs in its own process, so peaks do not mix and an
-out-of-memory error ends one row only. On CPU, where ``memory_stats()`` is unavailable, the
-memory column is XLA's compiled estimate per device (arguments + outputs + temporaries).
+out-of-memory error ends one row only. With ``--processes P`` the data and sequence modes run
+as P processes of this host joined by ``jax.distributed`` (the multi-host recipe of the README,
+on one host: each process has ``devices / P`` GPUs, or simulated CPU devices with gloo
+collectives), and the row's time is the slowest process's. On CPU, where ``memory_stats()`` is
+unavailable, the memory column is XLA's compiled estimate per device (arguments + outputs +
+temporaries).
 Prints a markdown table; ``--json`` also writes the rows.
 """
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -43,8 +49,15 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true",
                         help=f"shapes {' '.join(TINY_SHAPES)} on simulated CPU devices")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="run data / sequence as this many processes (jax.distributed)")
     parser.add_argument("--one", nargs=2, metavar=("MODE", "SHAPE"), help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator", help=argparse.SUPPRESS)
+    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.devices % args.processes:
+        parser.error(f"--devices {args.devices} must split evenly over --processes "
+                     f"{args.processes}")
     if args.shapes is None:
         args.shapes = TINY_SHAPES if args.tiny else ISSUE_SHAPES
     return args
@@ -62,6 +75,11 @@ def measure(mode, shape, args):
     import jax
     import jax.numpy as jnp
     from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    if args.coordinator:   # one of --processes processes
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=args.coordinator,
+                                   num_processes=args.processes, process_id=args.process_id)
 
     import rwkv_jax
     import rwkv_jax.backends
@@ -110,16 +128,18 @@ def measure(mode, shape, args):
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
 
-    stats = [d.memory_stats() for d in devices]
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    stats = [d.memory_stats() for d in local]
     if all(s and "peak_bytes_in_use" in s for s in stats):
         peaks = [s["peak_bytes_in_use"] for s in stats]
         source = "memory_stats"
     else:
         m = compiled.memory_analysis()
         peaks = [m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                 - m.alias_size_in_bytes] * len(devices)
+                 - m.alias_size_in_bytes] * len(local)
         source = "compiled estimate"
     return dict(mode=mode, shape=shape, dtype=args.dtype, devices=len(devices),
+                processes=jax.process_count(),
                 platform=devices[0].platform, device_kind=devices[0].device_kind,
                 backend=rwkv_jax.backends.resolve("rwkv7", args.backend)[0],
                 milliseconds=1e3 * seconds,
@@ -129,19 +149,46 @@ def measure(mode, shape, args):
 
 
 def _run_one(mode, shape, args, argv):
-    """Run one row in a fresh process (its own memory peaks); returns the row."""
+    """Run one row in fresh processes (their own memory peaks): one, or --processes of them
+    joined by jax.distributed for data / sequence. Returns the row."""
+    processes = 1 if mode == "1 device" else args.processes
     env = dict(os.environ)
     if args.tiny:
         env["JAX_PLATFORMS"] = "cpu"
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                            f" --xla_force_host_platform_device_count={args.devices}").strip()
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+                            f"{args.devices // processes}").strip()
     command = [sys.executable, __file__, *argv, "--one", mode, shape]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    error = (done.stderr.strip().splitlines() or ["exited with code %d" % done.returncode])[-1]
-    return dict(mode=mode, shape=shape, error=error[:200])
+    if processes == 1:
+        workers = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)]
+    else:
+        with socket.socket() as s:   # a free port for the coordinator
+            s.bind(("127.0.0.1", 0))
+            coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+        per_process = args.devices // processes
+        workers = []
+        for i in range(processes):
+            own = dict(env)
+            if not args.tiny:   # this process's GPUs
+                own["CUDA_VISIBLE_DEVICES"] = ",".join(
+                    str(g) for g in range(i * per_process, (i + 1) * per_process))
+            workers.append(subprocess.Popen(
+                command + ["--coordinator", coordinator, "--process-id", str(i)], env=own,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    done = [w.communicate() for w in workers]   # small outputs: no pipe fills up
+    rows = []
+    for (stdout, stderr), worker in zip(done, workers):
+        row = next((json.loads(line) for line in reversed(stdout.splitlines())
+                    if line.startswith("{")), None)
+        if row is None:
+            error = (stderr.strip().splitlines() or [f"exited with code {worker.returncode}"])[-1]
+            return dict(mode=mode, shape=shape, error=error[:200])
+        rows.append(row)
+    if len(rows) == 1:
+        return rows[0]
+    slowest = max(rows, key=lambda r: r["milliseconds"])
+    peaks = [p for r in rows for p in r["peak_bytes_per_device"]]
+    return dict(slowest, peak_bytes_per_device=peaks)
 
 
 def _gib(n):
@@ -162,7 +209,9 @@ def table(rows):
         memory = " / ".join(_gib(p) for p in r["peak_bytes_per_device"])
         if r["memory_source"] != "memory_stats":
             memory += " (compiled estimate)"
-        lines.append(f"| {r['shape']} | {r['mode']} | {r['devices']} | {r['milliseconds']:.2f} "
+        devices = (f"{r['devices']} ({r['processes']} processes)" if r.get("processes", 1) > 1
+                   else r["devices"])
+        lines.append(f"| {r['shape']} | {r['mode']} | {devices} | {r['milliseconds']:.2f} "
                      f"| {r['tokens_per_second']:,.0f} | {speedup} | {memory} |")
     return "\n".join(lines)
 

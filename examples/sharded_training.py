@@ -8,6 +8,18 @@ On a CPU, simulate devices first:
 
     python examples/sharded_training.py --cpu-devices 8
 
+Several processes (one per host, or one per GPU) run the same command with ``--distributed``:
+each calls ``jax.distributed.initialize`` (which reads the coordinator, process count and id
+from SLURM, Open MPI, Kubernetes or Cloud TPU, or from the flags below), the mesh is
+``(process_count, local_device_count)`` with the batch over processes and time over each
+process's own devices (the sequence axis, the one that communicates, stays inside a host), and
+each process builds only its rows of every batch. Two processes on one CPU host:
+
+    python examples/sharded_training.py --cpu-devices 2 --distributed \
+        --coordinator 127.0.0.1:12355 --num-processes 2 --process-id 0 &
+    python examples/sharded_training.py --cpu-devices 2 --distributed \
+        --coordinator 127.0.0.1:12355 --num-processes 2 --process-id 1
+
 The task is synthetic: each sequence follows ``x_{t+1} = (a * x_t + c) mod vocab`` with its own
 ``a`` and ``c``, so the model has to read the context to predict the next token.
 """
@@ -39,6 +51,12 @@ def parse_args(argv=None):
     parser.add_argument("--vocab", type=int, default=16)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--backend", default=None, help="rwkv_jax backend (default: automatic)")
+    parser.add_argument("--distributed", action="store_true",
+                        help="one of several processes: call jax.distributed.initialize")
+    parser.add_argument("--coordinator", default=None,
+                        help="with --distributed: the coordinator's host:port (default: detected)")
+    parser.add_argument("--num-processes", type=int, default=None)
+    parser.add_argument("--process-id", type=int, default=None)
     return parser.parse_args(argv)
 
 
@@ -108,15 +126,47 @@ def make_batch(rng, batch, steps, vocab):
     return tokens
 
 
+def make_rows(step, rows, steps, vocab):
+    """Rows ``rows`` of training step ``step``'s batch, each drawn from its own seed: a process
+    builds only its rows, and the batch is the same whatever the number of processes."""
+    return np.concatenate([make_batch(np.random.default_rng((step, row)), 1, steps, vocab)
+                           for row in rows])
+
+
+def local_rows(sharding, shape):
+    """The rows of a global array of ``shape`` split by ``sharding`` that this process holds."""
+    starts_stops = {index[0].indices(shape[0])[:2]
+                    for index in sharding.addressable_devices_indices_map(shape).values()}
+    return range(min(a for a, _ in starts_stops), max(b for _, b in starts_stops))
+
+
+def make_mesh():
+    """(data, seq): with several processes, processes along "data" and each process's devices
+    along "seq" (the README's recipe); in one process two rows of devices when they split."""
+    axis_types = (AxisType.Auto, AxisType.Auto)
+    if jax.process_count() > 1:
+        return jax.make_mesh((jax.process_count(), jax.local_device_count()), ("data", "seq"),
+                             axis_types=axis_types)
+    devices = jax.device_count()
+    data = 2 if devices % 2 == 0 else 1
+    return jax.make_mesh((data, devices // data), ("data", "seq"), axis_types=axis_types)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.cpu_devices:  # before anything asks JAX for its devices
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # across processes
+    if args.distributed:
+        jax.distributed.initialize(coordinator_address=args.coordinator,
+                                   num_processes=args.num_processes, process_id=args.process_id)
+    return train(args)
 
-    devices = len(jax.devices())
-    data = 2 if devices % 2 == 0 else 1
-    mesh = jax.make_mesh((data, devices // data), ("data", "seq"),
-                         axis_types=(AxisType.Auto, AxisType.Auto))
+
+def train(args):
+    """The training loop, in every process; returns the losses."""
+    mesh = make_mesh()
+    data = mesh.shape["data"]
     if args.seq_len % mesh.shape["seq"] or args.batch % data or args.width % HEAD_SIZE:
         raise SystemExit(f"need seq_len divisible by {mesh.shape['seq']}, batch by {data}, "
                          f"width by {HEAD_SIZE}; got seq_len={args.seq_len}, batch={args.batch}, "
@@ -124,9 +174,13 @@ def main(argv=None):
     recurrence = rwkv_jax.shard(functools.partial(rwkv_jax.rwkv7, backend=args.backend), mesh,
                                 batch_axis="data", seq_axis="seq")
     optimizer = optax.adam(args.learning_rate)
-    params = init_params(jax.random.PRNGKey(0), args.vocab, args.width, args.layers)
+    # The same key in every process: the same parameters, replicated over the mesh.
+    params = jax.device_put(init_params(jax.random.PRNGKey(0), args.vocab, args.width,
+                                        args.layers), NamedSharding(mesh, PartitionSpec()))
     state = optimizer.init(params)
     tokens_sharding = NamedSharding(mesh, PartitionSpec("data", None))
+    tokens_shape = (args.batch, args.seq_len + 1)   # seq_len + 1 tokens: inputs and targets
+    rows = local_rows(tokens_sharding, tokens_shape)
 
     @jax.jit
     def train_step(params, state, tokens):
@@ -134,19 +188,21 @@ def main(argv=None):
         updates, state = optimizer.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
-    print(f"{devices} devices, mesh {dict(mesh.shape)}; model width {args.width}, "
-          f"{args.layers} layers, batch {args.batch} x {args.seq_len} tokens")
+    say = print if jax.process_index() == 0 else (lambda *_: None)
+    say(f"{jax.process_count()} process(es), {jax.device_count()} devices, mesh "
+        f"{dict(mesh.shape)}; model width {args.width}, {args.layers} layers, batch "
+        f"{args.batch} x {args.seq_len} tokens")
     losses = []
     start = time.perf_counter()
-    rng = np.random.default_rng(0)
     for step in range(args.steps):
-        tokens = make_batch(rng, args.batch, args.seq_len + 1, args.vocab)
-        params, state, loss = train_step(params, state, jax.device_put(tokens, tokens_sharding))
-        losses.append(float(loss))
+        tokens = jax.make_array_from_process_local_data(
+            tokens_sharding, make_rows(step, rows, args.seq_len + 1, args.vocab), tokens_shape)
+        params, state, loss = train_step(params, state, tokens)
+        losses.append(float(loss))   # the loss is replicated: every process reads its copy
         if step % 10 == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {losses[-1]:.4f}")
-    print(f"{args.steps} steps in {time.perf_counter() - start:.1f} s "
-          f"(first step includes compilation)")
+            say(f"step {step:4d}  loss {losses[-1]:.4f}")
+    say(f"{args.steps} steps in {time.perf_counter() - start:.1f} s "
+        f"(first step includes compilation)")
     return losses
 
 

@@ -73,14 +73,6 @@ def integer(name, x):
     return x
 
 
-def concrete(x):
-    """The values of ``x`` as a numpy array when they are known in Python (numpy arrays, lists,
-    jax arrays that are not tracers), else None: traced values are never read back."""
-    if isinstance(x, jax.core.Tracer):
-        return None
-    return np.asarray(x)
-
-
 def flag(name, value):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
@@ -114,12 +106,26 @@ def positive_sizes(sizes: dict, dims: str):
                              f"axis), got {dim}={size}")
 
 
-def host_values(x):
-    """The values of ``x`` as a numpy array when Python can know them (numpy arrays and scalars,
-    lists, tuples, Python ints, jax arrays that are not tracers), else None (a tracer). Read in
-    the array's own integer dtype, so an int64 value that int32 cannot hold is seen as it is."""
+def on_host(x) -> bool:
+    """Whether this process can read every value of ``x``: anything but a tracer or a jax array
+    split across processes (one this process holds only part of). Replicated arrays count: every
+    process holds them whole."""
     if isinstance(x, jax.core.Tracer):
+        return False
+    return (not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated)
+
+
+def host_values(x):
+    """The values of ``x`` as a numpy array when this process can read them all (``on_host``:
+    numpy arrays and scalars, lists, tuples, Python ints, jax arrays that are neither tracers nor
+    split across processes), else None. Values that are None here are checked on the device
+    (ops.py's guards), as under ``jit``: a host check of this process's part alone would raise
+    in some processes and leave the others waiting in their next collective. Read in the array's
+    own integer dtype, so an int64 value that int32 cannot hold is seen as it is."""
+    if not on_host(x):
         return None
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:   # replicated: read one copy
+        return np.asarray(x.addressable_shards[0].data)
     return np.asarray(x)
 
 

@@ -42,7 +42,7 @@ def _freeze_mask(mask, batch, steps, head_first):
     if tuple(mask.shape) not in ((batch, steps), (batch, steps, 1, 1)):
         raise ValueError(f"mask must be [B, T] = [{batch}, {steps}] or [B, T, 1, 1], "
                          f"got shape {tuple(mask.shape)}")
-    values = checks.concrete(mask)
+    values = checks.host_values(mask)   # None: traced or split across processes, not read
     if values is not None and not np.isin(values, (0, 1)).all():
         raise ValueError(f"mask must hold 0 (freeze the state) or 1 (advance it), got "
                          f"{np.unique(values)[:8].tolist()}")

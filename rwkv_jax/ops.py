@@ -5,7 +5,6 @@ The math of each op is in DESIGN.md and in ``rwkv_jax.backends.native``.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,17 +26,18 @@ def _to_bthk(x, head_first):
 
 
 # ---------------------------------------------------------------------------------------------
-# Offsets and pool rows that are invalid only at run time (DESIGN.md, "Public API"). Values known
-# in Python were checked by _checks; traced ones are checked here, on the device, once for every
-# backend. Invalid offsets are replaced by a valid set before any backend runs, and every value of
-# the results becomes NaN. An invalid pool row (outside [0, S), or a slot two rows share) is sent
-# to the sentinel slot S, which every backend's step reads as nothing and never writes, and its
-# output row becomes NaN. So no kernel ever sees an invalid offset or index.
+# Offsets and pool rows that are invalid only at run time (DESIGN.md, "Public API"). Values this
+# process can read whole were checked by _checks; traced ones, and ones split across processes,
+# are checked here, on the device, once for every backend. Invalid offsets are replaced by a
+# valid set before any backend runs, and every value of the results becomes NaN. An invalid pool
+# row (outside [0, S), or a slot two rows share) is sent to the sentinel slot S, which every
+# backend's step reads as nothing and never writes, and its output row becomes NaN. So no kernel
+# ever sees an invalid offset or index.
 
 
 def _guard_offsets(cu_seqlens, total):
     """Returns (int32 offsets every backend can run on, traced validity flag or None)."""
-    if not isinstance(cu_seqlens, jax.core.Tracer):
+    if checks.on_host(cu_seqlens):   # checked on the host (_checks.cu_seqlens)
         return jnp.asarray(cu_seqlens, jnp.int32), None
     cu = cu_seqlens  # compared in its own dtype: int64 values are not wrapped by the cast
     ok = (cu[0] == 0) & (cu[-1] == total) & jnp.all(cu[1:] >= cu[:-1])
@@ -48,7 +48,7 @@ def _guard_offsets(cu_seqlens, total):
 def _guard_rows(state_indices, slots):
     """Returns (int32 pool rows with the sentinel S for invalid ones, traced validity [B] or
     None). A slot named by two rows is invalid for both, so it stays untouched."""
-    if not isinstance(state_indices, jax.core.Tracer):
+    if checks.on_host(state_indices):   # checked on the host (_checks.indices)
         return jnp.asarray(state_indices, jnp.int32), None
     inside = (state_indices >= 0) & (state_indices < slots)
     rows = jnp.where(inside, state_indices, 0).astype(jnp.int32)

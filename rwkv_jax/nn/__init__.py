@@ -5,6 +5,8 @@
 - RWKV-6 ("x060"): :class:`RWKV6TimeMix`, :class:`RWKV6ChannelMix`;
 - checkpoints with the official parameter names: :func:`load_rwkv7`, :func:`save_rwkv7`,
   :func:`rwkv7_state_dict`, :func:`load_rwkv6_layer`;
+- the loss: :func:`chunked_cross_entropy` (softmax cross-entropy of ``x @ kernel`` without full
+  float32 logits);
 - generation: :class:`Generator` (prefill through the sequence mode with packed prompts,
   many decode steps per compiled call, continuous batching on a donated state pool, the
   official sampler and penalties: :class:`Sampling`) and :func:`generate`, a one-call wrapper;
@@ -15,6 +17,7 @@ from .checkpoint import (load_rwkv6_layer, load_rwkv7, read_checkpoint, rwkv7_co
                          rwkv7_state_dict, save_rwkv7)
 from .common import LayerState, TimeMixState
 from .generate import Generation, Generator, Sampling, generate, sample_logits
+from .loss import chunked_cross_entropy
 from .rwkv6 import RWKV6ChannelMix, RWKV6Config, RWKV6TimeMix
 from .rwkv7 import RWKV7Block, RWKV7ChannelMix, RWKV7Config, RWKV7LM, RWKV7TimeMix
 
@@ -24,4 +27,5 @@ __all__ = [
     "LayerState", "TimeMixState",
     "load_rwkv7", "load_rwkv6_layer", "read_checkpoint", "rwkv7_config", "rwkv7_state_dict",
     "save_rwkv7", "Generator", "Sampling", "generate", "Generation", "sample_logits",
+    "chunked_cross_entropy",
 ]

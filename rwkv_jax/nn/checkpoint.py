@@ -16,6 +16,7 @@ import re
 import types
 from typing import Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -51,10 +52,14 @@ def read_checkpoint(path) -> dict[str, np.ndarray]:
 
 
 def _to_numpy(x):
-    """A numpy array; 16-bit floats (bfloat16 in released models) widened to float32."""
+    """A numpy array; 16-bit floats (bfloat16 in released models) widened to float32. A jax
+    array split across processes is all-gathered first: a collective, so every process calls."""
     if hasattr(x, "detach"):  # a torch tensor: numpy cannot take bfloat16 from torch
         x = x.detach().cpu()
         return (x.float() if x.is_floating_point() and x.element_size() < 4 else x).numpy()
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        x = multihost_utils.process_allgather(x, tiled=True)
     x = np.asarray(x)
     if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:
         return x.astype(np.float32)
@@ -197,10 +202,11 @@ def load_rwkv7(source, *, dtype=jnp.float32, param_dtype=jnp.float32) -> RWKV7LM
 def rwkv7_state_dict(model: RWKV7LM) -> dict[str, np.ndarray]:
     """The model's weights under the official names and shapes: float32 numpy arrays that are
     C-contiguous and writable (their own memory), so any writer (``safetensors``, ``np.savez``,
-    ``torch.from_numpy``) stores them as the official layout."""
+    ``torch.from_numpy``) stores them as the official layout. Parameters split across processes
+    are gathered, so with those every process must call it (each gets the whole dict)."""
     out = {}
     for name, (path, named_shape, kind) in _layout(model.config).items():
-        value = np.asarray(_variable(model, path).get_value(), np.float32)
+        value = _to_numpy(_variable(model, path).get_value()).astype(np.float32, copy=False)
         value = value.T if kind == "linear" else value
         # A transpose is a Fortran-ordered view: writers that take the buffer as it lies in
         # memory would store the matrix transposed. Copy into C order.
@@ -210,7 +216,11 @@ def rwkv7_state_dict(model: RWKV7LM) -> dict[str, np.ndarray]:
 
 def save_rwkv7(model: RWKV7LM, path) -> None:
     """Write ``model`` as an official RWKV-7 checkpoint (float32) that :func:`load_rwkv7` and
-    the official code read: ``.safetensors``, ``.npz``, or ``.pth``/``.pt`` (needs torch)."""
+    the official code read: ``.safetensors``, ``.npz``, or ``.pth``/``.pt`` (needs torch).
+
+    With several processes (``jax.distributed``) every process calls it: parameters split across
+    processes are gathered, process 0 alone writes ``path``, and every process returns once the
+    file is written (or raises if process 0 could not write it)."""
     path = os.fspath(path)
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in (".pth", ".pt", ".safetensors", ".npz"):
@@ -218,6 +228,24 @@ def save_rwkv7(model: RWKV7LM, path) -> None:
     if not isinstance(model, RWKV7LM):
         raise TypeError(f"model must be an RWKV7LM, got {type(model).__name__}")
     params = rwkv7_state_dict(model)
+    if jax.process_count() == 1:
+        _write_checkpoint(params, path, suffix)
+        return
+    from jax.experimental import multihost_utils
+    error = None
+    if jax.process_index() == 0:
+        try:
+            _write_checkpoint(params, path, suffix)
+        except Exception as err:  # the others learn of it below instead of waiting for ever
+            error = err
+    written = bool(multihost_utils.broadcast_one_to_all(np.bool_(error is None)))
+    if error is not None:
+        raise error
+    if not written:
+        raise RuntimeError(f"process 0 could not write {path}; its exception says why")
+
+
+def _write_checkpoint(params, path, suffix):
     if suffix == ".safetensors":
         from safetensors.numpy import save_file
         save_file(params, path)

@@ -1,0 +1,69 @@
+"""The language-model loss without full float32 logits.
+
+At a vocabulary of 65536, ``[tokens, V]`` float32 logits (and their gradient) are the largest
+tensors of a training step. :func:`chunked_cross_entropy` computes the same mean softmax
+cross-entropy from the hidden states and the head's kernel, one slice of the vocabulary at a
+time: a running log-sum-exp in float32, each slice's logits recomputed in the backward.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import _checks as checks
+
+
+def chunked_cross_entropy(x, kernel, labels, *, vocab_chunk=8192):
+    """Mean over tokens of ``logsumexp(l) - l[label]`` for the logits ``l = x @ kernel``.
+
+    ``x [..., C]`` (any floating dtype; the products run in it and accumulate in float32, or
+    float64 for float64 ``x``),
+    ``kernel [C, V]`` (cast to ``x``'s dtype, as a ``dtype=x.dtype`` ``nnx.Linear`` head does),
+    ``labels [...]`` integers in ``[0, V)``. Never holds more than ``[..., vocab_chunk]`` logits;
+    the scan over slices of the vocabulary is rematerialised in the backward, so its memory is
+    that of one slice plus three float32 values per token. Batch and sequence shardings of ``x``
+    are kept (every slice is a product with the whole of ``x``).
+    """
+    x = checks.floating("x", x)
+    kernel = checks.floating("kernel", kernel)
+    labels = checks.integer("labels", labels)
+    if kernel.ndim != 2 or x.shape[-1:] != kernel.shape[:1] or labels.shape != x.shape[:-1]:
+        raise ValueError(f"need x [..., C], kernel [C, V] and labels [...] with x's leading "
+                         f"shape; got x {tuple(x.shape)}, kernel {tuple(kernel.shape)}, "
+                         f"labels {tuple(labels.shape)}")
+    if isinstance(vocab_chunk, bool) or not isinstance(vocab_chunk, int) or vocab_chunk < 1:
+        raise ValueError(f"vocab_chunk must be a positive int, got {vocab_chunk!r}")
+    channels, vocab = kernel.shape
+    values = checks.host_values(labels)
+    if values is not None and values.size and (values.min() < 0 or values.max() >= vocab):
+        raise ValueError(f"labels must be in [0, {vocab}) (the vocabulary), got values from "
+                         f"{values.min()} to {values.max()}")
+    chunk = min(vocab_chunk, vocab)
+    slices = -(-vocab // chunk)
+    kernel = jnp.pad(jnp.asarray(kernel), ((0, 0), (0, slices * chunk - vocab)))
+    kernel = jnp.moveaxis(kernel.reshape(channels, slices, chunk), 1, 0)   # [slices, C, chunk]
+    starts = jnp.arange(slices, dtype=jnp.int32) * chunk
+    labels = jnp.asarray(labels)
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    # The products run in x's dtype, but x enters the scan widened: its gradient, a sum over the
+    # slices, then accumulates in float32 rather than being rounded to 16 bits at every slice.
+    dtype, x = x.dtype, jnp.asarray(x).astype(wide)
+
+    @jax.checkpoint
+    def step(carry, inputs):
+        top, total, picked = carry
+        w, start = inputs
+        logits = jnp.dot(x.astype(dtype), w.astype(dtype), preferred_element_type=wide)
+        column = start + jnp.arange(chunk, dtype=jnp.int32)
+        logits = jnp.where(column < vocab, logits, -jnp.inf)   # the padding past V
+        new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
+        total = (total * jnp.exp(top - new_top)
+                 + jnp.sum(jnp.exp(logits - new_top[..., None]), axis=-1))
+        picked = picked + jnp.sum(jnp.where(column == labels[..., None], logits, 0.0), axis=-1)
+        return (new_top, total, picked), None
+
+    lead = x.shape[:-1]
+    start = (jnp.full(lead, -jnp.inf, wide), jnp.zeros(lead, wide), jnp.zeros(lead, wide))
+    (top, total, picked), _ = jax.lax.scan(step, start, (kernel, starts))
+    return jnp.mean(top + jnp.log(total) - picked)
