@@ -305,3 +305,66 @@ def test_sequence_parallel_memory_per_device_shrinks():
 
     eight = rwkv_jax.shard(one_device, _mesh((8,), ("seq",)), seq_axis="seq")
     assert per_device_bytes(eight) < 0.3 * per_device_bytes(one_device)   # about 0.2 measured
+
+
+HARD_DECAYS = [("every_third", -np.inf), ("every_third", -1e9), "zero"]
+
+
+@pytest.mark.parametrize("decay", HARD_DECAYS, ids=str)
+@pytest.mark.parametrize("op", SEQUENCE_OPS)
+def test_sequence_parallel_hard_decays_every_backend(op, decay, backend):
+    """Decays of exactly zero (-inf, -1e9) and of one (w = 0) inside the blocks of 8 devices,
+    one or two steps each: the transitions and state gradients through them stay exact, forward,
+    final state and every gradient (initial state included). GLA: every gate, reversed."""
+    options = dict(reverse=True) if op == "gated_linear_attention" else {}
+    for steps in (8, 16):
+        x = _inputs(op, seed=13, batch=1, steps=steps, decay=decay)
+        _assert_matches(op, x, ("seq_axis",), options=options, mesh=_mesh((8,), ("seq",)),
+                        backend=backend)
+
+
+@pytest.mark.parametrize("op", SEQUENCE_OPS)
+def test_sequence_parallel_backward_runs_the_op_backward_once(op, monkeypatch):
+    """Counted as the compiled forward + backward runs, on each of 8 devices: the op's backward
+    runs once per block (on the forward's op call, not on a recomputation), and besides that
+    call the op runs only in the state passes: none for RWKV-6 and GLA, one forward (state and
+    transition) and one backward (state gradient) for RWKV-7."""
+    from rwkv_jax.backends import native
+    real = getattr(native, op)
+    runs = {"op": 0, "op backward": 0}
+
+    def count(name, x):
+        def increment(_):
+            runs[name] += 1
+        jax.debug.callback(increment, jnp.sum(x))
+
+    def spy(**keywords):
+        arrays = {n: y for n, y in keywords.items() if isinstance(y, jax.Array)}
+        options = {n: y for n, y in keywords.items() if n not in arrays}
+
+        @jax.custom_vjp
+        def counted(arrays):
+            o, h = real(**arrays, **options)
+            count("op", o)
+            return o, h
+
+        def counted_fwd(arrays):
+            (o, h), pull = jax.vjp(lambda a: real(**a, **options), arrays)
+            count("op", o)
+            return (o, h), pull
+
+        def counted_bwd(pull, cotangents):
+            count("op backward", cotangents[0])
+            return pull(cotangents)
+
+        counted.defvjp(counted_fwd, counted_bwd)
+        return counted(arrays)
+
+    monkeypatch.setattr(native, op, spy)
+    x = _inputs(op, seed=14, batch=1)
+    fn = functools.partial(getattr(rwkv_jax, op), backend="native")
+    sharded = rwkv_jax.shard(fn, _mesh((8,), ("seq",)), seq_axis="seq")
+    loss = lambda x: sum(jnp.sum(y) for y in _call(sharded, op, x, {}))
+    jax.block_until_ready(jax.jit(jax.grad(loss))(x))
+    jax.effects_barrier()
+    assert runs == {"op": 8 * (3 if op == "rwkv7" else 1), "op backward": 8}
