@@ -282,14 +282,23 @@ def test_sharded_model_gradients_equal_one_device():
 
 
 def test_multi_gpu_benchmark_rows():
-    """benchmarks/multi_gpu.py, in this process (on the first 2 of the 8 CPU devices)."""
+    """benchmarks/multi_gpu.py, in this process (on the first 2 of the 8 CPU devices): rows of
+    every op, their check against one device, the table."""
     bench = _load_script("benchmarks/multi_gpu.py")
     args = bench.parse_args(["--tiny", "--repeats", "1", "--backend", "native"])
-    rows = [bench.measure(mode, "2x16x2x8", args) for mode in bench.MODES]
-    for row, devices in zip(rows, (1, 2, 2)):
+    rows = [bench.measure(mode, "2x16x2x8", args, op)
+            for op in bench.OPS for mode in bench.MODES]
+    for row, devices in zip(rows, (1, 2, 2) * len(bench.OPS)):
         assert row["devices"] == devices and row["milliseconds"] > 0
-        assert len(row["peak_bytes_per_device"]) == devices
-    assert "| 2x16x2x8 | sequence | 2 |" in bench.table(rows)
+        assert row["peak_bytes_per_device"] > 0
+    for single, *sharded in (rows[i:i + 3] for i in range(0, len(rows), 3)):
+        assert len(single["fingerprint"]) == len(single["arrays"])
+        for row in sharded:
+            assert bench.difference(row, single) <= 1e-2, (row["op"], row["mode"])
+        wrong = dict(sharded[1], fingerprint=[[x[0]] + [-y for y in x[1:]]
+                                              for x in sharded[1]["fingerprint"]])
+        assert bench.difference(wrong, single) > 0.5   # the check sees a wrong result
+    assert "| rwkv6 | 2x16x2x8 | sequence | 2 |" in bench.table(rows)
 
 
 def test_sequence_parallel_memory_per_device_shrinks():
