@@ -48,15 +48,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import inspect
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
-from . import ops
+from . import backends, ops
 
 # Dimension labels of each argument; "B", "T", "H" (and "C", RWKV-4's channels) are split over
 # the batch, sequence and head axes, None is never split.
@@ -298,21 +299,53 @@ def _sequence_parallel(spec, base, options, arrays, axis, devices):
     return o, lax.all_gather(h_out, axis)[order[-1]]
 
 
+class _Pieces(NamedTuple):
+    """A block's passes (rwkv_jax.backends.triton.SequencePieces says what each takes)."""
+    state: Callable
+    forward: Callable
+    state_gradient: Callable
+    backward: Callable
+    # (x, saved, h_in) -> (o, h_out) without residuals, where cheaper than forward's.
+    primal: Optional[Callable] = None
+
+
+def _reference_pieces(spec, run, options):
+    """The passes from the public op and the spec's state-only passes (any backend)."""
+    call = lambda x, h: run(**x, initial_state=h)
+    return _Pieces(
+        state=lambda x: spec.block_state(run, x, options) + (None,),
+        forward=lambda x, saved, h_in: jax.vjp(call, x, h_in),
+        state_gradient=lambda x, pull, do: (spec.block_state_gradient(run, x, do, options), None),
+        backward=lambda x, pull, saved, do, dh: pull((do, dh)),
+        primal=lambda x, saved, h_in: call(x, h_in))
+
+
+def _pieces(spec, run, options):
+    """The backend's own passes (a module function ``sequence_parallel_pieces(op, options)``,
+    kernels that share work between the state-only passes and the op) where it has them, else
+    the reference."""
+    name, _ = backends.resolve(spec.name, options.get("backend"))
+    module = importlib.import_module(backends._BACKENDS[name].module)
+    hook = getattr(module, "sequence_parallel_pieces", None)
+    own = None if hook is None else hook(spec.name, options)
+    return _reference_pieces(spec, run, options) if own is None else _Pieces(*own)
+
+
 def _one_pass_block(spec, run, options, axis, order):
     """``block(x, start) -> (o, h_out)``: the op on this device's block from the state that truly
     enters it (``start`` plus what the earlier blocks leave), with a custom gradient.
 
-    Forward: the block's transition and final state from zero (``spec.block_state``), one
-    all-gather, the exclusive scan for the incoming state, one op call from it. Backward: the
-    gradient each block's outputs alone send into its initial state
-    (``spec.block_state_gradient``), one all-gather, the reverse scan for the true gradient of
-    each block's final state, and one backward of the op call saved from the forward."""
+    Forward: the block's transition and final state from zero (the pieces' ``state``), one
+    all-gather, the exclusive scan for the incoming state, the op from it. Backward: the
+    gradient the block's outputs alone send into its initial state (``state_gradient``), one
+    all-gather, the reverse scan for the true gradient of the block's final state, and the
+    backward of the forward's op call."""
     options, is_matrix = dict(options), spec.matrix_transition
-    call = lambda x, h: run(**x, initial_state=h)
+    pieces = _pieces(spec, run, options)
 
     def entering(x, start):
-        """(every block's transition, the state entering this block)."""
-        transition, h_local = spec.block_state(run, x, options)
+        """(every block's transition, the state entering this block, the state pass's saved)."""
+        transition, h_local, saved = pieces.state(x)
         leaving = _advance(transition, is_matrix, start) + h_local   # from start, not from h_in
         every_transition = lax.all_gather(transition, axis)
         every_leaving = lax.all_gather(leaving, axis)
@@ -320,18 +353,18 @@ def _one_pass_block(spec, run, options, axis, order):
         for j in order:
             before[j] = h
             h = _advance(every_transition[j], is_matrix, h) + every_leaving[j]
-        return every_transition, start + jnp.stack(before)[lax.axis_index(axis)]
+        return every_transition, start + jnp.stack(before)[lax.axis_index(axis)], saved
 
     def forward(x, start):
-        every_transition, h_in = entering(x, start)
-        result, pull = jax.vjp(call, x, h_in)
-        return result, (x, every_transition, pull)
+        every_transition, h_in, saved = entering(x, start)
+        result, residuals = pieces.forward(x, saved, h_in)
+        return result, (x, every_transition, residuals)
 
     def backward(saved, cotangents):
-        x, every_transition, pull = saved
+        x, every_transition, residuals = saved
         do, dh_out = cotangents
         index = lax.axis_index(axis)
-        g = spec.block_state_gradient(run, x, do, options)
+        g, from_zero = pieces.state_gradient(x, residuals, do)
         # The gradient of this block's initial state, but for the later blocks': M^T dh_out + g.
         sent = _advance_gradient(every_transition[index], is_matrix, dh_out) + g
         every_sent = lax.all_gather(sent, axis)
@@ -339,9 +372,15 @@ def _one_pass_block(spec, run, options, axis, order):
         for j in reversed(order):
             after[j] = dh
             dh = _advance_gradient(every_transition[j], is_matrix, dh) + every_sent[j]
-        return pull((do, dh_out + jnp.stack(after)[index]))
+        return pieces.backward(x, residuals, from_zero, do, dh_out + jnp.stack(after)[index])
 
-    block = jax.custom_vjp(lambda x, start: call(x, entering(x, start)[1]))
+    def primal(x, start):
+        if pieces.primal is None:
+            return forward(x, start)[0]
+        _, h_in, saved = entering(x, start)
+        return pieces.primal(x, saved, h_in)
+
+    block = jax.custom_vjp(primal)
     block.defvjp(forward, backward)
     return block
 
