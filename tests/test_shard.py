@@ -377,3 +377,24 @@ def test_sequence_parallel_backward_runs_the_op_backward_once(op, monkeypatch):
     jax.block_until_ready(jax.jit(jax.grad(loss))(x))
     jax.effects_barrier()
     assert runs == {"op": 8 * (3 if op == "rwkv7" else 1), "op backward": 8}
+
+
+@pytest.mark.parametrize("op", SEQUENCE_OPS)
+def test_backend_sequence_pieces_are_used(op, monkeypatch):
+    """The triton backend's own passes (rwkv6, GLA: its kernels once each way, chunk states
+    corrected) take the place of the reference; RWKV-7 has none there and takes the
+    reference. Both give one device's results (the hard-decay test above covers every
+    backend)."""
+    from rwkv_jax.backends import triton
+    real = triton.sequence_parallel_pieces
+    asked = []
+
+    def spy(name, options):
+        pieces = real(name, options)
+        asked.append((name, pieces is not None))
+        return pieces
+
+    monkeypatch.setattr(triton, "sequence_parallel_pieces", spy)
+    x = _inputs(op, seed=15, batch=1, steps=8)
+    _assert_matches(op, x, ("seq_axis",), mesh=_mesh((4,), ("seq",)), backend="triton")
+    assert asked and set(asked) == {(op, op != "rwkv7")}
