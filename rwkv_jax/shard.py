@@ -35,12 +35,17 @@ That gradient comes from the later blocks: the gradient reaching a block's initi
 3. runs the backward of the op call saved from the forward, with ``(do, dh_T)``; the gradient it
    gives for the block's initial state is that of ``initial_state`` on the first block.
 
-Each pass over a block is one op call or its backward plus an extra pass that computes states
-only, so over ``n`` devices each does about ``1/n`` of the one-device work plus that extra pass
-over its block: one matrix product per head for RWKV-6 and GLA, and for RWKV-7 one op call with
-``V + K`` value columns forward and one with ``V`` columns backward. Per-device memory is that of
-one block plus ``n`` transitions and states for the scans. The extra passes use only the public
-op, so every backend runs it and gradients are exact.
+Over ``n`` devices each does about ``1/n`` of the one-device work plus the state-only passes over
+its block: one matrix product per head each way for RWKV-6 and GLA, and for RWKV-7 one op call
+with ``V + K`` value columns forward and one with ``V`` columns backward. Per-device memory is
+that of one block plus ``n`` transitions and states for the scans. These passes use only the
+public op, so every backend runs them and gradients are exact. A backend may replace the four
+passes with its own (a module function ``sequence_parallel_pieces``, see
+:class:`rwkv_jax.backends.triton.SequencePieces`): the triton backend does for RWKV-6 and GLA,
+running its state pass and state-gradient pass from zero once each way and correcting every
+chunk's state (state gradient) by the incoming state (the final state's gradient) times its
+decay before its output (gradient) kernels, so that each device runs the kernels of one
+device's op on ``T/n`` tokens plus elementwise corrections.
 """
 
 from __future__ import annotations
@@ -419,6 +424,11 @@ def shard(op, mesh, *, batch_axis=None, head_axis=None, seq_axis=None):
                              f"supported (packed segments would straddle devices); split packed "
                              f"sequences over heads, or pad them into a batch for batch_axis")
         arrays = {n: jnp.asarray(arguments[n]) for n in spec.arrays if arguments[n] is not None}
+        if seq_axis is not None and any(backends._forward_mode(x) for x in arrays.values()):
+            raise TypeError(f"{spec.name} with seq_axis={seq_axis!r} does not support "
+                            f"forward-mode autodiff (jax.jvp, jax.jacfwd, jax.hessian): its "
+                            f"sequence parallelism defines only a reverse-mode rule "
+                            f"(custom_vjp); batch_axis and head_axis do, on backends that do")
         options = {n: x for n, x in arguments.items() if n not in spec.arrays}
         for n, x in arrays.items():
             dims = _labels(spec.arrays[n], options.get("head_first", False))

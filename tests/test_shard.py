@@ -398,3 +398,16 @@ def test_backend_sequence_pieces_are_used(op, monkeypatch):
     x = _inputs(op, seed=15, batch=1, steps=8)
     _assert_matches(op, x, ("seq_axis",), mesh=_mesh((4,), ("seq",)), backend="triton")
     assert asked and set(asked) == {(op, op != "rwkv7")}
+
+
+def test_sequence_parallel_refuses_forward_mode_clearly():
+    """Its gradient is a custom_vjp: jax.jvp gets one clear error naming the limit, before
+    anything is traced; over batch and heads forward mode still works (native backend)."""
+    x = _inputs("rwkv6", seed=16, batch=2)
+    fn = functools.partial(rwkv_jax.rwkv6, backend="native")
+    run = lambda f: jax.jvp(lambda r: _call(f, "rwkv6", dict(x, r=r), {})[0], (x["r"],),
+                            (jnp.ones_like(x["r"]),))
+    with pytest.raises(TypeError, match="seq_axis='seq' does not support forward-mode"):
+        run(rwkv_jax.shard(fn, _mesh(), seq_axis="seq"))
+    _, tangent = run(rwkv_jax.shard(fn, _mesh(), batch_axis="data", head_axis="heads"))
+    assert relative_error(tangent, run(fn)[1]) <= 1e-5
