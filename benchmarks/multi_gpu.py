@@ -1,10 +1,11 @@
 """Forward + backward on one GPU against data and sequence parallelism over several.
 
-    python benchmarks/multi_gpu.py --devices 2 4   # the issue's ops and shapes, on 1, 2, 4 GPUs
-    python benchmarks/multi_gpu.py --tiny          # tiny shapes on simulated CPU devices
+    python benchmarks/multi_gpu.py --devices 2 4 --backend triton   # the issue's table: 1, 2, 4 GPUs
+    python benchmarks/multi_gpu.py --tiny --devices 2 4              # tiny, simulated CPU devices
 
 For each op (``--ops``: rwkv7, rwkv6, gated_linear_attention with gk), shape ``BxTxHxK``
-(bfloat16 inputs by default) and mode
+(bfloat16 inputs by default; ``BxTxHxK:mode`` for one mode only: the defaults are B=8 T=4096
+over the batch and B=1 T=131072 over the sequence, H=64 K=64) and mode
 
     1 device    the op itself on the first device
     data        rwkv_jax.shard(..., batch_axis=) over n devices (B divisible by n)
@@ -35,7 +36,8 @@ import time
 
 MODES = ("1 device", "data", "sequence")
 OPS = ("rwkv7", "rwkv6", "gated_linear_attention")
-ISSUE_SHAPES = ("8x4096x64x64", "1x131072x64x64")
+# BxTxHxK, optionally ":mode" to run that mode only (else every mode of --modes that splits it)
+ISSUE_SHAPES = ("8x4096x64x64:data", "1x131072x64x64:sequence")
 TINY_SHAPES = ("4x64x2x16", "1x256x2x16")
 PROJECTIONS = 3
 
@@ -43,7 +45,8 @@ PROJECTIONS = 3
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
-    parser.add_argument("--shapes", nargs="+", help=f"BxTxHxK (default {' '.join(ISSUE_SHAPES)})")
+    parser.add_argument("--shapes", nargs="+",
+                        help=f"BxTxHxK[:mode] (default {' '.join(ISSUE_SHAPES)})")
     parser.add_argument("--modes", nargs="+", default=list(MODES[1:]), choices=MODES[1:])
     parser.add_argument("--devices", type=int, nargs="+", default=[2],
                         help="device counts for data / sequence (each against 1 device)")
@@ -61,7 +64,7 @@ def parse_args(argv=None):
 
 
 def _shape(text):
-    batch, steps, heads, key = (int(n) for n in text.lower().split("x"))
+    batch, steps, heads, key = (int(n) for n in text.split(":")[0].lower().split("x"))
     return batch, steps, heads, key
 
 
@@ -186,7 +189,8 @@ def _rows_for(devices, args):
             if devices == 1:
                 yield op, shape, "1 device"
                 continue
-            for mode in args.modes:
+            only = shape.split(":")[1:]
+            for mode in only or args.modes:
                 size = batch if mode == "data" else steps
                 if size % devices == 0:
                     yield op, shape, mode
@@ -232,13 +236,14 @@ def table(rows):
               if r["mode"] == "1 device" and not r.get("error")}
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['op']} | {r['shape']} | {r['mode']} | {r.get('devices', '')} "
+            lines.append(f"| {r['op']} | {r['shape'].split(':')[0]} | {r['mode']} "
+                         f"| {r.get('devices', '')} "
                          f"| {r['error']} | | | | |")
             continue
         base = single.get((r["op"], r["shape"]))
         speedup = f"{base['milliseconds'] / r['milliseconds']:.2f}x" if base else ""
         check = f"{difference(r, base):.1e}" if base and r is not base else ""
-        lines.append(f"| {r['op']} | {r['shape']} | {r['mode']} | {r['devices']} "
+        lines.append(f"| {r['op']} | {r['shape'].split(':')[0]} | {r['mode']} | {r['devices']} "
                      f"| {r['milliseconds']:.2f} | {r['tokens_per_second']:,.0f} | {speedup} "
                      f"| {_size(r['peak_bytes_per_device'])} | {check} |")
     return "\n".join(lines)
