@@ -370,7 +370,7 @@ def _one_pass_block(spec, run, options, axis, order):
         do, dh_out = cotangents
         index = lax.axis_index(axis)
         g, from_zero = pieces.state_gradient(x, residuals, do)
-        # The gradient of this block's initial state, but for the later blocks': M^T dh_out + g.
+        # The gradient of this block's initial state, but for the later blocks': Φ^T dh_out + g.
         sent = _advance_gradient(every_transition[index], is_matrix, dh_out) + g
         every_sent = lax.all_gather(sent, axis)
         after, dh = [None] * len(order), jnp.zeros_like(dh_out)
