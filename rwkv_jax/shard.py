@@ -103,17 +103,27 @@ def _suffix_cumsum(x):
     return jnp.flip(_exclusive_cumsum(jnp.flip(x, 1)), 1)
 
 
+# The most value columns every backend takes in one call (the triton backend's largest head size).
+_WIDEST_CALL = 128
+
+
 def _rwkv7_state(run, x, options):
     """RWKV-7: h_t = A_t h_{t-1} + k_t v_t^T with A_t = diag(exp w_t) + b_t a_t^T, a full K×K map.
     One op call on the values followed by K zero columns, from the state [0 | I]: its final
-    state is [h_local | M] with M = A_T ... A_1 (the outputs are not used)."""
+    state is [h_local | M] with M = A_T ... A_1 (the outputs are not used). Where V + K columns
+    are more than every backend takes, two calls: the values from zero, the zero columns from I
+    (one call is better where the recurrence is latency-bound: one chain, twice the programs)."""
     batch, _, heads, keys = x["k"].shape
     values = x["v"].shape[-1]
     dtype = _state_dtype(x["v"])
     eye = jnp.broadcast_to(jnp.eye(keys, dtype=dtype), (batch, heads, keys, keys))
+    zeros = jnp.zeros(x["k"].shape, x["v"].dtype)
+    if values + keys > _WIDEST_CALL:
+        _, transition = run(**{**x, "v": zeros}, initial_state=eye)
+        _, h_local = run(**x, initial_state=None)
+        return transition, h_local
     start = jnp.concatenate([jnp.zeros((batch, heads, keys, values), dtype), eye], axis=-1)
-    v = jnp.concatenate([x["v"], jnp.zeros(x["k"].shape, x["v"].dtype)], axis=-1)
-    _, h = run(**{**x, "v": v}, initial_state=start)
+    _, h = run(**{**x, "v": jnp.concatenate([x["v"], zeros], axis=-1)}, initial_state=start)
     return h[..., values:], h[..., :values]
 
 

@@ -415,3 +415,11 @@ def test_sequence_parallel_refuses_forward_mode_clearly():
         run(rwkv_jax.shard(fn, _mesh(), seq_axis="seq"))
     _, tangent = run(rwkv_jax.shard(fn, _mesh(), batch_axis="data", head_axis="heads"))
     assert relative_error(tangent, run(fn)[1]) <= 1e-5
+
+
+@pytest.mark.parametrize("backend_name", ["native", "triton"])
+def test_rwkv7_wide_values_over_the_sequence(backend_name):
+    """V + K above the widest value block of every backend (the triton backend's 128): the
+    transition takes its own op call, still exact."""
+    x = _inputs("rwkv7", seed=17, batch=1, steps=8, heads=1, value=128)
+    _assert_matches("rwkv7", x, ("seq_axis",), mesh=_mesh((4,), ("seq",)), backend=backend_name)
