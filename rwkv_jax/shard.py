@@ -39,13 +39,13 @@ Over ``n`` devices each does about ``1/n`` of the one-device work plus the state
 its block: one matrix product per head each way for RWKV-6 and GLA, and for RWKV-7 one op call
 with ``V + K`` value columns forward (two above 128 columns) and one with ``V`` columns
 backward. Per-device memory is that of one block plus ``n`` transitions and states for the
-scans. These passes use only the public op, so every backend runs them and gradients are exact. A backend may replace the four
-passes with its own (a module function ``sequence_parallel_pieces``, see
-:class:`rwkv_jax.backends.triton.SequencePieces`): the triton backend does for RWKV-6 and GLA,
-running its state pass and state-gradient pass from zero once each way and correcting every
-chunk's state (state gradient) by the incoming state (the final state's gradient) times its
-decay before its output (gradient) kernels, so that each device runs the kernels of one
-device's op on ``T/n`` tokens plus elementwise corrections.
+scans. These passes use only the public op, so every backend runs them and gradients are
+exact. A backend may replace the four passes with its own (a module function
+``sequence_parallel_pieces``, see :class:`rwkv_jax.backends.triton.SequencePieces`): the triton
+backend does for RWKV-6 and GLA, running its state pass and state-gradient pass from zero once
+each way and correcting every chunk's state (state gradient) by the incoming state (the final
+state's gradient) times its decay before its output (gradient) kernels, so that each device
+runs the kernels of one device's op on ``T/n`` tokens plus elementwise corrections.
 """
 
 from __future__ import annotations
