@@ -1,6 +1,6 @@
 """Forward + backward on one GPU against data and sequence parallelism over several.
 
-    python benchmarks/multi_gpu.py --devices 2 4 --backend triton   # the issue's table: 1, 2, 4 GPUs
+    python benchmarks/multi_gpu.py --devices 2 4 --backend triton   # the issue's table, 1-4 GPUs
     python benchmarks/multi_gpu.py --tiny --devices 2 4              # tiny, simulated CPU devices
 
 For each op (``--ops``: rwkv7, rwkv6, gated_linear_attention with gk), shape ``BxTxHxK``
