@@ -1,26 +1,27 @@
-"""RWKV-7 forward + backward on one GPU against data and sequence parallelism over several.
+"""Forward + backward on one GPU against data and sequence parallelism over several.
 
-    python benchmarks/multi_gpu.py                 # the issue's shapes, on 2 GPUs
-    python benchmarks/multi_gpu.py --tiny          # tiny shapes on 2 simulated CPU devices
-    python benchmarks/multi_gpu.py --processes 2   # data / sequence as 2 processes, 1 GPU each
+    python benchmarks/multi_gpu.py --devices 2 4 --backend triton   # the issue's table, 1-4 GPUs
+    python benchmarks/multi_gpu.py --tiny --devices 2 4              # tiny, simulated CPU devices
 
-For each shape ``BxTxHxK`` (bfloat16 inputs by default) and each mode
+For each op (``--ops``: rwkv7, rwkv6, gated_linear_attention with gk), shape ``BxTxHxK``
+(bfloat16 inputs by default; ``BxTxHxK:mode`` for one mode only: the defaults are B=8 T=4096
+over the batch and B=1 T=131072 over the sequence, H=64 K=64) and mode
 
     1 device    the op itself on the first device
-    data        rwkv_jax.shard(..., batch_axis=) over --devices devices (needs B divisible)
-    sequence    rwkv_jax.shard(..., seq_axis=) over --devices devices
+    data        rwkv_jax.shard(..., batch_axis=) over n devices (B divisible by n)
+    sequence    rwkv_jax.shard(..., seq_axis=) over n devices (T divisible by n)
 
 it times ``jax.jit(jax.vjp(...))`` (the gradient of every input for a random output
 cotangent) as the median of --repeats runs after a warm-up, each ending in
-``block_until_ready``, and reads each device's peak memory from ``device.memory_stats()``
-(inputs included). Every mode runs in its own process, so peaks do not mix and an
-out-of-memory error ends one row only. With ``--processes P`` the data and sequence modes run
-as P processes of this host joined by ``jax.distributed`` (the multi-host recipe of the README,
-on one host: each process has ``devices / P`` GPUs, or simulated CPU devices with gloo
-collectives), and the row's time is the slowest process's. On CPU, where ``memory_stats()`` is
-unavailable, the memory column is XLA's compiled estimate per device (arguments + outputs +
-temporaries).
-Prints a markdown table; ``--json`` also writes the rows.
+``block_until_ready``. Each device count (1, then each of --devices) runs in its own process,
+every row of that count one after the other with the same inputs. Per-device memory is XLA's
+compiled estimate of the program (arguments + outputs + temporaries, the Triton kernels'
+buffers included), so rows of one process do not mix. The check column compares each row's
+outputs and gradients with the 1-device row's: for every array ``x`` and three fixed Gaussian
+arrays ``P``, ``<x, P>`` has the spread of ``|x|``, so ``|<x, P> - <x1, P>| / |x1|`` estimates
+the relative difference ``|x - x1| / |x1|``; the column shows the largest estimate over the
+arrays (bf16 inputs: the backends' contract is 1e-2 each against float64). Prints a markdown
+table; ``--json`` also writes the rows.
 """
 
 from __future__ import annotations
@@ -28,95 +29,123 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 MODES = ("1 device", "data", "sequence")
-ISSUE_SHAPES = ("8x4096x64x64", "1x131072x64x64")
+OPS = ("rwkv7", "rwkv6", "gated_linear_attention")
+# BxTxHxK, optionally ":mode" to run that mode only (else every mode of --modes that splits it)
+ISSUE_SHAPES = ("8x4096x64x64:data", "1x131072x64x64:sequence")
 TINY_SHAPES = ("4x64x2x16", "1x256x2x16")
+PROJECTIONS = 3
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", help=f"BxTxHxK (default {' '.join(ISSUE_SHAPES)})")
-    parser.add_argument("--devices", type=int, default=2, help="devices for data / sequence")
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    parser.add_argument("--shapes", nargs="+",
+                        help=f"BxTxHxK[:mode] (default {' '.join(ISSUE_SHAPES)})")
+    parser.add_argument("--modes", nargs="+", default=list(MODES[1:]), choices=MODES[1:])
+    parser.add_argument("--devices", type=int, nargs="+", default=[2],
+                        help="device counts for data / sequence (each against 1 device)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--backend", default=None, help="rwkv_jax backend (default: automatic)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tiny", action="store_true",
                         help=f"shapes {' '.join(TINY_SHAPES)} on simulated CPU devices")
     parser.add_argument("--json", help="also write the rows to this file")
-    parser.add_argument("--processes", type=int, default=1,
-                        help="run data / sequence as this many processes (jax.distributed)")
-    parser.add_argument("--one", nargs=2, metavar=("MODE", "SHAPE"), help=argparse.SUPPRESS)
-    parser.add_argument("--coordinator", help=argparse.SUPPRESS)
-    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--one", type=int, metavar="DEVICES", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.devices % args.processes:
-        parser.error(f"--devices {args.devices} must split evenly over --processes "
-                     f"{args.processes}")
     if args.shapes is None:
         args.shapes = TINY_SHAPES if args.tiny else ISSUE_SHAPES
     return args
 
 
 def _shape(text):
-    batch, steps, heads, key = (int(n) for n in text.lower().split("x"))
+    batch, steps, heads, key = (int(n) for n in text.split(":")[0].lower().split("x"))
     return batch, steps, heads, key
 
 
-def measure(mode, shape, args):
-    """One row: runs in a process of its own (see ``main``)."""
+# The inputs of each op, the first ones positional.
+INPUTS = {"rwkv7": (tuple("rwkvab"), 6), "rwkv6": (tuple("rkvwu"), 5),
+          "gated_linear_attention": (("q", "k", "v", "gk"), 3)}
+
+
+def _make_inputs(op, seed, batch, steps, heads, key, dtype):
+    """Model-range inputs of ``op`` and an output cotangent (rwkv_jax._bench.make_case's
+    distributions, drawn on the device: the long shapes are GBs on the host)."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 8))
+    shape = (batch, steps, heads, key)
+    normal = lambda: jax.random.normal(next(keys), shape, jnp.float32)
+    if op == "rwkv7":
+        kk = normal()
+        kk = kk / jnp.linalg.norm(kk, axis=-1, keepdims=True)
+        x = dict(r=normal(), w=-jnp.exp(-0.5) * jax.nn.sigmoid(normal()), k=normal(),
+                 v=normal(), a=-kk, b=kk * jax.nn.sigmoid(normal()))
+    elif op == "rwkv6":
+        x = dict(r=normal(), k=normal(), v=normal(),
+                 w=-jnp.exp(jax.random.uniform(next(keys), shape, minval=-3.0, maxval=0.0)),
+                 u=0.5 * jax.random.normal(next(keys), (heads, key)))
+    else:
+        x = dict(q=normal(), k=normal(), v=normal(), gk=jax.nn.log_sigmoid(normal()) / 16)
+    x = {n: y.astype(dtype) for n, y in x.items()}
+    return x, normal().astype(dtype)
+
+
+def measure(mode, shape, args, op="rwkv7", devices=None):
+    """One row, in this process: ``devices`` (default ``args.devices[0]``) for data / sequence."""
     import functools
 
     import jax
     import jax.numpy as jnp
     from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-    if args.coordinator:   # one of --processes processes
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=args.coordinator,
-                                   num_processes=args.processes, process_id=args.process_id)
-
     import rwkv_jax
     import rwkv_jax.backends
 
     batch, steps, heads, key = _shape(shape)
     dtype = jnp.dtype(args.dtype)
-    op = functools.partial(rwkv_jax.rwkv7, backend=args.backend, output_final_state=False)
+    base = functools.partial(getattr(rwkv_jax, op), backend=args.backend,
+                             output_final_state=False)
     if mode == "1 device":
-        devices = jax.devices()[:1]
-        placement = SingleDeviceSharding(devices[0])
-        fn = op
+        used = jax.devices()[:1]
+        placement = lambda name: SingleDeviceSharding(used[0])
+        fn = base
     else:
-        devices = jax.devices()[:args.devices]
-        if len(devices) < args.devices:
-            raise SystemExit(f"needs {args.devices} devices, found {len(devices)}")
+        count = args.devices[0] if devices is None else devices
+        used = jax.devices()[:count]
+        if len(used) < count:
+            raise SystemExit(f"needs {count} devices, found {len(used)}")
         axis = "data" if mode == "data" else "seq"
-        mesh = jax.make_mesh((args.devices,), (axis,), axis_types=(AxisType.Auto,),
-                             devices=devices)
-        placement = NamedSharding(mesh, PartitionSpec(*((axis,) if axis == "data"
-                                                        else (None, axis))))
-        fn = rwkv_jax.shard(op, mesh, **{f"{'batch' if axis == 'data' else 'seq'}_axis": axis})
+        mesh = jax.make_mesh((count,), (axis,), axis_types=(AxisType.Auto,), devices=used)
+        split = (axis,) if axis == "data" else (None, axis)
+        placement = lambda name: NamedSharding(mesh, PartitionSpec(*(() if name == "u"
+                                                                     else split)))
+        fn = rwkv_jax.shard(base, mesh, **{f"{'batch' if axis == 'data' else 'seq'}_axis": axis})
 
-    @functools.partial(jax.jit, out_shardings=placement)
-    def inputs(seed):
-        """Model-range RWKV-7 inputs and an output cotangent, made where they are used."""
-        keys = jax.random.split(jax.random.PRNGKey(seed), 6)
-        normal = lambda i: jax.random.normal(keys[i], (batch, steps, heads, key), jnp.float32)
-        kk = normal(2) / jnp.linalg.norm(normal(2), axis=-1, keepdims=True)
-        w = -jnp.exp(-0.5) * jax.nn.sigmoid(normal(1))
-        b = kk * jax.nn.sigmoid(normal(4))
-        return tuple(x.astype(dtype) for x in (normal(0), w, normal(2), normal(3), -kk, b,
-                                                normal(5)))
+    names, positional = INPUTS[op][0], INPUTS[op][0][:INPUTS[op][1]]
+
+    def make(seed):
+        arrays, do = _make_inputs(op, seed, batch, steps, heads, key, dtype)
+        return tuple(arrays[n] for n in names) + (do,)
+
+    inputs = jax.jit(make, static_argnums=0,
+                     out_shardings=tuple(placement(n) for n in names + ("do",)))
+
+    def call(*x):
+        arrays = dict(zip(names, x))
+        return fn(*(arrays[n] for n in positional),
+                  **{n: y for n, y in arrays.items() if n not in positional})[0]
 
     @jax.jit
-    def forward_backward(r, w, k, v, a, b, do):
-        _, pull = jax.vjp(fn, r, w, k, v, a, b)
-        return pull((do, None))
+    def forward_backward(*x):
+        o, pull = jax.vjp(call, *x[:-1])
+        return (o,) + pull(x[-1])
 
     x = inputs(0)
     compiled = forward_backward.lower(*x).compile()
@@ -127,92 +156,96 @@ def measure(mode, shape, args):
         jax.block_until_ready(compiled(*x))
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
+    m = compiled.memory_analysis()
+    per_device = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                  - m.alias_size_in_bytes)
 
-    local = [d for d in devices if d.process_index == jax.process_index()]
-    stats = [d.memory_stats() for d in local]
-    if all(s and "peak_bytes_in_use" in s for s in stats):
-        peaks = [s["peak_bytes_in_use"] for s in stats]
-        source = "memory_stats"
-    else:
-        m = compiled.memory_analysis()
-        peaks = [m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                 - m.alias_size_in_bytes] * len(local)
-        source = "compiled estimate"
-    return dict(mode=mode, shape=shape, dtype=args.dtype, devices=len(devices),
-                processes=jax.process_count(),
-                platform=devices[0].platform, device_kind=devices[0].device_kind,
-                backend=rwkv_jax.backends.resolve("rwkv7", args.backend)[0],
-                milliseconds=1e3 * seconds,
-                all_milliseconds=[1e3 * t for t in times],
-                tokens_per_second=batch * steps / seconds,
-                peak_bytes_per_device=peaks, memory_source=source, error=None)
+    @jax.jit
+    def fingerprint(results):
+        """Per array: its norm and PROJECTIONS inner products with fixed Gaussian arrays."""
+        rows = []
+        for i, y in enumerate(results):
+            y = y.astype(jnp.float32)
+            probes = [jnp.sum(y * jax.random.normal(jax.random.PRNGKey(100 * i + j), y.shape))
+                      for j in range(PROJECTIONS)]
+            rows.append(jnp.stack([jnp.sqrt(jnp.sum(y * y))] + probes))
+        return jnp.stack(rows)
+
+    results = compiled(*x)
+    prints = fingerprint(results).tolist()
+    return dict(op=op, mode=mode, shape=shape, dtype=args.dtype, devices=len(used),
+                platform=used[0].platform, device_kind=used[0].device_kind,
+                backend=rwkv_jax.backends.resolve(op, args.backend)[0],
+                milliseconds=1e3 * seconds, all_milliseconds=[1e3 * t for t in times],
+                tokens_per_second=batch * steps / seconds, peak_bytes_per_device=per_device,
+                fingerprint=prints, arrays=["o"] + [f"d{n}" for n in names], error=None)
 
 
-def _run_one(mode, shape, args, argv):
-    """Run one row in fresh processes (their own memory peaks): one, or --processes of them
-    joined by jax.distributed for data / sequence. Returns the row."""
-    processes = 1 if mode == "1 device" else args.processes
+def _rows_for(devices, args):
+    """(op, shape, mode) of every row with this device count."""
+    for op in args.ops:
+        for shape in args.shapes:
+            batch, steps = _shape(shape)[:2]
+            if devices == 1:
+                yield op, shape, "1 device"
+                continue
+            only = shape.split(":")[1:]
+            for mode in only or args.modes:
+                size = batch if mode == "data" else steps
+                if size % devices == 0:
+                    yield op, shape, mode
+
+
+def _run_group(devices, args, argv):
+    """Every row of one device count in a fresh process; returns the rows."""
     env = dict(os.environ)
     if args.tiny:
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                            f"{args.devices // processes}").strip()
-    command = [sys.executable, __file__, *argv, "--one", mode, shape]
-    if processes == 1:
-        workers = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)]
-    else:
-        with socket.socket() as s:   # a free port for the coordinator
-            s.bind(("127.0.0.1", 0))
-            coordinator = f"127.0.0.1:{s.getsockname()[1]}"
-        per_process = args.devices // processes
-        workers = []
-        for i in range(processes):
-            own = dict(env)
-            if not args.tiny:   # this process's GPUs
-                own["CUDA_VISIBLE_DEVICES"] = ",".join(
-                    str(g) for g in range(i * per_process, (i + 1) * per_process))
-            workers.append(subprocess.Popen(
-                command + ["--coordinator", coordinator, "--process-id", str(i)], env=own,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    done = [w.communicate() for w in workers]   # small outputs: no pipe fills up
-    rows = []
-    for (stdout, stderr), worker in zip(done, workers):
-        row = next((json.loads(line) for line in reversed(stdout.splitlines())
-                    if line.startswith("{")), None)
-        if row is None:
-            error = (stderr.strip().splitlines() or [f"exited with code {worker.returncode}"])[-1]
-            return dict(mode=mode, shape=shape, error=error[:200])
-        rows.append(row)
-    if len(rows) == 1:
-        return rows[0]
-    slowest = max(rows, key=lambda r: r["milliseconds"])
-    peaks = [p for r in rows for p in r["peak_bytes_per_device"]]
-    return dict(slowest, peak_bytes_per_device=peaks)
+                            f"{max(args.devices)}").strip()
+    command = [sys.executable, __file__, *argv, "--one", str(devices)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode:
+        error = (done.stderr.strip().splitlines() or [f"exited with code {done.returncode}"])[-1]
+        finished = {(r["op"], r["shape"], r["mode"]) for r in rows}
+        rows += [dict(op=op, shape=shape, mode=mode, devices=devices, error=error[:200])
+                 for op, shape, mode in _rows_for(devices, args)
+                 if (op, shape, mode) not in finished]
+    return rows
 
 
-def _gib(n):
+def difference(row, single):
+    """The largest estimated relative difference of ``row``'s arrays from ``single``'s."""
+    worst = 0.0
+    for a, b in zip(row["fingerprint"], single["fingerprint"]):
+        spread = [(pa - pb) ** 2 for pa, pb in zip(a[1:], b[1:])]
+        worst = max(worst, (sum(spread) / len(spread)) ** 0.5 / max(b[0], 1e-30))
+    return worst
+
+
+def _size(n):
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
 
 def table(rows):
-    lines = ["| shape BxTxHxK | mode | devices | fwd+bwd ms (median) | tokens/s | vs 1 device "
-             "| peak memory per device |",
-             "|---|---|---|---|---|---|---|"]
-    single = {r["shape"]: r for r in rows if r["mode"] == "1 device" and not r.get("error")}
+    lines = ["| op | shape BxTxHxK | mode | devices | fwd+bwd ms (median) | tokens/s | vs 1 device "
+             "| memory per device | difference from 1 device |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    single = {(r["op"], r["shape"]): r for r in rows
+              if r["mode"] == "1 device" and not r.get("error")}
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['shape']} | {r['mode']} | | {r['error']} | | | |")
+            lines.append(f"| {r['op']} | {r['shape'].split(':')[0]} | {r['mode']} "
+                         f"| {r.get('devices', '')} "
+                         f"| {r['error']} | | | | |")
             continue
-        base = single.get(r["shape"])
+        base = single.get((r["op"], r["shape"]))
         speedup = f"{base['milliseconds'] / r['milliseconds']:.2f}x" if base else ""
-        memory = " / ".join(_gib(p) for p in r["peak_bytes_per_device"])
-        if r["memory_source"] != "memory_stats":
-            memory += " (compiled estimate)"
-        devices = (f"{r['devices']} ({r['processes']} processes)" if r.get("processes", 1) > 1
-                   else r["devices"])
-        lines.append(f"| {r['shape']} | {r['mode']} | {devices} | {r['milliseconds']:.2f} "
-                     f"| {r['tokens_per_second']:,.0f} | {speedup} | {memory} |")
+        check = f"{difference(r, base):.1e}" if base and r is not base else ""
+        lines.append(f"| {r['op']} | {r['shape'].split(':')[0]} | {r['mode']} | {r['devices']} "
+                     f"| {r['milliseconds']:.2f} | {r['tokens_per_second']:,.0f} | {speedup} "
+                     f"| {_size(r['peak_bytes_per_device'])} | {check} |")
     return "\n".join(lines)
 
 
@@ -220,23 +253,21 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.one:
-        print(json.dumps(measure(*args.one, args)))
+        for op, shape, mode in _rows_for(args.one, args):
+            print(json.dumps(measure(mode, shape, args, op, args.one)), flush=True)
         return None
     rows = []
-    for shape in args.shapes:
-        batch = _shape(shape)[0]
-        for mode in MODES:
-            if mode == "data" and batch % args.devices:
-                rows.append(dict(mode=mode, shape=shape,
-                                 error=f"n/a: B={batch} does not split over {args.devices}"))
-                continue
-            rows.append(_run_one(mode, shape, args, argv))
-            print(f"{shape} {mode}: " + (rows[-1].get("error") or
-                                         f"{rows[-1]['milliseconds']:.2f} ms"), file=sys.stderr)
+    for devices in [1] + sorted(set(args.devices) - {1}):
+        rows += _run_group(devices, args, argv)
+        for r in rows:
+            if r.get("devices") == devices:
+                print(f"{r['op']} {r['shape']} {r['mode']} x{devices}: "
+                      + (r.get("error") or f"{r['milliseconds']:.2f} ms"), file=sys.stderr)
     first = next((r for r in rows if not r.get("error")), None)
     if first:
-        print(f"\nRWKV-7 forward + backward, {first['dtype']}, {first['platform']} "
-              f"({first['device_kind']}), backend {first['backend']}, median of {args.repeats}\n")
+        print(f"\nforward + backward, {first['dtype']}, {first['platform']} "
+              f"({first['device_kind']}), backend {args.backend or 'automatic'}, median of "
+              f"{args.repeats}; memory: XLA's compiled estimate per device\n")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -6,27 +6,46 @@
 Batch and head parallelism need no communication: each device runs the op on its block.
 
 Sequence parallelism passes the state across the devices of ``seq_axis``. Every recurrence here
-is affine in the state: after a block of steps ``h_out = Φ(h_in) + h_local``, where ``h_local`` is
-the block's final state from zero and ``Φ`` its transition (a K×K matrix per head for RWKV-7, a
-decay per state entry for RWKV-6 and GLA), and every output is linear in the state too:
-``o_t = o_local_t + (Φ_t h_in)^T (scale r_t)`` with ``Φ_t`` the transition up to step ``t``. So
-each device
+is affine in the state: after a block of steps ``h_out = Φ h_in + h_local``, where ``h_local`` is
+the block's final state from zero and ``Φ`` its transition (a K×K matrix per head for RWKV-7,
+``A_T ... A_1`` with ``A_t = diag(exp w_t) + b_t a_t^T``; a decay per state entry for RWKV-6
+and GLA). Forward, each device
 
-1. runs the op on its block from zero (the first block from ``initial_state``), which gives
-   ``o_local`` and ``h_local``, and gets its transition together with ``p_t = Φ_t^T (scale r_t)``:
-   for RWKV-6 and GLA from cumulative sums of the log decays; for RWKV-7 by running the same op
-   a second time, on zero values (V = K) from the identity state: its final state is ``M``, the
-   product of ``diag(exp w_t) + b_t a_t^T`` over the block, and its outputs are ``p_t``;
-2. all-gathers ``(Φ, h_local)`` over ``seq_axis`` and composes them in order: the state entering
-   its block (an exclusive scan) and the final state of the whole sequence;
-3. adds ``h_in^T p_t`` to its outputs, which is exactly what rerunning the block from ``h_in``
-   would give, without rerunning it.
+1. computes ``Φ`` and ``h_local`` of its block without its outputs: for RWKV-6 and GLA in
+   closed form (``h_local`` is one ``[K, T/n] x [T/n, V]`` product per head of suffix-decayed
+   keys and values, ``Φ`` the exponential of the summed log decays); for RWKV-7 by one op call
+   on the values followed by K zero columns from the state ``[0 | I]``, whose final state is
+   ``[h_local | Φ]``;
+2. all-gathers ``(Φ, h_local)`` over ``seq_axis`` and scans them in order to the state entering
+   its block (the first block in the recurrence's order starts from ``initial_state``);
+3. runs the op once on its block from that state: outputs and final state are those of one
+   device, and the final state of the last block is the result's.
 
-Everything is ordinary differentiable JAX around the public op, so gradients are exact and any
-backend works; per-device memory is that of one block (plus ``n`` states for the scan). Cost:
-RWKV-7 runs its recurrence twice per block (the transition is a K×K matrix), so over ``n``
-devices each does ``2/n`` of the one-device work; RWKV-6 and GLA do ``1/n`` plus elementwise
-work and one ``[T/n, K] x [K, V]`` product per head.
+Backward (a ``jax.custom_vjp``): the gradient of a block's inputs is the op's own backward on the
+block given the state that entered it and the true gradient ``dh_T`` of the state that left it.
+That gradient comes from the later blocks: the gradient reaching a block's initial state is
+``Φ^T dh_T + g``, with ``g`` what the block's outputs alone send there. So each device
+
+1. computes ``g`` of its block (RWKV-6 / GLA: one product per head of prefix-decayed queries and
+   output gradients; RWKV-7: the reverse recurrence ``G_t = A_{t+1}^T G_{t+1} + (scale r_t)
+   do_t^T``, ``g = A_1^T G_1``, which is the op itself on the time-reversed block with ``a`` and
+   ``b`` swapped);
+2. all-gathers ``Φ^T dh_out + g`` (``Φ`` kept from the forward) and scans them in reverse order
+   to its ``dh_T``;
+3. runs the backward of the op call saved from the forward, with ``(do, dh_T)``; the gradient it
+   gives for the block's initial state is that of ``initial_state`` on the first block.
+
+Over ``n`` devices each does about ``1/n`` of the one-device work plus the state-only passes over
+its block: one matrix product per head each way for RWKV-6 and GLA, and for RWKV-7 one op call
+with ``V + K`` value columns forward (two above 128 columns) and one with ``V`` columns
+backward. Per-device memory is that of one block plus ``n`` transitions and states for the
+scans. These passes use only the public op, so every backend runs them and gradients are
+exact. A backend may replace the four passes with its own (a module function
+``sequence_parallel_pieces``, see :class:`rwkv_jax.backends.triton.SequencePieces`): the triton
+backend does for RWKV-6 and GLA, running its state pass and state-gradient pass from zero once
+each way and correcting every chunk's state (state gradient) by the incoming state (the final
+state's gradient) times its decay before its output (gradient) kernels, so that each device
+runs the kernels of one device's op on ``T/n`` tokens plus elementwise corrections.
 """
 
 from __future__ import annotations
@@ -34,15 +53,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import inspect
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
-from . import ops
+from . import backends, ops
 
 # Dimension labels of each argument; "B", "T", "H" (and "C", RWKV-4's channels) are split over
 # the batch, sequence and head axes, None is never split.
@@ -55,78 +75,151 @@ class _OpSpec:
     name: str
     arrays: dict                   # argument name -> dimension labels
     outputs: tuple                 # labels of (output, final state)
-    # Sequence-parallel pass over one block, or None where it is not supported:
-    # (run, arrays, start, options) -> (o_local, h_local, transition, is_matrix, p, post)
-    block_pass: Optional[Callable] = None
+    # Sequence parallelism, or None where it is not supported. Both take the block's arrays
+    # (time-major) and ``run``, the op with the caller's options and output_final_state=True:
+    #   block_state(run, x, options) -> (transition, h_local), the block's map of the state
+    #     (a [B, H, K, K] matrix if matrix_transition, else a factor broadcasting against the
+    #     state) and its final state from zero;
+    #   block_state_gradient(run, x, do, options) -> g, the gradient of <do, outputs> with
+    #     respect to the block's initial state.
+    block_state: Optional[Callable] = None
+    block_state_gradient: Optional[Callable] = None
+    matrix_transition: bool = False
+
+
+def _state_dtype(x):
+    """The state's dtype for inputs like ``x``: float32, or float64 for float64 inputs."""
+    return jnp.result_type(jnp.float32, x.dtype)
 
 
 def _exclusive_cumsum(x):
-    """Along time (axis 1): the sum over the steps before t."""
+    """Along time (axis 1): the sum over the steps before t. Sums, never differences of sums,
+    so that -inf log decays give exactly zero factors and never -inf - -inf."""
     return jnp.concatenate([jnp.zeros_like(x[:, :1]), jnp.cumsum(x[:, :-1], axis=1)], axis=1)
 
 
-def _rwkv7_block(run, x, start, options):
+def _suffix_cumsum(x):
+    """Along time: the sum over the steps after t."""
+    return jnp.flip(_exclusive_cumsum(jnp.flip(x, 1)), 1)
+
+
+# The most value columns every backend takes in one call (the triton backend's largest head size).
+_WIDEST_CALL = 128
+
+
+def _rwkv7_state(run, x, options):
     """RWKV-7: h_t = A_t h_{t-1} + k_t v_t^T with A_t = diag(exp w_t) + b_t a_t^T, a full K×K map.
-    The op run on zero values from the identity state has final state M = A_T ... A_1 and
-    outputs p_t = (A_t ... A_1)^T (scale r_t). A second call of the op on the same arrays (not
-    one call on inputs stacked along the batch) so that no input is copied: the memory of a
-    block stays that of the op plus one zero value block."""
-    o, h = run(**x, initial_state=start)
+    One op call on the values followed by K zero columns, from the state [0 | I]: its final
+    state is [h_local | M] with M = A_T ... A_1 (the outputs are not used). Where V + K columns
+    are more than every backend takes, two calls: the values from zero, the zero columns from I
+    (one call is better where the recurrence is latency-bound: one chain, twice the programs)."""
     batch, _, heads, keys = x["k"].shape
-    eye = jnp.broadcast_to(jnp.eye(keys, dtype=jnp.float32), (batch, heads, keys, keys))
-    p, transition = run(**{**x, "v": jnp.zeros(x["k"].shape, x["v"].dtype)}, initial_state=eye)
-    return o, h, transition, True, p, None
+    values = x["v"].shape[-1]
+    dtype = _state_dtype(x["v"])
+    eye = jnp.broadcast_to(jnp.eye(keys, dtype=dtype), (batch, heads, keys, keys))
+    zeros = jnp.zeros(x["k"].shape, x["v"].dtype)
+    if values + keys > _WIDEST_CALL:
+        _, transition = run(**{**x, "v": zeros}, initial_state=eye)
+        _, h_local = run(**x, initial_state=None)
+        return transition, h_local
+    start = jnp.concatenate([jnp.zeros((batch, heads, keys, values), dtype), eye], axis=-1)
+    _, h = run(**{**x, "v": jnp.concatenate([x["v"], zeros], axis=-1)}, initial_state=start)
+    return h[..., values:], h[..., :values]
 
 
-def _rwkv6_block(run, x, start, options):
-    """RWKV-6: the transition is diag(exp(sum of w)); step t reads the state before its decay."""
-    o, h = run(**x, initial_state=start)
-    log_decay = x["w"].astype(jnp.float32)
-    p = options["scale"] * x["r"].astype(jnp.float32) * jnp.exp(_exclusive_cumsum(log_decay))
-    transition = jnp.exp(jnp.sum(log_decay, axis=1))[..., None]     # [B, H, K, 1]
-    return o, h, transition, False, p, None
+def _rwkv7_state_gradient(run, x, do, options):
+    """RWKV-7: the gradient G_t of the state after step t (outputs only) follows
+    G_t = A_{t+1}^T G_{t+1} + (scale r_t) do_t^T backwards in time, and g = A_1^T G_1. As
+    A^T = diag(exp w) + a b^T, that is the op itself on the time-reversed block with a and b
+    swapped, decays one step later (identity at the first reversed step), keys r, values do."""
+    def reversed_next(y):   # [0, y_T, ..., y_2]: at reversed step of t, the values of step t + 1
+        return jnp.concatenate([jnp.zeros_like(y[:, :1]), jnp.flip(y[:, 1:], 1)], axis=1)
+
+    r = jnp.flip(x["r"], 1)
+    _, g1 = run(r=r, w=reversed_next(x["w"]), k=r, v=jnp.flip(do, 1), a=reversed_next(x["b"]),
+                b=reversed_next(x["a"]), initial_state=None)
+    w1, a1, b1 = (x[n][:, 0].astype(g1.dtype) for n in "wab")   # [B, H, K]
+    g = (jnp.exp(w1)[..., None] * g1
+         + a1[..., None] * jnp.einsum("bhk,bhkv->bhv", b1, g1, precision="highest")[..., None, :])
+    return options["scale"] * g
 
 
-def _gla_block(run, x, start, options):
-    """GLA: the decay of state entry (k, v) is exp(g + g_gamma + gk[k] + gv[v]); step t reads the
-    state after its update. With reverse=True the recurrence runs from the end of the block."""
-    o, h = run(**x, initial_state=start)
-    reverse = options["reverse"]
-    q = x["q"].astype(jnp.float32)
+def _diagonal_recurrence(name, x, options, dtype):
+    """RWKV-6 and GLA in recurrence order (GLA's reverse flips time): per step t, the key, value
+    and query, the log decays per key (or a scalar per head, as a size-1 key axis) and per value
+    (or None) applied before step t adds k_t v_t^T, whether the output reads the state before
+    that step's decay and update (RWKV-6) or after (GLA), and the output scale."""
+    flip = (lambda y: jnp.flip(y, 1)) if options.get("reverse", False) else (lambda y: y)
+    f32 = lambda n: None if x.get(n) is None else flip(x[n].astype(dtype))
+    if name == "rwkv6":
+        return f32("k"), f32("v"), f32("r"), f32("w"), None, True, options["scale"]
+    q = f32("q")
+    per_key = jnp.zeros(q.shape[:3] + (1,), dtype)
+    if x.get("g") is not None:
+        per_key = per_key + f32("g")[..., None]
+    if x.get("g_gamma") is not None:
+        per_key = per_key + x["g_gamma"].astype(dtype)[:, None]
+    if x.get("gk") is not None:
+        per_key = per_key + f32("gk")
     scale = options["scale"]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return f32("k"), f32("v"), q, per_key, f32("gv"), False, scale
 
-    def through(y):  # log decay over the steps up to t, inclusive, in the recurrence's direction
-        y = y.astype(jnp.float32)
-        return jnp.flip(jnp.cumsum(jnp.flip(y, 1), 1), 1) if reverse else jnp.cumsum(y, 1)
 
-    scalar = jnp.zeros(q.shape[:3], jnp.float32)
-    if x.get("g") is not None:
-        scalar = scalar + x["g"]
-    if x.get("g_gamma") is not None:
-        scalar = scalar + x["g_gamma"]
-    per_key = scalar[..., None] + (0.0 if x.get("gk") is None else x["gk"])   # [B, T, H, K or 1]
-    p = scale * q * jnp.exp(through(per_key))
-    transition = jnp.exp(jnp.sum(per_key, axis=1))[..., None]     # [B, H, K or 1, 1]
-    post = None
-    if x.get("gv") is not None:   # per value: a factor on the outputs and on the transition
-        per_value = x["gv"].astype(jnp.float32)
-        post = jnp.exp(through(per_value))
-        transition = transition * jnp.exp(jnp.sum(per_value, axis=1))[..., None, :]
-    return o, h, transition, False, p, post
+def _outer_sum(left, right):
+    """sum_t left_t right_t^T per batch and head: [B, T, H, K], [B, T, H, V] -> [B, H, K, V]."""
+    return jnp.einsum("bthk,bthv->bhkv", left, right, precision="highest")
+
+
+def _decayed(x, log_decay):
+    return x if log_decay is None else x * jnp.exp(log_decay)
+
+
+def _diagonal_state(name):
+    """RWKV-6 / GLA: h_local = sum_t (k_t ⊙ exp(key decays after t)) (v_t ⊙ exp(value decays
+    after t))^T, one product per head; every exponent is a sum of log decays, <= 0."""
+    def state(run, x, options):
+        dtype = _state_dtype(x["v"])
+        k, v, _, per_key, per_value, _, _ = _diagonal_recurrence(name, x, options, dtype)
+        suffix = lambda y: None if y is None else _suffix_cumsum(y)
+        h_local = _outer_sum(_decayed(k, suffix(per_key)), _decayed(v, suffix(per_value)))
+        transition = jnp.exp(jnp.sum(per_key, axis=1))[..., None]      # [B, H, K or 1, 1]
+        if per_value is not None:
+            transition = transition * jnp.exp(jnp.sum(per_value, axis=1))[..., None, :]
+        return transition, h_local
+    return state
+
+
+def _diagonal_state_gradient(name):
+    """RWKV-6 / GLA: g = scale sum_t (q_t ⊙ exp(key decays up to t)) (do_t ⊙ exp(value decays up
+    to t))^T, up to t inclusive where the output reads the state after step t's decay."""
+    def state_gradient(run, x, do, options):
+        dtype = _state_dtype(x["v"])
+        _, _, q, per_key, per_value, reads_before, scale = _diagonal_recurrence(
+            name, x, options, dtype)
+        prefix = _exclusive_cumsum if reads_before else (lambda y: jnp.cumsum(y, axis=1))
+        do = do.astype(dtype)
+        if options.get("reverse", False):
+            do = jnp.flip(do, 1)
+        return scale * _outer_sum(_decayed(q, prefix(per_key)),
+                                  _decayed(do, None if per_value is None else prefix(per_value)))
+    return state_gradient
 
 
 _PACKED = {"initial_state": _STATE, "cu_seqlens": (None,)}   # cu_seqlens is never split
 _OPS = {
     ops.rwkv7: _OpSpec("rwkv7", {n: _TOKENS for n in "rwkvab"} | _PACKED,
-                       (_TOKENS, _STATE), _rwkv7_block),
+                       (_TOKENS, _STATE), _rwkv7_state, _rwkv7_state_gradient,
+                       matrix_transition=True),
     ops.rwkv6: _OpSpec("rwkv6", {n: _TOKENS for n in "rkvw"} | {"u": ("H", None)} | _PACKED,
-                       (_TOKENS, _STATE), _rwkv6_block),
+                       (_TOKENS, _STATE), _diagonal_state("rwkv6"),
+                       _diagonal_state_gradient("rwkv6")),
     ops.gated_linear_attention: _OpSpec(
         "gated_linear_attention",
         {"q": _TOKENS, "k": _TOKENS, "v": _TOKENS, "g": ("B", "T", "H"), "g_gamma": ("H",),
          "gk": _TOKENS, "gv": _TOKENS} | _PACKED,
-        (_TOKENS, _STATE), _gla_block),
+        (_TOKENS, _STATE), _diagonal_state("gated_linear_attention"),
+        _diagonal_state_gradient("gated_linear_attention")),
     ops.rwkv4: _OpSpec("rwkv4", {"w": ("C",), "u": ("C",), "k": ("B", "T", "C"),
                                  "v": ("B", "T", "C"), "initial_state": ("B", "C", None)},
                        (("B", "T", "C"), ("B", "C", None))),
@@ -165,7 +258,7 @@ def _check_axes(mesh, spec, axes):
             raise ValueError(f"{role} and {used[axis]} both name mesh axis {axis!r}; "
                              f"each dimension needs its own axis")
         used[axis] = role
-    if spec.block_pass is None and axes["seq_axis"] is not None:
+    if spec.block_state is None and axes["seq_axis"] is not None:
         raise ValueError(f"{spec.name} supports batch_axis and head_axis (its channels) only; "
                          f"sequence parallelism (seq_axis={axes['seq_axis']!r}) is not "
                          f"implemented for it")
@@ -194,38 +287,117 @@ def _check_divisible(op_name, name, x, partition, mesh):
 def _advance(transition, is_matrix, h):
     """The state after a block with this transition, from ``h``, without the block's inputs."""
     if is_matrix:
-        return jnp.einsum("bhkj,bhjv->bhkv", transition, h)
+        return jnp.einsum("bhkj,bhjv->bhkv", transition, h, precision="highest")
     return transition * h
+
+
+def _advance_gradient(transition, is_matrix, dh):
+    """The gradient of the state entering a block with this transition, from that of the state
+    leaving it (the transpose of ``_advance``)."""
+    if is_matrix:
+        return jnp.einsum("bhjk,bhjv->bhkv", transition, dh, precision="highest")
+    return transition * dh
 
 
 def _sequence_parallel(spec, base, options, arrays, axis, devices):
     """One device's share of a sequence-parallel run (inside shard_map); arrays are time-major."""
     order = list(range(devices))[::-1] if options.get("reverse", False) else list(range(devices))
-    index = lax.axis_index(axis)
     arrays = dict(arrays)
     h0 = arrays.pop("initial_state", None)
-    # The block that comes first in the recurrence starts from the true initial state, so its
-    # outputs need no correction; the others start from zero.
-    start = None if h0 is None else jnp.where(index == order[0], h0, jnp.zeros_like(h0))
+    batch, _, heads, keys = arrays["k"].shape
+    dtype = _state_dtype(arrays["v"])
+    start = jnp.zeros((batch, heads, keys, arrays["v"].shape[-1]), dtype)
+    if h0 is not None:   # only the block that comes first in the recurrence starts from h0
+        start = jnp.where(lax.axis_index(axis) == order[0], h0.astype(dtype), start)
     run = functools.partial(base, **{**options, "head_first": False, "output_final_state": True})
-    o_local, h_local, transition, is_matrix, p, post = spec.block_pass(run, arrays, start, options)
-    h_local = h_local.astype(jnp.result_type(jnp.float32, h_local.dtype))
+    o, h_out = _one_pass_block(spec, run, tuple(options.items()), axis, tuple(order))(arrays, start)
+    return o, lax.all_gather(h_out, axis)[order[-1]]
 
-    every_h = lax.all_gather(h_local, axis)
-    every_transition = lax.all_gather(transition, axis)
-    incoming = [None] * devices
-    h = jnp.zeros_like(h_local)
-    for j in order:
-        incoming[j] = h
-        h = _advance(every_transition[j], is_matrix, h) + every_h[j]
-    h_in = jnp.stack(incoming)[index]
 
-    acc = jnp.result_type(jnp.float32, p.dtype, h_in.dtype)
-    correction = jnp.einsum("bthk,bhkv->bthv", p.astype(acc), h_in.astype(acc))
-    if post is not None:
-        correction = correction * post
-    o = o_local.astype(correction.dtype) + correction
-    return o.astype(o_local.dtype), h
+class _Pieces(NamedTuple):
+    """A block's passes (rwkv_jax.backends.triton.SequencePieces says what each takes)."""
+    state: Callable
+    forward: Callable
+    state_gradient: Callable
+    backward: Callable
+    # (x, saved, h_in) -> (o, h_out) without residuals, where cheaper than forward's.
+    primal: Optional[Callable] = None
+
+
+def _reference_pieces(spec, run, options):
+    """The passes from the public op and the spec's state-only passes (any backend)."""
+    call = lambda x, h: run(**x, initial_state=h)
+    return _Pieces(
+        state=lambda x: spec.block_state(run, x, options) + (None,),
+        forward=lambda x, saved, h_in: jax.vjp(call, x, h_in),
+        state_gradient=lambda x, pull, do: (spec.block_state_gradient(run, x, do, options), None),
+        backward=lambda x, pull, saved, do, dh: pull((do, dh)),
+        primal=lambda x, saved, h_in: call(x, h_in))
+
+
+def _pieces(spec, run, options):
+    """The backend's own passes (a module function ``sequence_parallel_pieces(op, options)``,
+    kernels that share work between the state-only passes and the op) where it has them, else
+    the reference."""
+    name, _ = backends.resolve(spec.name, options.get("backend"))
+    module = importlib.import_module(backends._BACKENDS[name].module)
+    hook = getattr(module, "sequence_parallel_pieces", None)
+    own = None if hook is None else hook(spec.name, options)
+    return _reference_pieces(spec, run, options) if own is None else _Pieces(*own)
+
+
+def _one_pass_block(spec, run, options, axis, order):
+    """``block(x, start) -> (o, h_out)``: the op on this device's block from the state that truly
+    enters it (``start`` plus what the earlier blocks leave), with a custom gradient.
+
+    Forward: the block's transition and final state from zero (the pieces' ``state``), one
+    all-gather, the exclusive scan for the incoming state, the op from it. Backward: the
+    gradient the block's outputs alone send into its initial state (``state_gradient``), one
+    all-gather, the reverse scan for the true gradient of the block's final state, and the
+    backward of the forward's op call."""
+    options, is_matrix = dict(options), spec.matrix_transition
+    pieces = _pieces(spec, run, options)
+
+    def entering(x, start):
+        """(every block's transition, the state entering this block, the state pass's saved)."""
+        transition, h_local, saved = pieces.state(x)
+        leaving = _advance(transition, is_matrix, start) + h_local   # from start, not from h_in
+        every_transition = lax.all_gather(transition, axis)
+        every_leaving = lax.all_gather(leaving, axis)
+        before, h = [None] * len(order), jnp.zeros_like(start)
+        for j in order:
+            before[j] = h
+            h = _advance(every_transition[j], is_matrix, h) + every_leaving[j]
+        return every_transition, start + jnp.stack(before)[lax.axis_index(axis)], saved
+
+    def forward(x, start):
+        every_transition, h_in, saved = entering(x, start)
+        result, residuals = pieces.forward(x, saved, h_in)
+        return result, (x, every_transition, residuals)
+
+    def backward(saved, cotangents):
+        x, every_transition, residuals = saved
+        do, dh_out = cotangents
+        index = lax.axis_index(axis)
+        g, from_zero = pieces.state_gradient(x, residuals, do)
+        # The gradient of this block's initial state, but for the later blocks': Φ^T dh_out + g.
+        sent = _advance_gradient(every_transition[index], is_matrix, dh_out) + g
+        every_sent = lax.all_gather(sent, axis)
+        after, dh = [None] * len(order), jnp.zeros_like(dh_out)
+        for j in reversed(order):
+            after[j] = dh
+            dh = _advance_gradient(every_transition[j], is_matrix, dh) + every_sent[j]
+        return pieces.backward(x, residuals, from_zero, do, dh_out + jnp.stack(after)[index])
+
+    def primal(x, start):
+        if pieces.primal is None:
+            return forward(x, start)[0]
+        _, h_in, saved = entering(x, start)
+        return pieces.primal(x, saved, h_in)
+
+    block = jax.custom_vjp(primal)
+    block.defvjp(forward, backward)
+    return block
 
 
 def shard(op, mesh, *, batch_axis=None, head_axis=None, seq_axis=None):
@@ -262,6 +434,11 @@ def shard(op, mesh, *, batch_axis=None, head_axis=None, seq_axis=None):
                              f"supported (packed segments would straddle devices); split packed "
                              f"sequences over heads, or pad them into a batch for batch_axis")
         arrays = {n: jnp.asarray(arguments[n]) for n in spec.arrays if arguments[n] is not None}
+        if seq_axis is not None and any(backends._forward_mode(x) for x in arrays.values()):
+            raise TypeError(f"{spec.name} with seq_axis={seq_axis!r} does not support "
+                            f"forward-mode autodiff (jax.jvp, jax.jacfwd, jax.hessian): its "
+                            f"sequence parallelism defines only a reverse-mode rule "
+                            f"(custom_vjp); batch_axis and head_axis do, on backends that do")
         options = {n: x for n, x in arguments.items() if n not in spec.arrays}
         for n, x in arrays.items():
             dims = _labels(spec.arrays[n], options.get("head_first", False))

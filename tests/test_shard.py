@@ -282,14 +282,23 @@ def test_sharded_model_gradients_equal_one_device():
 
 
 def test_multi_gpu_benchmark_rows():
-    """benchmarks/multi_gpu.py, in this process (on the first 2 of the 8 CPU devices)."""
+    """benchmarks/multi_gpu.py, in this process (on the first 2 of the 8 CPU devices): rows of
+    every op, their check against one device, the table."""
     bench = _load_script("benchmarks/multi_gpu.py")
     args = bench.parse_args(["--tiny", "--repeats", "1", "--backend", "native"])
-    rows = [bench.measure(mode, "2x16x2x8", args) for mode in bench.MODES]
-    for row, devices in zip(rows, (1, 2, 2)):
+    rows = [bench.measure(mode, "2x16x2x8", args, op)
+            for op in bench.OPS for mode in bench.MODES]
+    for row, devices in zip(rows, (1, 2, 2) * len(bench.OPS)):
         assert row["devices"] == devices and row["milliseconds"] > 0
-        assert len(row["peak_bytes_per_device"]) == devices
-    assert "| 2x16x2x8 | sequence | 2 |" in bench.table(rows)
+        assert row["peak_bytes_per_device"] > 0
+    for single, *sharded in (rows[i:i + 3] for i in range(0, len(rows), 3)):
+        assert len(single["fingerprint"]) == len(single["arrays"])
+        for row in sharded:
+            assert bench.difference(row, single) <= 1e-2, (row["op"], row["mode"])
+        wrong = dict(sharded[1], fingerprint=[[x[0]] + [-y for y in x[1:]]
+                                              for x in sharded[1]["fingerprint"]])
+        assert bench.difference(wrong, single) > 0.5   # the check sees a wrong result
+    assert "| rwkv6 | 2x16x2x8 | sequence | 2 |" in bench.table(rows)
 
 
 def test_sequence_parallel_memory_per_device_shrinks():
@@ -305,3 +314,112 @@ def test_sequence_parallel_memory_per_device_shrinks():
 
     eight = rwkv_jax.shard(one_device, _mesh((8,), ("seq",)), seq_axis="seq")
     assert per_device_bytes(eight) < 0.3 * per_device_bytes(one_device)   # about 0.2 measured
+
+
+HARD_DECAYS = [("every_third", -np.inf), ("every_third", -1e9), "zero"]
+
+
+@pytest.mark.parametrize("decay", HARD_DECAYS, ids=str)
+@pytest.mark.parametrize("op", SEQUENCE_OPS)
+def test_sequence_parallel_hard_decays_every_backend(op, decay, backend):
+    """Decays of exactly zero (-inf, -1e9: whole one-step blocks of 8 devices) and of one (w = 0,
+    two-step blocks): the transitions and state gradients through them stay exact, forward,
+    final state and every gradient (initial state included). GLA: every gate, reversed."""
+    options = dict(reverse=True) if op == "gated_linear_attention" else {}
+    x = _inputs(op, seed=13, batch=1, steps=16 if decay == "zero" else 8, decay=decay)
+    _assert_matches(op, x, ("seq_axis",), options=options, mesh=_mesh((8,), ("seq",)),
+                    backend=backend)
+
+
+@pytest.mark.parametrize("op", SEQUENCE_OPS)
+def test_sequence_parallel_backward_runs_the_op_backward_once(op, monkeypatch):
+    """Counted as the compiled forward + backward runs, on each of 8 devices: the op's backward
+    runs once per block (on the forward's op call, not on a recomputation), and besides that
+    call the op runs only in the state passes: none for RWKV-6 and GLA, one forward (state and
+    transition) and one backward (state gradient) for RWKV-7."""
+    from rwkv_jax.backends import native
+    real = getattr(native, op)
+    runs = {"op": 0, "op backward": 0}
+
+    def count(name, x):
+        def increment(_):
+            runs[name] += 1
+        jax.debug.callback(increment, jnp.sum(x))
+
+    def spy(**keywords):
+        arrays = {n: y for n, y in keywords.items() if isinstance(y, jax.Array)}
+        options = {n: y for n, y in keywords.items() if n not in arrays}
+
+        @jax.custom_vjp
+        def counted(arrays):
+            o, h = real(**arrays, **options)
+            count("op", o)
+            return o, h
+
+        def counted_fwd(arrays):
+            (o, h), pull = jax.vjp(lambda a: real(**a, **options), arrays)
+            count("op", o)
+            return (o, h), pull
+
+        def counted_bwd(pull, cotangents):
+            count("op backward", cotangents[0])
+            return pull(cotangents)
+
+        counted.defvjp(counted_fwd, counted_bwd)
+        return counted(arrays)
+
+    monkeypatch.setattr(native, op, spy)
+    x = _inputs(op, seed=14, batch=1)
+    fn = functools.partial(getattr(rwkv_jax, op), backend="native")
+    sharded = rwkv_jax.shard(fn, _mesh((8,), ("seq",)), seq_axis="seq")
+    loss = lambda x: sum(jnp.sum(y) for y in _call(sharded, op, x, {}))
+    jax.clear_caches()   # shard's jitted program, traced by earlier tests without the spy
+    try:
+        jax.block_until_ready(jax.jit(jax.grad(loss))(x))
+        jax.effects_barrier()
+    finally:
+        jax.clear_caches()   # and none traced with the spy for later tests
+    assert runs == {"op": 8 * (3 if op == "rwkv7" else 1), "op backward": 8}
+
+
+@pytest.mark.parametrize("op", SEQUENCE_OPS)
+def test_backend_sequence_pieces_are_used(op, monkeypatch):
+    """The triton backend's own passes (rwkv6, GLA: its kernels once each way, chunk states
+    corrected) take the place of the reference; RWKV-7 has none there and takes the
+    reference. Both give one device's results (the hard-decay test above covers every
+    backend)."""
+    from rwkv_jax.backends import triton
+    real = triton.sequence_parallel_pieces
+    asked = []
+
+    def spy(name, options):
+        pieces = real(name, options)
+        asked.append((name, pieces is not None))
+        return pieces
+
+    monkeypatch.setattr(triton, "sequence_parallel_pieces", spy)
+    x = _inputs(op, seed=15, batch=1, steps=8)
+    jax.clear_caches()   # shard's jitted program, if an earlier test traced it without the spy
+    _assert_matches(op, x, ("seq_axis",), mesh=_mesh((4,), ("seq",)), backend="triton")
+    assert asked and set(asked) == {(op, op != "rwkv7")}
+
+
+def test_sequence_parallel_refuses_forward_mode_clearly():
+    """Its gradient is a custom_vjp: jax.jvp gets one clear error naming the limit, before
+    anything is traced; over batch and heads forward mode still works (native backend)."""
+    x = _inputs("rwkv6", seed=16, batch=2)
+    fn = functools.partial(rwkv_jax.rwkv6, backend="native")
+    run = lambda f: jax.jvp(lambda r: _call(f, "rwkv6", dict(x, r=r), {})[0], (x["r"],),
+                            (jnp.ones_like(x["r"]),))
+    with pytest.raises(TypeError, match="seq_axis='seq' does not support forward-mode"):
+        run(rwkv_jax.shard(fn, _mesh(), seq_axis="seq"))
+    _, tangent = run(rwkv_jax.shard(fn, _mesh(), batch_axis="data", head_axis="heads"))
+    assert relative_error(tangent, run(fn)[1]) <= 1e-5
+
+
+@pytest.mark.parametrize("backend_name", ["native", "triton"])
+def test_rwkv7_wide_values_over_the_sequence(backend_name):
+    """V + K above the widest value block of every backend (the triton backend's 128): the
+    transition takes its own op call, still exact."""
+    x = _inputs("rwkv7", seed=17, batch=1, steps=8, heads=1, value=128)
+    _assert_matches("rwkv7", x, ("seq_axis",), mesh=_mesh((4,), ("seq",)), backend=backend_name)

@@ -1293,15 +1293,9 @@ def _gla_call(q, k, v, a, b, u, *, scale, reverse, initial_state, cu_seqlens):
     return o.reshape(batch, steps, heads, v_size), ht
 
 
-def rwkv6(r, k, v, w, u, *, scale, initial_state, output_final_state, cu_seqlens):
-    return _gla_call(r, k, v, w, None, u, scale=scale, reverse=False,
-                     initial_state=initial_state, cu_seqlens=cu_seqlens)
-
-
-def gated_linear_attention(q, k, v, *, g, g_gamma, gk, gv, scale, initial_state,
-                           output_final_state, reverse, cu_seqlens):
-    # The scalar gates decay every key channel alike: one key-side log gate (summed in float32
-    # before the floor, so that the floor applies to the sum). gk alone goes in as it is.
+def _key_gate(q, g, g_gamma, gk):
+    """GLA's one key-side log gate: the scalar gates decay every key channel alike (summed in
+    float32 before the floor, so that the floor applies to the sum); gk alone goes in as it is."""
     a = gk
     if g is not None or g_gamma is not None:
         a = jnp.zeros(q.shape, jnp.float32) if gk is None else gk.astype(jnp.float32)
@@ -1309,5 +1303,146 @@ def gated_linear_attention(q, k, v, *, g, g_gamma, gk, gv, scale, initial_state,
             a = a + g.astype(jnp.float32)[..., None]
         if g_gamma is not None:
             a = a + g_gamma.astype(jnp.float32)[:, None]
-    return _gla_call(q, k, v, a, gv, None, scale=scale, reverse=reverse,
+    return a
+
+
+def rwkv6(r, k, v, w, u, *, scale, initial_state, output_final_state, cu_seqlens):
+    return _gla_call(r, k, v, w, None, u, scale=scale, reverse=False,
                      initial_state=initial_state, cu_seqlens=cu_seqlens)
+
+
+def gated_linear_attention(q, k, v, *, g, g_gamma, gk, gv, scale, initial_state,
+                           output_final_state, reverse, cu_seqlens):
+    return _gla_call(q, k, v, _key_gate(q, g, g_gamma, gk), gv, None, scale=scale,
+                     reverse=reverse, initial_state=initial_state, cu_seqlens=cu_seqlens)
+
+
+# --- Sequence parallelism's pieces (rwkv_jax.shard) ----------------------------------------
+# On one device's block of a sequence-parallel run, RWKV-6 and GLA run their own kernels once
+# each way: the state pass from zero (its final state and every chunk's start state), and,
+# once the state h_in entering the block is known, every chunk's state corrected by
+# decay-before-the-chunk * h_in before the output kernel; the backward likewise corrects the
+# state-gradient pass's dH (from a zero final gradient) by decay-after-the-chunk * dh_T before
+# the gradient kernels. The correction is exact: the recurrence is affine in the state, and
+# each decay is exp of a sum of log gates (floored as the kernels floor them), never of a
+# difference of sums. The from-zero passes keep float32 chunk states, which are rounded to the
+# kernels' stored dtype only after the correction, as one device rounds them.
+
+
+class SequencePieces(NamedTuple):
+    """What rwkv_jax.shard's one-pass sequence parallelism calls on a block (time-major
+    ``[B, T, H, *]`` arrays ``x`` of the op; states float32 ``[B, H, K, V]``):
+
+    state(x) -> (transition, h_local, saved): the block's map of the state (a factor
+      broadcasting against it) and its final state from zero;
+    forward(x, saved, h_in) -> ((o, h_out), residuals): the op from ``h_in``;
+    state_gradient(x, residuals, do) -> (g, saved): the gradient the outputs alone send into
+      the initial state;
+    backward(x, residuals, saved, do, dh_T) -> (gradients of x, gradient of h_in)."""
+    state: object
+    forward: object
+    state_gradient: object
+    backward: object
+
+
+def sequence_parallel_pieces(op, options):
+    """SequencePieces of ``op`` ("rwkv6", "gated_linear_attention") on the triton kernels, or
+    None where this backend has none (rwkv7)."""
+    if op not in ("rwkv6", "gated_linear_attention"):
+        return None
+    reverse = bool(options.get("reverse", False))
+
+    def operands(x):
+        """(q, k, v, a, b, u) of the kernels, [B, T, H, *]."""
+        if op == "rwkv6":
+            return x["r"], x["k"], x["v"], x["w"], None, x["u"]
+        a = _key_gate(x["q"], x.get("g"), x.get("g_gamma"), x.get("gk"))
+        return x["q"], x["k"], x["v"], a, x.get("gv"), None
+
+    def setup(x):
+        q, k, v, a, b, u = operands(x)
+        scale = options["scale"]
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        static = _gla_static(q, k, v, a, b, u, scale, reverse)
+        batch, steps = q.shape[:2]
+        rows = lambda y: None if y is None else y.reshape(batch * steps, *y.shape[2:])
+        cu = jnp.arange(batch + 1, dtype=jnp.int32) * steps
+        return static, (rows(q), rows(k), rows(v), rows(a), rows(b), u), cu
+
+    def chunk_decays(x, static):
+        """exp of each chunk's log gates before it and after it (processing order) and of the
+        block's: per key [B, chunks, H, K, 1] and per value [B, chunks, H, 1, V] (1 if none)."""
+        _, _, _, a, b, _ = operands(x)
+        batch, steps = x["k"].shape[:2]
+        chunks = -(-steps // static.span)
+
+        def sums(gate, axis):
+            if gate is None:
+                return jnp.zeros((batch, chunks, 1, 1, 1), jnp.float32)
+            gate = jnp.maximum(gate.astype(jnp.float32), LOG_DECAY_FLOOR)
+            gate = jnp.flip(gate, 1) if reverse else gate
+            gate = jnp.pad(gate, ((0, 0), (0, chunks * static.span - steps), (0, 0), (0, 0)))
+            per_chunk = gate.reshape(batch, chunks, static.span, *gate.shape[2:]).sum(2)
+            return jnp.expand_dims(per_chunk, axis)
+
+        key, value = sums(a, -1), sums(b, -2)
+        exclusive = lambda s: jnp.concatenate([jnp.zeros_like(s[:, :1]),
+                                               jnp.cumsum(s[:, :-1], 1)], 1)
+        before = lambda s: jnp.exp(exclusive(s))
+        after = lambda s: jnp.exp(jnp.flip(exclusive(jnp.flip(s, 1)), 1))
+        total = jnp.exp(key.sum(1)) * jnp.exp(value.sum(1))
+        return before(key) * before(value), after(key) * after(value), total
+
+    def corrected(from_zero, factors, h, static):
+        """Every chunk's entry of a [slots, H, K, V] buffer plus factors * h, in the kernels'
+        stored dtype (the slots past the block's chunks are never read)."""
+        batch, chunks = factors.shape[:2]
+        correction = (factors * h[:, None]).reshape(batch * chunks, *h.shape[1:])
+        padding = ((0, from_zero.shape[0] - batch * chunks),) + ((0, 0),) * 3
+        correction = jnp.pad(correction, padding)
+        return (from_zero + correction).astype(static.states_dtype)
+
+    def state(x):
+        static, (q, k, v, a, b, u), cu = setup(x)
+        exact = dataclasses.replace(static, bf16_states=False)
+        h0 = jnp.zeros((cu.shape[0] - 1, static.heads, static.k_size, static.v_size), jnp.float32)
+        ht, states, tame = _gla_states(exact, k, v, a, b, h0, cu)
+        before, _, total = chunk_decays(x, static)
+        return total, ht, (states, tame, before, ht)
+
+    def forward(x, saved, h_in):
+        from_zero, tame, before, ht = saved
+        static, (q, k, v, a, b, u), cu = setup(x)
+        states = corrected(from_zero, before, h_in, static)
+        o = _gla_on_path(static, tame, lambda TAME: _gla_outputs(static, TAME, q, k, v, a, b, u,
+                                                                 states, cu))
+        _, _, total = chunk_decays(x, static)
+        return (o.reshape(x["v"].shape), total * h_in + ht), (states, tame)
+
+    def state_gradient(x, residuals, do):
+        static, (q, k, v, a, b, u), cu = setup(x)
+        exact = dataclasses.replace(static, bf16_states=False)
+        rows = do.astype(x["v"].dtype).reshape(-1, *do.shape[2:])
+        zero = jnp.zeros((cu.shape[0] - 1, static.heads, static.k_size, static.v_size),
+                         jnp.float32)
+        g, dstates = _gla_state_gradient(exact, q, a, b, rows, zero, cu)
+        return g, (g, dstates)
+
+    def backward(x, residuals, saved, do, dh_t):
+        states, tame = residuals
+        g, from_zero = saved
+        static, _, cu = setup(x)
+        _, after, total = chunk_decays(x, static)
+        dstates = corrected(from_zero, after, dh_t, static)
+        (q, k, v, a, b, u), pull = jax.vjp(lambda x: setup(x)[1], x)
+        rows = do.astype(x["v"].dtype).reshape(-1, *do.shape[2:])
+        inputs = (q, k, v, a, b, u, rows, states, dstates, cu)
+        dq, dk, da, du, dv, db = _gla_on_path(
+            static, tame, lambda TAME: (_gla_key_gradients(static, TAME, *inputs)
+                                     + _gla_value_gradients(static, TAME, *inputs)))
+        (dx,) = pull((dq, dk, dv, da.astype(a.dtype) if static.has_a else None,
+                      db.astype(b.dtype) if static.has_b else None,
+                      du.sum(0).astype(u.dtype) if static.bonus else None))
+        return dx, total * dh_t + g
+
+    return SequencePieces(state, forward, state_gradient, backward)
