@@ -31,14 +31,17 @@ def _scale_and_shift_kernel(x_ptr, y_ptr, doubled_ptr, shifted_ptr, SIZE: tl.con
     tl.store(shifted_ptr + block, tl.load(y_ptr + block) + SHIFT)
 
 
+# (shape, block): one callback operand, or several pieces of at most 64 KiB (_launch.py).
+@pytest.mark.parametrize("shape, block", [((32,), 16), ((5, 8192), 4096)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_launch_keeps_argument_order_and_dtypes(dtype):
+def test_launch_keeps_argument_order_and_dtypes(dtype, shape, block):
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal(32), dtype)
-    y = jnp.asarray(rng.standard_normal(32), jnp.float32)
+    x = jnp.asarray(rng.standard_normal(shape), dtype)
+    y = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     out_shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype))
-    run = jax.jit(lambda x, y: _launch.launch(_scale_and_shift_kernel, (x, y), out_shapes, (2,),
-                                              SIZE=16, SHIFT=3.0))
+    grid = (x.size // block,)
+    run = jax.jit(lambda x, y: _launch.launch(_scale_and_shift_kernel, (x, y), out_shapes, grid,
+                                              SIZE=block, SHIFT=3.0))
     doubled, shifted = run(x, y)
     assert doubled.dtype == x.dtype and shifted.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(doubled), np.asarray(x * 2))
