@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 
 import jax
@@ -61,6 +62,7 @@ def parse_args(argv=None):
 
 
 HEAD_SIZE = 16
+COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=3600"
 
 
 def init_params(key, vocab, width, layers):
@@ -157,6 +159,12 @@ def main(argv=None):
     if args.cpu_devices:  # before anything asks JAX for its devices
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # across processes
+        # With --backend triton the simulated devices' kernels take turns in Triton's
+        # interpreter, so a device may wait at the sequence all-gather longer than the 40 s
+        # after which XLA:CPU aborts a collective.
+        if "collective_call_terminate_timeout" not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
+                                       + COLLECTIVE_TIMEOUT_FLAG).strip()
     if args.distributed:
         jax.distributed.initialize(coordinator_address=args.coordinator,
                                    num_processes=args.num_processes, process_id=args.process_id)

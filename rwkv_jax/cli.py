@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import __version__, backends
+from ._files import write_atomically
 from . import ops as public_ops
 from ._bench import (DTYPES, FLA_OPS, PRESETS, STEP_OPS, Case, bind, bytes_moved,
                      device_peak_bytes, fla_unavailable_reason, make_case, peak_bandwidth,
@@ -90,6 +91,29 @@ def _error_text(err: Exception) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # info
+
+def _progress(jobs: list, desc: str, describe: Callable, *, enabled: bool = True,
+              leave: bool = True):
+    """Each of ``jobs``, with a progress report on stderr naming ``describe(job)``: a tqdm bar
+    on a terminal, one plain line per job elsewhere (piped, logged, CI), where a bar's frames
+    would run together into one line."""
+    if not enabled:
+        yield from jobs
+        return
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+        bar = tqdm(jobs, desc=desc, unit="case", file=sys.stderr, leave=leave)
+        try:
+            for job in bar:
+                bar.set_postfix_str(describe(job))
+                yield job
+        finally:
+            bar.close()
+        return
+    for i, job in enumerate(jobs, 1):
+        print(f"{desc} {i}/{len(jobs)}: {describe(job)}", file=sys.stderr, flush=True)
+        yield job
+
 
 def _version(dist: str) -> str | None:
     try:
@@ -162,11 +186,19 @@ def _correctness_only() -> dict:
 
 
 def _check_requested_backends(args) -> str | None:
-    """Why a backend named on the command line cannot run here, or None."""
+    """Why a backend named on the command line cannot run here, or why an op named there runs
+    on none of the backends named, or None."""
     rows = {b["name"]: b for b in backends.describe()}
     for name in args.backend or []:
         if not rows[name]["available"]:
             return f"backend {name!r} cannot run here: {rows[name]['reason']}"
+    for op in args.op or []:
+        if args.backend and not any(op in rows[name]["ops"] for name in args.backend):
+            named = ", ".join(repr(name) for name in dict.fromkeys(args.backend))
+            have = [name for name, row in rows.items() if row["available"] and op in row["ops"]]
+            return (f"{'backend' if len(set(args.backend)) == 1 else 'backends'} {named} "
+                    f"{'does' if len(set(args.backend)) == 1 else 'do'} not implement {op}; "
+                    f"backends that do here: {', '.join(have) or 'none'}")
     return None
 
 
@@ -230,13 +262,11 @@ def check_case(case: Case, dtype_name: str, backend_names: list[str]) -> list[di
 
 def run_check(ops: list[str], dtypes: list[str], size, select_backends, *, seed: int = 0,
               progress: bool = True) -> list[dict]:
-    from tqdm import tqdm
     batch, length, heads, head_size = size
     jobs = [(op, dt) for op in ops for dt in dtypes if select_backends(op)]
     rows = []
-    bar = tqdm(jobs, desc="check", unit="case", disable=not progress, file=sys.stderr, leave=False)
-    for op, dtype_name in bar:
-        bar.set_postfix_str(f"{op} {dtype_name} on {', '.join(select_backends(op))}")
+    describe = lambda job: f"{job[0]} {job[1]} on {', '.join(select_backends(job[0]))}"
+    for op, dtype_name in _progress(jobs, "check", describe, enabled=progress, leave=False):
         step_length = min(length, STEP_LENGTH) if op in STEP_OPS else length
         case = make_case(op, batch, step_length, heads, head_size, seed=seed)
         rows.extend(check_case(case, dtype_name, select_backends(op)))
@@ -342,20 +372,17 @@ def _bench_jobs(ops, backend_names, sizes, dtypes) -> list[tuple]:
 def run_bench(ops, backend_names, sizes, dtypes, *, repeats=20, warmup=2, max_seconds=10.0,
               progress=True, fla=False) -> list[dict]:
     """Every op x backend x size x dtype, then fla's kernel for the ops it has when ``fla``."""
-    from tqdm import tqdm
     jobs = _bench_jobs(ops, backend_names, sizes, dtypes)
-    fla_jobs = list(dict.fromkeys((op, size, dt) for op, _, size, dt in jobs if op in FLA_OPS)) \
-        if fla else []
+    fla_jobs = [(op, "fla", size, dt) for op, size, dt in dict.fromkeys(
+        (op, size, dt) for op, _, size, dt in jobs if op in FLA_OPS)] if fla else []
     results = []
-    bar = tqdm(jobs + fla_jobs, desc="bench", unit="case", disable=not progress, file=sys.stderr)
+    describe = lambda job: f"{job[0]} {job[1]} {','.join(map(str, job[2]))} {job[3]}"
     try:
-        for job in bar:
-            op, name, size, dtype_name = job if len(job) == 4 else (job[0], "fla", *job[1:])
-            bar.set_postfix_str(f"{op} {name} {','.join(map(str, size))} {dtype_name}")
+        for op, name, size, dtype_name in _progress(jobs + fla_jobs, "bench", describe,
+                                                    enabled=progress):
             _bench_job(op, name, size, dtype_name, results, repeats=repeats, warmup=warmup,
                        max_seconds=max_seconds)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (e.g. `timeout`): keep what was measured
-        bar.close()
         raise BenchInterrupted(results, len(jobs + fla_jobs)) from None
     return results
 
@@ -638,7 +665,7 @@ def bench_results(args) -> list[dict] | None:
     if on_gpu and not args.no_fla and fla_reason:
         print(f"bench: fla not timed beside ours: {fla_reason}")
     dtypes = args.dtype or (["float32"] if not on_gpu else ["bfloat16"])
-    repeats = args.repeats or (5 if args.quick else 20)
+    repeats = args.repeats if args.repeats is not None else (5 if args.quick else 20)
     max_seconds = 3.0 if args.quick else args.max_seconds
     interrupted = None
     try:
@@ -653,9 +680,9 @@ def bench_results(args) -> list[dict] | None:
         print(f"bench: {stop}; what was measured follows")
     print_bench(results)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(info=collect_info(), device_peak_bytes=device_peak_bytes(),
-                           results=results), f, indent=1)
+        text = json.dumps(dict(info=collect_info(), device_peak_bytes=device_peak_bytes(),
+                               results=results), indent=1)
+        write_atomically(args.json, lambda f: f.write(text.encode()))
         print(f"wrote {args.json}")
     if args.plot and results:
         device = jax.devices()[0].device_kind
@@ -676,6 +703,14 @@ def cmd_bench(args) -> int:
         print("rwkv-jax bench: --plot needs the package 'matplotlib' "
               "(pip install matplotlib, or the [plot] extra)", file=sys.stderr)
         return 2
+    if args.plot:
+        from matplotlib.backend_bases import FigureCanvasBase
+        formats = FigureCanvasBase.get_supported_filetypes()
+        extension = os.path.splitext(args.plot)[1][1:].lower()
+        if extension and extension not in formats:
+            print(f"rwkv-jax bench: --plot {args.plot!r}: matplotlib writes no "
+                  f"'.{extension}' files; use one of .{', .'.join(formats)}", file=sys.stderr)
+            return 2
     results = bench_results(args)
     return 1 if results is None or any("error" in r for r in results) else 0
 
@@ -735,6 +770,45 @@ def _size(text: str) -> tuple:
     return values
 
 
+def _at_least(minimum: int):
+    """An argparse type for an integer no smaller than ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"needs an integer >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"needs a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _output_path(text: str) -> str:
+    """An argparse type for a file to write at the end: its directory must exist and be
+    writable now, so that a bad path fails before the work rather than after it."""
+    directory = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file name")
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text!r}: {directory!r} "
+            f"{'is not a directory' if os.path.exists(directory) else 'does not exist'}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the directory {directory!r} "
+                                         f"is not writable")
+    return text
+
+
 def _names(choices):
     """An argparse type for comma-separated names, each from ``choices`` (read when called)."""
     def parse(text: str) -> list[str]:
@@ -787,12 +861,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--preset", type=_names(lambda: tuple(PRESETS)), action="extend",
                        help="size presets: " + ", ".join(f"{k}={','.join(map(str, v))}"
                                                          for k, v in PRESETS.items()))
-    bench.add_argument("--repeats", type=int, help="timed calls per case (default 20, quick 5)")
-    bench.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling")
-    bench.add_argument("--max-seconds", type=float, default=10.0,
+    bench.add_argument("--repeats", type=_at_least(1),
+                       help="timed calls per case, at least 1 (default 20, quick 5)")
+    bench.add_argument("--warmup", type=_at_least(0), default=2,
+                       help="untimed calls after compiling")
+    bench.add_argument("--max-seconds", type=_positive_seconds, default=10.0,
                        help="stop repeating a case after this long (at least 3 calls)")
-    bench.add_argument("--json", metavar="OUT.json", help="write every result as JSON")
-    bench.add_argument("--plot", metavar="OUT.png",
+    bench.add_argument("--json", metavar="OUT.json", type=_output_path,
+                       help="write every result as JSON")
+    bench.add_argument("--plot", metavar="OUT.png", type=_output_path,
                        help="plot time against sequence length per op and backend (needs "
                             "matplotlib); on a GPU also OUT_bandwidth.png, achieved bandwidth "
                             "against the device's peak. Without --size/--preset it sweeps T over "

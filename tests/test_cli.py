@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import types
@@ -270,14 +271,86 @@ def test_bench_plot_without_matplotlib_names_it(monkeypatch, capsys):
     assert "matplotlib" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["bench", "--size", "1,2,3"], ["bench", "--size", "1,0,2,16"],
-                                  ["check", "--op", "rwkv5"], ["check", "--backend", "nope"],
-                                  ["bench", "--dtype", "int8"]])
-def test_bad_command_lines_exit_2(argv, capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--size", "1,2,3"], "four positive integers"),
+    (["bench", "--size", "1,0,2,16"], "four positive integers"),
+    (["check", "--op", "rwkv5"], "unknown name rwkv5"),
+    (["check", "--backend", "nope"], "unknown name nope"),
+    (["bench", "--dtype", "int8"], "unknown name int8"),
+    (["bench", "--repeats", "0"], r"--repeats: needs an integer >= 1, got '0'"),
+    (["bench", "--repeats", "-3"], r"--repeats: needs an integer >= 1"),
+    (["bench", "--warmup", "-1"], r"--warmup: needs an integer >= 0"),
+    (["bench", "--max-seconds", "0"], r"--max-seconds: needs a number of seconds > 0"),
+    (["bench", "--max-seconds", "nan"], r"--max-seconds: needs a number of seconds > 0"),
+    (["bench", "--json", "/nonexistent-dir/out.json"], r"--json: .*does not exist"),
+    (["bench", "--plot", "/nonexistent-dir/out.png"], r"--plot: .*does not exist"),
+    (["bench", "--json", "."], r"--json: '\.' is a directory"),
+])
+def test_bad_command_lines_exit_2_before_any_work(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "run_bench", _no_work)
+    monkeypatch.setattr(cli, "run_check", _no_work)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2
-    assert "rwkv-jax" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "rwkv-jax" in err and re.search(message, err), err
+
+
+def _no_work(*args, **kwargs):
+    raise AssertionError("work started before the command line was checked")
+
+
+def test_an_unwritable_output_path_fails_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "run_bench", _no_work)
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("")
+    unwritable = [(a_file / "out.json", "is not a directory")]
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if not os.access(locked, os.W_OK):  # root may write anywhere
+        unwritable.append((locked / "out.json", "is not writable"))
+    for path, message in unwritable:
+        for option in ("--json", "--plot"):
+            with pytest.raises(SystemExit) as exit_info:
+                cli.main(["bench", "--size", TINY, option, str(path)])
+            assert exit_info.value.code == 2
+            assert message in capsys.readouterr().err
+
+
+def test_a_plot_format_matplotlib_lacks_fails_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "run_bench", _no_work)
+    assert cli.main(["bench", "--size", TINY, "--plot", str(tmp_path / "out.xyz")]) == 2
+    assert "matplotlib writes no '.xyz' files" in capsys.readouterr().err
+
+
+def test_an_op_the_named_backend_lacks_is_named(fake_backend, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "run_check", _no_work)
+    monkeypatch.setattr(cli, "run_bench", _no_work)
+    fake_backend("partial", rwkv7=native.rwkv7)
+    assert cli.main(["check", "--backend", "partial", "--op", "rwkv4"]) == 1
+    err = capsys.readouterr().err
+    assert "backend 'partial' does not implement rwkv4; backends that do here: " in err, err
+    assert "native" in err.split("backends that do here: ")[1]
+    assert cli.main(["bench", "--backend", "partial", "--op", "rwkv7,rwkv4",
+                     "--size", TINY]) == 1
+    assert "backend 'partial' does not implement rwkv4" in capsys.readouterr().err
+
+
+def test_progress_is_plain_lines_when_not_a_terminal():
+    """Piped (CI, a log file): one line per case on stderr, no bar frames, nothing glued to the
+    table."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rwkv_jax", "bench", "--size", TINY, "--op", "rwkv7,rwkv4",
+         "--backend", "native", "--repeats", "1", "--warmup", "0"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr and "\x1b" not in done.stderr
+    progress = [line for line in done.stderr.splitlines() if line.startswith("bench ")]
+    assert progress == ["bench 1/2: rwkv7 native 1,12,2,16 float32",
+                        "bench 2/2: rwkv4 native 1,12,2,16 float32"], done.stderr
+    title, header = done.stdout.splitlines()[:2]
+    assert title.startswith("bench: median wall time") and header.split()[:3] == [
+        "op", "backend", "dtype"], done.stdout
 
 
 @pytest.mark.parametrize("op", backends.OPS)

@@ -4,6 +4,8 @@ checkpoint files, errors, the Linen wrappers and the training example."""
 
 import importlib.util
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -395,3 +397,15 @@ def test_associative_recall_example_tiny_learns(capsys):
     assert np.mean(losses[-10:]) < 0.85 * np.mean(losses[:10])
     assert result["accuracy"] > result["chance"]
     assert "loss" in capsys.readouterr().out
+
+
+def test_importing_nn_without_flax_names_the_extra():
+    # flax made unimportable in a fresh interpreter, as where it is not installed.
+    code = ("import sys; sys.modules['flax'] = None\n"
+            "try:\n    import rwkv_jax.nn\n"
+            "except ImportError as err:\n    print(type(err).__name__, err)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ImportError rwkv_jax.nn needs flax: "
+                                  'pip install "rwkv_jax[flax]"'), done.stdout

@@ -12,7 +12,10 @@ import functools
 import importlib.util
 import itertools
 import math
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -423,3 +426,61 @@ def test_rwkv7_wide_values_over_the_sequence(backend_name):
     transition takes its own op call, still exact."""
     x = _inputs("rwkv7", seed=17, batch=1, steps=8, heads=1, value=128)
     _assert_matches("rwkv7", x, ("seq_axis",), mesh=_mesh((4,), ("seq",)), backend=backend_name)
+
+
+# The README's sharding snippet at its shapes (B=2, T=128, H=4, K=64; mesh (2, 4) over data and
+# seq) with the triton backend in Triton's interpreter, forward and gradients against one device
+# of the native backend. In a child process with a time limit: the sequence-parallel all-gather
+# used to leave every interpreter callback waiting forever (rwkv_jax/backends/_launch.py,
+# _callback_pieces), and a hang must fail the test instead of stopping the suite.
+README_SHAPES = """
+import functools, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp
+import numpy as np
+import reference
+import rwkv_jax
+
+x = {n: jnp.asarray(y, jnp.float32) for n, y in reference.random_inputs(
+    "rwkv7", np.random.default_rng(0), batch=2, steps=128, heads=4, key=64).items()}
+mesh = jax.make_mesh((2, 4), ("data", "seq"))
+triton = rwkv_jax.shard(functools.partial(rwkv_jax.rwkv7, backend="triton"), mesh,
+                        batch_axis="data", seq_axis="seq")
+native = functools.partial(rwkv_jax.rwkv7, backend="native")
+
+def loss_and_outputs(fn, x):
+    o, h = fn(*(x[n] for n in "rwkvab"), initial_state=x["initial_state"])
+    return jnp.sum(o * jnp.cos(o)) + jnp.sum(h * h), (o, h)
+
+results = [jax.jit(jax.value_and_grad(functools.partial(loss_and_outputs, fn), has_aux=True))(x)
+           for fn in (triton, native)]
+(_, (o, h)), grads = results[0]
+(_, (o1, h1)), grads1 = results[1]
+errors = {"output": reference.relative_error(o, o1), "state": reference.relative_error(h, h1)}
+errors.update({f"d{n}": reference.relative_error(grads[n], grads1[n]) for n in x})
+print(" ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+"""
+
+
+@pytest.mark.skipif(rwkv_jax.backends.unavailable_reason("triton", "cpu") is not None,
+                    reason="the triton backend cannot run on this CPU")
+def test_readme_shapes_over_eight_devices_in_the_interpreter():
+    tests = pathlib.Path(__file__).parent
+    # The devices' kernels take turns in the interpreter: on a busy machine a device may wait at
+    # the all-gather longer than XLA:CPU's default 40 s before it aborts (README, "Several
+    # devices and hosts").
+    flags = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                   "--xla_cpu_collective_call_terminate_timeout_seconds=3600"]))
+    proc = subprocess.run([sys.executable, "-c", README_SHAPES], cwd=tests, capture_output=True,
+                          text=True, timeout=600,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1",
+                                   XLA_FLAGS=flags))
+    assert proc.returncode == 0, f"exit code {proc.returncode}:\n{proc.stderr[-4000:]}"
+    errors = {name: float(value) for name, value in
+              (item.split("=") for item in proc.stdout.split())}
+    assert set(errors) == {"output", "state", *(f"d{n}" for n in "rwkvab"), "dinitial_state"}
+    forward, gradient = tolerance("triton", "float32", "forward"), tolerance(
+        "triton", "float32", "gradient")
+    for name, error in errors.items():
+        assert error <= (forward if name in ("output", "state") else gradient), (name, errors)

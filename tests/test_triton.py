@@ -3,6 +3,9 @@ interpreter is slow). The shared suite (test_ops.py) covers the public options; 
 launch bridge, chunk and saved-state boundaries, several V blocks and the head-size limits."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,18 +34,61 @@ def _scale_and_shift_kernel(x_ptr, y_ptr, doubled_ptr, shifted_ptr, SIZE: tl.con
     tl.store(shifted_ptr + block, tl.load(y_ptr + block) + SHIFT)
 
 
+# (shape, block): one callback operand, or several pieces of at most 64 KiB (_launch.py).
+@pytest.mark.parametrize("shape, block", [((32,), 16), ((5, 8192), 4096)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_launch_keeps_argument_order_and_dtypes(dtype):
+def test_launch_keeps_argument_order_and_dtypes(dtype, shape, block):
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal(32), dtype)
-    y = jnp.asarray(rng.standard_normal(32), jnp.float32)
+    x = jnp.asarray(rng.standard_normal(shape), dtype)
+    y = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     out_shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype))
-    run = jax.jit(lambda x, y: _launch.launch(_scale_and_shift_kernel, (x, y), out_shapes, (2,),
-                                              SIZE=16, SHIFT=3.0))
+    grid = (x.size // block,)
+    run = jax.jit(lambda x, y: _launch.launch(_scale_and_shift_kernel, (x, y), out_shapes, grid,
+                                              SIZE=block, SHIFT=3.0))
     doubled, shifted = run(x, y)
     assert doubled.dtype == x.dtype and shifted.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(doubled), np.asarray(x * 2))
     np.testing.assert_allclose(np.asarray(shifted), np.asarray(y) + 3.0, rtol=1e-6)
+
+
+# Eight devices each launch a kernel on 160 KiB operands, then all-gather: in a child process
+# with a time limit, since every callback used to wait forever for its operands' copy (_launch.py,
+# _callback_pieces) and a hang must fail the test instead of stopping the suite.
+LAUNCH_BEFORE_ALL_GATHER = """
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, PartitionSpec as P
+from rwkv_jax.backends import _launch
+import triton
+import triton.language as tl
+
+@triton.jit
+def double(x_ptr, out_ptr, SIZE: tl.constexpr):
+    block = tl.program_id(0) * SIZE + tl.arange(0, SIZE)
+    tl.store(out_ptr + block, tl.load(x_ptr + block) * 2)
+
+def per_device(x):
+    (y,) = _launch.launch(double, (x[0],), (jax.ShapeDtypeStruct(x.shape[1:], x.dtype),),
+                          (x.shape[1] // 4096,), SIZE=4096)
+    return jax.lax.all_gather(y.sum(), "d")[None]
+
+mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+x = jnp.arange(8 * 40960, dtype=jnp.float32).reshape(8, 40960) / 1e6
+sums = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
+                             check_vma=False))(x)
+np.testing.assert_allclose(np.asarray(sums)[0], 2 * np.asarray(x).sum(axis=1), rtol=1e-5)
+print("ok")
+"""
+
+
+def test_launch_inside_shard_map_before_a_collective(tmp_path):
+    script = tmp_path / "launch_before_all_gather.py"  # Triton reads a kernel's source file
+    script.write_text(LAUNCH_BEFORE_ALL_GATHER)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-4000:]
 
 
 def test_launch_under_vmap_runs_each_element():

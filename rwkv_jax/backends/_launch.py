@@ -109,8 +109,10 @@ def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDt
         _prepare_host_bridge()
 
         def run(*arrays):
-            host = lambda *xs: _interpret(kernel, grid, xs, out_shapes, constexprs)
-            return tuple(jax.pure_callback(host, out_shapes, *arrays))
+            pieces, shapes = _callback_pieces(arrays)
+            host = lambda *xs: _interpret(kernel, grid, _joined(xs, shapes), out_shapes,
+                                          constexprs)
+            return tuple(jax.pure_callback(host, out_shapes, *pieces))
     return _one_at_a_time_under_vmap(run)(*inputs)
 
 
@@ -221,6 +223,35 @@ def _to_numpy(tensor, dtype) -> np.ndarray:
     if np.dtype(dtype) == _BFLOAT16:
         return tensor.view(torch.int16).numpy().view(_BFLOAT16)
     return tensor.numpy()
+
+
+# jax.pure_callback hands its host function each operand after a device_put to the CPU device,
+# and XLA's CPU client copies a host buffer of 100 KiB or more on its thread pool instead of at
+# once. Devices blocked in a collective (sequence parallelism's all-gather inside shard_map)
+# hold that pool's threads on a machine with fewer cores than devices, so the copy never ran and
+# every callback waited forever. Operands travel in pieces below that size, copied at once.
+_CALLBACK_PIECE_BYTES = 64 * 1024
+
+
+def _callback_pieces(arrays):
+    """``arrays`` as flat pieces of at most _CALLBACK_PIECE_BYTES, and each array's shape and
+    number of pieces (for :func:`_joined`)."""
+    pieces, shapes = [], []
+    for x in arrays:
+        flat = x.reshape(-1)
+        step = max(1, _CALLBACK_PIECE_BYTES // x.dtype.itemsize)
+        parts = [flat[i:i + step] for i in range(0, flat.size, step)] or [flat]
+        pieces += parts
+        shapes.append((x.shape, len(parts)))
+    return pieces, shapes
+
+
+def _joined(pieces, shapes):
+    pieces, arrays = iter(pieces), []
+    for shape, count in shapes:
+        parts = [np.asarray(next(pieces)) for _ in range(count)]
+        arrays.append((parts[0] if count == 1 else np.concatenate(parts)).reshape(shape))
+    return arrays
 
 
 # Triton's interpreter keeps global state while it runs a grid, so callbacks that XLA runs at

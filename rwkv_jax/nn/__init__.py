@@ -13,6 +13,14 @@
 - thin Linen wrappers of the bare operators in :mod:`rwkv_jax.nn.linen`.
 """
 
+try:
+    import flax  # noqa: F401
+except ModuleNotFoundError as err:
+    if err.name != "flax":
+        raise
+    raise ImportError('rwkv_jax.nn needs flax: pip install "rwkv_jax[flax]" (flax, optax, '
+                      'safetensors)') from err
+
 from .checkpoint import (load_rwkv6_layer, load_rwkv7, read_checkpoint, rwkv7_config,
                          rwkv7_state_dict, save_rwkv7)
 from .common import LayerState, TimeMixState

@@ -11,9 +11,12 @@ writes them to a file.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import re
 import types
+import zipfile
 from typing import Mapping
 
 import jax
@@ -21,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .._files import write_atomically
 from .rwkv6 import RWKV6ChannelMix, RWKV6Config, RWKV6TimeMix
 from .rwkv7 import RWKV7Config, RWKV7LM
 
@@ -31,24 +35,102 @@ _UNUSED_IN_LAYER0 = ("v0", "v1", "v2")
 
 def read_checkpoint(path) -> dict[str, np.ndarray]:
     """The arrays of a ``.pth``/``.pt`` (needs torch), ``.safetensors`` or ``.npz`` file."""
-    path = os.fspath(path)
+    with _open_checkpoint(path) as checkpoint:
+        return {name: checkpoint.read(name) for name in checkpoint.names}
+
+
+class _Checkpoint:
+    """A checkpoint's names, and each array's shape and values read only when asked for: a file
+    from an untrusted source is checked by its names and shapes before any array is read."""
+
+    def __init__(self, names, shape, read):
+        self.names = dict.fromkeys(names)   # in file order, with fast membership
+        self.shape = shape   # name -> tuple, without reading the values where the format allows
+        self.read = read     # name -> numpy array (16-bit floats widened, see _to_numpy)
+
+
+@contextlib.contextmanager
+def _open_checkpoint(source):
+    if isinstance(source, Mapping):
+        yield _Checkpoint(source, lambda name: tuple(np.shape(source[name])),
+                          lambda name: _to_numpy(source[name]))
+        return
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"source must be a checkpoint path or a dict of arrays, got "
+                        f"{type(source).__name__}")
+    path = os.fspath(source)
     suffix = os.path.splitext(path)[1].lower()
     if suffix in (".pth", ".pt"):
-        try:
-            import torch
-        except ImportError as err:
-            raise ImportError(f"reading {path} needs torch; convert it to .safetensors or .npz "
-                              f"where torch is installed") from err
-        tensors = torch.load(path, map_location="cpu", weights_only=True)
-        return {name: _to_numpy(t) for name, t in tensors.items()}
-    if suffix == ".safetensors":
+        yield _open_torch(path)
+    elif suffix == ".safetensors":
         from safetensors import safe_open
         with safe_open(path, framework="flax") as data:   # as JAX arrays: bfloat16 works
-            return {name: _to_numpy(data.get_tensor(name)) for name in data.keys()}
-    if suffix == ".npz":
-        with np.load(path) as data:
-            return {name: _to_numpy(data[name]) for name in data.files}
-    raise ValueError(f"checkpoint path must end in .pth, .pt, .safetensors or .npz, got {path!r}")
+            yield _Checkpoint(data.keys(), lambda name: tuple(data.get_slice(name).get_shape()),
+                              lambda name: _to_numpy(data.get_tensor(name)))
+    elif suffix == ".npz":
+        with _open_npz(path) as checkpoint:
+            yield checkpoint
+    else:
+        raise ValueError(f"checkpoint path must end in .pth, .pt, .safetensors or .npz, "
+                         f"got {path!r}")
+
+
+def _open_torch(path) -> _Checkpoint:
+    try:
+        import torch
+    except ImportError as err:
+        raise ImportError(f"reading {path} needs torch; convert it to .safetensors or .npz "
+                          f"where torch is installed") from err
+    # weights_only: tensors and plain containers, never pickled code. mmap: the names and
+    # shapes come without reading the tensors (files of torch's zip format, the default since
+    # torch 1.6; older ones are read whole).
+    try:
+        tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as err:
+        if "mmap" not in str(err):
+            raise
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(tensors, Mapping):
+        raise ValueError(f"{path} must hold a dict of tensors, got {type(tensors).__name__}")
+    return _Checkpoint(tensors, lambda name: tuple(tensors[name].shape),
+                       lambda name: _to_numpy(tensors[name]))
+
+
+@contextlib.contextmanager
+def _open_npz(path):
+    """An ``.npz`` read member by member from its zip directory: a member is decompressed only
+    when its array is read, and its shape comes from its ``.npy`` header alone."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as err:
+        raise ValueError(f"{path} is not an .npz file (a zip archive of .npy arrays): "
+                         f"{err}") from err
+    with archive:
+        # np.savez names each array NAME.npy; other members are listed as they are (and so are
+        # unknown names).
+        members = {(info.filename[:-4] if info.filename.endswith(".npy") else info.filename):
+                   info for info in archive.infolist()}
+
+        def header(member):
+            version = np.lib.format.read_magic(member)
+            if version == (1, 0):
+                return np.lib.format.read_array_header_1_0(member)
+            if version == (2, 0):
+                return np.lib.format.read_array_header_2_0(member)
+            return None
+
+        def shape(name):
+            with archive.open(members[name]) as member:
+                found = header(member)
+            return tuple(found[0]) if found else read(name).shape
+
+        def read(name):
+            if not members[name].filename.endswith(".npy"):
+                raise ValueError(f"{path}: member {members[name].filename!r} is not a .npy array")
+            with archive.open(members[name]) as member:
+                return _to_numpy(np.lib.format.read_array(member, allow_pickle=False))
+
+        yield _Checkpoint(members, shape, read)
 
 
 def _to_numpy(x):
@@ -109,38 +191,62 @@ def _shape_text(named):
     return "[" + ", ".join(name if name == "1" else f"{name}={size}" for name, size in named) + "]"
 
 
-def _dim(params, name, axis, what):
-    if name not in params:
+def _dim(checkpoint: _Checkpoint, name, axis, what):
+    if name not in checkpoint.names:
         raise ValueError(f"the checkpoint has no {name!r}, needed to infer {what}")
-    shape = np.shape(params[name])
+    shape = checkpoint.shape(name)
     if len(shape) <= abs(axis):
         raise ValueError(f"{name} must have at least {abs(axis) + 1} dims (to infer {what}), "
                          f"got shape {shape}")
     return int(shape[axis])
 
 
-def rwkv7_config(params: Mapping) -> RWKV7Config:
-    """The model sizes of an official RWKV-7 checkpoint, inferred from its shapes."""
-    layers = {int(m.group(1)) for name in params if (m := re.match(r"blocks\.(\d+)\.", name))}
-    if not layers:
+def _short(name: str, limit: int = 80) -> str:
+    return name if len(name) <= limit else name[:limit - 3] + "..."
+
+
+def _layer_count(names) -> int:
+    """``max(i) + 1`` over the names ``blocks.{i}.*``, each ``i`` checked against what the
+    checkpoint can hold (every layer below it needs names too, so ``i < len(names)``) before
+    any set of layers is built."""
+    found = [(name, m.group(1)) for name in names if (m := re.match(r"blocks\.(\d+)\.", name))]
+    if not found:
         raise ValueError("the checkpoint has no blocks.{i}.* parameters: not an RWKV-7 model")
+    for name, index in found:
+        if len(index) > len(str(len(names))) or int(index) >= len(names):
+            raise ValueError(f"the checkpoint's name {_short(name)!r} gives a layer index beyond "
+                             f"what its {len(names)} names can hold (at most {len(names)} layers)")
+    layers = {int(index) for _, index in found}
     n_layer = max(layers) + 1
     missing = sorted(set(range(n_layer)) - layers)
     if missing:
         raise ValueError(f"the checkpoint has blocks up to {n_layer - 1} but none of blocks "
                          f"{missing}")
+    return n_layer
+
+
+def rwkv7_config(params) -> RWKV7Config:
+    """The model sizes of an official RWKV-7 checkpoint (a dict of arrays or a file), inferred
+    from its names and shapes."""
+    with _open_checkpoint(params) as checkpoint:
+        return _rwkv7_config(checkpoint)
+
+
+def _rwkv7_config(checkpoint: _Checkpoint) -> RWKV7Config:
+    n_layer = _layer_count(checkpoint.names)
     value_layer = 1 if n_layer > 1 else 0
+    dim = functools.partial(_dim, checkpoint)
     return RWKV7Config(
-        vocab_size=_dim(params, "emb.weight", 0, "the vocabulary size"),
-        n_embd=_dim(params, "emb.weight", 1, "n_embd"),
+        vocab_size=dim("emb.weight", 0, "the vocabulary size"),
+        n_embd=dim("emb.weight", 1, "n_embd"),
         n_layer=n_layer,
-        head_size=_dim(params, "blocks.0.att.r_k", 1, "the head size ([H, N])"),
-        dim_ffn=_dim(params, "blocks.0.ffn.key.weight", 0, "the channel-mix width"),
-        decay_lora=_dim(params, "blocks.0.att.w1", 1, "the decay LoRA width"),
-        a_lora=_dim(params, "blocks.0.att.a1", 1, "the in-context-rate LoRA width"),
-        v_lora=(_dim(params, f"blocks.{value_layer}.att.v1", 1, "the value-residual LoRA width")
-                if n_layer > 1 or "blocks.0.att.v1" in params else None),
-        gate_lora=_dim(params, "blocks.0.att.g1", 1, "the gate LoRA width"))
+        head_size=dim("blocks.0.att.r_k", 1, "the head size ([H, N])"),
+        dim_ffn=dim("blocks.0.ffn.key.weight", 0, "the channel-mix width"),
+        decay_lora=dim("blocks.0.att.w1", 1, "the decay LoRA width"),
+        a_lora=dim("blocks.0.att.a1", 1, "the in-context-rate LoRA width"),
+        v_lora=(dim(f"blocks.{value_layer}.att.v1", 1, "the value-residual LoRA width")
+                if n_layer > 1 or "blocks.0.att.v1" in checkpoint.names else None),
+        gate_lora=dim("blocks.0.att.g1", 1, "the gate LoRA width"))
 
 
 def _variable(model, path):
@@ -150,33 +256,29 @@ def _variable(model, path):
     return node
 
 
-def _arrays(source) -> dict[str, np.ndarray]:
-    if isinstance(source, (str, os.PathLike)):
-        return read_checkpoint(source)
-    if isinstance(source, Mapping):
-        return {name: _to_numpy(value) for name, value in source.items()}
-    raise TypeError(f"source must be a checkpoint path or a dict of arrays, got "
-                    f"{type(source).__name__}")
-
-
-def _fill(root, layout, params, what, tolerated=(), param_dtype=jnp.float32):
-    """Check the names and shapes of ``params`` against ``layout`` and set every parameter of
-    ``root`` from them."""
-    unknown = sorted(set(params) - set(layout) - set(tolerated))
-    missing = sorted(set(layout) - set(params))
+def _fill(root, layout, checkpoint: _Checkpoint, what, tolerated=(),
+          param_dtype=jnp.float32):
+    """Check the names, then the shapes of ``checkpoint`` against ``layout`` (before reading
+    any array), and set every parameter of ``root`` from it."""
+    unknown = sorted(set(checkpoint.names) - set(layout) - set(tolerated))
+    missing = sorted(set(layout) - set(checkpoint.names))
     if unknown or missing:
-        raise ValueError(f"checkpoint names do not match {what}: unknown {unknown}, "
+        raise ValueError(f"checkpoint names do not match {what}: unknown "
+                         f"{[_short(name) for name in unknown[:20]]}"
+                         f"{f' and {len(unknown) - 20} more' if len(unknown) > 20 else ''}, "
                          f"missing {missing}")
+    flat_shapes = {}
     for name, (path, named_shape, kind) in layout.items():
-        value = np.asarray(params[name])
         official = tuple(size for _, size in named_shape)
-        flat = official[2:] if kind == "channel" else official
-        if value.shape not in (official, flat):
+        flat_shapes[name] = official[2:] if kind == "channel" else official
+        if checkpoint.shape(name) not in (official, flat_shapes[name]):
             raise ValueError(f"{name} must have shape {official} {_shape_text(named_shape)} for "
-                             f"{what}, got {value.shape}")
+                             f"{what}, got {checkpoint.shape(name)}")
+    for name, (path, named_shape, kind) in layout.items():
+        value = checkpoint.read(name)
         if not np.issubdtype(value.dtype, np.floating):
             raise TypeError(f"{name} must be floating point, got dtype {value.dtype}")
-        value = value.reshape(flat)
+        value = value.reshape(flat_shapes[name])
         _variable(root, path).set_value(jnp.asarray(value.T if kind == "linear" else value,
                                                     param_dtype))
 
@@ -189,13 +291,14 @@ def load_rwkv7(source, *, dtype=jnp.float32, param_dtype=jnp.float32) -> RWKV7LM
     shape (per-channel ``[1, 1, C]`` parameters may also come flat as ``[C]``); unknown names
     are errors, except ``blocks.0.att.v0/v1/v2``, which layer 0 does not use.
     """
-    params = _arrays(source)
-    cfg = rwkv7_config(params)
-    # Build the model abstractly (no random init), then fill in every parameter.
-    model = nnx.eval_shape(lambda: RWKV7LM(cfg, dtype=dtype, param_dtype=param_dtype,
-                                           rngs=nnx.Rngs(0)))
-    tolerated = [f"blocks.0.att.{name}" for name in _UNUSED_IN_LAYER0]
-    _fill(model, _layout(cfg), params, f"an RWKV-7 model with {cfg}", tolerated, param_dtype)
+    with _open_checkpoint(source) as checkpoint:
+        cfg = _rwkv7_config(checkpoint)
+        # Build the model abstractly (no random init), then fill in every parameter.
+        model = nnx.eval_shape(lambda: RWKV7LM(cfg, dtype=dtype, param_dtype=param_dtype,
+                                               rngs=nnx.Rngs(0)))
+        tolerated = [f"blocks.0.att.{name}" for name in _UNUSED_IN_LAYER0]
+        _fill(model, _layout(cfg), checkpoint, f"an RWKV-7 model with {cfg}", tolerated,
+              param_dtype)
     return model
 
 
@@ -247,18 +350,19 @@ def save_rwkv7(model: RWKV7LM, path) -> None:
 
 def _write_checkpoint(params, path, suffix):
     if suffix == ".safetensors":
-        from safetensors.numpy import save_file
-        save_file(params, path)
+        from safetensors.numpy import save
+        write = lambda f: f.write(save(params))
     elif suffix == ".npz":
-        with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a name
-            np.savez(f, **params)
+        write = lambda f: np.savez(f, **params)  # a file object: a name would get ".npz" added
     else:
         try:
             import torch
         except ImportError as err:
             raise ImportError(f"writing {path} needs torch; write .safetensors or .npz "
                               f"instead") from err
-        torch.save({name: torch.from_numpy(value) for name, value in params.items()}, path)
+        write = lambda f: torch.save({name: torch.from_numpy(value)
+                                      for name, value in params.items()}, f)
+    write_atomically(path, write)
 
 
 def _rwkv6_layout(cfg: RWKV6Config, layer_id: int):
@@ -292,23 +396,29 @@ def load_rwkv6_layer(source, layer_id: int, *, dtype=jnp.float32, param_dtype=jn
     """``(RWKV6TimeMix, RWKV6ChannelMix)`` holding layer ``layer_id`` (``blocks.{i}.att.*`` and
     ``blocks.{i}.ffn.*``) of an official RWKV-6 ("x060") checkpoint (a path or a dict of
     arrays); the sizes come from the shapes. Other layers' names are ignored."""
-    params = _arrays(source)
-    prefixes = (f"blocks.{layer_id}.att.", f"blocks.{layer_id}.ffn.")
-    params = {name: value for name, value in params.items() if name.startswith(prefixes)}
+    with _open_checkpoint(source) as whole:
+        prefixes = (f"blocks.{layer_id}.att.", f"blocks.{layer_id}.ffn.")
+        checkpoint = _Checkpoint([name for name in whole.names if name.startswith(prefixes)],
+                                 whole.shape, whole.read)
+        return _rwkv6_layer(checkpoint, layer_id, prefixes, dtype, param_dtype)
+
+
+def _rwkv6_layer(checkpoint: _Checkpoint, layer_id, prefixes, dtype, param_dtype):
     att = prefixes[0]
-    n_head = _dim(params, att + "time_faaaa", 0, "the number of heads ([H, N])")
-    cfg = RWKV6Config(n_embd=_dim(params, att + "time_maa_x", -1, "n_embd"), n_layer=layer_id + 1,
-                      head_size=_dim(params, att + "time_faaaa", 1, "the head size ([H, N])"),
-                      dim_ffn=_dim(params, prefixes[1] + "key.weight", 0, "the channel-mix width"),
-                      mix_lora=_dim(params, att + "time_maa_w2", 1, "the token-shift LoRA width"),
-                      decay_lora=_dim(params, att + "time_decay_w1", 1, "the decay LoRA width"))
+    dim = functools.partial(_dim, checkpoint)
+    n_head = dim(att + "time_faaaa", 0, "the number of heads ([H, N])")
+    cfg = RWKV6Config(n_embd=dim(att + "time_maa_x", -1, "n_embd"), n_layer=layer_id + 1,
+                      head_size=dim(att + "time_faaaa", 1, "the head size ([H, N])"),
+                      dim_ffn=dim(prefixes[1] + "key.weight", 0, "the channel-mix width"),
+                      mix_lora=dim(att + "time_maa_w2", 1, "the token-shift LoRA width"),
+                      decay_lora=dim(att + "time_decay_w1", 1, "the decay LoRA width"))
     if cfg.n_head != n_head:
         raise ValueError(f"{att}time_faaaa must be [H, N] with H * N = n_embd = {cfg.n_embd}, got "
-                         f"{np.shape(params[att + 'time_faaaa'])}")
+                         f"{checkpoint.shape(att + 'time_faaaa')}")
     rngs = nnx.Rngs(0)
     layers = types.SimpleNamespace(
         att=RWKV6TimeMix(cfg, layer_id, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
         ffn=RWKV6ChannelMix(cfg, layer_id, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
-    _fill(layers, _rwkv6_layout(cfg, layer_id), params,
+    _fill(layers, _rwkv6_layout(cfg, layer_id), checkpoint,
           f"RWKV-6 layer {layer_id} with {cfg}", param_dtype=param_dtype)
     return layers.att, layers.ffn
