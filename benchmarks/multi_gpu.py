@@ -2,6 +2,7 @@
 
     python benchmarks/multi_gpu.py --devices 2 4 --backend triton   # the issue's table, 1-4 GPUs
     python benchmarks/multi_gpu.py --tiny --devices 2 4              # tiny, simulated CPU devices
+    python benchmarks/multi_gpu.py --devices 2 4 --processes 2       # each count as 2 processes
 
 For each op (``--ops``: rwkv7, rwkv6, gated_linear_attention with gk), shape ``BxTxHxK``
 (bfloat16 inputs by default; ``BxTxHxK:mode`` for one mode only: the defaults are B=8 T=4096
@@ -20,8 +21,12 @@ buffers included), so rows of one process do not mix. The check column compares 
 outputs and gradients with the 1-device row's: for every array ``x`` and three fixed Gaussian
 arrays ``P``, ``<x, P>`` has the spread of ``|x|``, so ``|<x, P> - <x1, P>| / |x1|`` estimates
 the relative difference ``|x - x1| / |x1|``; the column shows the largest estimate over the
-arrays (bf16 inputs: the backends' contract is 1e-2 each against float64). Prints a markdown
-table; ``--json`` also writes the rows.
+arrays (bf16 inputs: the backends' contract is 1e-2 each against float64). With
+``--processes P`` each count n > 1 runs as P processes of this host joined by
+``jax.distributed`` (the README's multi-host recipe on one host: n / P GPUs each, or simulated
+CPU devices with gloo collectives); a row's time is the slowest process's, its memory the
+largest of the processes' estimates (each one's in ``process_peak_bytes_per_device``). Prints
+a markdown table; ``--json`` also writes the rows.
 """
 
 from __future__ import annotations
@@ -29,10 +34,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 
 MODES = ("1 device", "data", "sequence")
 OPS = ("rwkv7", "rwkv6", "gated_linear_attention")
@@ -56,8 +65,15 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true",
                         help=f"shapes {' '.join(TINY_SHAPES)} on simulated CPU devices")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="run each device count > 1 as this many processes (jax.distributed)")
     parser.add_argument("--one", type=int, metavar="DEVICES", help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator", help=argparse.SUPPRESS)
+    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.processes < 1 or any(n % args.processes for n in args.devices if n > 1):
+        parser.error(f"--processes {args.processes} must be positive and divide every --devices "
+                     f"count above 1 (got {' '.join(map(str, args.devices))})")
     if args.shapes is None:
         args.shapes = TINY_SHAPES if args.tiny else ISSUE_SHAPES
     return args
@@ -197,17 +213,58 @@ def _rows_for(devices, args):
 
 
 def _run_group(devices, args, argv):
-    """Every row of one device count in a fresh process; returns the rows."""
+    """Every row of one device count in fresh processes: one, or --processes of them (devices /
+    processes each) joined by jax.distributed. Returns the rows."""
+    processes = 1 if devices == 1 else args.processes
+    local = devices // processes
     env = dict(os.environ)
     if args.tiny:
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                            f"{max(args.devices)}").strip()
+                            f"{local}").strip()
     command = [sys.executable, __file__, *argv, "--one", str(devices)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode:
-        error = (done.stderr.strip().splitlines() or [f"exited with code {done.returncode}"])[-1]
+    if processes > 1:
+        with socket.socket() as s:   # a free port for the coordinator
+            s.bind(("127.0.0.1", 0))
+            command += ["--coordinator", f"127.0.0.1:{s.getsockname()[1]}"]
+    gpus = env.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(devices)))).split(",")
+    logs, workers = [], []
+    for i in range(processes):
+        own = dict(env)
+        if processes > 1 and not args.tiny:   # this process's GPUs
+            own["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * local:(i + 1) * local])
+        logs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))
+        workers.append(subprocess.Popen(
+            command + (["--process-id", str(i)] if processes > 1 else []), env=own,
+            stdout=logs[-1][0], stderr=logs[-1][1], text=True))
+    # A process that fails leaves the others waiting in a collective: end them too.
+    ended = []
+    while any(w.poll() is None for w in workers):
+        if any(w.poll() for w in workers) and not ended:
+            ended = [w for w in workers if w.poll() is None]
+            for w in ended:
+                w.kill()
+        time.sleep(0.2)
+    outputs = []
+    for out, err in logs:
+        out.seek(0), err.seek(0)
+        outputs.append(([json.loads(line) for line in out if line.startswith("{")], err.read()))
+        out.close(), err.close()
+    # Row i of every process is the same row: its time is the slowest process's.
+    rows = []
+    for same in zip(*(found for found, _ in outputs)):
+        slowest = max(same, key=lambda r: r["milliseconds"])
+        peaks = [r["peak_bytes_per_device"] for r in same]
+        rows.append(dict(slowest, processes=processes, peak_bytes_per_device=max(peaks),
+                         process_peak_bytes_per_device=peaks))
+    failed = [(w.returncode, err) for w, (_, err) in zip(workers, outputs)
+              if w.returncode and w not in ended]
+    if failed:
+        code, stderr = failed[0]
+        # The exception's line (JAX appends a note after the traceback), else the last line.
+        error = ([line for line in stderr.splitlines()
+                  if re.match(r"[\w.]+(Error|Exception)\b", line)]
+                 or stderr.strip().splitlines() or [f"exited with code {code}"])[-1]
         finished = {(r["op"], r["shape"], r["mode"]) for r in rows}
         rows += [dict(op=op, shape=shape, mode=mode, devices=devices, error=error[:200])
                  for op, shape, mode in _rows_for(devices, args)
@@ -243,7 +300,9 @@ def table(rows):
         base = single.get((r["op"], r["shape"]))
         speedup = f"{base['milliseconds'] / r['milliseconds']:.2f}x" if base else ""
         check = f"{difference(r, base):.1e}" if base and r is not base else ""
-        lines.append(f"| {r['op']} | {r['shape'].split(':')[0]} | {r['mode']} | {r['devices']} "
+        devices = (f"{r['devices']} ({r['processes']} processes)" if r.get("processes", 1) > 1
+                   else r["devices"])
+        lines.append(f"| {r['op']} | {r['shape'].split(':')[0]} | {r['mode']} | {devices} "
                      f"| {r['milliseconds']:.2f} | {r['tokens_per_second']:,.0f} | {speedup} "
                      f"| {_size(r['peak_bytes_per_device'])} | {check} |")
     return "\n".join(lines)
@@ -253,8 +312,22 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.one:
-        for op, shape, mode in _rows_for(args.one, args):
-            print(json.dumps(measure(mode, shape, args, op, args.one)), flush=True)
+        if args.coordinator:   # one of --processes processes
+            import jax
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.distributed.initialize(coordinator_address=args.coordinator,
+                                       num_processes=args.processes, process_id=args.process_id)
+        try:
+            for op, shape, mode in _rows_for(args.one, args):
+                print(json.dumps(measure(mode, shape, args, op, args.one)), flush=True)
+        except Exception:
+            if not args.coordinator:
+                raise
+            # Exit now: jax.distributed's shutdown at exit would wait for the other processes,
+            # which wait for this one.
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
         return None
     rows = []
     for devices in [1] + sorted(set(args.devices) - {1}):

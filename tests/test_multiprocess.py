@@ -411,13 +411,20 @@ if __name__ != "__main__":
         np.testing.assert_allclose(got, want, rtol=1e-4)
 
     def test_multi_gpu_benchmark_as_two_processes():
-        """benchmarks/multi_gpu.py --processes 2: one row from two processes of 1 device each."""
+        """benchmarks/multi_gpu.py --processes 2: a row from two processes of 1 device each,
+        its results those of one device."""
         bench = _load_script("benchmarks/multi_gpu.py")
-        argv = ["--tiny", "--processes", "2", "--repeats", "1", "--backend", "native"]
-        row = bench._run_one("sequence", "1x16x2x8", bench.parse_args(argv), argv)
-        assert row.get("error") is None, row
-        assert row["devices"] == 2 and row["processes"] == 2 and row["milliseconds"] > 0
-        assert len(row["peak_bytes_per_device"]) == 2
+        argv = ["--tiny", "--processes", "2", "--devices", "2", "--ops", "rwkv7", "--shapes",
+                "1x16x2x8:sequence", "--repeats", "1", "--backend", "native"]
+        args = bench.parse_args(argv)
+        (single,), (row,) = bench._run_group(1, args, argv), bench._run_group(2, args, argv)
+        assert single.get("error") is None and row.get("error") is None, (single, row)
+        assert row["mode"] == "sequence" and row["devices"] == 2 and row["processes"] == 2
+        assert row["milliseconds"] > 0 and single["processes"] == 1
+        peaks = row["process_peak_bytes_per_device"]
+        assert len(peaks) == 2 and min(peaks) > 0 and row["peak_bytes_per_device"] == max(peaks)
+        assert bench.difference(row, single) <= 1e-2
+        assert "| rwkv7 | 1x16x2x8 | sequence | 2 (2 processes) |" in bench.table([single, row])
 
     def test_checkpoint_of_parameters_split_across_processes(results):
         """save_rwkv7 gathers the split parameters; process 0 writes the file."""
