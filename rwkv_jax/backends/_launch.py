@@ -79,7 +79,30 @@ def kernels(module: str):
                 "triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot "
                 "run in the interpreter on this CPU: set TRITON_INTERPRET=1 in the environment, "
                 "or use rwkv_jax's triton backend before anything imports triton")
+        _splat_masks_as_booleans()
     return loaded
+
+
+@functools.lru_cache(maxsize=None)
+def _splat_masks_as_booleans():
+    """Make Triton's interpreter broadcast a scalar boolean to a boolean block.
+
+    The interpreter tags a comparison's result with its operands' type, so a scalar comparison
+    broadcast to a block (a scalar mask of a block load or store: valid Triton, which our
+    kernels use for a chunk slot that holds no chunk) becomes an int32 block; triton 3.9's
+    loads and stores refuse that ("mask has unsupported dtype"), earlier ones took it.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+    splat = interpreter.InterpreterBuilder.create_splat
+
+    def create_splat(self, ret_ty, arg):
+        out = splat(self, ret_ty, arg)
+        if ret_ty.scalar == tl.int1 and out.data.dtype != np.bool_:
+            return interpreter.TensorHandle(out.data.astype(np.bool_), tl.int1)
+        return out
+
+    interpreter.InterpreterBuilder.create_splat = create_splat
 
 
 def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDtypeStruct],
@@ -96,12 +119,13 @@ def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDt
     """
     out_shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes)
     if _on_gpu():
-        triton_call = _import_jax_triton().triton_call
-        kernel, arguments = _triton_call_arguments(triton_call, kernel, out_shapes, max_registers)
+        jax_triton = _import_jax_triton()
+        kernel, arguments = _triton_call_arguments(jax_triton, kernel, out_shapes, max_registers)
 
         def run(*arrays):
-            return tuple(triton_call(*arrays, kernel=kernel, grid=grid, num_warps=num_warps,
-                                     num_stages=num_stages, **arguments, **constexprs))
+            return tuple(jax_triton.triton_call(*arrays, kernel=kernel, grid=grid,
+                                                num_warps=num_warps, num_stages=num_stages,
+                                                **arguments, **constexprs))
     else:
         _prepare_host_bridge()
 
@@ -111,18 +135,20 @@ def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDt
     return _one_at_a_time_under_vmap(run)(*inputs)
 
 
-def _triton_call_arguments(triton_call, kernel, out_shapes, max_registers):
+def _triton_call_arguments(jax_triton, kernel, out_shapes, max_registers):
     """The kernel to launch and the output and register-cap arguments of ``triton_call``, by its
     signature: jax-triton 0.4 takes ``out_type`` (``out_shape`` is deprecated) and compile
     options such as ``maxnreg`` in ``backend_options``; 0.3 takes ``out_shape`` and has no
-    register option, so a capped launch runs a copy of the kernel whose compiles are capped."""
-    parameters = inspect.signature(triton_call).parameters
+    register option (it would take ``backend_options`` for a kernel argument), so a capped
+    launch runs a copy of the kernel whose compiles are capped."""
+    parameters = inspect.signature(jax_triton.triton_call).parameters
     arguments = {"out_type" if "out_type" in parameters else "out_shape": out_shapes}
     if max_registers is None:
         pass
     elif "backend_options" in parameters:
         arguments["backend_options"] = {"maxnreg": max_registers}
     else:
+        _cap_registers_in_jax_triton(jax_triton.triton_lib)
         kernel = _register_capped(kernel, max_registers)
     return kernel, arguments
 
@@ -138,7 +164,6 @@ _REGISTER_CAPS = {}
 def _register_capped(kernel, max_registers: int):
     """A copy of the ``@triton.jit`` kernel that compiles under jax-triton 0.3 with ``maxnreg``."""
     import triton
-    _cap_registers_in_jax_triton(_import_jax_triton().triton_lib)
     copy = triton.JITFunction(kernel.fn)
     _REGISTER_CAPS[copy] = max_registers
     return copy
