@@ -143,11 +143,9 @@ def _triton_call_arguments(jax_triton, kernel, out_shapes, max_registers):
     launch runs a copy of the kernel whose compiles are capped."""
     parameters = inspect.signature(jax_triton.triton_call).parameters
     arguments = {"out_type" if "out_type" in parameters else "out_shape": out_shapes}
-    if max_registers is None:
-        pass
-    elif "backend_options" in parameters:
+    if max_registers is not None and "backend_options" in parameters:
         arguments["backend_options"] = {"maxnreg": max_registers}
-    else:
+    elif max_registers is not None:
         _cap_registers_in_jax_triton(jax_triton.triton_lib)
         kernel = _register_capped(kernel, max_registers)
     return kernel, arguments
