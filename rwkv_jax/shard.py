@@ -494,5 +494,29 @@ def _run(base, mesh, axes, options, arrays):
             arrays = {n: jax.reshard(x, PartitionSpec(*(a if a in explicit else None
                                                         for a in in_specs[n])))
                       for n, x in arrays.items()}
-        return jax.shard_map(per_device, mesh=run_mesh, in_specs=(in_specs,),
-                             out_specs=out_specs, check_vma=False)(arrays)
+        outputs = jax.shard_map(per_device, mesh=run_mesh, in_specs=(in_specs,),
+                                out_specs=out_specs, check_vma=False)(arrays)
+        if explicit:
+            outputs = jax.tree.map(lambda o: _cotangent_sharded_as(jax.typeof(o).sharding, o),
+                                   outputs)
+        return outputs
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cotangent_sharded_as(sharding, output):
+    """``output``, whose cotangent is resharded to ``sharding`` (the output's own) on the way
+    back. jax 0.12 hands a cotangent of another sharding (``jnp.ones_like`` of an explicitly
+    sharded output is no longer sharded like it) to the transposed shard_map as it is, which
+    then fails to lower; jax 0.10 resharded it."""
+    return output
+
+
+def _cotangent_sharded_as_forward(sharding, output):
+    return output, None
+
+
+def _cotangent_sharded_as_backward(sharding, _, cotangent):
+    return (jax.reshard(cotangent, sharding),)
+
+
+_cotangent_sharded_as.defvjp(_cotangent_sharded_as_forward, _cotangent_sharded_as_backward)

@@ -334,7 +334,7 @@ def test_head_size_above_limit_is_refused():
 
 def test_platform_without_triton_gets_a_reason():
     assert "NVIDIA" in _launch.unavailable_reason("tpu")
-    assert _launch.unavailable_reason("cpu") is None  # triton and torch are test requirements
+    assert _launch.unavailable_reason("cpu") is None  # triton is a test requirement
 
 
 # The op at 64-token chunks (KernelConfig.chunk = 64): forward, final state and every gradient

@@ -1,11 +1,11 @@
 """The one way rwkv_jax launches a Triton kernel from JAX.
 
-On an NVIDIA GPU the kernel goes through ``jax_triton.triton_call``. Elsewhere (CPU) the same
-``@triton.jit`` kernel runs under Triton's interpreter inside a ``jax.pure_callback``: numpy
-arrays become torch tensors without a copy (bfloat16 travels as uint16 and is viewed back, since
-numpy has no bfloat16 that torch understands), the kernel runs with the same grid and argument
-order, and its outputs come back as numpy arrays. Either way the kernel's signature is: every
-input pointer, then every output pointer, then the ``constexprs`` by name.
+On an NVIDIA GPU the kernel goes through ``jax_triton.triton_call`` (jax-triton 0.3 or 0.4,
+whose arguments differ: :func:`_triton_call_arguments`). Elsewhere (CPU) the same
+``@triton.jit`` kernel runs under Triton's interpreter inside a ``jax.pure_callback``, on the
+callback's numpy arrays themselves (:class:`_HostArray`; no torch), with the same grid and
+argument order, and its outputs come back as numpy arrays. Either way the kernel's signature is:
+every input pointer, then every output pointer, then the ``constexprs`` by name.
 
 Neither path has a batching rule, so under ``jax.vmap`` a launch runs once per batch element
 (``lax.map``); the backends fold real batch dimensions into their grids themselves.
@@ -20,9 +20,9 @@ import atexit
 import functools
 import importlib
 import importlib.util
+import inspect
 import os
 import threading
-import warnings
 from typing import Optional, Sequence
 
 import jax
@@ -39,14 +39,13 @@ def unavailable_reason(platform: str) -> Optional[str]:
             _import_jax_triton()
         except Exception as err:
             return (f"jax_triton does not import ({type(err).__name__}: {err}); "
-                    f"install jax-triton==0.3.1 next to a CUDA jaxlib")
+                    f"install rwkv_jax[gpu] (BUILD.md: jax-triton next to a CUDA jaxlib)")
         return None
     if platform == "cpu":
         # Found, not imported: triton must first be imported with TRITON_INTERPRET=1 set.
-        missing = [name for name in ("triton", "torch") if importlib.util.find_spec(name) is None]
-        if missing:
-            return ("on CPU the Triton kernels run in Triton's interpreter, which needs "
-                    + " and ".join(missing) + " (pip install triton torch)")
+        if importlib.util.find_spec("triton") is None:
+            return ("on CPU the Triton kernels run in Triton's interpreter, which needs triton "
+                    "(pip install triton)")
         return None
     return f"Triton kernels run on NVIDIA GPUs (or interpreted on CPU), not on {platform!r}"
 
@@ -80,7 +79,30 @@ def kernels(module: str):
                 "triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot "
                 "run in the interpreter on this CPU: set TRITON_INTERPRET=1 in the environment, "
                 "or use rwkv_jax's triton backend before anything imports triton")
+        _splat_masks_as_booleans()
     return loaded
+
+
+@functools.lru_cache(maxsize=None)
+def _splat_masks_as_booleans():
+    """Make Triton's interpreter broadcast a scalar boolean to a boolean block.
+
+    The interpreter tags a comparison's result with its operands' type, so a scalar comparison
+    broadcast to a block (a scalar mask of a block load or store: valid Triton, which our
+    kernels use for a chunk slot that holds no chunk) becomes an int32 block; triton 3.9's
+    loads and stores refuse that ("mask has unsupported dtype"), earlier ones took it.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+    splat = interpreter.InterpreterBuilder.create_splat
+
+    def create_splat(self, ret_ty, arg):
+        out = splat(self, ret_ty, arg)
+        if ret_ty.scalar == tl.int1 and out.data.dtype != np.bool_:
+            return interpreter.TensorHandle(out.data.astype(np.bool_), tl.int1)
+        return out
+
+    interpreter.InterpreterBuilder.create_splat = create_splat
 
 
 def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDtypeStruct],
@@ -98,13 +120,12 @@ def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDt
     out_shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes)
     if _on_gpu():
         jax_triton = _import_jax_triton()
-        if max_registers is not None:
-            kernel = _register_capped(kernel, max_registers)
+        kernel, arguments = _triton_call_arguments(jax_triton, kernel, out_shapes, max_registers)
 
         def run(*arrays):
-            return tuple(jax_triton.triton_call(
-                *arrays, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps,
-                num_stages=num_stages, **constexprs))
+            return tuple(jax_triton.triton_call(*arrays, kernel=kernel, grid=grid,
+                                                num_warps=num_warps, num_stages=num_stages,
+                                                **arguments, **constexprs))
     else:
         _prepare_host_bridge()
 
@@ -116,7 +137,23 @@ def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDt
     return _one_at_a_time_under_vmap(run)(*inputs)
 
 
-# jax-triton 0.3.1 passes no register cap to Triton (its compile options are num_warps,
+def _triton_call_arguments(jax_triton, kernel, out_shapes, max_registers):
+    """The kernel to launch and the output and register-cap arguments of ``triton_call``, by its
+    signature: jax-triton 0.4 takes ``out_type`` (``out_shape`` is deprecated) and compile
+    options such as ``maxnreg`` in ``backend_options``; 0.3 takes ``out_shape`` and has no
+    register option (it would take ``backend_options`` for a kernel argument), so a capped
+    launch runs a copy of the kernel whose compiles are capped."""
+    parameters = inspect.signature(jax_triton.triton_call).parameters
+    arguments = {"out_type" if "out_type" in parameters else "out_shape": out_shapes}
+    if max_registers is not None and "backend_options" in parameters:
+        arguments["backend_options"] = {"maxnreg": max_registers}
+    elif max_registers is not None:
+        _cap_registers_in_jax_triton(jax_triton.triton_lib)
+        kernel = _register_capped(kernel, max_registers)
+    return kernel, arguments
+
+
+# jax-triton 0.3 passes no register cap to Triton (its compile options are num_warps,
 # num_stages, num_ctas and enable_fp_fusion), so a capped launch runs a copy of the kernel (its
 # own entry in jax-triton's kernel cache, which is keyed by the kernel), and the cap of that
 # copy is added to the options jax-triton has Triton's CUDA backend parse.
@@ -125,9 +162,8 @@ _REGISTER_CAPS = {}
 
 @functools.lru_cache(maxsize=None)
 def _register_capped(kernel, max_registers: int):
-    """A copy of the ``@triton.jit`` kernel that compiles under jax-triton with ``maxnreg``."""
+    """A copy of the ``@triton.jit`` kernel that compiles under jax-triton 0.3 with ``maxnreg``."""
     import triton
-    _cap_registers_in_jax_triton()
     copy = triton.JITFunction(kernel.fn)
     _REGISTER_CAPS[copy] = max_registers
     return copy
@@ -145,8 +181,9 @@ def capped_backend(make_backend, max_registers: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _cap_registers_in_jax_triton():
-    from jax_triton import triton_lib
+def _cap_registers_in_jax_triton(triton_lib):
+    """Have jax-triton 0.3's kernel compiles (``triton_lib.get_or_create_triton_kernel``) cap
+    the registers of the kernels in ``_REGISTER_CAPS``."""
     compile_kernel = triton_lib.get_or_create_triton_kernel
 
     def get_or_create_triton_kernel(make_backend, platform, fn, *args, **kwargs):
@@ -181,48 +218,71 @@ def _one_at_a_time_under_vmap(run):
 # The CPU bridge.
 # ----------------------------------------------------------------------------------------------
 
-_BFLOAT16 = np.dtype(jax.numpy.bfloat16)
-
-
 @functools.lru_cache(maxsize=None)
 def _prepare_host_bridge():
-    """Once, when a launch is traced (never inside a callback): import torch, and make the
-    interpreter exit only after the callbacks it dispatched have run.
+    """Once, when a launch is traced (never inside a callback): make the interpreter exit only
+    after the callbacks it dispatched have run.
 
     XLA runs the callbacks asynchronously, so a script that ends right after a call exits while
-    they still run. A callback that first imported torch then would fail ("can't register atexit
-    after shutdown"), and jax's own exit handlers clear the backends before they wait for running
+    they still run, and jax's own exit handlers clear the backends before they wait for running
     computations, so the process crashed. Exit handlers run last-registered first: this one,
     registered after jax's, waits for every dispatched computation while Python is still whole.
     """
-    import torch  # noqa: F401  (imported here so that no callback imports anything)
     atexit.register(jax.effects_barrier)
 
 
-def _to_torch(x: np.ndarray):
-    import torch
-    x = np.ascontiguousarray(x)
-    with warnings.catch_warnings():  # inputs are read-only buffers; the kernel only reads them
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        if x.dtype == _BFLOAT16:
-            return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
-        return torch.from_numpy(x)
+class _HostArray:
+    """A C-contiguous numpy array as Triton's interpreter takes a kernel's pointer argument.
+
+    The interpreter is written for torch tensors: it reads an argument's ``data_ptr()`` and
+    ``dtype`` (whose name it maps to a Triton type: numpy's ``float32``, ml_dtypes'
+    ``bfloat16``, ...), and around the grid it copies the argument's storage to the host
+    (``untyped_storage().cpu()``, ``new_empty(0, device='cpu').set_(storage, offset, size,
+    stride)``) and back (``copy_``). The array already lies on the host, so its host copy is
+    itself, and the kernel reads and writes it in place.
+    """
+
+    def __init__(self, array: np.ndarray):
+        if not array.flags.c_contiguous:
+            raise ValueError("the interpreter bridge takes C-contiguous arrays")
+        self.array = array
+        self.dtype = array.dtype
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def untyped_storage(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def new_empty(self, *size, device=None):
+        return self
+
+    def set_(self, storage, offset, size, stride):
+        if storage is not self or offset != 0 or tuple(size) != self.array.shape:
+            raise NotImplementedError("the interpreter asked for another view of a host array")
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self) -> tuple:
+        return self.array.shape
+
+    def stride(self) -> tuple:
+        return tuple(step // self.array.itemsize for step in self.array.strides)
+
+    def copy_(self, source):
+        if source is not self:
+            raise NotImplementedError("the interpreter copied a host array from elsewhere")
+        return self
 
 
-def _empty_torch(shape, dtype):
-    import torch
-    dtype = np.dtype(dtype)
-    if dtype == _BFLOAT16:
-        return torch.full(shape, float("nan"), dtype=torch.bfloat16)
-    tensor = torch.from_numpy(np.empty(shape, dtype))
-    return tensor.fill_(float("nan") if dtype.kind == "f" else -1)
-
-
-def _to_numpy(tensor, dtype) -> np.ndarray:
-    import torch
-    if np.dtype(dtype) == _BFLOAT16:
-        return tensor.view(torch.int16).numpy().view(_BFLOAT16)
-    return tensor.numpy()
+def _unwritten(shape, dtype) -> np.ndarray:
+    """A fresh output: NaN (integers -1), so an element the kernel forgets shows up."""
+    return np.full(shape, np.nan if jax.numpy.issubdtype(dtype, jax.numpy.floating) else -1, dtype)
 
 
 # jax.pure_callback hands its host function each operand after a device_put to the CPU device,
@@ -260,8 +320,8 @@ _INTERPRETER_LOCK = threading.Lock()
 
 
 def _interpret(kernel, grid, inputs, out_shapes, constexprs):
-    tensors = [_to_torch(np.asarray(x)) for x in inputs]
-    outputs = [_empty_torch(s.shape, s.dtype) for s in out_shapes]
+    arrays = [_HostArray(np.ascontiguousarray(x)) for x in inputs]
+    outputs = [_HostArray(_unwritten(s.shape, s.dtype)) for s in out_shapes]
     with _INTERPRETER_LOCK:
-        kernel[grid](*tensors, *outputs, **constexprs)
-    return tuple(_to_numpy(t, s.dtype) for t, s in zip(outputs, out_shapes))
+        kernel[grid](*arrays, *outputs, **constexprs)
+    return tuple(out.array for out in outputs)
