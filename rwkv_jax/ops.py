@@ -263,7 +263,7 @@ def _step(op, named, extra, state, scale, state_indices, backend):
         state_indices = checks.indices("state_indices", state_indices, slots, distinct=True)
     state_indices, rows_ok = _guard_rows(state_indices, slots)
     _, fn = resolve(op, backend, dtype=dtype)
-    o, state = fn(**arrays, state=state, scale=scale, state_indices=state_indices)
+    o, state = fn(**arrays, state=jnp.asarray(state), scale=scale, state_indices=state_indices)
     return _nan_unless(rows_ok, o.astype(dtype)), state  # the pool keeps its dtype
 
 

@@ -244,3 +244,14 @@ def test_empty_key_or_value_axis_is_a_value_error(backend, op, axis):
     with pytest.raises(ValueError, match=rf"^{first if axis == 'K' else 'v'} must have a "
                                          rf".*size {axis} >= 1 .*got {axis}=0"):
         call_op(op, x, {}, backend)
+
+
+@pytest.mark.parametrize("op", ["rwkv7_step", "rwkv6_step"])
+def test_step_takes_a_numpy_pool(backend, op):
+    """A pool given as a numpy array is advanced like the same pool as a jax array."""
+    call = {"rwkv7_step": call_rwkv7_step, "rwkv6_step": call_rwkv6_step}[op]
+    pool = np.asarray(_normal(4, H, K, K))
+    o_np, pool_np = call(state=pool, options=dict(backend=backend))
+    o, new_pool = call(state=jnp.asarray(pool), options=dict(backend=backend))
+    np.testing.assert_array_equal(np.asarray(o_np), np.asarray(o))
+    np.testing.assert_array_equal(np.asarray(pool_np), np.asarray(new_pool))
