@@ -4,7 +4,8 @@ jax_triton does not import without a CUDA jaxlib (0.3) and launches nothing with
 these tests put a stand-in module in its place whose ``triton_call`` has the signature of each
 release, and check what the launch passes it: 0.3 takes ``out_shape`` and has no register
 option (a capped launch runs a copy of the kernel whose compiles are capped); 0.4 takes
-``out_type`` (``out_shape`` deprecated) and ``maxnreg`` in ``backend_options``.
+``out_type`` (``out_shape`` deprecated) and ``maxnreg`` and ``enable_fp_fusion`` in
+``backend_options``.
 """
 
 import inspect
@@ -89,7 +90,7 @@ def _launch_on_gpu(monkeypatch, jax_triton, **options):
 
 
 @pytest.mark.parametrize("max_registers", [None, 168])
-def test_jax_triton_0_4_gets_out_type_and_the_register_cap_as_a_backend_option(
+def test_jax_triton_0_4_gets_out_type_and_compile_options_as_backend_options(
         monkeypatch, max_registers):
     jax_triton, compiled = _jax_triton(_triton_call_0_4)
     call = _launch_on_gpu(monkeypatch, jax_triton, max_registers=max_registers)
@@ -97,10 +98,9 @@ def test_jax_triton_0_4_gets_out_type_and_the_register_cap_as_a_backend_option(
     assert call["out_type"] == (jax.ShapeDtypeStruct((8,), jnp.float32),)
     # Nothing deprecated: out_shape, input_output_aliases and zeroed_outputs stay unset.
     assert not {"out_shape", "input_output_aliases", "zeroed_outputs"} & set(call)
-    if max_registers is None:
-        assert "backend_options" not in call
-    else:
-        assert call["backend_options"] == {"maxnreg": 168}
+    # Fused multiply-adds asked for, as 0.3 does (triton 3.10 turns its default off).
+    cap = {} if max_registers is None else {"maxnreg": 168}
+    assert call["backend_options"] == {"enable_fp_fusion": True, **cap}
     assert compiled == []  # jax-triton's own compile path, untouched
 
 

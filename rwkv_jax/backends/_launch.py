@@ -138,19 +138,21 @@ def launch(kernel, inputs: Sequence[jax.Array], out_shapes: Sequence[jax.ShapeDt
 
 
 def _triton_call_arguments(jax_triton, kernel, out_shapes, max_registers):
-    """The kernel to launch and the output and register-cap arguments of ``triton_call``, by its
-    signature: jax-triton 0.4 takes ``out_type`` (``out_shape`` is deprecated) and compile
-    options such as ``maxnreg`` in ``backend_options``; 0.3 takes ``out_shape`` and has no
-    register option (it would take ``backend_options`` for a kernel argument), so a capped
-    launch runs a copy of the kernel whose compiles are capped."""
-    parameters = inspect.signature(jax_triton.triton_call).parameters
-    arguments = {"out_type" if "out_type" in parameters else "out_shape": out_shapes}
-    if max_registers is not None and "backend_options" in parameters:
-        arguments["backend_options"] = {"maxnreg": max_registers}
-    elif max_registers is not None:
+    """The kernel to launch and the output and compile-option arguments of ``triton_call``, by
+    its signature. jax-triton 0.4 takes ``out_type`` (``out_shape`` is deprecated) and compile
+    options in ``backend_options``: ``maxnreg`` for a register cap, and fused multiply-adds
+    asked for as jax-triton 0.3 asks for them (Triton's default for them is changing). 0.3 takes
+    ``out_shape`` and has no register option (it would take ``backend_options`` for a kernel
+    argument), so a capped launch runs a copy of the kernel whose compiles are capped."""
+    if "backend_options" in inspect.signature(jax_triton.triton_call).parameters:
+        options = {"enable_fp_fusion": True}
+        if max_registers is not None:
+            options["maxnreg"] = max_registers
+        return kernel, {"out_type": out_shapes, "backend_options": options}
+    if max_registers is not None:
         _cap_registers_in_jax_triton(jax_triton.triton_lib)
         kernel = _register_capped(kernel, max_registers)
-    return kernel, arguments
+    return kernel, {"out_shape": out_shapes}
 
 
 # jax-triton 0.3 passes no register cap to Triton (its compile options are num_warps,
