@@ -51,32 +51,8 @@ from flax import nnx  # noqa: E402
 from _log import log  # noqa: E402
 from rwkv_jax import backends, rwkv7_step  # noqa: E402
 from rwkv_jax import nn as rnn  # noqa: E402
+from rwkv_jax.nn._bench import decode_rate, random_model  # noqa: E402
 from rwkv_jax.nn.common import lora  # noqa: E402
-
-SIZES = {"0.1b": dict(n_layer=12, n_embd=768), "1.5b": dict(n_layer=24, n_embd=2048),
-         "tiny": dict(n_layer=2, n_embd=128)}
-
-
-def random_model(size, vocab, seed=0):
-    """An RWKV7LM with bfloat16 weights and compute whose every matrix is random (the fresh
-    init leaves the output projections and LoRA down-projections at zero, which would make the
-    layers trivial)."""
-    config = rnn.RWKV7Config(vocab_size=vocab, head_size=64, **SIZES[size])
-    model = rnn.RWKV7LM(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                        rngs=nnx.Rngs(seed))
-    state = nnx.state(model, nnx.Param)
-    keys = iter(jax.random.split(jax.random.key(seed + 1), len(jax.tree.leaves(state))))
-
-    def fill(x):
-        key = next(keys)
-        if x.ndim != 2:
-            return x
-        scale = 0.5 / np.sqrt(x.shape[0])
-        return (scale * jax.random.normal(key, x.shape, jnp.float32)).astype(x.dtype)
-
-    nnx.update(model, jax.tree.map(fill, state))
-    return model
-
 
 def timed(fn, *args, reps=5):
     """Median seconds of ``fn(*args)`` (waited for), after one untimed call."""
@@ -87,19 +63,6 @@ def timed(fn, *args, reps=5):
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def decode_rate(model, prompts, new_tokens, backend, steps, sampling, early_exit=True):
-    engine = rnn.Generator(model, max_batch=len(prompts), steps_per_call=steps, backend=backend,
-                           early_exit=early_exit)
-    run = lambda: engine.generate(prompts, max_new_tokens=new_tokens, sampling=sampling)
-    run()  # compiles
-    result = run()
-    generated = sum(map(len, result.tokens))
-    return dict(tokens_per_s=generated / result.decode_seconds,
-                ms_per_step=1e3 * result.decode_seconds / max(1, new_tokens),
-                decode_calls=result.decode_calls, steps_per_call=steps,
-                generated=generated), result
 
 
 def prefill_rate(model, prompt, backend):
@@ -280,8 +243,8 @@ def main(argv=None):
             for steps, early_exit in forms:
                 label = "single stream" + ("" if early_exit else ", fixed-length loop") + (
                     "" if steps == args.steps_per_call else f", {steps} step per call")
-                row[label], result = decode_rate(model, [prompt], new_tokens, backend, steps,
-                                                 greedy, early_exit)
+                row[label], _ = decode_rate(model, [prompt], new_tokens, backend, steps, greedy,
+                                            early_exit=early_exit)
                 log(f"{backend:7s} {label:40s} {row[label]['tokens_per_s']:10.1f} tokens/s "
                     f"({row[label]['ms_per_step']:.3f} ms/step, {row[label]['decode_calls']} "
                     f"calls of <= {steps} steps)")

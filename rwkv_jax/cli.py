@@ -5,7 +5,8 @@
     rwkv-jax info     versions, devices, backends available here (or why not), default per op
     rwkv-jax check    every op x available backend against a float64 reference, with pass/fail
     rwkv-jax bench    every op x backend, forward and forward+backward, timings and memory
-                      (beside fla's kernels on a GPU where fla is installed); --plot draws them
+                      (beside fla's kernels on a GPU where fla is installed); --plot draws them;
+                      on a GPU also a generation row (rwkv_jax.nn.Generator, --op generate)
 
 Exit codes: 0 all good, 1 a check failed or a benchmark case errored, 2 bad command line.
 """
@@ -47,6 +48,16 @@ STEP_LENGTH = 3
 # Backends that run on a platform only as a correctness path: checked, but not timed unless
 # named with --backend (their times say nothing about speed).
 CORRECTNESS_ONLY = {"cpu": {"triton": "Triton's interpreter"}}
+
+# bench's generation row (--op generate, by default on a GPU where flax is installed): a random
+# RWKV7LM (bfloat16 weights and compute) decoding greedily, one lane per request, each request
+# a PROMPT_TOKENS-token prompt; per platform: (model size, vocabulary, new tokens per request,
+# lane counts). Its step kernels are those of rwkv7_step.
+GENERATE = "generate"
+GENERATE_STEP_OP = "rwkv7_step"
+GENERATE_SIZES = {"cpu": ("tiny", 512, 8, (1, 4)), "gpu": ("0.1b", 65536, 128, (1, 32))}
+PROMPT_TOKENS = 16
+STEPS_PER_CALL = 64
 
 # bench --plot without sizes: a sweep over the sequence length at one (B, H, K).
 PLOT_SWEEP = {"cpu": ((1, 4, 64), (64, 256, 1024)), "gpu": ((8, 32, 64), (512, 1024, 2048, 4096))}
@@ -169,7 +180,25 @@ def cmd_info(args) -> int:
 # Selection of ops and backends shared by check and bench
 
 def _selected_ops(args) -> list[str]:
-    return args.op or list(backends.OPS)
+    """The ops named with --op, else every op (and bench's generation row on a GPU where flax
+    is installed: on a CPU it runs only when named, so that the default stays quick)."""
+    if args.op:
+        return args.op
+    generation = (args.command == "bench" and backends.platform() != "cpu"
+                  and _flax_missing() is None)
+    return list(backends.OPS) + ([GENERATE] if generation else [])
+
+
+def _flax_missing() -> str | None:
+    """Why the generation row cannot run here (None when it can)."""
+    if importlib.util.find_spec("flax") is None:
+        return 'the generation row needs flax: pip install "rwkv_jax[flax]"'
+    return None
+
+
+def _kernel_op(op: str) -> str:
+    """The op whose backends run ``op`` (the generation row runs on the step kernels)."""
+    return GENERATE_STEP_OP if op == GENERATE else op
 
 
 def _selected_backends(args, op: str, *, timing: bool = False) -> list[str]:
@@ -178,7 +207,7 @@ def _selected_backends(args, op: str, *, timing: bool = False) -> list[str]:
     rows = {b["name"]: b for b in backends.describe()}
     names = args.backend or [name for name, row in rows.items() if row["available"]
                              and not (timing and name in _correctness_only())]
-    return [name for name in names if op in rows[name]["ops"]]
+    return [name for name in names if _kernel_op(op) in rows[name]["ops"]]
 
 
 def _correctness_only() -> dict:
@@ -193,9 +222,12 @@ def _check_requested_backends(args) -> str | None:
         if not rows[name]["available"]:
             return f"backend {name!r} cannot run here: {rows[name]['reason']}"
     for op in args.op or []:
-        if args.backend and not any(op in rows[name]["ops"] for name in args.backend):
+        if op == GENERATE and _flax_missing():
+            return _flax_missing()
+        if args.backend and not any(_kernel_op(op) in rows[name]["ops"] for name in args.backend):
             named = ", ".join(repr(name) for name in dict.fromkeys(args.backend))
-            have = [name for name, row in rows.items() if row["available"] and op in row["ops"]]
+            have = [name for name, row in rows.items()
+                    if row["available"] and _kernel_op(op) in row["ops"]]
             return (f"{'backend' if len(set(args.backend)) == 1 else 'backends'} {named} "
                     f"{'does' if len(set(args.backend)) == 1 else 'do'} not implement {op}; "
                     f"backends that do here: {', '.join(have) or 'none'}")
@@ -360,13 +392,56 @@ def bench_fla(case: Case, dtype_name: str, *, repeats: int, max_seconds: float) 
 
 def _bench_jobs(ops, backend_names, sizes, dtypes) -> list[tuple]:
     """(op, backend, (B, T, H, K), dtype) per case; step ops decode one token (T=1), so they
-    run once per (B, H, K) whatever the lengths asked for."""
+    run once per (B, H, K) whatever the lengths asked for. The generation row comes last, at
+    its own size: (lanes, new tokens per lane, the model's heads and head size), bfloat16."""
     jobs = []
     for batch, length, heads, head_size in sizes:
         for op in ops:
+            if op == GENERATE:
+                continue
             size = (batch, 1 if op in STEP_OPS else length, heads, head_size)
             jobs += [(op, name, size, dt) for name in backend_names(op) for dt in dtypes]
+    if GENERATE in ops:
+        from .nn._bench import HEAD_SIZE, SIZES
+        model, _, new_tokens, lane_counts = GENERATE_SIZES[_platform_kind()]
+        heads = SIZES[model]["n_embd"] // HEAD_SIZE
+        jobs += [(GENERATE, name, (lanes, new_tokens, heads, HEAD_SIZE), "bfloat16")
+                 for name in backend_names(GENERATE) for lanes in lane_counts]
     return list(dict.fromkeys(jobs))
+
+
+def _platform_kind() -> str:
+    return "cpu" if backends.platform() == "cpu" else "gpu"
+
+
+@functools.lru_cache(maxsize=1)
+def _generation_model(size: str, vocab: int):
+    from .nn._bench import random_model
+    return random_model(size, vocab)
+
+
+def bench_generation(backend: str, shape: tuple, *, repeats: int, max_seconds: float) -> dict:
+    """The generation row: ``rwkv_jax.nn.Generator`` with ``B`` lanes on backend ``backend``'s
+    step kernels, each lane decoding ``T`` tokens greedily after a PROMPT_TOKENS-token prompt;
+    ms per decode step and new tokens/s of all lanes."""
+    from .nn import Sampling
+    from .nn._bench import SIZES, decode_rate
+    lanes, new_tokens, heads, head_size = shape
+    model_size, vocab = GENERATE_SIZES[_platform_kind()][:2]
+    row = dict(op=GENERATE, backend=backend, dtype="bfloat16", B=lanes, T=new_tokens, H=heads,
+               K=head_size, **{"pass": "decode"}, model=model_size, vocab=vocab,
+               prompt_tokens=PROMPT_TOKENS, **SIZES[model_size])
+    try:
+        model = _generation_model(model_size, vocab)
+        prompts = np.random.default_rng(0).integers(1, vocab, (lanes, PROMPT_TOKENS)).tolist()
+        rate, _ = decode_rate(model, prompts, new_tokens, backend, STEPS_PER_CALL,
+                              Sampling(temperature=0), repeats=repeats, max_seconds=max_seconds)
+    except Exception as err:  # e.g. out of memory: reported in the row
+        return dict(row, error=_error_text(err))
+    return dict(row, median_ms=rate["ms_per_step"], min_ms=rate["min_ms_per_step"],
+                repeats=rate["repeats"], tokens_per_s=rate["tokens_per_s"], peak_bytes=None,
+                generated=rate["generated"], steps_per_call=rate["steps_per_call"],
+                decode_calls=rate["decode_calls"])
 
 
 def run_bench(ops, backend_names, sizes, dtypes, *, repeats=20, warmup=2, max_seconds=10.0,
@@ -404,6 +479,9 @@ def _bench_job(op, name, size, dtype_name, results: list[dict], *, repeats, warm
                max_seconds) -> None:
     """Time ``op`` on backend ``name`` (or fla's kernel) at one size and dtype; append its rows
     to ``results``."""
+    if op == GENERATE:
+        results.append(bench_generation(name, size, repeats=repeats, max_seconds=max_seconds))
+        return
     case = make_case(op, *size)
     if name == "fla":
         rows = bench_fla(case, dtype_name, repeats=repeats, max_seconds=max_seconds)
@@ -434,6 +512,13 @@ def print_bench(results: list[dict]) -> None:
           "(arguments + outputs + temporaries); step ops decode one token (T=1)")
     print(format_table(["op", "backend", "dtype", "B,T,H,K", "pass", "ms", "tokens/s", "peak MB",
                         "n"], table))
+    generation = next((r for r in results if r["op"] == GENERATE), None)
+    if generation:
+        print(f"generate: rwkv_jax.nn.Generator on a random RWKV7LM {generation['model']} "
+              f"(L={generation['n_layer']}, C={generation['n_embd']}, vocab "
+              f"{generation['vocab']}, bfloat16 weights), greedy after "
+              f"{generation['prompt_tokens']}-token prompts: B lanes decode T tokens each; "
+              f"ms per decode step, tokens/s of all lanes (prefill not included)")
 
 
 def fastest(results: list[dict]) -> list[dict]:
@@ -541,7 +626,7 @@ def plot_bench(results: list[dict], path: str, *, device: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    timed = _timed(results)
+    timed = [r for r in _timed(results) if r["op"] != GENERATE]  # not a kernel call
     sequence_ops = [op for op in dict.fromkeys(r["op"] for r in timed) if op not in STEP_OPS]
     step_ops = [op for op in dict.fromkeys(r["op"] for r in timed) if op in STEP_OPS]
     dtypes = set(r["dtype"] for r in timed)
@@ -830,9 +915,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="{info,check,bench}")
     commands.add_parser("info", help="versions, devices, backends available here and why not")
 
-    def selection(p, *, backend_default, dtype_default, size_help, quick_help):
-        p.add_argument("--op", type=_names(lambda: backends.OPS), action="extend",
-                       help="ops to run, comma-separated (default: all)")
+    def selection(p, *, ops, op_help, backend_default, dtype_default, size_help, quick_help):
+        p.add_argument("--op", type=_names(ops), action="extend", help=op_help)
         p.add_argument("--backend", type=_names(backends.names), action="extend",
                        help=f"backends to run, comma-separated (default: {backend_default})")
         p.add_argument("--dtype", type=_names(lambda: tuple(DTYPES)), action="extend",
@@ -842,14 +926,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     size = lambda v: ",".join(map(str, v))
     check = commands.add_parser("check", help="every op x backend against a float64 reference")
-    selection(check, backend_default="all available here", dtype_default="float32,bfloat16",
+    selection(check, ops=lambda: backends.OPS, op_help="ops to run, comma-separated (default: all)",
+              backend_default="all available here", dtype_default="float32,bfloat16",
               size_help=f"problem size (K == V; default {size(CHECK_SIZE)}); step ops run "
                         f"T={STEP_LENGTH} tokens; if given twice, the last counts",
               quick_help=f"the smaller size {size(QUICK_CHECK_SIZE)}")
     check.add_argument("--seed", type=int, default=0, help="random inputs' seed")
 
     bench = commands.add_parser("bench", help="time every op x backend, forward and forward+backward")
-    selection(bench, backend_default="all available here that are performance paths; on a CPU "
+    selection(bench, ops=lambda: backends.OPS + (GENERATE,),
+              op_help=f"ops to run, comma-separated (default: all; on a GPU where flax is "
+                      f"installed also {GENERATE}); {GENERATE}: rwkv_jax.nn.Generator decoding "
+                      f"greedily on a random bfloat16 RWKV7LM, on the {GENERATE_STEP_OP} "
+                      f"backends: the 0.1B shape (L=12, C=768, vocab 65536) with "
+                      f"{' and '.join(map(str, GENERATE_SIZES['gpu'][3]))} lanes on a GPU, a "
+                      f"tiny one on a CPU (--size and --dtype do not apply)",
+              backend_default="all available here that are performance paths; on a CPU "
               "not triton, which runs in Triton's interpreter there",
               dtype_default="float32 on a CPU, bfloat16 on a GPU",
               size_help="problem size (K == V), repeatable; step ops always decode T=1 (default: "

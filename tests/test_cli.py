@@ -181,6 +181,57 @@ def test_sigterm_stops_the_bench_like_ctrl_c(tmp_path):
     assert json.loads(out_json.read_text())["results"] == []
 
 
+def test_bench_generation_row_on_request(tmp_path, capsys):
+    """--op generate on a CPU: the Generator's decode speed on the tiny random model, one row
+    per lane count, in the table and the JSON; plots and the verdict leave it out."""
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    status = cli.main(["bench", "--op", "generate,rwkv7_step", "--size", TINY, "--backend",
+                       "native", "--repeats", "3", "--json", str(out_json),
+                       "--plot", str(out_png)])
+    assert status == 0
+    model, vocab, new_tokens, lane_counts = cli.GENERATE_SIZES["cpu"]
+    rows = [r for r in json.loads(out_json.read_text())["results"] if r["op"] == "generate"]
+    assert [r["B"] for r in rows] == list(lane_counts)
+    for r in rows:
+        assert (r["backend"], r["dtype"], r["pass"], r["model"]) == (
+            "native", "bfloat16", "decode", model)
+        assert (r["T"], r["vocab"], r["n_layer"], r["H"], r["K"]) == (new_tokens, vocab, 2, 2, 64)
+        assert r["tokens_per_s"] > 0 and 0 < r["min_ms"] <= r["median_ms"]
+        assert r["repeats"] == 3 and r["generated"] == r["B"] * new_tokens
+        # ms per step and tokens/s describe the same decode time.
+        assert math.isclose(r["tokens_per_s"] * r["median_ms"] / 1e3, r["B"], rel_tol=1e-6)
+    out = capsys.readouterr().out
+    table = [line.split() for line in out.splitlines() if line.startswith("generate ")]
+    assert [(line[1], line[3], line[4]) for line in table] == [
+        ("native", f"{b},{new_tokens},2,64", "decode") for b in lane_counts]
+    assert "generate: rwkv_jax.nn.Generator on a random RWKV7LM tiny" in out
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    check = [dict(op="rwkv7_step", backend="native", dtype="float32", ok=True)]
+    results = json.loads(out_json.read_text())["results"]
+    assert [r["op"] for r in cli.fastest(results)] == ["rwkv7_step"]
+    assert cli.verdict(check, results)[0] == 0
+
+
+def test_generation_row_runs_by_default_on_a_gpu_only(monkeypatch):
+    parser = cli.build_parser()
+    assert "generate" not in cli._selected_ops(parser.parse_args(["bench"]))  # a CPU here
+    assert cli._selected_ops(parser.parse_args(["bench", "--op", "generate"])) == ["generate"]
+    monkeypatch.setattr(backends, "platform", lambda: "gpu")
+    assert cli._selected_ops(parser.parse_args(["bench"]))[-1] == "generate"
+    assert "generate" not in cli._selected_ops(parser.parse_args(["check"]))
+    monkeypatch.setattr(cli, "_flax_missing", lambda: "the generation row needs flax")
+    assert "generate" not in cli._selected_ops(parser.parse_args(["bench"]))
+
+
+def test_generation_row_without_flax_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "run_bench", _no_work)
+    find_spec = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flax" else find_spec(name, *a))
+    assert cli.main(["bench", "--op", "generate"]) == 1
+    assert "the generation row needs flax" in capsys.readouterr().err
+
+
 def test_bench_times_performance_paths_only_unless_named():
     parser = cli.build_parser()
     default = parser.parse_args(["bench"])
@@ -275,6 +326,7 @@ def test_bench_plot_without_matplotlib_names_it(monkeypatch, capsys):
     (["bench", "--size", "1,2,3"], "four positive integers"),
     (["bench", "--size", "1,0,2,16"], "four positive integers"),
     (["check", "--op", "rwkv5"], "unknown name rwkv5"),
+    (["check", "--op", "generate"], "unknown name generate"),
     (["check", "--backend", "nope"], "unknown name nope"),
     (["bench", "--dtype", "int8"], "unknown name int8"),
     (["bench", "--repeats", "0"], r"--repeats: needs an integer >= 1, got '0'"),
