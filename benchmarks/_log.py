@@ -1,5 +1,9 @@
 """The GPU scripts' log: every line is printed and, once ``open_log`` has named a file, written
-there too (flushed, so a run cut short keeps what it printed). Also their per-kernel profile."""
+there too (flushed, so a run cut short keeps what it printed). Also their plain timing and their
+per-kernel profile."""
+
+import statistics
+import time
 
 _file = None
 
@@ -15,6 +19,19 @@ def log(*parts):
     if _file:
         _file.write(line + "\n")
         _file.flush()
+
+
+def median_seconds(fn, *args, reps=20):
+    """Median seconds of ``reps`` calls of ``fn(*args)``, each waited for, after one untimed
+    call (it compiles)."""
+    import jax
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def profile_kernels(fn, before=None, calls=10):

@@ -19,9 +19,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares 
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 import traceback  # noqa: E402
 
 import jax  # noqa: E402
@@ -30,7 +28,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import reference  # noqa: E402
-from _log import log, open_log  # noqa: E402  (benchmarks/_log.py)
+from _log import log, median_seconds, open_log  # noqa: E402  (benchmarks/_log.py)
 
 import rwkv_jax  # noqa: E402
 
@@ -140,13 +138,7 @@ def correctness(only):
 
 
 def time_jax(fn, *args, reps=20):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return 1e3 * median_seconds(fn, *args, reps=reps)
 
 
 def time_torch(fn):

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -48,21 +47,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from _log import log  # noqa: E402
+from _log import log, median_seconds  # noqa: E402
 from rwkv_jax import backends, rwkv7_step  # noqa: E402
 from rwkv_jax import nn as rnn  # noqa: E402
 from rwkv_jax.nn._bench import decode_rate, random_model  # noqa: E402
 from rwkv_jax.nn.common import lora  # noqa: E402
 
-def timed(fn, *args, reps=5):
-    """Median seconds of ``fn(*args)`` (waited for), after one untimed call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+def timed(fn, *args):
+    return median_seconds(fn, *args, reps=5)
 
 
 def prefill_rate(model, prompt, backend):

@@ -28,17 +28,6 @@ def checkpoint():
     return official_rwkv7.random_checkpoint(0, vocab_size=50, n_layer=1)
 
 
-def _write(path, params):
-    if path.suffix == ".npz":
-        np.savez(path, **params)
-    elif path.suffix == ".safetensors":
-        from safetensors.numpy import save_file
-        save_file(params, str(path))
-    else:
-        import torch
-        torch.save({n: torch.from_numpy(v) for n, v in params.items()}, path)
-
-
 # --- a failed write ---------------------------------------------------------------------------
 
 # Saves every format over a previous file with the file size capped below what the write needs:
@@ -64,7 +53,7 @@ for suffix in sys.argv[2:]:
 @pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
 def test_a_failed_save_keeps_the_previous_file_and_leaves_no_temporary(tmp_path, checkpoint):
     for suffix in SUFFIXES:
-        _write(tmp_path / f"previous{suffix}", checkpoint)
+        official_rwkv7.write_checkpoint(tmp_path / f"previous{suffix}", checkpoint)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     proc = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path), *SUFFIXES],
                           capture_output=True, text=True, timeout=300,
@@ -177,7 +166,7 @@ def _crafted_files(directory, checkpoint) -> dict:
         cases[f"index {index[:9]} dict"] = (f"dict:{index}", message)
         for suffix in SUFFIXES:
             path = directory / f"index{len(index)}{suffix}"
-            _write(path, {f"blocks.{index}.att.x_r": np.zeros((1, 1, 4), np.float32),
+            official_rwkv7.write_checkpoint(path, {f"blocks.{index}.att.x_r": np.zeros((1, 1, 4), np.float32),
                           "emb.weight": np.zeros((2, 4), np.float32)})
             cases[f"index {index[:9]} {suffix}"] = (str(path), message)
     # A small .npz whose unknown member inflates to 1 GiB.

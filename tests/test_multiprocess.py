@@ -52,18 +52,9 @@ def _cotangents(o_shape, h_shape):
             rng.standard_normal(h_shape).astype(np.float32))
 
 
-def _load_script(relative_path):
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parent.parent / relative_path
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _example():
-    return _load_script("examples/sharded_training.py")
+    from scripts import load_script
+    return load_script("examples/sharded_training.py")
 
 
 def _raw(w):
@@ -413,7 +404,8 @@ if __name__ != "__main__":
     def test_multi_gpu_benchmark_as_two_processes():
         """benchmarks/multi_gpu.py --processes 2: a row from two processes of 1 device each,
         its results those of one device."""
-        bench = _load_script("benchmarks/multi_gpu.py")
+        from scripts import load_script
+        bench = load_script("benchmarks/multi_gpu.py")
         argv = ["--tiny", "--processes", "2", "--devices", "2", "--ops", "rwkv7", "--shapes",
                 "1x16x2x8:sequence", "--repeats", "1", "--backend", "native"]
         args = bench.parse_args(argv)

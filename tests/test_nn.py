@@ -158,21 +158,10 @@ def test_rwkv7_fresh_model_runs_both_modes(tokens):
 
 # --- checkpoints -----------------------------------------------------------------------------
 
-def _save(path, params):
-    if path.suffix == ".npz":
-        np.savez(path, **params)
-    elif path.suffix == ".safetensors":
-        from safetensors.numpy import save_file
-        save_file(params, str(path))
-    else:
-        import torch
-        torch.save({n: torch.from_numpy(v) for n, v in params.items()}, path)
-
-
 @pytest.mark.parametrize("suffix", CHECKPOINT_SUFFIXES)
 def test_checkpoint_files_round_trip(tmp_path, suffix, checkpoint, model, tokens):
     path = tmp_path / f"model{suffix}"
-    _save(path, checkpoint)
+    official_rwkv7.write_checkpoint(path, checkpoint)
     loaded = rnn.load_rwkv7(path)
     exported = rnn.rwkv7_state_dict(loaded)
     # Everything comes back, except layer 0's unused value-residual LoRA.

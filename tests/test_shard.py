@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import itertools
 import math
 import os
@@ -27,6 +26,7 @@ import reference
 from reference import relative_error
 import rwkv_jax
 from conftest import tolerance
+from scripts import load_script
 
 MESH_AXES = {"batch_axis": "data", "head_axis": "heads", "seq_axis": "seq"}
 COMBINATIONS = [roles for n in (1, 2, 3) for roles in itertools.combinations(MESH_AXES, n)]
@@ -254,16 +254,8 @@ def test_packed_sequences_over_the_sequence_axis_are_refused():
         sharded(*args, **keywords, cu_seqlens=np.array([0, 7, 16], np.int32))
 
 
-def _load_script(relative_path):
-    path = pathlib.Path(__file__).parent.parent / relative_path
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_sharded_training_example():
-    example = _load_script("examples/sharded_training.py")
+    example = load_script("examples/sharded_training.py")
     losses = example.main(["--steps", "6", "--batch", "2", "--seq-len", "8", "--width", "16",
                            "--layers", "1", "--backend", "native"])
     assert len(losses) == 6 and np.all(np.isfinite(losses)) and losses[-1] < losses[0]
@@ -271,7 +263,7 @@ def test_sharded_training_example():
 
 def test_sharded_model_gradients_equal_one_device():
     """The example's whole model: loss and parameter gradients as on one device."""
-    example = _load_script("examples/sharded_training.py")
+    example = load_script("examples/sharded_training.py")
     mesh = _mesh((2, 4), ("data", "seq"))
     one_device = functools.partial(rwkv_jax.rwkv7, backend="native")
     sharded = rwkv_jax.shard(one_device, mesh, batch_axis="data", seq_axis="seq")
@@ -287,7 +279,7 @@ def test_sharded_model_gradients_equal_one_device():
 def test_multi_gpu_benchmark_rows():
     """benchmarks/multi_gpu.py, in this process (on the first 2 of the 8 CPU devices): rows of
     every op, their check against one device, the table."""
-    bench = _load_script("benchmarks/multi_gpu.py")
+    bench = load_script("benchmarks/multi_gpu.py")
     args = bench.parse_args(["--tiny", "--repeats", "1", "--backend", "native"])
     rows = [bench.measure(mode, "2x16x2x8", args, op)
             for op in bench.OPS for mode in bench.MODES]

@@ -3,9 +3,6 @@ a smoke test on CPU devices (tests/conftest.py makes 8)."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +10,7 @@ import optax
 import pytest
 
 from reference import relative_error
+from scripts import load_script
 from rwkv_jax.nn import chunked_cross_entropy
 
 
@@ -88,19 +86,11 @@ def test_chunked_cross_entropy_errors(change, message):
         chunked_cross_entropy(args.pop("x"), args.pop("kernel"), args.pop("labels"), **args)
 
 
-def _load_script(relative_path):
-    path = pathlib.Path(__file__).parent.parent / relative_path
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("parallel", ["data", "seq"])
 def test_train_throughput_smoke(parallel):
     """benchmarks/train_throughput.py --model tiny on 2 of this process's CPU devices: it trains
     (the loss falls on its repeated batch) and reports; the breakdown once (sequence)."""
-    bench = _load_script("benchmarks/train_throughput.py")
+    bench = load_script("benchmarks/train_throughput.py")
     argv = ["--model", "tiny", "--devices", "2", "--batch", "2", "--seq", "16", "--steps", "1",
             "--warmup", "1", "--backend", "native", "--parallel", parallel]
     result = bench.run(bench.parse_args(argv + (["--breakdown"] if parallel == "seq" else [])))
