@@ -260,9 +260,9 @@ def check_tokens(tokens, vocab_size):
 
 
 def embed(table, tokens, dtype):
-    """Rows ``tokens`` of the embedding ``table [V, C]`` in ``dtype``. A traced id outside
-    ``[0, V)`` gives a NaN row (then NaN logits, and NaN in the state it feeds), never a wrapped
-    or clamped token."""
+    """Rows ``tokens`` of the embedding ``table [V, C]`` in ``dtype`` (gathered, then cast: a
+    step reads its rows, not the whole table). A traced id outside ``[0, V)`` gives a NaN row
+    (then NaN logits, and NaN in the state it feeds), never a wrapped or clamped token."""
     vocab = table.shape[0]
     rows = jnp.where((tokens >= 0) & (tokens < vocab), tokens, vocab).astype(jnp.int32)
-    return table.astype(dtype).at[rows].get(mode="fill", fill_value=jnp.nan)
+    return table.at[rows].get(mode="fill", fill_value=jnp.nan).astype(dtype)
