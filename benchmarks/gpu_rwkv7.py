@@ -426,8 +426,8 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
     if fla_first:
         ours()
     default = triton_backend.default_config(size, size)
-    # Other configurations (KernelConfig fields), e.g. the 64-token WY kernels (chunk = 64;
-    # docs/RWKV7-CHUNK64.md); with --sweep also those with every chunk on the exact path.
+    # Other configurations (KernelConfig fields; the kernels: docs/DESIGN.md, "Kernels"); with
+    # --sweep also those with every chunk on the exact path.
     for change in [*variants, *(dict(c, tame=False) for c in variants if sweep)]:
         attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref, "triton",
                 dataclasses.replace(default, **change), cap=120)
@@ -435,10 +435,10 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
         # Every chunk through the level-by-level path (what chunks with strong decays take).
         attempt(bench_jax, "triton, every chunk level by level", x_jax, d_out_jax, d_state_jax,
                 ref, "triton", dataclasses.replace(default, tame=False), cap=90)
-        # The other choice of each measured option of the 16-token kernels (session 13,
-        # BENCHMARKS.md), on them whatever the default's chunk (64 above K = 64): the K-side
-        # gradients in two kernels, bf16 saved states, the passes' bf16 products, 8 K-side
-        # warps and, at K=128, no K blocks.
+        # The other choice of each measured option of the 16-token kernels (BENCHMARKS.md,
+        # "Decisions that shaped the kernels"), on them whatever the default's chunk (64 above
+        # K = 64): the K-side gradients in two kernels, bf16 saved states, the passes' bf16
+        # products, 8 K-side warps and, at K=128, no K blocks.
         changes = [dict(fused_tame_gradient=not default.fused_tame_gradient),
                    dict(bf16_saved=not default.bf16_saved), dict(rounded=True),
                    dict(k_side_warps=8)]
