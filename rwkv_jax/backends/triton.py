@@ -532,16 +532,23 @@ def _rwkv7_chunk64_bwd(static, residuals, cotangents):
 _rwkv7_chunk64.defvjp(_rwkv7_chunk64_fwd, _rwkv7_chunk64_bwd)
 
 
+def _rwkv7_static(scale, sequences, r, w, k, v, a, b):
+    """The kernels' _Static for a call: its head sizes, KernelConfig and product precision."""
+    heads, k_size, v_size = r.shape[2], r.shape[3], v.shape[3]
+    config = (CONFIG_OVERRIDES.get((k_size, v_size))
+              or default_config(k_size, v_size, sequences * heads))
+    # tf32 alone (10-bit mantissa) would miss the float32 contract; split products recover it.
+    precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
+    return _Static(float(scale), heads, k_size, v_size, config, "tf32x3" if precise else "tf32")
+
+
 def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seqlens):
     batch, steps, heads, k_size = r.shape
     v_size = v.shape[-1]
     _check_head_sizes(k_size, v_size)
     cu, initial_state = _sequences(batch, steps, cu_seqlens, initial_state, (heads, k_size, v_size))
-    config = (CONFIG_OVERRIDES.get((k_size, v_size))
-              or default_config(k_size, v_size, (cu.shape[0] - 1) * heads))
-    # tf32 alone (10-bit mantissa) would miss the float32 contract; split products recover it.
-    precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
-    static = _Static(float(scale), heads, k_size, v_size, config, "tf32x3" if precise else "tf32")
+    static = _rwkv7_static(scale, cu.shape[0] - 1, r, w, k, v, a, b)
+    config = static.config
     if config.chunk == CHUNK64:
         return _rwkv7_chunk64(static, r, w, k, v, a, b, initial_state, cu_seqlens, cu)
     if config.chunk != CHUNK:
@@ -684,44 +691,33 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     (KernelConfig.chunk64_state_stages; None: 2, as measured). The op's
     forward at KernelConfig.chunk = 64."""
     setup = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
-    r, w, k, v, a, b = setup.inputs
+    warps, max_registers = _forward_launch_options64(setup, warps, max_registers)
+    buffer = _residual_dtype(setup.common, bf16_residuals)
+    in_chunk = _in_chunk64(setup, scale, exact, buffer, block_k_in_chunk, warps, max_registers)
+    v = setup.inputs[3]
+    ht, states, u = _state_pass64(setup, in_chunk, v, in_chunk["u0"], setup.h0, buffer,
+                                  recurrence_block_v, state_stages, warps, max_registers)
+    o = _outputs64(setup, in_chunk, v, u, states, warps, max_registers).reshape(setup.shape)
+    if residuals:
+        return o, ht, dict(_without(in_chunk, "u0"), states=states, u=u)
+    return o, ht
+
+
+def _forward_launch_options64(setup, warps, max_registers):
+    """The forward's warps and register caps per launch over their defaults (forward_chunk64)."""
+    warps = dict(dict(tame=4, exact=4, state=4, output=4), **(warps or {}))
+    max_registers = dict(dict(tame=IN_CHUNK_MAX_REGISTERS64.get(setup.common["BK"])),
+                         **(max_registers or {}))
+    return warps, max_registers
+
+
+def _in_chunk64(setup, scale, exact, buffer, block_k_in_chunk, warps, max_registers):
+    """1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path; the
+    decayed rows q~, k^, b^ and e^g per chunk, which the kernels below read (a dict: wy, u0,
+    matrices, qd, kd, bd, decay)."""
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     block_k, block_v = common["BK"], common["BV"]
-    buffer = _residual_dtype(common, bf16_residuals)
-    # The in-chunk kernel, sm_90, bf16 (benchmarks/compile_report.py --family rwkv7-64; K parts
-    # of 32 tame, 16 exact; spill stores at 4 / 8 warps, SASS instructions at 4 warps). Since
-    # T_D as batched [4, 16, 16] products and the log decays' sums as bf16 products: tame K=64
-    # none / none (SASS 5416), K=128 none / none (8200; at 8 warps 250 registers), exact K=64
-    # 168 / 264 B, K=128 280 / 472 B; before: tame K=64 none / 244 B (7640), K=128 none / 292 B
-    # (12264), exact 212 / 324 B and 380 / 516 B. H200, B=8 T=4096 (session 15), with the
-    # decayed rows it now also stores (their own kernel took 0.70 ms): 4.43 ms at K=64 and 6.13
-    # at K=128, against 3.94 + 0.70 and 6.27 + 0.70 before (8 warps, or parts of 64 at 8 warps,
-    # 0 spills and SASS 7408 at K=128, are the candidates to time beside 4). H100 (session 13,
-    # B=8 T=4096 H=64 K=64 bf16): the tame path took 3.78 ms in parts of 32 (the kernel before its
-    # masks moved after the K sums), 4.63 in parts of 16.
-    # The state pass (bf16 inputs, sm_90, spills at 4 / 8 warps; 255 registers throughout):
-    # K=64 none with its ``while`` loop (stages 0), nor at 1 or 2 stages (49 / 98 KB shared),
-    # 24 B at 3 stages and 4 warps. K=128, H in two halves of 64 keys: 152 / 100 B (stages 0),
-    # 52 / 72 B (1), 84 / 76 B (2, 140 KB shared), 76 / 92 B (3, 213 KB); before the halves,
-    # whole [64, 128] K tiles: 696 / 280 B, 66 KB. float32 W (float32 inputs or bf16_residuals
-    # off), K=64: the ``while`` loop's hand-carried W spills 180 / 200 B, 0 / 88 B at 2 stages
-    # (115 KB shared). Timed (H200, B=8 T=4096 bf16, session 14), the state pass: K=64 (4
-    # warps) 1.51 ms with the ``while`` loop, 1.22 at 2 stages; K=128 at 8 warps 4.38 (while),
-    # 4.30 (1 stage), 3.54 (2 stages), at 4 warps and 1 stage 2.97. Session 15, the state pass
-    # reading the decayed rows (no decays in its loop; sm_90 4 warps, K=128: no spills at 1
-    # stage, 28 B at 2, 115 KB shared; K=64 none at 0-2): K=128 1.21 ms at 1 stage, 1.03 at 2
-    # (fwd+bwd 22.95 -> 22.73), K=64 0.80 at 2, 0.76 with the ``while`` loop (fwd+bwd 18.93,
-    # 18.98): 2 stages at every K.
-    # The outputs and V-side gradient kernels at 8 warps (128 / 138 registers, no spills) were
-    # slower (H200, K=128, session 15: 1.55 -> 2.03 and 2.68 -> 3.54 ms), and at block_v=128
-    # (the passes at 64) the outputs too (1.91; the V side 2.49): fwd+bwd 27.97 against 29.09
-    # and 28.18.
-    warps = dict(dict(tame=4, exact=4, state=4, output=4), **(warps or {}))
-    max_registers = dict(dict(tame=IN_CHUNK_MAX_REGISTERS64.get(block_k)), **(max_registers or {}))
-    if state_stages is None:
-        state_stages = 2
-    # 1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path; the
-    # decayed rows q~, k^, b^ and e^g per chunk, which the kernels below read.
+    r, w, k, v, a, b = setup.inputs
     in_chunk = lambda TAME: _launch.launch(
         _kernels.rwkv7_wy_kernel, (r, w, k, v, a, b, *setup.index),
         (setup.per_row(common["K"], buffer), setup.per_row(common["V"]),
@@ -740,27 +736,39 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         INVERSE_PRECISION=common["PRECISION"],
         BLOCK_LEVELS=BLOCK64.bit_length() - 1,
         **dict(common, BV=setup.v_blocks * block_v))
-    wy, u0, matrices, qd, kd, bd, decay = _on_path(not exact and tame_path(w), in_chunk)
-    # 2. The state pass: U, the state at every chunk's start, the final states.
+    outputs = _on_path(not exact and tame_path(w), in_chunk)
+    return dict(zip(("wy", "u0", "matrices", "qd", "kd", "bd", "decay"), outputs))
+
+
+def _state_pass64(setup, in_chunk, v, u0, h0, buffer, recurrence_block_v, state_stages, warps,
+                  max_registers):
+    """2. The state pass over the V columns of ``setup`` (of v, U0 and h0): the final states,
+    the state at every chunk's start and U."""
     recurrence = _recurrence64(setup, recurrence_block_v)
-    ht, states, u = _launch.launch(
+    if state_stages is None:
+        state_stages = 2
+    return _launch.launch(
         _kernels.rwkv7_wy_state_kernel,
-        (kd, v, bd, decay, wy, u0, setup.h0, setup.cu, setup.chunk_index),
-        (setup.states(setup.sequences), setup.states(slots, buffer), setup.per_row(common["V"])),
+        (in_chunk["kd"], v, in_chunk["bd"], in_chunk["decay"], in_chunk["wy"], u0, h0, setup.cu,
+         setup.chunk_index),
+        (setup.states(setup.sequences), setup.states(setup.chunk_slots, buffer),
+         setup.per_row(setup.common["V"])),
         recurrence["grid"], num_warps=warps["state"], max_registers=max_registers.get("state"),
-        num_stages=max(state_stages, 1), PIPELINED=state_stages > 0, CHUNK_SLOTS=slots,
-        **_without(recurrence["common"], "FLOOR"))
-    # 3. The outputs, all chunks at once.
+        num_stages=max(state_stages, 1), PIPELINED=state_stages > 0,
+        CHUNK_SLOTS=setup.chunk_slots, **_without(recurrence["common"], "FLOOR"))
+
+
+def _outputs64(setup, in_chunk, v, u, states, warps, max_registers):
+    """3. The outputs [rows, H, V], all chunks at once."""
     (o,) = _launch.launch(
-        _kernels.rwkv7_wy_output_kernel, (qd, v, u, states, matrices, *setup.index),
-        (setup.per_row(common["V"], v.dtype),), (slots * setup.v_blocks, heads),
+        _kernels.rwkv7_wy_output_kernel,
+        (in_chunk["qd"], v, u, states, in_chunk["matrices"], *setup.index),
+        (setup.per_row(setup.common["V"], v.dtype),), (setup.chunk_slots * setup.v_blocks,
+                                                       setup.common["HEADS"]),
         num_warps=warps["output"], max_registers=max_registers.get("output"),
-        SEQUENCES=setup.sequences, CHUNK_SLOTS=slots, **_without(common, "FLOOR"))
-    o = o.reshape(setup.shape)
-    if residuals:
-        return o, ht, dict(states=states, u=u, wy=wy, matrices=matrices, qd=qd, kd=kd, bd=bd,
-                           decay=decay)
-    return o, ht
+        SEQUENCES=setup.sequences, CHUNK_SLOTS=setup.chunk_slots,
+        **_without(setup.common, "FLOOR"))
+    return o
 
 
 # Warps of the 64-token state-gradient pass at every K (as the forward's state pass). sm_90,
@@ -799,33 +807,44 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
     ``bf16_state_gradients``: dstates in bfloat16 for 16-bit inputs (float32 inputs keep
     float32; KernelConfig.chunk64_bf16_state_gradients)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
-    r, w, k, v, a, b = setup.inputs
-    common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     warps = dict(dict(state=STATE_GRADIENT_WARPS64, value=4), **(warps or {}))
     max_registers = max_registers or {}
+    do = do.reshape(setup.common["TOTAL_ROWS"], setup.common["HEADS"], setup.common["V"])
+    dh0, dstates, du = _state_gradient_pass64(
+        setup, residuals, do, dht, _residual_dtype(setup.common, bf16_state_gradients),
+        recurrence_block_v, state_stages, warps, max_registers)
+    dv, dx = _value_gradients64(setup, residuals, do, du, dstates, setup.inputs[3].dtype, warps,
+                                max_registers)
+    return dv.reshape(setup.shape), dh0, dstates, du, dx
+
+
+def _state_gradient_pass64(setup, residuals, do, dht, buffer, recurrence_block_v, state_stages,
+                           warps, max_registers):
+    """4. The state gradient over the V columns of ``setup`` (of do and dht), each sequence from
+    its last chunk: dh0, dH' per chunk (in ``buffer``'s dtype) and dU."""
     if state_stages is None:
         state_stages = STATE_GRADIENT_STAGES64
-    do = do.reshape(common["TOTAL_ROWS"], heads, common["V"])
-    # 4. The state gradient, each sequence from its last chunk.
     recurrence = _recurrence64(setup, recurrence_block_v)
-    dh0, dstates, du = _launch.launch(
+    return _launch.launch(
         _kernels.rwkv7_wy_state_gradient_kernel,
         (residuals["qd"], residuals["bd"], residuals["decay"], do, residuals["wy"],
          residuals["matrices"], dht.astype(jnp.float32), setup.cu, setup.chunk_index),
-        (setup.states(setup.sequences), setup.states(slots, _residual_dtype(
-            common, bf16_state_gradients)), setup.per_row(common["V"])),
+        (setup.states(setup.sequences), setup.states(setup.chunk_slots, buffer),
+         setup.per_row(setup.common["V"])),
         recurrence["grid"], num_warps=warps["state"], max_registers=max_registers.get("state"),
-        CHUNK_SLOTS=slots, num_stages=max(state_stages, 1), PIPELINED=state_stages > 0,
-        **_without(recurrence["common"], "FLOOR"))
-    # 5. The V-side gradients, all chunks at once.
-    dv, dx = _launch.launch(
+        CHUNK_SLOTS=setup.chunk_slots, num_stages=max(state_stages, 1),
+        PIPELINED=state_stages > 0, **_without(recurrence["common"], "FLOOR"))
+
+
+def _value_gradients64(setup, residuals, do, du, dstates, dtype, warps, max_registers):
+    """5. The V-side gradients, all chunks at once: dV (in ``dtype``) and dX, [rows, H, V]."""
+    return _launch.launch(
         _kernels.rwkv7_wy_value_gradient_kernel,
         (residuals["kd"], do, du, dstates, residuals["matrices"], *setup.index),
-        (setup.per_row(common["V"], v.dtype), setup.per_row(common["V"])),
-        (slots * setup.v_blocks, heads), num_warps=warps["value"],
+        (setup.per_row(setup.common["V"], dtype), setup.per_row(setup.common["V"])),
+        (setup.chunk_slots * setup.v_blocks, setup.common["HEADS"]), num_warps=warps["value"],
         max_registers=max_registers.get("value"), SEQUENCES=setup.sequences,
-        CHUNK_SLOTS=slots, **_without(common, "FLOOR"))
-    return dv.reshape(setup.shape), dh0, dstates, du, dx
+        CHUNK_SLOTS=setup.chunk_slots, **_without(setup.common, "FLOOR"))
 
 
 # The 64-token K side: keys per program of the K-side kernel and its warps, and V columns per
@@ -1345,9 +1364,124 @@ class SequencePieces(NamedTuple):
     backward: object
 
 
+def _rwkv7_sequence_pieces(options):
+    """SequencePieces of rwkv7 on the 64-token kernels. The transition of a block is a K×K map,
+    so the state passes run over V + K columns: the values followed by K columns of zero values
+    from the identity (forward; backward: zero output gradients from the identity), side by
+    side as more programs of the same launch. Every chunk's state from zero and its map from the
+    block's start ([H0 | M] per chunk) then give the true state as H0 + M h_in, one product per
+    chunk, and U likewise per token (U = W H + U0 is linear in H); the outputs and V-side
+    gradient kernels run once on the corrected buffers. The buffers between the kernels stay
+    float32 here, as the correction multiplies them."""
+    scale = float(options["scale"])
+
+    def setup(x):
+        r, w, k, v, a, b = (x[n] for n in "rwkvab")
+        static = _rwkv7_static(scale, r.shape[0], r, w, k, v, a, b)
+        return static, _setup64(r, w, k, v, a, b, None, None, static.config.block_v)
+
+    def widened(base, zeros_for, start):
+        """(base over V + K columns from the states ``start``, the columns' values: those of
+        ``zeros_for`` [rows, H, V] followed by K zero columns)."""
+        keys = base.common["K"]
+        wide = base._replace(h0=start, common=dict(base.common, V=base.common["V"] + keys))
+        zeros = jnp.zeros(zeros_for.shape[:2] + (keys,), zeros_for.dtype)
+        return wide, jnp.concatenate([zeros_for, zeros], axis=-1)
+
+    def identity_after_zeros(base):
+        """[0 | I]: [N, H, K, V + K] float32."""
+        c = base.common
+        shape = (base.sequences, c["HEADS"], c["K"])
+        eye = jnp.broadcast_to(jnp.eye(c["K"], dtype=jnp.float32), shape + (c["K"],))
+        return jnp.concatenate([jnp.zeros(shape + (c["V"],), jnp.float32), eye], axis=-1)
+
+    def split(wide, base):
+        """(the V columns, the K transition columns) of a widened buffer."""
+        return wide[..., :base.common["V"]], wide[..., base.common["V"]:]
+
+    def per_slot(base, h):
+        """The [N, H, K, V] states of each chunk slot's sequence (slots past the last: any)."""
+        return h[jnp.maximum(base.index[2], 0)]
+
+    def per_row(x, base, h):
+        """x [rows, H, K] times each row's sequence's state h [N, H, K, V] -> [rows, H, V]."""
+        batch = base.sequences
+        y = jnp.einsum("bthk,bhkv->bthv", x.reshape(batch, -1, *x.shape[1:]), h,
+                       precision="highest")
+        return y.reshape(x.shape[:2] + (h.shape[-1],))
+
+    def forward_warps(static, base):
+        config = static.config
+        warps = dict(state=config.chunk64_state_warps, tame=config.chunk64_in_chunk_warps)
+        return _forward_launch_options64(base, {n: x for n, x in warps.items() if x}, None)
+
+    def state(x):
+        static, base = setup(x)
+        config = static.config
+        warps, caps = forward_warps(static, base)
+        in_chunk = _in_chunk64(base, static.scale, not config.tame, jnp.float32,
+                               config.chunk64_in_chunk_block_k, warps, caps)
+        wide, v = widened(base, base.inputs[3], identity_after_zeros(base))
+        _, u0 = widened(base, in_chunk["u0"], None)
+        ht, states, u = _state_pass64(wide, in_chunk, v, u0, wide.h0, jnp.float32,
+                                      config.recurrence_block_v, config.chunk64_state_stages,
+                                      warps, caps)
+        h_local, transition = split(ht, base)
+        return transition, h_local, (in_chunk, states, u, h_local, transition)
+
+    def forward(x, saved, h_in):
+        in_chunk, states, u, h_local, transition = saved
+        static, base = setup(x)
+        warps, caps = forward_warps(static, base)
+        from_zero, maps = split(states, base)
+        states = from_zero + jnp.einsum("shkj,shjv->shkv", maps, per_slot(base, h_in),
+                                        precision="highest")
+        from_zero, maps = split(u, base)
+        u = from_zero + per_row(maps, base, h_in)
+        v = base.inputs[3]
+        o = _outputs64(base, in_chunk, v, u, states, warps, caps).reshape(base.shape)
+        h_out = h_local + jnp.einsum("bhkj,bhjv->bhkv", transition, h_in, precision="highest")
+        return (o, h_out), dict(_without(in_chunk, "u0"), states=states, u=u)
+
+    def state_gradient(x, residuals, do):
+        static, base = setup(x)
+        rows = do.astype(x["v"].dtype).reshape(base.common["TOTAL_ROWS"], *do.shape[2:])
+        wide, do_wide = widened(base, rows, None)
+        dh0, dstates, du = _state_gradient_pass64(
+            wide, residuals, do_wide, identity_after_zeros(base), jnp.float32,
+            static.config.recurrence_block_v, static.config.chunk64_state_gradient_stages,
+            dict(state=STATE_GRADIENT_WARPS64), {})
+        g, transposed = split(dh0, base)
+        return g, (dstates, du, g, transposed)
+
+    def backward(x, residuals, saved, do, dh_t):
+        dstates, du, g, transposed = saved
+        static, base = setup(x)
+        config = static.config
+        from_zero, maps = split(dstates, base)
+        dstates = from_zero + jnp.einsum("shkj,shjv->shkv", maps, per_slot(base, dh_t),
+                                         precision="highest")
+        from_zero, maps = split(du, base)
+        du = from_zero + per_row(maps, base, dh_t)
+        rows = do.astype(x["v"].dtype).reshape(base.common["TOTAL_ROWS"], *do.shape[2:])
+        dv, dx = _value_gradients64(base, residuals, rows, du, dstates, x["v"].dtype,
+                                    dict(value=4), {})
+        warps = config.chunk64_k_side_warps
+        dr, dw, dk, da, db = backward_chunk64_k_side(
+            *(x[n] for n in "rwkvab"), residuals, rows.reshape(do.shape), dstates, dx,
+            scale=static.scale, exact=not config.tame, block_k=config.chunk64_k_side_block_k,
+            block_v=config.block_v, warps=warps and dict(tame=warps, exact=warps))
+        dh_in = g + jnp.einsum("bhkj,bhjv->bhkv", transposed, dh_t, precision="highest")
+        grads = dict(r=dr, w=dw, k=dk, v=dv.reshape(base.shape), a=da, b=db)
+        return {n: grads[n].astype(x[n].dtype) for n in x}, dh_in
+
+    return SequencePieces(state, forward, state_gradient, backward)
+
+
 def sequence_parallel_pieces(op, options):
-    """SequencePieces of ``op`` ("rwkv6", "gated_linear_attention") on the triton kernels, or
-    None where this backend has none (rwkv7)."""
+    """SequencePieces of ``op`` on the triton kernels."""
+    if op == "rwkv7":
+        return _rwkv7_sequence_pieces(options)
     if op not in ("rwkv6", "gated_linear_attention"):
         return None
     reverse = bool(options.get("reverse", False))
