@@ -1371,8 +1371,9 @@ def _rwkv7_sequence_pieces(options):
     side as more programs of the same launch. Every chunk's state from zero and its map from the
     block's start ([H0 | M] per chunk) then give the true state as H0 + M h_in, one product per
     chunk, and U likewise per token (U = W H + U0 is linear in H); the outputs and V-side
-    gradient kernels run once on the corrected buffers. The buffers between the kernels stay
-    float32 here, as the correction multiplies them."""
+    gradient kernels run once on the corrected buffers, which keep the single-device op's dtypes
+    (16-bit states and state gradients for 16-bit inputs halve the bytes the sequential passes
+    move and let two of their programs share a multiprocessor)."""
     scale = float(options["scale"])
 
     def setup(x):
@@ -1403,6 +1404,11 @@ def _rwkv7_sequence_pieces(options):
         """The [N, H, K, V] states of each chunk slot's sequence (slots past the last: any)."""
         return h[jnp.maximum(base.index[2], 0)]
 
+    def corrected(from_zero, maps, h):
+        """Each chunk's from_zero + maps h [slots, H, K, V], in float32, stored as from_zero."""
+        exact = jnp.einsum("shkj,shjv->shkv", maps.astype(jnp.float32), h, precision="highest")
+        return (from_zero.astype(jnp.float32) + exact).astype(from_zero.dtype)
+
     def per_row(x, base, h):
         """x [rows, H, K] times each row's sequence's state h [N, H, K, V] -> [rows, H, V]."""
         batch = base.sequences
@@ -1419,11 +1425,12 @@ def _rwkv7_sequence_pieces(options):
         static, base = setup(x)
         config = static.config
         warps, caps = forward_warps(static, base)
-        in_chunk = _in_chunk64(base, static.scale, not config.tame, jnp.float32,
+        buffer = _residual_dtype(base.common, config.chunk64_bf16_residuals)
+        in_chunk = _in_chunk64(base, static.scale, not config.tame, buffer,
                                config.chunk64_in_chunk_block_k, warps, caps)
         wide, v = widened(base, base.inputs[3], identity_after_zeros(base))
         _, u0 = widened(base, in_chunk["u0"], None)
-        ht, states, u = _state_pass64(wide, in_chunk, v, u0, wide.h0, jnp.float32,
+        ht, states, u = _state_pass64(wide, in_chunk, v, u0, wide.h0, buffer,
                                       config.recurrence_block_v, config.chunk64_state_stages,
                                       warps, caps)
         h_local, transition = split(ht, base)
@@ -1434,8 +1441,7 @@ def _rwkv7_sequence_pieces(options):
         static, base = setup(x)
         warps, caps = forward_warps(static, base)
         from_zero, maps = split(states, base)
-        states = from_zero + jnp.einsum("shkj,shjv->shkv", maps, per_slot(base, h_in),
-                                        precision="highest")
+        states = corrected(from_zero, maps, per_slot(base, h_in))
         from_zero, maps = split(u, base)
         u = from_zero + per_row(maps, base, h_in)
         v = base.inputs[3]
@@ -1448,7 +1454,8 @@ def _rwkv7_sequence_pieces(options):
         rows = do.astype(x["v"].dtype).reshape(base.common["TOTAL_ROWS"], *do.shape[2:])
         wide, do_wide = widened(base, rows, None)
         dh0, dstates, du = _state_gradient_pass64(
-            wide, residuals, do_wide, identity_after_zeros(base), jnp.float32,
+            wide, residuals, do_wide, identity_after_zeros(base),
+            _residual_dtype(base.common, static.config.chunk64_bf16_state_gradients),
             static.config.recurrence_block_v, static.config.chunk64_state_gradient_stages,
             dict(state=STATE_GRADIENT_WARPS64), {})
         g, transposed = split(dh0, base)
@@ -1459,8 +1466,7 @@ def _rwkv7_sequence_pieces(options):
         static, base = setup(x)
         config = static.config
         from_zero, maps = split(dstates, base)
-        dstates = from_zero + jnp.einsum("shkj,shjv->shkv", maps, per_slot(base, dh_t),
-                                         precision="highest")
+        dstates = corrected(from_zero, maps, per_slot(base, dh_t))
         from_zero, maps = split(du, base)
         du = from_zero + per_row(maps, base, dh_t)
         rows = do.astype(x["v"].dtype).reshape(base.common["TOTAL_ROWS"], *do.shape[2:])
