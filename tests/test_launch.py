@@ -1,4 +1,4 @@
-"""The GPU side of rwkv_jax.backends._launch against the two jax-triton APIs, on the CPU.
+"""The GPU side of rwkv_jax.backends.triton.launch against the two jax-triton APIs, on the CPU.
 
 jax_triton does not import without a CUDA jaxlib (0.3) and launches nothing without a GPU, so
 these tests put a stand-in module in its place whose ``triton_call`` has the signature of each
@@ -18,8 +18,7 @@ import pytest
 
 # Imported before triton: on CPU it switches Triton to the interpreter before anything defines
 # a kernel (the test kernel below included).
-from rwkv_jax.backends import _launch
-from rwkv_jax.backends import triton as triton_backend  # noqa: F401
+from rwkv_jax.backends.triton import launch as _launch
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 

@@ -279,7 +279,7 @@ register("chunked", "rwkv_jax.backends.chunked",
          float32_tolerance=(2e-3, 2e-3), forward_mode_ad=True, float64=True)
 register("triton", "rwkv_jax.backends.triton",
          "chunked Triton kernels (jax-triton on GPU, Triton's interpreter on CPU)",
-         lambda p: importlib.import_module("rwkv_jax.backends._launch").unavailable_reason(p),
+         lambda p: importlib.import_module("rwkv_jax.backends._triton_probe").unavailable_reason(p),
          float32_tolerance=(2e-3, 2e-3))
 register("ffi", "rwkv_jax.backends.ffi", "compiled C++ (CPU) and CUDA kernels through the XLA FFI",
          lambda p: importlib.import_module("rwkv_jax.backends.ffi").unavailable(p))

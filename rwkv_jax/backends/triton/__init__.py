@@ -1,0 +1,28 @@
+"""The ``triton`` backend: chunked Triton kernels (``rwkv_jax.triton_kernels``) launched from JAX.
+
+Modules:
+
+- :mod:`.launch`: the one way a kernel is launched (jax-triton on GPU, Triton's interpreter
+  on CPU through a ``jax.pure_callback``), and :func:`~.launch.kernels`, which imports a kernel
+  module;
+- :mod:`.common`: what both op families share: the list of sequences ``cu``, the slot
+  arithmetic of the per-chunk buffers, the head-size check;
+- :mod:`.rwkv7`: RWKV-7 (``KernelConfig``, ``default_config``, ``CONFIG_OVERRIDES``, the 16-
+  and 64-token launches, the op);
+- :mod:`.gla`: gated linear attention and RWKV-6, and their sequence-parallel pieces
+  (``sequence_parallel_pieces``, which :mod:`rwkv_jax.shard` looks up on this package).
+
+The names below are the backend's entry points. ``rwkv7`` here is the op, not the module: take
+the module's other names with ``from rwkv_jax.backends.triton.rwkv7 import ...``, and patch
+a setting (``CONFIG_OVERRIDES``, ``GLA_OVERRIDES``) on the module that defines it. Whether the
+backend runs on a platform is :mod:`rwkv_jax.backends._triton_probe`'s to say, since importing
+this package imports Triton.
+"""
+
+from .gla import SequencePieces, gated_linear_attention, rwkv6, sequence_parallel_pieces
+from .rwkv7 import (CHUNK, CHUNK64, KernelConfig, backward_chunk64_k_side,
+                    backward_chunk64_v_side, default_config, forward_chunk64, rwkv7, tame_path)
+
+__all__ = ["CHUNK", "CHUNK64", "KernelConfig", "SequencePieces", "backward_chunk64_k_side",
+           "backward_chunk64_v_side", "default_config", "forward_chunk64",
+           "gated_linear_attention", "rwkv6", "rwkv7", "sequence_parallel_pieces", "tame_path"]
