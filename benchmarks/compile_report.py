@@ -138,7 +138,7 @@ def main():
                         "KernelConfig.chunk64_bf16_residuals off (on: bfloat16 for bf16 inputs)")
     parser.add_argument("--max-registers", type=int, default=None,
                         help="a cap on every kernel's registers per thread (Triton's maxnreg, as "
-                        "_launch.launch's max_registers; the backend's rwkv7-64 caps: "
+                        "launch.launch's max_registers; the backend's rwkv7-64 caps: "
                         "IN_CHUNK_MAX_REGISTERS64, K_SIDE_MAX_REGISTERS64, tame paths)")
     parser.add_argument("--dump", metavar="DIR",
                         help="also write each compiled kernel's TTGIR and PTX into DIR")

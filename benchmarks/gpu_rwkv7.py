@@ -41,6 +41,7 @@ from reference import relative_error  # noqa: E402
 
 import rwkv_jax  # noqa: E402
 from rwkv_jax.backends import triton as triton_backend  # noqa: E402
+from rwkv_jax.backends.triton.rwkv7 import CONFIG_OVERRIDES  # noqa: E402
 
 NAMES = tuple("rwkvab")
 LOWER_BOUND = -0.6065  # fla's fastest configuration asserts w >= this
@@ -93,12 +94,12 @@ def check(name, dtype, key, value, steps=300, batch=2, heads=4, decay="model", c
     ref_grads = reference.gradients("rwkv7", x64, np.asarray(d_out, np.float64),
                                     np.asarray(d_state, np.float64), **options)
     cu = jnp.asarray(cu_seqlens, jnp.int32) if cu_seqlens else None
-    triton_backend.CONFIG_OVERRIDES[(key, value)] = dataclasses.replace(
+    CONFIG_OVERRIDES[(key, value)] = dataclasses.replace(
         triton_backend.default_config(key, value), chunk=chunk)
     try:
         out, state, grads = jax.jit(triton_vjp)(x, d_out, d_state, cu)
     finally:
-        triton_backend.CONFIG_OVERRIDES.pop((key, value))
+        CONFIG_OVERRIDES.pop((key, value))
     name = f"{name}{', 64-token chunks' if chunk == 64 else ''}"
     errors = {"out": relative_error(out, ref_out), "state": relative_error(state, ref_state)}
     errors.update({f"d{n}": relative_error(g, ref_grads[n]) for n, g in grads.items()})
@@ -211,7 +212,7 @@ def bench_jax(label, x_jax, d_out, d_state, ref, backend="triton", config=None,
     saves states for the backward (the backward alone is the difference)."""
     size = x_jax["k"].shape[-1]
     if config is not None:
-        triton_backend.CONFIG_OVERRIDES[(size, size)] = config
+        CONFIG_OVERRIDES[(size, size)] = config
     try:
         def op(x):
             return rwkv_jax.rwkv7(*(x[n] for n in NAMES), backend=backend,
@@ -237,10 +238,10 @@ def bench_jax(label, x_jax, d_out, d_state, ref, backend="triton", config=None,
             row["profile"] = profile_kernels(
                 lambda: jax.block_until_ready(both(x_jax, d_out, d_state)))
             log(f"  {label} forward+backward, per kernel: {row['profile']}")
-            row["config"] = dataclasses.asdict(triton_backend.CONFIG_OVERRIDES.get(
+            row["config"] = dataclasses.asdict(CONFIG_OVERRIDES.get(
                 (size, size), triton_backend.default_config(size, size)))
     finally:
-        triton_backend.CONFIG_OVERRIDES.pop((size, size), None)
+        CONFIG_OVERRIDES.pop((size, size), None)
     return row
 
 

@@ -422,7 +422,7 @@ def test_rwkv7_wide_values_over_the_sequence(backend_name):
 # The README's sharding snippet at its shapes (B=2, T=128, H=4, K=64; mesh (2, 4) over data and
 # seq) with the triton backend in Triton's interpreter, forward and gradients against one device
 # of the native backend. In a child process with a time limit: the sequence-parallel all-gather
-# used to leave every interpreter callback waiting forever (rwkv_jax/backends/_launch.py,
+# used to leave every interpreter callback waiting forever (rwkv_jax/backends/triton/launch.py,
 # _callback_pieces), and a hang must fail the test instead of stopping the suite.
 README_SHAPES = """
 import functools, sys

@@ -18,8 +18,10 @@ import rwkv_jax
 from conftest import tolerance
 # Imported before triton: on CPU it switches Triton to the interpreter before anything defines
 # a kernel (the test kernel below included).
-from rwkv_jax.backends import _launch
+from rwkv_jax.backends import _triton_probe
 from rwkv_jax.backends import triton as triton_backend
+from rwkv_jax.backends.triton import launch as _launch
+from rwkv_jax.backends.triton.rwkv7 import CONFIG_OVERRIDES
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -34,7 +36,7 @@ def _scale_and_shift_kernel(x_ptr, y_ptr, doubled_ptr, shifted_ptr, SIZE: tl.con
     tl.store(shifted_ptr + block, tl.load(y_ptr + block) + SHIFT)
 
 
-# (shape, block): one callback operand, or several pieces of at most 64 KiB (_launch.py).
+# (shape, block): one callback operand, or several pieces of at most 64 KiB (launch.py).
 @pytest.mark.parametrize("shape, block", [((32,), 16), ((5, 8192), 4096)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_launch_keeps_argument_order_and_dtypes(dtype, shape, block):
@@ -52,7 +54,7 @@ def test_launch_keeps_argument_order_and_dtypes(dtype, shape, block):
 
 
 # Eight devices each launch a kernel on 160 KiB operands, then all-gather: in a child process
-# with a time limit, since every callback used to wait forever for its operands' copy (_launch.py,
+# with a time limit, since every callback used to wait forever for its operands' copy (launch.py,
 # _callback_pieces) and a hang must fail the test instead of stopping the suite.
 LAUNCH_BEFORE_ALL_GATHER = """
 import jax
@@ -60,7 +62,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
-from rwkv_jax.backends import _launch
+from rwkv_jax.backends.triton import launch as _launch
 import triton
 import triton.language as tl
 
@@ -169,7 +171,7 @@ def check(case, seed, differentiate=True):
 
     default = triton_backend.default_config(case.key, case.value)
     key = (case.key, case.value)
-    triton_backend.CONFIG_OVERRIDES[key] = dataclasses.replace(default, **case.config)
+    CONFIG_OVERRIDES[key] = dataclasses.replace(default, **case.config)
     try:
         @jax.jit
         def run(x, cu_seqlens):
@@ -185,7 +187,7 @@ def check(case, seed, differentiate=True):
         cu = jnp.asarray(case.cu_seqlens, jnp.int32) if packed else None
         out, state, grads = run(x, cu)
     finally:
-        del triton_backend.CONFIG_OVERRIDES[key]
+        del CONFIG_OVERRIDES[key]
 
     forward_tol = tolerance("triton", case.dtype, "forward")
     gradient_tol = tolerance("triton", case.dtype, "gradient")
@@ -333,8 +335,8 @@ def test_head_size_above_limit_is_refused():
 
 
 def test_platform_without_triton_gets_a_reason():
-    assert "NVIDIA" in _launch.unavailable_reason("tpu")
-    assert _launch.unavailable_reason("cpu") is None  # triton is a test requirement
+    assert "NVIDIA" in _triton_probe.unavailable_reason("tpu")
+    assert _triton_probe.unavailable_reason("cpu") is None  # triton is a test requirement
 
 
 # The op at 64-token chunks (KernelConfig.chunk = 64): forward, final state and every gradient
