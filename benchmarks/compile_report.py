@@ -55,8 +55,14 @@ def resources(compiled):
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        report = subprocess.run([os.path.join(TOOLS, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
-                                 cubin], capture_output=True, text=True, check=True).stderr
+        # (Triton's newer ptxas where the PTX's version is past the older one's)
+        for ptxas in ("ptxas", "ptxas-blackwell"):
+            run = subprocess.run([os.path.join(TOOLS, ptxas), "-arch=sm_90a", "-v", ptx, "-o",
+                                  cubin], capture_output=True, text=True)
+            if run.returncode == 0 or not os.path.exists(os.path.join(TOOLS, "ptxas-blackwell")):
+                break
+        run.check_returncode()
+        report = run.stderr
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
         sass = subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-sass", cubin],
@@ -256,9 +262,12 @@ def chunk64_kernels(shapes, inputs, k_side_block_k, da_block_v, bf16_residuals, 
         ("wy in-chunk", rwkv7.rwkv7_wy_kernel,
          dict(parallel, scale=1.0, LEVELS=6, KI=min(16, shapes["BK"]),
               BV=-(-shapes["V"] // shapes["BV"]) * shapes["BV"], VI=shapes["BV"],
-              INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4)),
+              INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4, RESIDUALS=True)),
         ("wy state", rwkv7.rwkv7_wy_state_kernel,
-         dict(no_decays(common), PIPELINED=state_stages > 0)),
+         dict(no_decays(common), PIPELINED=state_stages > 0, OUTPUTS=False)),
+        # (a call that is not differentiated: the state pass with the outputs, no residuals)
+        ("wy state outputs", rwkv7.rwkv7_wy_state_kernel,
+         dict(no_decays(common), PIPELINED=state_stages > 0, OUTPUTS=True)),
         ("wy output", rwkv7.rwkv7_wy_output_kernel, no_decays(parallel)),
         ("wy state gradient", rwkv7.rwkv7_wy_state_gradient_kernel,
          dict(no_decays(common), PIPELINED=state_stages > 0)),

@@ -1291,15 +1291,16 @@ def _wy_transform(a_ptr, k_ptr, b_ptr, w_ptr, v_ptr, wy_ptr, u0_ptr, matrices_pt
                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KI: tl.constexpr,
                   VI: tl.constexpr, C: tl.constexpr, LEVELS: tl.constexpr, FLOOR: tl.constexpr,
                   TAME: tl.constexpr, PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
-                  BLOCK_LEVELS: tl.constexpr):
+                  BLOCK_LEVELS: tl.constexpr, RESIDUALS: tl.constexpr):
     """A chunk's WY transform: A_ak and A_ab, T = (I - A_ab)^-1, W = T a~ and U0 = T A_ak V;
-    stores A_ak, T, W and U0. A_ak goes to memory before the inverse and comes back after W
+    stores A_ak, W, U0 and, for the backward (RESIDUALS), T. A_ak goes to memory before the inverse and comes back after W
     (T A_ak, then U0 per VI columns of V): at most two [C, C] tiles beside the inverse's."""
     A_ak, A_ab = _wy_pairs(a_ptr, k_ptr, b_ptr, w_ptr, k_base, rows_in, 1.0, True, TAME, HEADS,
                            K, BK, KI, C, BLOCK_LEVELS, FLOOR, PRECISION)
     _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_A_AK, HEADS, C, False), 0, A_ak, used)
     inverse = _wy_inverse(A_ab, C, LEVELS, BLOCK_LEVELS, INVERSE_PRECISION)
-    _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_T, HEADS, C, False), 0, inverse, used)
+    if RESIDUALS:
+        _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_T, HEADS, C, False), 0, inverse, used)
     # W = T a~, a~ = a e^ge (per K column: ge is a cumulative sum down the chunk, <= 0).
     for part in tl.static_range((K + KI - 1) // KI):
         part_base, k_tile, k_in = _k_part(part, k_base, rows_in, steps, HEADS, K, KI)
@@ -1354,14 +1355,15 @@ def rwkv7_wy_kernel(
     BK: tl.constexpr, BV: tl.constexpr, KI: tl.constexpr, VI: tl.constexpr, C: tl.constexpr,
     LEVELS: tl.constexpr, FLOOR: tl.constexpr, TAME: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     SEQUENCES: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
-    INVERSE_PRECISION: tl.constexpr, BLOCK_LEVELS: tl.constexpr,
+    INVERSE_PRECISION: tl.constexpr, BLOCK_LEVELS: tl.constexpr, RESIDUALS: tl.constexpr,
 ):
     """Grid (2 * chunk slots, HEADS): two programs per 64-token chunk, side by side, one for the
     WY transform and one for the queries' matrices and the decayed rows (H100, the forward with
     its residuals: K=128 8.26 -> 7.50 ms, K=64 5.81 -> 5.62 against one program per chunk; the
     two share the chunk's tiles through L2, and each holds fewer registers live than both). wy
     [rows, HEADS, K]: W = T a~; u0 [rows, HEADS, V]: U0 = T A_ak V; matrices [chunk slots, HEADS,
-    4, C, C]: A_qk, A_qb, A_ak, T (``_wy_matrix``; the last two only the backward reads); qd,
+    4, C, C]: A_qk, A_qb, A_ak, T (``_wy_matrix``; the last two only the backward reads, and T is
+written only for it, RESIDUALS: A_ak is also this kernel's own scratch); qd,
     kd, bd [rows, HEADS, K]: the decayed rows q~ = scale r e^gi, k^ = k e^(g - gi),
     b^ = b e^(g - gi), and decay [chunk slots, HEADS, K] float32: e^g, which the later kernels
     read instead of the decays. Each float32 or bfloat16, rounded once from its float32 value.
@@ -1383,7 +1385,8 @@ def rwkv7_wy_kernel(
     if tl.program_id(0) % 2 == 0:
         _wy_transform(a_ptr, k_ptr, b_ptr, w_ptr, v_ptr, wy_ptr, u0_ptr, matrices_ptr, slot,
                       head, used, steps, rows_in, k_base, v_base, HEADS, K, V, BK, BV, KI, VI,
-                      C, LEVELS, FLOOR, TAME, PRECISION, INVERSE_PRECISION, BLOCK_LEVELS)
+                      C, LEVELS, FLOOR, TAME, PRECISION, INVERSE_PRECISION, BLOCK_LEVELS,
+                      RESIDUALS)
     else:
         _wy_queries(r_ptr, k_ptr, b_ptr, w_ptr, matrices_ptr, qd_ptr, kd_ptr, bd_ptr, decay_ptr,
                     slot, head, used, steps, rows_in, k_base, scale, HEADS, K, BK, KI, C, FLOOR,
@@ -1407,18 +1410,23 @@ def _wy_state_half(ptr, slot, head, half: tl.constexpr, HEADS: tl.constexpr, K: 
 
 
 @triton.jit
-def _wy_state_half_product(h, half: tl.constexpr, u, states_ptr, slot, wy_ptr, k_base, rows_in,
-                           head, v_cols, v_cols_in, HEADS: tl.constexpr, K: tl.constexpr,
-                           V: tl.constexpr, HALF: tl.constexpr, C: tl.constexpr,
+def _wy_state_half_product(h, half: tl.constexpr, x, x_ptr, k_base, rows_in, HEADS: tl.constexpr,
+                           K: tl.constexpr, HALF: tl.constexpr, C: tl.constexpr,
                            PRECISION: tl.constexpr):
-    """One half of H at a chunk's start (K rows half * HALF, ...): stored in the chunk's slot,
-    and u + W_half H_half (H rounded to W's dtype, as stored)."""
-    pointers, mask = _wy_state_half(states_ptr, slot, head, half, HEADS, K, V, HALF, v_cols,
-                                    v_cols_in)
-    tl.store(pointers, h.to(states_ptr.dtype.element_ty), mask=mask)
+    """x + X_half H_half for a [C, K] buffer X as stored (W, or q~), H's half (K rows
+    half * HALF, ...) rounded to X's dtype, as the state it would have been stored as."""
     base, tile, k_in = _k_part(half, k_base, rows_in, tl.arange(0, C), HEADS, K, HALF)
-    wy = stored(wy_ptr + base, tile, k_in)
-    return dot(wy, h.to(wy.dtype), u, PRECISION)
+    rows_x = stored(x_ptr + base, tile, k_in)
+    return dot(rows_x, h.to(rows_x.dtype), x, PRECISION)
+
+
+@triton.jit
+def _wy_outputs(o, v, u, matrices_ptr, slot, used, head, o_ptr, v_base, v_tile, v_in,
+                HEADS: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
+    """O = o + A_qk V + A_qb U stored in o's rows (o: q~ H), one [C, C] matrix live at a time."""
+    o = dot(_wy_load(matrices_ptr, slot, used, head, WY_A_QK, HEADS, C, False), v, o, PRECISION)
+    o = dot(_wy_load(matrices_ptr, slot, used, head, WY_A_QB, HEADS, C, False), u, o, PRECISION)
+    tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
 
 
 @triton.jit
@@ -1447,25 +1455,42 @@ def _wy_state_half_update(h, half: tl.constexpr, v, u, kd_ptr, bd_ptr, decay_ptr
 
 @triton.jit
 def _wy_state_halves_step(c, h_low, h_high, first_chunk_slot, start, end, head, v_tile, v_cols,
-                          v_cols_in, kd_ptr, v_ptr, bd_ptr, decay_ptr, wy_ptr, u0_ptr,
-                          states_ptr, u_ptr, HEADS: tl.constexpr, K: tl.constexpr,
-                          V: tl.constexpr, HALF: tl.constexpr, C: tl.constexpr,
-                          CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr):
-    """Chunk c of the state pass with H in two halves of HALF K rows (BK = 2 HALF): both
-    stored, U = U0 + sum of W_half H_half stored, and H' per half."""
+                          v_cols_in, kd_ptr, v_ptr, bd_ptr, decay_ptr, wy_ptr, u0_ptr, qd_ptr,
+                          matrices_ptr, states_ptr, u_ptr, o_ptr, HEADS: tl.constexpr,
+                          K: tl.constexpr, V: tl.constexpr, HALF: tl.constexpr, C: tl.constexpr,
+                          CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+                          OUTPUTS: tl.constexpr):
+    """Chunk c of the state pass with H in two halves of HALF K rows (BK = 2 HALF):
+    U = U0 + sum of W_half H_half; the chunk's outputs (OUTPUTS) or both halves and U stored;
+    H' per half."""
     slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
     first = start + c * C
     rows_in = (first + tl.arange(0, C) < end)[:, None]
     k_base = (first * HEADS + head) * K
     v_base = (first * HEADS + head) * V
     v_in = rows_in & v_cols_in
+    if not OUTPUTS:
+        pointers, mask = _wy_state_half(states_ptr, slot, head, 0, HEADS, K, V, HALF, v_cols,
+                                        v_cols_in)
+        tl.store(pointers, h_low.to(states_ptr.dtype.element_ty), mask=mask)
+        pointers, mask = _wy_state_half(states_ptr, slot, head, 1, HEADS, K, V, HALF, v_cols,
+                                        v_cols_in)
+        tl.store(pointers, h_high.to(states_ptr.dtype.element_ty), mask=mask)
     u = rows(u0_ptr, v_base, v_tile, v_in)
-    u = _wy_state_half_product(h_low, 0, u, states_ptr, slot, wy_ptr, k_base, rows_in, head,
-                               v_cols, v_cols_in, HEADS, K, V, HALF, C, PRECISION)
-    u = _wy_state_half_product(h_high, 1, u, states_ptr, slot, wy_ptr, k_base, rows_in, head,
-                               v_cols, v_cols_in, HEADS, K, V, HALF, C, PRECISION)
-    _wy_store(u_ptr + v_base, v_tile, u, v_in)
+    u = _wy_state_half_product(h_low, 0, u, wy_ptr, k_base, rows_in, HEADS, K, HALF, C,
+                               PRECISION)
+    u = _wy_state_half_product(h_high, 1, u, wy_ptr, k_base, rows_in, HEADS, K, HALF, C,
+                               PRECISION)
     v = stored(v_ptr + v_base, v_tile, v_in)
+    if OUTPUTS:
+        o = _wy_state_half_product(h_low, 0, None, qd_ptr, k_base, rows_in, HEADS, K, HALF, C,
+                                   PRECISION)
+        o = _wy_state_half_product(h_high, 1, o, qd_ptr, k_base, rows_in, HEADS, K, HALF, C,
+                                   PRECISION)
+        _wy_outputs(o, v, u, matrices_ptr, slot, True, head, o_ptr, v_base, v_tile, v_in, HEADS,
+                    C, PRECISION)
+    else:
+        _wy_store(u_ptr + v_base, v_tile, u, v_in)
     h_low = _wy_state_half_update(h_low, 0, v, u, kd_ptr, bd_ptr, decay_ptr, slot, head, k_base,
                                   rows_in, HEADS, K, HALF, C, PRECISION)
     h_high = _wy_state_half_update(h_high, 1, v, u, kd_ptr, bd_ptr, decay_ptr, slot, head,
@@ -1485,37 +1510,53 @@ def _wy_rows(wy_ptr, c, chunks, start, end, head, k_tile, k_cols_in, v_cols_in,
 @triton.jit
 def _wy_state_step(c, h, wy, first_chunk_slot, start, end, head, k_tile, k_cols_in, v_tile,
                    v_cols, v_cols_in, state_mask, kd_ptr, v_ptr, bd_ptr, decay_ptr, u0_ptr,
-                   states_ptr, u_ptr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BK: tl.constexpr, C: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """Chunk c of the state pass (BK <= 64) from its start state h and its W (as stored): H
-    stored, U = W H + U0 stored; returns H'."""
+                   qd_ptr, matrices_ptr, states_ptr, u_ptr, o_ptr, HEADS: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+                   CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr, OUTPUTS: tl.constexpr):
+    """Chunk c of the state pass (BK <= 64) from its start state h and its W (as stored):
+    U = W H + U0; the chunk's outputs (OUTPUTS) or H and U stored; returns H'."""
     slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
-    tl.store(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
-             h.to(states_ptr.dtype.element_ty), mask=state_mask)
+    if not OUTPUTS:
+        tl.store(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
+                 h.to(states_ptr.dtype.element_ty), mask=state_mask)
     k_base, k_in, v_base, v_in = row_bases(start + c * C, end, head, k_cols_in, v_cols_in,
                                             HEADS, K, V, C, False)
     u = dot(wy, h.to(wy.dtype), rows(u0_ptr, v_base, v_tile, v_in), PRECISION)
-    _wy_store(u_ptr + v_base, v_tile, u, v_in)
-    return _wy_state_update(h, stored(v_ptr + v_base, v_tile, v_in), u, kd_ptr, bd_ptr,
-                            decay_ptr, slot, head, k_base, k_tile, k_in, tl.arange(0, BK),
-                            in_range(tl.arange(0, BK), K, BK), HEADS, K, PRECISION)
+    v = stored(v_ptr + v_base, v_tile, v_in)
+    if OUTPUTS:
+        qd = stored(qd_ptr + k_base, k_tile, k_in)
+        _wy_outputs(dot(qd, h.to(qd.dtype), None, PRECISION), v, u, matrices_ptr, slot, True,
+                    head, o_ptr, v_base, v_tile, v_in, HEADS, C, PRECISION)
+    else:
+        _wy_store(u_ptr + v_base, v_tile, u, v_in)
+    return _wy_state_update(h, v, u, kd_ptr, bd_ptr, decay_ptr, slot, head, k_base, k_tile, k_in,
+                            tl.arange(0, BK), in_range(tl.arange(0, BK), K, BK), HEADS, K,
+                            PRECISION)
 
 
 @triton.jit
 def rwkv7_wy_state_kernel(
-    kd_ptr, v_ptr, bd_ptr, decay_ptr, wy_ptr, u0_ptr, h0_ptr, cu_ptr, chunk_index_ptr,  # inputs
-    ht_ptr, states_ptr, u_ptr,                                                   # outputs
+    kd_ptr, v_ptr, bd_ptr, decay_ptr, wy_ptr, u0_ptr, h0_ptr, cu_ptr, chunk_index_ptr,
+    qd_ptr, matrices_ptr,                                                        # inputs
+    ht_ptr, states_ptr, u_ptr, o_ptr,                                            # outputs
     HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, TOTAL_ROWS: tl.constexpr,
     CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr, PIPELINED: tl.constexpr,
+    OUTPUTS: tl.constexpr,
 ):
     """Grid (sequences * HEADS, V blocks of BV): the state recurrence, chunk by chunk, carrying
-    H in float32. h0, ht [N, HEADS, K, V] float32; states [chunk slots, HEADS, K, V]: H at the
-    start of every chunk (in its chunk slot); u [rows, HEADS, V]: U = W H + U0, with H rounded
-    to W's dtype (as it is stored: bfloat16 W and H multiply at the bfloat16 rate). Then
-    H' = e^g H + k^T V + b^T U from the decayed rows k^, b^ and e^g of
-    ``rwkv7_wy_kernel`` (``_wy_state_update``).
+    H in float32. h0, ht [N, HEADS, K, V] float32; U = W H + U0, with H rounded to W's dtype
+    (as it is stored: bfloat16 W and H multiply at the bfloat16 rate). Then H' = e^g H +
+    k^T V + b^T U from the decayed rows k^, b^ and e^g of ``rwkv7_wy_kernel``
+    (``_wy_state_update``).
+
+    Each chunk's H and U go either to the outputs kernel and the backward (states [chunk
+    slots, HEADS, K, V]: H at the start of every chunk, in its chunk slot; u [rows, HEADS, V])
+    or, for a call that is not differentiated (OUTPUTS), straight into the chunk's outputs
+    O = q~ H + A_qk V + A_qb U (o [rows, HEADS, V]; q~, A_qk, A_qb of ``rwkv7_wy_kernel``),
+    computed the way ``rwkv7_wy_output_kernel`` computes them: no H or U goes to memory and
+    back, and the outputs need no launch of their own. The other mode's pointers are unread
+    and unwritten (any array).
 
     PIPELINED: on the GPU the loop over chunks is a ``for`` that Triton pipelines (the launch's
     num_stages: the next chunks' loads, which do not depend on H, in flight in shared memory
@@ -1544,15 +1585,17 @@ def rwkv7_wy_state_kernel(
             while c < chunks:
                 h_low, h_high = _wy_state_halves_step(
                     c, h_low, h_high, first_chunk_slot, start, end, head, v_tile, v_cols,
-                    v_cols_in, kd_ptr, v_ptr, bd_ptr, decay_ptr, wy_ptr, u0_ptr, states_ptr,
-                    u_ptr, HEADS, K, V, HALF, C, CHUNK_SLOTS, PRECISION)
+                    v_cols_in, kd_ptr, v_ptr, bd_ptr, decay_ptr, wy_ptr, u0_ptr, qd_ptr,
+                    matrices_ptr, states_ptr, u_ptr, o_ptr, HEADS, K, V, HALF, C, CHUNK_SLOTS,
+                    PRECISION, OUTPUTS)
                 c += 1
         else:
             for c in range(chunks):
                 h_low, h_high = _wy_state_halves_step(
                     c, h_low, h_high, first_chunk_slot, start, end, head, v_tile, v_cols,
-                    v_cols_in, kd_ptr, v_ptr, bd_ptr, decay_ptr, wy_ptr, u0_ptr, states_ptr,
-                    u_ptr, HEADS, K, V, HALF, C, CHUNK_SLOTS, PRECISION)
+                    v_cols_in, kd_ptr, v_ptr, bd_ptr, decay_ptr, wy_ptr, u0_ptr, qd_ptr,
+                    matrices_ptr, states_ptr, u_ptr, o_ptr, HEADS, K, V, HALF, C, CHUNK_SLOTS,
+                    PRECISION, OUTPUTS)
         pointers, mask = _wy_state_half(ht_ptr, sequence, head, 0, HEADS, K, V, HALF,
                                         v_cols, v_cols_in)
         tl.store(pointers, h_low, mask=mask)
@@ -1570,8 +1613,9 @@ def rwkv7_wy_state_kernel(
                                    v_cols_in, HEADS, K, V, C)
                 h = _wy_state_step(c, h, wy, first_chunk_slot, start, end, head, k_tile,
                                    k_cols_in, v_tile, v_cols, v_cols_in, state_mask, kd_ptr,
-                                   v_ptr, bd_ptr, decay_ptr, u0_ptr, states_ptr, u_ptr, HEADS,
-                                   K, V, BK, C, CHUNK_SLOTS, PRECISION)
+                                   v_ptr, bd_ptr, decay_ptr, u0_ptr, qd_ptr, matrices_ptr,
+                                   states_ptr, u_ptr, o_ptr, HEADS, K, V, BK, C, CHUNK_SLOTS,
+                                   PRECISION, OUTPUTS)
                 c += 1
         else:  # (no W carried by hand: the pipeline loads it ahead, with the other tiles)
             for c in range(chunks):
@@ -1579,8 +1623,9 @@ def rwkv7_wy_state_kernel(
                               v_cols_in, HEADS, K, V, C)
                 h = _wy_state_step(c, h, wy, first_chunk_slot, start, end, head, k_tile,
                                    k_cols_in, v_tile, v_cols, v_cols_in, state_mask, kd_ptr,
-                                   v_ptr, bd_ptr, decay_ptr, u0_ptr, states_ptr, u_ptr, HEADS,
-                                   K, V, BK, C, CHUNK_SLOTS, PRECISION)
+                                   v_ptr, bd_ptr, decay_ptr, u0_ptr, qd_ptr, matrices_ptr,
+                                   states_ptr, u_ptr, o_ptr, HEADS, K, V, BK, C, CHUNK_SLOTS,
+                                   PRECISION, OUTPUTS)
         tl.store(_state(ht_ptr, sequence, head, HEADS, K, V, BK, v_cols), h, mask=state_mask)
 
 
@@ -1603,12 +1648,9 @@ def rwkv7_wy_output_kernel(
                                C, TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
     h = tl.load(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols),
                 mask=(tl.trans(k_cols_in) & v_cols_in) & used, other=0.0)
-    o = dot(stored(qd_ptr + k_base, k_tile, k_in), h, None, PRECISION)
-    A_qk = _wy_load(matrices_ptr, slot, used, head, WY_A_QK, HEADS, C, False)
-    o = dot(A_qk, stored(v_ptr + v_base, v_tile, v_in), o, PRECISION)
-    A_qb = _wy_load(matrices_ptr, slot, used, head, WY_A_QB, HEADS, C, False)
-    o = dot(A_qb, stored(u_ptr + v_base, v_tile, v_in), o, PRECISION)
-    tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
+    _wy_outputs(dot(stored(qd_ptr + k_base, k_tile, k_in), h, None, PRECISION),
+                stored(v_ptr + v_base, v_tile, v_in), stored(u_ptr + v_base, v_tile, v_in),
+                matrices_ptr, slot, used, head, o_ptr, v_base, v_tile, v_in, HEADS, C, PRECISION)
 
 
 # The 64-token backward: the state-gradient pass

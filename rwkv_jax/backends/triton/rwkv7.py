@@ -32,8 +32,8 @@ from jax import lax
 
 from .. import LOG_DECAY_FLOOR
 from . import launch as _launch
-from .common import (_check_head_sizes, _first_slots, _pow2_at_least, _sequences, _slot_count,
-                     _slot_sequences)
+from .common import (_UNUSED, _check_head_sizes, _first_slots, _pow2_at_least, _sequences,
+                     _slot_count, _slot_sequences)
 
 _kernels = _launch.kernels("rwkv7")
 
@@ -620,7 +620,9 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     U0, A_qk, A_qb, A_ak, T, the decayed rows q~, k^, b^ and e^g; tame or exact path per call on
     the device, ``tame_path``: every log decay >= -1, so that every 64-token chunk sums to
     >= -64 per channel; ``exact`` forces the exact path), the state pass (U, the state at
-    every chunk's start, ht) and the outputs.
+    every chunk's start, ht) and the outputs; or, without ``residuals`` (a call that is not
+    differentiated), two: the in-chunk kernel (no T) and the state pass, which writes each
+    chunk's outputs from the H and U it holds (no H per chunk or U to memory and back).
     ``block_v``: V columns per program of the state pass and the outputs (and of each U0
     product); ``recurrence_block_v``: the state pass's instead, where set (fewer columns, more
     programs, for few sequences: KernelConfig.recurrence_block_v); ``block_k_in_chunk``: K
@@ -695,29 +697,32 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
         # kernels' "ieee": ten [64, 64] products without tensor cores spilled 8.6 KB at K=32
         # (sm_90, 4 warps; tf32x3: 328 B tame, 1.4 KB exact).
         INVERSE_PRECISION=common["PRECISION"],
-        BLOCK_LEVELS=BLOCK64.bit_length() - 1,
+        BLOCK_LEVELS=BLOCK64.bit_length() - 1, RESIDUALS=residuals,
         **dict(common, BV=setup.v_blocks * block_v))
     wy, u0, matrices, qd, kd, bd, decay = _on_path(not exact and tame_path(w), in_chunk)
-    # 2. The state pass: U, the state at every chunk's start, the final states.
+    # 2. The state pass: U, then, for the backward, the state at every chunk's start and U
+    # (and 3., the outputs, all chunks at once from them), else each chunk's outputs at once
+    # (no H or U to memory and back: a call that is not differentiated); the final states.
     recurrence = _recurrence64(setup, recurrence_block_v)
-    ht, states, u = _launch.launch(
+    saved = (setup.states(slots, buffer), setup.per_row(common["V"])) if residuals else (
+        _UNUSED, _UNUSED)
+    ht, states, u, o = _launch.launch(
         _kernels.rwkv7_wy_state_kernel,
-        (kd, v, bd, decay, wy, u0, setup.h0, setup.cu, setup.chunk_index),
-        (setup.states(setup.sequences), setup.states(slots, buffer), setup.per_row(common["V"])),
+        (kd, v, bd, decay, wy, u0, setup.h0, setup.cu, setup.chunk_index, qd, matrices),
+        (setup.states(setup.sequences), *saved,
+         _UNUSED if residuals else setup.per_row(common["V"], v.dtype)),
         recurrence["grid"], num_warps=warps["state"], max_registers=max_registers.get("state"),
         num_stages=max(state_stages, 1), PIPELINED=state_stages > 0, CHUNK_SLOTS=slots,
-        **_without(recurrence["common"], "FLOOR"))
-    # 3. The outputs, all chunks at once.
+        OUTPUTS=not residuals, **_without(recurrence["common"], "FLOOR"))
+    if not residuals:
+        return o.reshape(setup.shape), ht
     (o,) = _launch.launch(
         _kernels.rwkv7_wy_output_kernel, (qd, v, u, states, matrices, *setup.index),
         (setup.per_row(common["V"], v.dtype),), (slots * setup.v_blocks, heads),
         num_warps=warps["output"], max_registers=max_registers.get("output"),
         SEQUENCES=setup.sequences, CHUNK_SLOTS=slots, **_without(common, "FLOOR"))
-    o = o.reshape(setup.shape)
-    if residuals:
-        return o, ht, dict(states=states, u=u, wy=wy, matrices=matrices, qd=qd, kd=kd, bd=bd,
-                           decay=decay)
-    return o, ht
+    return o.reshape(setup.shape), ht, dict(states=states, u=u, wy=wy, matrices=matrices, qd=qd,
+                                            kd=kd, bd=bd, decay=decay)
 
 
 # Warps of the 64-token state-gradient pass at every K (as the forward's state pass). sm_90,
