@@ -185,16 +185,7 @@ def main():
         ("tame in-chunk", rwkv7.rwkv7_tame_in_chunk_kernel,
          dict(in_chunk, GROUP=4, KI=min(64, bk))),
         ("in-chunk", rwkv7.rwkv7_in_chunk_kernel, dict(in_chunk, LEVELS=4, KI=min(32, bk))),
-        ("forward", rwkv7.rwkv7_forward_kernel,
-         dict(recurrence, CHUNKS_PER_STATE=8, SAVE=True, STATE_SLOTS=spans)),
-        ("state gradient", rwkv7.rwkv7_state_gradient_kernel, recurrence),
-        ("value gradient", rwkv7.rwkv7_value_gradient_kernel,
-         dict({n: x for n, x in gradient.items() if n not in ("scale", "LEVELS")},
-              BK=min(bk, 64), K_PIECES=-(-bk // 64))),
-        ("key gradient", rwkv7.rwkv7_key_gradient_kernel, k_side),
-        ("query gradient", rwkv7.rwkv7_query_gradient_kernel, k_side),
-        ("tame gradient", rwkv7.rwkv7_tame_gradient_kernel,
-         dict({n: x for n, x in k_side.items() if n != "LEVELS"}, PIPELINED=stages > 0)),
+        ("forward", rwkv7.rwkv7_forward_kernel, recurrence),
     ]
     tame_constexprs = {}  # kernel name -> the tame path's own constexprs
     if args.family == "rwkv7" and args.bf16_saved:

@@ -21,8 +21,8 @@ as JSON.
     python benchmarks/gpu_rwkv7_generations.py [--reps 50] [--out FILE]
     python benchmarks/gpu_rwkv7_generations.py --smoke   # CPU, Triton's interpreter, tiny
 
-Once the 16-token kernels are gone (KernelConfig has no ``chunk`` field) it times the 64-token
-kernels alone.
+Without the 16-token training kernels (KernelConfig has no ``chunk`` field) it compares the
+forwards alone; without the 16-token forward too, it times the 64-token kernels alone.
 """
 
 from __future__ import annotations
@@ -78,13 +78,20 @@ CASES = [
 
 
 def generations(case):
-    """(name, KernelConfig) of each generation the backend still has, for this case's shape."""
+    """(name, KernelConfig) of each generation the backend has for this case (its shape, and
+    whether it is differentiated): the 16-token kernels while they exist (KernelConfig.chunk),
+    then the 16-token forward while it exists (chunk64_inference off), and the 64-token ones."""
     base = triton_backend.default_config(case.key, case.key, case.batch * case.heads)
     fields = {f.name for f in dataclasses.fields(base)}
-    if "chunk" not in fields:  # one generation left
-        return [("64", base)]
-    return [("16", dataclasses.replace(base, chunk=16)),
-            ("64", dataclasses.replace(base, chunk=64, chunk64_inference=True))]
+    sixty_four = {n: x for n, x in dict(chunk=64, chunk64_inference=True).items() if n in fields}
+    if "chunk" in fields:
+        sixteen = dict(chunk=16)
+    elif "chunk64_inference" in fields and not case.train:
+        sixteen = dict(chunk64_inference=False)
+    else:
+        return [("64", dataclasses.replace(base, **sixty_four))]
+    return [("16", dataclasses.replace(base, **sixteen)),
+            ("64", dataclasses.replace(base, **sixty_four))]
 
 
 def draw(seed, batch, steps, heads, key, exact, dtype):

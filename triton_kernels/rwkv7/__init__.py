@@ -34,7 +34,7 @@ those of a kernel without the other.
 
 64-token chunks (docs/RWKV7-CHUNK64.md): the forward in the WY form.
 
-The op's kernels at KernelConfig.chunk = 64, beside the 16-token ones (``chunk16``, ``chunk16_gradients``): three forward
+The op's kernels at KernelConfig.chunk = 64, beside the 16-token forward (``chunk16``; a call that is not differentiated may take it): three forward
 kernels,
   1. rwkv7_wy_kernel (parallel, a program per chunk and head): the in-chunk matrices,
      T = (I - A_ab)^-1, W = T a~ [C, K] and U0 = T A_ak V [C, V] per token, A_qk, A_qb,
@@ -67,19 +67,14 @@ which keeps registers free and loads and stores vectorised.
 
 # The kernels the backend launches (rwkv_jax/backends/triton: ``launch.kernels("rwkv7")``).
 from .chunk16 import rwkv7_forward_kernel, rwkv7_in_chunk_kernel, rwkv7_tame_in_chunk_kernel
-from .chunk16_gradients import (rwkv7_key_gradient_kernel, rwkv7_query_gradient_kernel,
-                                rwkv7_state_gradient_kernel, rwkv7_tame_gradient_kernel,
-                                rwkv7_value_gradient_kernel)
 from .in_chunk import rwkv7_wy_kernel
 from .k_side import rwkv7_wy_key_gradient_kernel, rwkv7_wy_matrix_gradient_kernel
 from .outputs import rwkv7_wy_output_kernel
 from .state import rwkv7_wy_state_kernel
 from .v_side import rwkv7_wy_state_gradient_kernel, rwkv7_wy_value_gradient_kernel
 
-__all__ = ["rwkv7_forward_kernel", "rwkv7_in_chunk_kernel", "rwkv7_key_gradient_kernel",
-           "rwkv7_query_gradient_kernel", "rwkv7_state_gradient_kernel",
-           "rwkv7_tame_gradient_kernel", "rwkv7_tame_in_chunk_kernel",
-           "rwkv7_value_gradient_kernel", "rwkv7_wy_kernel", "rwkv7_wy_key_gradient_kernel",
+__all__ = ["rwkv7_forward_kernel", "rwkv7_in_chunk_kernel", "rwkv7_tame_in_chunk_kernel",
+           "rwkv7_wy_kernel", "rwkv7_wy_key_gradient_kernel",
            "rwkv7_wy_matrix_gradient_kernel", "rwkv7_wy_output_kernel",
            "rwkv7_wy_state_gradient_kernel", "rwkv7_wy_state_kernel",
            "rwkv7_wy_value_gradient_kernel"]

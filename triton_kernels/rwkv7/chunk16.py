@@ -1,39 +1,20 @@
 """The 16-token kernels' forward: the in-chunk matrices of every 16-token chunk (tame and exact
-paths) and the sequential forward that reads them (``chunk16_gradients``: their backward).
+paths) and the sequential forward that reads them; a call that is differentiated takes the
+64-token kernels.
 
-Four phases, so that only the two recurrences are sequential and they build nothing per chunk:
+Two phases, so that only the recurrence is sequential and it builds nothing per chunk:
 
 0. in-chunk: all chunks at once, each chunk's (I - A_ab)^-1, A_qb, A_ak, A_qk (float32,
-   [C, C] each: 64 floats per token and head, read by both passes, and by every V block):
+   [C, C] each: 64 floats per token and head, read by every V block of the forward):
    ``rwkv7_tame_in_chunk_kernel`` (GROUP chunks per program, batched products) or
    ``rwkv7_in_chunk_kernel`` (level by level, one chunk per program).
 1. forward: one program per (sequence, head, block of V columns) walks its chunks in order,
    keeping H in registers: X = A_ak V + a~ H, U = (I - A_ab)^-1 X, O and H' as above, with
-   e^gi, e^ge, e^(g - gi) from one cumulative sum of w; for the backward it saves H every
-   CHUNKS_PER_STATE chunks and U.
-2. state gradient: the same grid walks the chunks in reverse carrying dH, which needs neither
-   H nor U: with dU = b^ dH + A_qb^T dO and dX = (I - A_ab)^-T dU,
-   dH_prev = e^g dH + q~^T dO + a~^T dX. It saves dH at the end of every chunk and dX.
-3. gradients: one program per (span of CHUNKS_PER_STATE chunks, head, V block), all at once,
-   from the saved dH, dX, U (and H, advanced over the span with the saved U, where needed):
-   every input gradient of its chunks, with no recurrence and no inverse. Three kernels, each
-   holding part of the tiles: value gradient (dv, one path: it reads A_qk and A_ak from the
-   in-chunk buffer), key gradient (dk, db and their share of dw) and query gradient (dr, da,
-   dw; the one that needs H), the last two on blocks of K rows where configured (K_BLOCKS:
-   all their K-side work is per K row); for tame calls one kernel does the last two by
-   default (``rwkv7_tame_gradient_kernel``: fewer reads). Their tiles are held transposed
-   ([K, C], [V, C]; see the kernels).
+   e^gi, e^ge, e^(g - gi) from one cumulative sum of w.
 
 Sequences are rows [cu[n], cu[n+1]) of the flattened [rows, heads, *] inputs (fixed-length
-batches are the special case cu = arange(B + 1) * T). ``state_index[n]`` is the first slot of
-sequence n in the saved-state buffer (one state per span of CHUNK * CHUNKS_PER_STATE tokens),
-``chunk_index[n]`` its first slot in the per-chunk dH buffer, and ``slot_sequence[s]`` the
-sequence of span slot s (-1 for the slots past the last span: the buffers have a static size).
-
-K-side gradients (r, w, k, a, b) sum over V, so with several V blocks the caller launches
-their kernels once per V block (V_BLOCK): each launch after the first adds the float32 sums of
-the one before (ACCUMULATE), and the last writes the gradients' dtype. That keeps one float32
-buffer per gradient, in a fixed order of summation (deterministic).
+batches are the special case cu = arange(B + 1) * T); ``chunk_index[n]`` is sequence n's first
+slot in the in-chunk buffer.
 """
 
 import triton
@@ -253,23 +234,6 @@ def _forward_chunk(c, chunks, start, end, first_chunk_slot, r_ptr, w_ptr, k_ptr,
 
 
 @triton.jit
-def _state_gradient_chunk(c, chunks, start, end, first_chunk_slot, r_ptr, w_ptr, a_ptr, b_ptr,
-                          do_ptr, matrices_ptr, head, k_tile, k_cols_in, v_tile, v_cols_in,
-                          HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                          C: tl.constexpr, CHUNK_SLOTS: tl.constexpr):
-    """The state gradient's loads of chunk c: dO, w, b, r, a as stored and A_qb^T,
-    (I - A_ab)^-T (zeros before the first chunk)."""
-    k_base, k_in, v_base, v_in, inside = _chunk_bases(c, chunks, start, end, head, k_cols_in,
-                                                      v_cols_in, HEADS, K, V, C)
-    slot = clamped(first_chunk_slot + c, CHUNK_SLOTS)
-    return (stored(do_ptr + v_base, v_tile, v_in), stored(w_ptr + k_base, k_tile, k_in),
-            stored(b_ptr + k_base, k_tile, k_in), stored(r_ptr + k_base, k_tile, k_in),
-            stored(a_ptr + k_base, k_tile, k_in),
-            _load_matrix(matrices_ptr, slot, inside, head, A_QB, HEADS, C, True),
-            _load_matrix(matrices_ptr, slot, inside, head, INVERSE, HEADS, C, True))
-
-
-@triton.jit
 def _against(x, tile, ROUNDED: tl.constexpr):
     """x (float32) to multiply a tile as stored (v, dO): rounded to bfloat16 where ROUNDED and
     the tile is bfloat16, so that the product takes 16-bit operands (KernelConfig.rounded);
@@ -296,22 +260,18 @@ def _against(x, tile, ROUNDED: tl.constexpr):
 @triton.jit
 def rwkv7_forward_kernel(
     r_ptr, w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, h0_ptr, matrices_ptr, cu_ptr,    # inputs
-    state_index_ptr, chunk_index_ptr,
-    o_ptr, ht_ptr, states_ptr, u_ptr,                                           # outputs
+    chunk_index_ptr,
+    o_ptr, ht_ptr,                                                              # outputs
     scale: tl.constexpr, HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr,
-    TOTAL_ROWS: tl.constexpr, STATE_SLOTS: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
-    CHUNKS_PER_STATE: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
+    TOTAL_ROWS: tl.constexpr, CHUNK_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
     ROUNDED: tl.constexpr,
 ):
     """Grid (sequences * HEADS, V blocks); matrices: the in-chunk kernels', whose slots
-    ``chunk_index`` gives. o [rows, HEADS, V]; ht [N, HEADS, K, V] float32; if SAVE: states
-    [STATE_SLOTS, HEADS, K, V] float32, the state at the start of every span, and u [rows,
-    HEADS, V] float32."""
+    ``chunk_index`` gives. o [rows, HEADS, V]; ht [N, HEADS, K, V] float32."""
     (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
      first_chunk_slot, h) = _recurrence(cu_ptr, chunk_index_ptr, h0_ptr, HEADS, K, V, BK, BV, C,
                                         TOTAL_ROWS)
-    first_slot = tl.load(state_index_ptr + sequence)
     if BK <= PREFETCH_UP_TO:
         v_next, w_next, a_next, r_next, k_next, b_next, A_ak_next, inverse_next, A_qk_next, \
             A_qb_next = _forward_chunk(0, chunks, start, end, first_chunk_slot, r_ptr, w_ptr,
@@ -319,11 +279,6 @@ def rwkv7_forward_kernel(
                                        k_cols_in, v_tile, v_cols_in, HEADS, K, V, C, CHUNK_SLOTS)
     c = 0
     while c < chunks:  # not `for ... in range`: the interpreter cannot take a run-time bound
-        if SAVE:
-            if c % CHUNKS_PER_STATE == 0:
-                slot = clamped(first_slot + c // CHUNKS_PER_STATE, STATE_SLOTS)
-                tl.store(_state(states_ptr, slot, head, HEADS, K, V, BK, v_cols), h,
-                         mask=state_mask)
         _, _, v_base, v_in, _ = _chunk_bases(c, chunks, start, end, head, k_cols_in, v_cols_in,
                                              HEADS, K, V, C)
         if BK <= PREFETCH_UP_TO:
@@ -353,8 +308,6 @@ def rwkv7_forward_kernel(
         x = tl.dot(a * tl.exp(ge), h, dot(_against(A_ak, v, ROUNDED), v, None, PRECISION),
                    input_precision=PRECISION)
         u = tl.dot(inverse, x, input_precision=PRECISION)
-        if SAVE:
-            tl.store(u_ptr + v_base + v_tile, u, mask=v_in)
         o = tl.dot(q * tl.exp(gi), h, input_precision=PRECISION)
         o = dot(_against(A_qk, v, ROUNDED), v, o, PRECISION)
         o = tl.dot(A_qb, u, o, input_precision=PRECISION)

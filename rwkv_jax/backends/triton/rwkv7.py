@@ -2,22 +2,20 @@
 
 The kernels see the batch flattened to rows ``[B * T, H, *]`` and one list of sequences,
 ``cu`` (``cu_seqlens``, or ``arange(B + 1) * T`` for a plain batch), so packed and plain inputs
-share one code path. Every chunk's in-chunk matrices are computed once, all at once, and read
-by the forward and (kept for it) the state-gradient pass. The forward saves the state every
-``CHUNK * chunks_per_state`` tokens of each sequence (and U, see the kernels) for the backward,
-whose state-gradient pass saves dH at every chunk's end; where each sequence's entries start
-in these buffers (and the in-chunk matrices' buffer) is computed on the
-device from ``cu``, and the buffers have the static size ``rows // span + N`` (an upper bound
-over all length patterns): no host sync, no recompile per length pattern. The kernels clamp
-every row and slot they derive from ``cu`` into these buffers (their sizes are compile-time
-constants), so no value of ``cu`` reads or writes out of bounds. Launches go through
-:mod:`rwkv_jax.backends.triton.launch` (jax-triton on GPU, Triton's interpreter on CPU);
-:func:`rwkv7` is a ``jax.custom_vjp``. Exact for every log decay in [-inf, 0]: the kernels that
-build in-chunk matrices have two paths (tame and exact, see the kernels), and :func:`tame_path`
-picks one per call on the device (one read of w, ``lax.cond``: no host sync); the backward
-takes the forward's path. The two sequential passes have one path. Above K = 64 training takes
-the 64-token kernels instead (section "64-token chunks" below, ``KernelConfig.chunk``); a call
-that is not differentiated takes the 16-token forward at every head size.
+share one code path. Chunks are 64 tokens (the WY form: :func:`forward_chunk64`,
+:func:`backward_chunk64_v_side`, :func:`backward_chunk64_k_side`); a call that is not
+differentiated at many sequence-heads takes the 16-token forward instead
+(``KernelConfig.chunk64_inference``). Where each sequence's chunks start in the per-chunk
+buffers is computed on the device from ``cu``, and the buffers have the static size
+``rows // 64 + N`` (an upper bound over all length patterns): no host sync, no recompile per
+length pattern. The kernels clamp every row and slot they derive from ``cu`` into these
+buffers (their sizes are compile-time constants), so no value of ``cu`` reads or writes out of
+bounds. Launches go through :mod:`rwkv_jax.backends.triton.launch` (jax-triton on GPU,
+Triton's interpreter on CPU); :func:`rwkv7` is a ``jax.custom_vjp``. Exact for every log decay
+in [-inf, 0]: the kernels that build in-chunk matrices have two paths (tame and exact, see the
+kernels), and :func:`tame_path` picks one per call on the device (one read of w,
+``lax.cond``: no host sync); the backward takes the forward's path. The sequential passes have
+one path.
 """
 
 from __future__ import annotations
@@ -49,13 +47,13 @@ EXACT_BLOCK_K = 32
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    block_v: int            # V columns per program of the gradient kernels
-    chunks_per_state: int   # the forward saves the state every this many chunks
-    forward_warps: int      # of the sequential passes (forward, state gradient)
-    backward_warps: int     # of the parallel gradient kernel
+    # V columns per program of the 64-token state passes, outputs and V-side gradients (and of
+    # the 16-token forward).
+    block_v: int
+    forward_warps: int = 4  # of the 16-token forward
     stages: int | None = None
-    # V columns per program of the two sequential passes (None: block_v). They read the
-    # in-chunk matrices of the in-chunk kernels, so more V blocks recompute nothing.
+    # V columns per program of the sequential passes (None: block_v). They read what the
+    # in-chunk kernels wrote, so more V blocks recompute nothing.
     recurrence_block_v: int | None = None
     in_chunk_warps: int = 4  # of the two in-chunk kernels
     # Chunks per program of rwkv7_tame_in_chunk_kernel ([G, C, *] tiles, batched products),
@@ -70,35 +68,11 @@ class KernelConfig:
     # Calls whose every log decay is >= -TAME_SUM / CHUNK take the kernels' tame path (one
     # product per A matrix); False: every call level by level (exact for every decay either way).
     tame: bool = True
-    # The tame path's K-side gradients in one kernel (rwkv7_tame_gradient_kernel) rather than
-    # two (dv has its own kernel either way).
-    fused_tame_gradient: bool = False
-    # K rows per program of the K-side gradient kernels (key, query, fused; None: all; else a
-    # power of two dividing K): their K-side tiles and states are per K row, so blocks of K
-    # need fewer registers at the cost of reading the V-side tiles once per block.
-    gradient_block_k: int | None = None
-    # 16-bit inputs: the states saved every span and dH saved at every chunk's end in bfloat16
-    # (half their bytes; float32 inputs keep float32). H100, B=8 T=4096 bf16, same run
-    # (session 13): K=64 15.20 -> 14.63 ms forward+backward, peak 7.28 -> 6.15 GiB, errors
-    # unchanged; K=128 32.05 -> 32.54 (the fused K-side kernel spills more): default_config
-    # turns it on at K <= 64.
-    bf16_saved: bool = False
-    # bfloat16 inputs: the sequential passes multiply v and dO as stored, against the A
+    # bfloat16 inputs: the 16-token forward multiplies v as stored, against the A
     # matrices and the decayed k and q rounded to bfloat16 (16-bit operands, as GLA/RWKV-6's
     # rounded_products: H100 K=128 GLA state pass 1.53 -> 1.12 ms there). Not yet timed for
     # RWKV-7: off by default.
     rounded: bool = False
-    # Warps of the K-side gradient kernels (None: backward_warps). sm_90, bf16, the fused tame
-    # kernel: 4 warps spill 288 B at K=64 and 344 B at K=128, 8 warps 192 and 196 B, yet 8 are
-    # far slower (H100, session 13: that kernel 7.75 -> 13.94 ms at K=64, 18.84 -> 30.78 at
-    # K=128). The value kernel keeps backward_warps: Triton 3.6 miscompiles its products at 8.
-    k_side_warps: int | None = None
-    # Tokens per chunk of the training kernels: 16, the kernels above, or 64, the WY-form
-    # kernels of the section "64-token chunks" (docs/RWKV7-CHUNK64.md; default_config's choice
-    # from K = 64), which take block_v (the V columns per program of their state passes,
-    # outputs and V-side gradients) and the chunk64_* fields below; a call that is not
-    # differentiated takes the 16-token forward unless chunk64_inference.
-    chunk: int = 16
     # At 64-token chunks: keys per program and warps of the K-side kernel (None:
     # backward_chunk64_k_side's defaults), and warps of the two sequential passes (None: 4).
     chunk64_k_side_block_k: int | None = None
@@ -120,13 +94,6 @@ class KernelConfig:
     # The same for the 64-token state-gradient pass's loop (0: a ``while``, not pipelined).
     # None: backward_chunk64_v_side's default (STATE_GRADIENT_STAGES64).
     chunk64_state_gradient_stages: int | None = None
-    # num_stages of the fused tame K-side kernel's loop over a span's chunks, a ``for`` that
-    # Triton pipelines (the next chunks' loads in flight during this one's products); 0: a
-    # ``while`` loop, not pipelined. H200, B=8 T=4096 bf16, that kernel (session 14): K=64
-    # 7.71 ms with ``while``, 7.89 at 2 stages, 7.83 at 3; K=128 18.12, 17.64, 17.05 (fwd+bwd
-    # 31.67 -> 30.52): default_config pipelines it at K=128 only. (The value kernel's loop
-    # pipelined the same way was slower: K=128 3.00 -> 5.85 ms at 3 stages.)
-    gradient_stages: int = 0
     # At 64-token chunks, 16-bit inputs: W and H per chunk in bfloat16 (half their bytes; W H
     # multiplies at the bfloat16 tensor-core rate); the state pass still carries H in float32.
     # The other buffers stay float32, as bfloat16 cost too much precision (interpreter, bf16
@@ -157,36 +124,13 @@ FEW_RECURRENCE_PROGRAMS = 132
 def default_config(k_size: int, v_size: int, streams: int = FEW_RECURRENCE_PROGRAMS
                    ) -> KernelConfig:
     """The measured configuration for head sizes K, V and ``streams`` = sequences x heads."""
-    block_k, block_v = _pow2_at_least(k_size), _pow2_at_least(v_size)
-    # Measured on an H100 (BENCHMARKS.md): every kernel is fastest with 4 warps at K=V=64, and
-    # the gradient kernels must keep 4: with 8, Triton 3.6 miscompiles the products of dv (wrong
-    # dv at K=64 and K=128; slower too). A state every 8 chunks beats every 1, 2 or 4 (fewer
-    # saved states, and the span's walk costs little). The sequential passes (which read the
-    # in-chunk matrices) at 4 warps at every head size (K=128: forward 5.29 ms, state gradient
-    # 4.85, against 8.78 and 8.39 with 8 warps; V blocks of 32: 9.60 and 8.29). dv in its own
-    # kernel and the tame path's K-side gradients in one kernel at every head size, on blocks
-    # of 64 K rows at K=128 (session 13, B=8 T=4096 bf16 forward+backward: K=64 15.20 ms against
-    # 18.02 in two K-side kernels; K=128 32.05 against 36.54, and 39.09 without K blocks).
-    # bfloat16 saved states and dH at K <= 64 only (KernelConfig.bf16_saved). Above K = 64 the
-    # 64-token kernels (session 15, H200, B=8 T=4096 H=32 K=128 bf16, forward+backward: 22.13 ms
-    # against 30.87, peak 7.57 GiB against 11.56; session 16: 19.29; session 17, their K-side
-    # and in-chunk kernels under register caps: 17.45), and at K = 64 since session 17 (H=64:
-    # 14.47 against the 16-token kernels' 14.88, same run; session 16: 15.50 against 14.54;
-    # peak 7.81 GiB against 6.15); below K = 64 not timed. Few sequence-heads' sequential
-    # passes are latency-bound and take 4x fewer steps at 64 tokens (session 15, one sequence
-    # of 65536 tokens, H=32 K=64: 25.17 against 29.24), in training and in calls not
-    # differentiated (the 64-token forward, residuals included, 8.34 ms against the 16-token
-    # forward's 10.85). Inference at many sequence-heads keeps the 16-token forward (session
-    # 17, B=8: K=128 5.35 ms against 7.15 for the 64-token forward with its residuals, K=64
-    # 3.28 against 5.32).
+    block_v = _pow2_at_least(v_size)
+    # Few sequence-heads: the sequential passes are latency-bound, so they take narrower V
+    # blocks (more programs) and calls that are not differentiated take the 64-token forward
+    # (4x fewer serial steps than the 16-token one, which many sequence-heads keep).
     few = streams * -(-v_size // 64) < FEW_RECURRENCE_PROGRAMS and block_v >= 64
-    return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
-                        backward_warps=4, fused_tame_gradient=True,
-                        gradient_block_k=64 if block_k == 128 else None,
-                        gradient_stages=3 if block_k == 128 else 0,
-                        recurrence_block_v=32 if few else None, bf16_saved=block_k <= 64,
-                        chunk=CHUNK64 if block_k >= 64 else CHUNK,
-                        chunk64_inference=few and block_k >= 64)
+    return KernelConfig(block_v=min(block_v, 64), recurrence_block_v=32 if few else None,
+                        chunk64_inference=few)
 
 
 # (K, V) -> KernelConfig, to try other settings (benchmarks/gpu_rwkv7.py) without editing code.
@@ -207,36 +151,22 @@ class _Static:
     config: KernelConfig
     precision: str  # of the float32 matrix products: "tf32x3" for float32 inputs, else "tf32"
 
-    @property
-    def span(self):
-        return CHUNK * self.config.chunks_per_state
-
-    @property
-    def saved_dtype(self):
-        """Of the saved states and dH (KernelConfig.bf16_saved)."""
-        sixteen_bit = self.precision != "tf32x3"
-        return jnp.bfloat16 if self.config.bf16_saved and sixteen_bit else jnp.float32
-
     def constexprs(self, *names):
         """The kernels' compile-time arguments, those named."""
         every = dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
                      BK=_pow2_at_least(self.k_size), BV=self.config.block_v, C=CHUNK,
-                     LEVELS=LEVELS, FLOOR=LOG_DECAY_FLOOR,
-                     CHUNKS_PER_STATE=self.config.chunks_per_state, PRECISION=self.precision,
+                     LEVELS=LEVELS, FLOOR=LOG_DECAY_FLOOR, PRECISION=self.precision,
                      ROUNDED=self.config.rounded,
                      INVERSE_PRECISION=self.config.inverse_precision or (
                          "ieee" if self.precision == "tf32x3" else "tf32"))
         return {name: every[name] for name in names}
-
-    def grid(self, sequences):
-        return (sequences * self.heads, -(-self.v_size // self.config.block_v))
 
     @property
     def recurrence_block_v(self):
         return self.config.recurrence_block_v or self.config.block_v
 
     def recurrence_launch(self, sequences):
-        """The grid, warps and compile-time arguments of the two sequential passes."""
+        """The grid, warps and compile-time arguments of the 16-token forward."""
         return dict(grid=(sequences * self.heads, -(-self.v_size // self.recurrence_block_v)),
                     num_warps=self.config.forward_warps, num_stages=self.config.stages,
                     **dict(self.constexprs(*_RECURRENCE), BV=self.recurrence_block_v))
@@ -284,152 +214,23 @@ def _in_chunk_matrices(static, r, w, k, a, b, cu, tame):
     return matrices, chunk_index
 
 
-def _forward(static, r, w, k, v, a, b, h0, cu, save, tame):
+def _forward(static, r, w, k, v, a, b, h0, cu, tame):
+    """The 16-token forward (o, ht) of inputs flattened to rows."""
     rows = r.shape[0]
     sequences = cu.shape[0] - 1
-    state_shape = (sequences, static.heads, static.k_size, static.v_size)
-    saved = lambda shape, dtype: jax.ShapeDtypeStruct(shape if save else (1,), dtype)
     matrices, chunk_index = _in_chunk_matrices(static, r, w, k, a, b, cu, tame)
-    o, ht, states, u = _launch.launch(
-        _kernels.rwkv7_forward_kernel,
-        (r, w, k, v, a, b, h0, matrices, cu, _first_slots(cu, static.span)[1], chunk_index),
-        (jax.ShapeDtypeStruct((rows, static.heads, static.v_size), v.dtype),
-         jax.ShapeDtypeStruct(state_shape, jnp.float32),
-         saved((_slot_count(rows, sequences, static.span),) + state_shape[1:],
-               static.saved_dtype),
-         saved((rows, static.heads, static.v_size), jnp.float32)),
-        SAVE=save, TOTAL_ROWS=rows,
-        STATE_SLOTS=_slot_count(rows, sequences, static.span) if save else 1,
-        CHUNK_SLOTS=matrices.shape[0], CHUNKS_PER_STATE=static.config.chunks_per_state,
-        **static.recurrence_launch(sequences))
-    return o, ht, states, u, matrices
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rwkv7(static, r, w, k, v, a, b, h0, cu):
-    o, ht, _, _, _ = _forward(static, r, w, k, v, a, b, h0, cu, False, tame_path(w))
-    return o, ht
-
-
-def _rwkv7_fwd(static, r, w, k, v, a, b, h0, cu):
-    tame = tame_path(w)
-    o, ht, states, u, matrices = _forward(static, r, w, k, v, a, b, h0, cu, True, tame)
-    return (o, ht), (r, w, k, v, a, b, states, u, matrices, cu, tame)
-
-
-def _rwkv7_bwd(static, residuals, cotangents):
-    r, w, k, v, a, b, states, u, matrices, cu, tame = residuals
-    do, dht = cotangents
-    do = do.astype(v.dtype)
-    dh0, dstates, dx = _state_gradient(static, r, w, a, b, matrices, cu, do, dht)
-    # dV reads the forward's A matrices (one path): outside the lax.cond, so that they are freed
-    # before the K-side kernels.
-    dv = _value_gradient(static, w, k, do, dstates, dx, matrices, cu)
-    dr, dw, dk, da, db = _on_path(static.config.tame and tame, lambda TAME: _k_side_gradients(
-        static, TAME, r, w, k, v, a, b, states, u, cu, do, dstates, dx))
-    return dr, dw, dk, dv, da, db, dh0, None
-
-
-def _state_gradient(static, r, w, a, b, matrices, cu, do, dht):
-    """The reverse recurrence of the state gradient: dh0, dH at the end of every chunk, and dX
-    (one path; outside the backward's lax.cond, so that the in-chunk matrices are freed before
-    the gradient kernels run)."""
-    rows = r.shape[0]
-    sequences = cu.shape[0] - 1
-    state_shape = (static.heads, static.k_size, static.v_size)
     return _launch.launch(
-        _kernels.rwkv7_state_gradient_kernel,
-        (r, w, a, b, do, dht.astype(jnp.float32), matrices, cu, _first_slots(cu, CHUNK)[1]),
-        (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
-         jax.ShapeDtypeStruct((_slot_count(rows, sequences, CHUNK),) + state_shape,
-                              static.saved_dtype),
-         jax.ShapeDtypeStruct((rows, static.heads, static.v_size), jnp.float32)),
-        TOTAL_ROWS=rows, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
-        **static.recurrence_launch(sequences))
+        _kernels.rwkv7_forward_kernel, (r, w, k, v, a, b, h0, matrices, cu, chunk_index),
+        (jax.ShapeDtypeStruct((rows, static.heads, static.v_size), v.dtype),
+         jax.ShapeDtypeStruct((sequences, static.heads, static.k_size, static.v_size),
+                              jnp.float32)),
+        TOTAL_ROWS=rows, CHUNK_SLOTS=matrices.shape[0], **static.recurrence_launch(sequences))
 
 
-def _gradient_launch(static, cu, rows):
-    """What every gradient kernel launches with (one program per span, head and V block, all
-    at once): its span slots, their index inputs, and the common options."""
-    sequences = cu.shape[0] - 1
-    _, chunk_index = _first_slots(cu, CHUNK)
-    spans, state_index = _first_slots(cu, static.span)
-    slots = _slot_count(rows, sequences, static.span)
-    index = (cu, state_index, chunk_index, _slot_sequences(spans, state_index, slots))
-    options = dict(
-        num_warps=static.config.backward_warps, num_stages=static.config.stages,
-        TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
-        **static.constexprs("HEADS", "K", "V", "BK", "BV", "C", "FLOOR", "PRECISION",
-                            "CHUNKS_PER_STATE"))
-    return (slots, static.heads, static.grid(sequences)[1]), index, options
-
-
-def _value_gradient(static, w, k, do, dstates, dx, matrices, cu):
-    """dv (rwkv7_value_gradient_kernel: one path, the forward's A matrices), summed over K in
-    pieces of 64 rows where they tile K (K=128: 124 registers and 20 KB of shared memory
-    against 201 and 46 KB in one piece; sm_90, 4 warps)."""
-    grid, index, options = _gradient_launch(static, cu, w.shape[0])
-    pieces = options["BK"] // 64 if static.k_size % 64 == 0 else 1
-    (dv,) = _launch.launch(_kernels.rwkv7_value_gradient_kernel,
-                           (w, k, do, dstates, dx, matrices, *index),
-                           (jax.ShapeDtypeStruct(do.shape, do.dtype),), grid,
-                           **dict(options, BK=options["BK"] // pieces, K_PIECES=pieces))
-    return dv
-
-
-def _k_side_gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dstates, dx):
-    """dr, dw, dk, da, db, on the forward's path: in two kernels (none holds every tile: dk, db
-    and dw's share through them; dr, da and dw), or on the tame path in one
-    (KernelConfig.fused_tame_gradient); on blocks of K rows (KernelConfig.gradient_block_k).
-    They sum over V: with several V blocks, one launch per V block, each adding the float32
-    sums of the launch before (the first reads none: it is passed the inputs in their place),
-    the last writing the inputs' dtypes. One float32 buffer per gradient, summed in a fixed
-    order; before, every V block wrote its own partial sums and XLA added them afterwards
-    (K=V=128, B=8 T=4096 H=32: 5.4 GB of them, the backward's largest buffer)."""
-    rows = r.shape[0]
-    (slots, heads, v_blocks), index, options = _gradient_launch(static, cu, rows)
-    block_k = static.config.gradient_block_k or options["BK"]
-    if options["BK"] % block_k or (block_k < options["BK"] and static.k_size % block_k):
-        raise ValueError(f"KernelConfig.gradient_block_k must divide K = {static.k_size} "
-                         f"(a power of two); got {block_k}")
-    k_side = dict(options, scale=static.scale, BK=block_k, K_BLOCKS=options["BK"] // block_k,
-                  num_warps=static.config.k_side_warps or static.config.backward_warps)
-    grid = (slots, heads, k_side["K_BLOCKS"])
-    fused = TAME and static.config.fused_tame_gradient
-    if not fused:
-        k_side = dict(k_side, TAME=TAME, LEVELS=LEVELS)
-    shape = (rows, static.heads, static.k_size)
-    dr = dw = dk = da = db = w  # (the first launch's unread earlier sums)
-    for v_block in range(v_blocks):
-        last = v_block == v_blocks - 1
-        out = lambda x: jax.ShapeDtypeStruct(shape, x.dtype if last else jnp.float32)
-        launch = functools.partial(_launch.launch, grid=grid, V_BLOCK=v_block,
-                                   ACCUMULATE=v_block > 0, **k_side)
-        if fused:
-            stages = static.config.gradient_stages
-            dr, dw, dk, da, db = launch(
-                _kernels.rwkv7_tame_gradient_kernel,
-                (r, w, k, v, a, b, do, states, u, dstates, dx, dr, dw, dk, da, db, *index),
-                (out(r), out(w), out(k), out(a), out(b)), PIPELINED=stages > 0,
-                num_stages=stages or static.config.stages)
-        else:
-            dk, db, dw_part = launch(
-                _kernels.rwkv7_key_gradient_kernel,
-                (r, w, k, v, a, b, do, u, dstates, dx, dk, db, *index),
-                (out(k), out(b), jax.ShapeDtypeStruct(shape, jnp.float32)))
-            dr, dw, da = launch(
-                _kernels.rwkv7_query_gradient_kernel,
-                (r, w, k, v, a, b, do, states, u, dstates, dx, dw_part, dr, dw, da, *index),
-                (out(r), out(w), out(a)))
-    return dr, dw, dk, da, db
-
-
-_rwkv7.defvjp(_rwkv7_fwd, _rwkv7_bwd)
-
-
-# The op at 64-token chunks (KernelConfig.chunk = 64), when differentiated: the forward's three
-# kernels save what the backward reads (``forward_chunk64``'s residuals), no state at every
-# step. A call that is not differentiated takes the 16-token forward.
+# The op: when differentiated, the 64-token forward's three kernels save what the backward
+# reads (``forward_chunk64``'s residuals), no state at every step; a call that is not
+# differentiated takes the 64-token forward without residuals or the 16-token forward
+# (KernelConfig.chunk64_inference).
 def _chunk64_options(static, cu_seqlens):
     state_warps = static.config.chunk64_state_warps
     return dict(cu_seqlens=cu_seqlens, block_v=static.config.block_v,
@@ -459,8 +260,7 @@ def _rwkv7_chunk64(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
         return _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, False)
     batch, steps, heads, _ = r.shape
     rows = lambda x: x.reshape(batch * steps, heads, x.shape[-1])
-    o, ht, _, _, _ = _forward(static, *map(rows, (r, w, k, v, a, b)), h0, cu, False,
-                              tame_path(w))
+    o, ht = _forward(static, *map(rows, (r, w, k, v, a, b)), h0, cu, tame_path(w))
     return o.reshape(v.shape), ht
 
 
@@ -499,17 +299,10 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     # tf32 alone (10-bit mantissa) would miss the float32 contract; split products recover it.
     precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
     static = _Static(float(scale), heads, k_size, v_size, config, "tf32x3" if precise else "tf32")
-    if config.chunk == CHUNK64:
-        return _rwkv7_chunk64(static, r, w, k, v, a, b, initial_state, cu_seqlens, cu)
-    if config.chunk != CHUNK:
-        raise ValueError(f"KernelConfig.chunk must be {CHUNK} or {CHUNK64}; got {config.chunk}")
-    rows = lambda x: x.reshape(batch * steps, heads, x.shape[-1])
-    o, ht = _rwkv7(static, *map(rows, (r, w, k, v, a, b)), initial_state, cu)
-    return o.reshape(batch, steps, heads, v_size), ht
+    return _rwkv7_chunk64(static, r, w, k, v, a, b, initial_state, cu_seqlens, cu)
 
 
-# 64-token chunks (docs/RWKV7-CHUNK64.md): the op's training kernels at KernelConfig.chunk = 64
-# (the default from K = 64: BENCHMARKS.md sessions 14 and 17).
+# 64-token chunks (docs/RWKV7-CHUNK64.md): the op's kernels.
 CHUNK64 = 64
 LEVELS64 = CHUNK64.bit_length() - 1
 # The plan's 16-token blocks: of the exact path's in-chunk factors and of the in-chunk inverse's
@@ -640,8 +433,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     bfloat16 for 16-bit inputs when ``bf16_residuals``
     (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``:
     num_stages of the state pass's loop over chunks, 0 for its ``while`` loop
-    (KernelConfig.chunk64_state_stages; None: 2, as measured). The op's
-    forward at KernelConfig.chunk = 64."""
+    (KernelConfig.chunk64_state_stages; None: 2, as measured). The op's forward."""
     setup = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
