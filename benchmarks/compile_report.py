@@ -9,7 +9,7 @@ wheel carries ptxas and cuobjdump.
          inputs)
         [--bf16-saved --rounded]   (rwkv7: KernelConfig.bf16_saved, KernelConfig.rounded;
          rwkv7-64: --bf16-saved, also U, dH' and dX in bfloat16 (not the backend's choice))
-        [--float32-residuals]   (rwkv7-64: KernelConfig.chunk64_bf16_residuals off)
+        [--float32-residuals]   (rwkv7-64: KernelConfig.bf16_residuals off)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
@@ -124,7 +124,7 @@ def main():
                         help="num_stages of the loops Triton pipelines (gla: the sequential "
                              "passes, default 3; rwkv7: the fused tame gradient kernel's, 0: its "
                              "while loop, default as default_config: 3 at K=128, else 0; "
-                             "rwkv7-64: the state pass's, KernelConfig.chunk64_state_stages, "
+                             "rwkv7-64: the state pass's, KernelConfig.state_stages, "
                              "default as forward_chunk64: 1 at K > 64, else 2)")
     parser.add_argument("--rounded", action=argparse.BooleanOptionalAction, default=None,
                         help="decayed operands rounded to bf16 against stored tiles (gla: "
@@ -141,7 +141,7 @@ def main():
                         "backend's choice)")
     parser.add_argument("--float32-residuals", action="store_true",
                         help="rwkv7-64: W and H per chunk in float32, as with "
-                        "KernelConfig.chunk64_bf16_residuals off (on: bfloat16 for bf16 inputs)")
+                        "KernelConfig.bf16_residuals off (on: bfloat16 for bf16 inputs)")
     parser.add_argument("--max-registers", type=int, default=None,
                         help="a cap on every kernel's registers per thread (Triton's maxnreg, as "
                         "launch.launch's max_registers; the backend's rwkv7-64 caps: "
@@ -236,8 +236,8 @@ def chunk64_kernels(shapes, inputs, k_side_block_k, da_block_v, bf16_residuals, 
     bf16 inputs: the pointer types and constexprs. The in-chunk kernel in K parts of 16, as
     forward_chunk64's exact path (the caller sets the tame path's).
     ``bf16_residuals``: W, H per chunk and the decayed rows in bfloat16
-    (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``: the state pass's
-    num_stages (KernelConfig.chunk64_state_stages; 0: its ``while`` loop, not pipelined)."""
+    (KernelConfig.bf16_residuals), else float32. ``state_stages``: the state pass's
+    num_stages (KernelConfig.state_stages; 0: its ``while`` loop, not pipelined)."""
     buffer = "*bf16" if bf16_residuals else "*fp32"
     inputs.update({f"{n}_ptr": "*fp32" for n in ("u0", "u", "matrices", "du", "dx", "dstates")},
                   wy_ptr=buffer, states_ptr=buffer, dA_ptr="*bf16", diagonal_ptr="*fp32",

@@ -14,7 +14,7 @@ many calls. Each generation is first checked against the float64 reference of te
 at a small size of the same kind (K, decays, inference or training: outputs, final state and,
 for training, every gradient). For inference the 64-token forward is also timed with its
 residuals (what a differentiated call's forward runs) and with the state pass at one pipeline
-stage (KernelConfig.chunk64_state_stages). One table at the end; ``--out FILE`` also writes it
+stage (KernelConfig.state_stages). One table at the end; ``--out FILE`` also writes it
 as JSON.
 
     source benchmarks/gpu_env.sh   # on the GPU machine: wheels, PYTHONPATH
@@ -83,15 +83,23 @@ def generations(case):
     then the 16-token forward while it exists (chunk64_inference off), and the 64-token ones."""
     base = triton_backend.default_config(case.key, case.key, case.batch * case.heads)
     fields = {f.name for f in dataclasses.fields(base)}
-    sixty_four = {n: x for n, x in dict(chunk=64, chunk64_inference=True).items() if n in fields}
+    # (the 64-token forward for calls not differentiated: chunk64_inference, later inference64)
+    inference = next((n for n in ("chunk64_inference", "inference64") if n in fields), None)
+    sixty_four = dict({inference: True} if inference else {},
+                      **{"chunk": 64} if "chunk" in fields else {})
     if "chunk" in fields:
         sixteen = dict(chunk=16)
-    elif "chunk64_inference" in fields and not case.train:
-        sixteen = dict(chunk64_inference=False)
+    elif inference and not case.train:
+        sixteen = {inference: False}
     else:
         return [("64", dataclasses.replace(base, **sixty_four))]
     return [("16", dataclasses.replace(base, **sixteen)),
             ("64", dataclasses.replace(base, **sixty_four))]
+
+
+def _field(config, name):
+    """A KernelConfig field by its name, or by its earlier name chunk64_<name>."""
+    return getattr(config, name) if hasattr(config, name) else getattr(config, f"chunk64_{name}")
 
 
 def draw(seed, batch, steps, heads, key, exact, dtype):
@@ -171,8 +179,8 @@ def timed(case, config, reps, scale, options=None):
         fn = jax.jit(lambda x: triton_backend.forward_chunk64(
             *(x[n] for n in NAMES), initial_state=x["initial_state"], residuals=True,
             block_v=config.block_v, recurrence_block_v=config.recurrence_block_v,
-            bf16_residuals=config.chunk64_bf16_residuals,
-            state_stages=config.chunk64_state_stages))
+            bf16_residuals=_field(config, "bf16_residuals"),
+            state_stages=_field(config, "state_stages")))
         return 1e3 * median_seconds(fn, x, reps=reps)
     fn = programs(case, config)
     if case.train:
@@ -212,8 +220,10 @@ def main():
             if name == "64" and not case.train:
                 row["64 with residuals ms"] = timed(case, config, reps, scale, "residuals")
                 log(f"{case.name}: 64-token with residuals {row['64 with residuals ms']:.3f} ms")
-                if hasattr(config, "chunk64_state_stages"):
-                    one_stage = dataclasses.replace(config, chunk64_state_stages=1)
+                stages = next((n for n in ("chunk64_state_stages", "state_stages")
+                               if hasattr(config, n)), None)
+                if stages:
+                    one_stage = dataclasses.replace(config, **{stages: 1})
                     row["64 one stage ms"] = timed(case, one_stage, reps, scale)
                     log(f"{case.name}: 64-token, state pass at one stage "
                         f"{row['64 one stage ms']:.3f} ms")

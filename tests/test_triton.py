@@ -247,13 +247,13 @@ def test_packed_sequences_with_initial_states_bfloat16():
 
 @pytest.mark.parametrize("decay, hard", [("model", ""), ("model", "every third -1e9")])
 def test_bfloat16_buffers(decay, hard):
-    """KernelConfig.chunk64_bf16_residuals and chunk64_bf16_state_gradients: W, H per chunk,
+    """KernelConfig.bf16_residuals and bf16_state_gradients: W, H per chunk,
     the decayed rows and dH' in bfloat16 (16-bit inputs), read by every gradient kernel: tame
     and exact, packed with an empty segment, several V blocks."""
     check(Case(steps=60, heads=2, key=32, value=32, decay=decay, hard=hard, dtype="bfloat16",
                cu_seqlens=(0, 0, 17, 57, 60),
-               config=dict(block_v=16, chunk64_bf16_residuals=True,
-                           chunk64_bf16_state_gradients=True)), seed=13)
+               config=dict(block_v=16, bf16_residuals=True,
+                           bf16_state_gradients=True)), seed=13)
 
 
 @pytest.mark.parametrize("hard", ["", "every third -1e9"])
@@ -264,7 +264,7 @@ def test_rounded_products(hard):
     same case through the 64-token kernels, differentiated."""
     case = Case(steps=60, heads=2, key=32, value=32, decay="model", hard=hard, dtype="bfloat16",
                 cu_seqlens=(0, 0, 17, 57, 60),
-                config=dict(block_v=16, rounded=True, chunk64_inference=False))
+                config=dict(block_v=16, rounded=True, inference64=False))
     check(case, seed=29, differentiate=False)
     check(case, seed=29)
 
@@ -285,7 +285,7 @@ def test_key_blocks_of_the_gradient_kernels(decay, hard):
     (model-range decays: tame; the others exact), packed with an empty segment."""
     check(Case(steps=40, heads=2, key=32, value=32, decay=decay, hard=hard,
                cu_seqlens=(0, 23, 23, 40),
-               config=dict(block_v=16, chunk64_k_side_block_k=16)), seed=11)
+               config=dict(block_v=16, k_side_block_k=16)), seed=11)
 
 
 def test_few_sequences_take_narrow_v_blocks():
@@ -294,19 +294,19 @@ def test_few_sequences_take_narrow_v_blocks():
     assert triton_backend.default_config(64, 64, 32).recurrence_block_v == 32
     assert triton_backend.default_config(64, 64, 512).recurrence_block_v is None
     # (and a call not differentiated takes the 64-token forward: 4x fewer serial steps)
-    assert triton_backend.default_config(64, 64, 32).chunk64_inference
-    assert not triton_backend.default_config(128, 128, 512).chunk64_inference
+    assert triton_backend.default_config(64, 64, 32).inference64
+    assert not triton_backend.default_config(128, 128, 512).inference64
     check(Case(steps=40, key=64, value=64, cu_seqlens=(0, 0, 23, 40),
                config=dict(recurrence_block_v=32)), seed=13)
 
 
 @pytest.mark.parametrize("hard", ["", "-1e9 and -inf tokens"])
-def test_chunk64_inference(hard):
+def test_inference64(hard):
     """A call not differentiated at 64-token chunks through the 64-token forward
-    (KernelConfig.chunk64_inference): forward and final state, packed with an empty segment,
+    (KernelConfig.inference64): forward and final state, packed with an empty segment,
     on the tame and exact paths."""
     check(Case(steps=140, heads=2, key=32, value=16, cu_seqlens=(0, 0, 65, 130, 140), hard=hard,
-               config=dict(chunk64_inference=True)), seed=41, differentiate=False)
+               config=dict(inference64=True)), seed=41, differentiate=False)
 
 
 def test_head_size_above_limit_is_refused():
@@ -320,8 +320,9 @@ def test_platform_without_triton_gets_a_reason():
     assert _triton_probe.unavailable_reason("cpu") is None  # triton is a test requirement
 
 
-# The op at 64-token chunks: forward, final state and every gradient through its custom_vjp, across chunk boundaries, packed sequences with an empty segment, V != K
-# and the decays of the exact path.
+# The op at 64-token chunks: forward, final state and every gradient through its custom_vjp,
+# across chunk boundaries, packed sequences with an empty segment, V != K and the decays of the
+# exact path.
 CHUNK64_CASES = {
     "one token": Case(steps=1),
     "two chunks, the last partial": Case(steps=70, heads=2),
@@ -334,7 +335,7 @@ CHUNK64_CASES = {
     "uniform down to -1e3": Case(steps=70, hard="uniform down to -1e3"),
     "float32 buffers between the kernels, packed bfloat16": Case(
         steps=140, cu_seqlens=(0, 0, 65, 130, 140), dtype="bfloat16",
-        config=dict(chunk64_bf16_residuals=False, chunk64_bf16_state_gradients=False)),
+        config=dict(bf16_residuals=False, bf16_state_gradients=False)),
 }
 
 

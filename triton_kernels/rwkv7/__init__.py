@@ -23,42 +23,44 @@ rows t of each odd segment meet columns i of the even segment just before it, wi
 split at the boundary b between them, e^(G_t - gi_b) * e^(gi_b - gi_i), each <= 1. Levels
 S = C/2, C/4, ..., 1 cover every pair i < t once; the diagonal (i = t) has no factor.
 
-Every kernel that builds A matrices has a tame and an exact path. The tame one is for calls
-whose every chunk is tame, its log decays summing to at least -16 in every column (the caller
-decides on the device, for the whole call: every log decay >= -16 / C, which model-range
-decays always are): one product per A matrix, its factors referenced to the chunk's middle
-and so within e^(+-16) (``_middle``). The exact one builds them level by level, exact for
-every decay. The gradient kernels are compiled twice, on the constexpr TAME; the in-chunk
-matrices have one kernel per path. One compiled path per kernel keeps the tame one's registers
-those of a kernel without the other.
+Every kernel that builds A matrices has a tame and an exact path, compiled apart on the
+constexpr TAME (one compiled path per kernel keeps the tame one's registers those of a kernel
+without the other). The tame one is for calls whose every log decay is >= -1 (the caller
+decides on the device, for the whole call; model-range decays always are), so that a 64-token
+chunk's log decays sum to at least -64 in every column: one product per A matrix, its factors
+referenced to the chunk's middle and so within e^(+-32) (``chunks._middle``). The exact one
+splits each factor at block or level boundaries, exact for every decay.
 
-64-token chunks (docs/RWKV7-CHUNK64.md): the forward in the WY form.
-
-The op's kernels at KernelConfig.chunk = 64, beside the 16-token forward (``chunk16``; a call that is not differentiated may take it): three forward
+The kernels take chunks of C = 64 tokens in the WY form (docs/DESIGN.md): the forward is three
 kernels,
-  1. rwkv7_wy_kernel (parallel, a program per chunk and head): the in-chunk matrices,
-     T = (I - A_ab)^-1, W = T a~ [C, K] and U0 = T A_ak V [C, V] per token, A_qk, A_qb,
-     A_ak and T per chunk ([chunk slots, HEADS, 4, C, C]; the last two for the backward);
-     and the decayed rows q~ = q e^gi, k^ = k e^(g - gi), b^ = b e^(g - gi) per token and
-     e^g per chunk, which every later kernel but the K side reads instead of the decays (no
-     cumulative sums or exponentials in the sequential passes, and 16-bit operands for
-     16-bit inputs);
-  2. rwkv7_wy_state_kernel (sequential, a program per sequence, head and V block): H at every
-     chunk's start, U = W H + U0 and H' = e^g H + k^T V + b^T U (no [C, C] matrix);
-  3. rwkv7_wy_output_kernel (parallel, a program per chunk, head and V block):
-     O = q~ H + A_qk V + A_qb U from the chunk's saved H.
-and the backward's (below):
-  4. rwkv7_wy_state_gradient_kernel (sequential, reverse): dH' per chunk, dU, dh0;
-  5. rwkv7_wy_value_gradient_kernel (parallel, per chunk, head and V block): dX, dV;
-  6. rwkv7_wy_key_gradient_kernel (parallel, per chunk, head and block of keys, over all of
-     V inside): dr, dw, dk, da, db.
-Chunk slots are those of the 16-token kernels' in-chunk buffer, at C = 64 (``_chunk_rows``):
-``chunk_index[n]`` is sequence n's first, ``chunk_sequence[s]`` the sequence of slot s (-1
-past the last chunk: such slots read and write nothing).
-
-Modules, one per phase: ``in_chunk`` (1), ``state`` (2), ``outputs`` (3), ``v_side`` (4, 5),
-``k_side`` (6), and ``chunks``, what they share (chunk slots, a sequential pass's program,
-the in-chunk decays, the buffers' layout).
+  1. ``rwkv7_wy_kernel`` (``in_chunk``; parallel, two programs per chunk and head): the
+     in-chunk matrices, T = (I - A_ab)^-1, W = T a~ [C, K] and U0 = T A_ak V [C, V] per token,
+     A_qk, A_qb, A_ak and T per chunk ([chunk slots, HEADS, 4, C, C]; the last two for the
+     backward); and the decayed rows q~ = q e^gi, k^ = k e^(g - gi), b^ = b e^(g - gi) per
+     token and e^g per chunk, which every later kernel but the K side reads instead of the
+     decays (no cumulative sums or exponentials in the sequential passes, and 16-bit operands
+     for 16-bit inputs);
+  2. ``rwkv7_wy_state_kernel`` (``state``; sequential, a program per sequence, head and V
+     block): U = W H + U0 and H' = e^g H + k^T V + b^T U (no [C, C] matrix), saving H at
+     every chunk's start and U for the kernels after it; or, when the call is not
+     differentiated, writing each chunk's outputs O = q~ H + A_qk V + A_qb U itself (nothing
+     for a backward goes to memory, and kernel 3 does not run);
+  3. ``rwkv7_wy_output_kernel`` (``outputs``; parallel, a program per chunk, head and V
+     block): O from the chunk's saved H and U;
+and the backward three more:
+  4. ``rwkv7_wy_state_gradient_kernel`` (``v_side``; sequential, reverse): dH' per chunk, dU,
+     dh0;
+  5. ``rwkv7_wy_value_gradient_kernel`` (``v_side``; parallel, per chunk, head and V block):
+     dX, dV;
+  6. ``rwkv7_wy_matrix_gradient_kernel`` then ``rwkv7_wy_key_gradient_kernel`` (``k_side``;
+     parallel, per chunk and head, then per chunk, head and block of keys over all of V
+     inside): the in-chunk matrices' gradients, then dr, dw, dk, da, db.
+Sequences are rows [cu[n], cu[n+1]) of the flattened [rows, HEADS, *] inputs (a plain batch:
+cu = arange(B + 1) * T); ``chunk_index[n]`` is sequence n's first chunk slot and
+``chunk_sequence[s]`` the sequence of slot s (-1 past the last chunk: such slots read and write
+nothing). ``chunks`` holds what the modules share: chunk slots, a sequential pass's program,
+the in-chunk decays and the buffers' layout. ``chunk16`` is the 16-token forward, which a call
+that is not differentiated takes at many sequence-heads (the backend's KernelConfig).
 
 Tiles are addressed as a scalar row base plus offsets within a chunk that are the same for
 every chunk (computed once per program), and masks are row masks unless K or V needs padding,

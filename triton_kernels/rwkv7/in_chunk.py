@@ -24,15 +24,14 @@ def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.con
     TAME: one product each, factors referenced to the chunk's middle row (``_middle``; at
     C = 64 within e^(+-32) for log decays >= -1, and each kept pair's term is still its own
     factor <= 1; their exponents gi_t - m by one exact product for bf16 decays,
-    ``_wy_log_decay_sums``). Operands stay float32 (tf32): rounding the factored tiles to bf16
-    took the output's error on the interpreter from 3.3e-3 to 8.9e-3 (bf16 inputs, K=64 and
-    128, T=256). Else exact for every decay, in blocks of BLOCK = 2^BLOCK_LEVELS rows (the
-    plan's 16-token blocks): row block J meets the columns of every earlier block with the
-    factor split at J's start s, e^(gi_t - gi_s) * e^(gi_s - gi_i), each <= 1 and each a sum of
-    log decays (J's own inclusive sums; the reverse sums of i's block plus the totals of the
-    blocks between), in one product per row block whose operands are zero outside its rows and
-    columns (so it adds into the sums with no mask); then the diagonal blocks level by level
-    inside them (``_level``, one mask per level)."""
+    ``_wy_log_decay_sums``). Operands stay float32 (tf32): the factored tiles rounded to bf16
+    more than doubled the output's error against float64. Else exact for every decay, in blocks of
+    BLOCK = 2^BLOCK_LEVELS rows (the plan's 16-token blocks): row block J meets the columns of
+    every earlier block with the factor split at J's start s, e^(gi_t - gi_s) * e^(gi_s - gi_i),
+    each <= 1 and each a sum of log decays (J's own inclusive sums; the reverse sums of i's block
+    plus the totals of the blocks between), in one product per row block whose operands are zero
+    outside its rows and columns (so it adds into the sums with no mask); then the diagonal blocks
+    level by level inside them (``_level``, one mask per level)."""
     index = tl.arange(0, C)
     xy = tl.zeros([C, C], tl.float32)
     xz = tl.zeros([C, C], tl.float32)
@@ -140,10 +139,10 @@ def _wy_inverse(lower, C: tl.constexpr, LEVELS: tl.constexpr, BLOCK_LEVELS: tl.c
     Not repeated squaring over all 64 rows, (I + L)(I + L^2)...(I + L^32): that sums chains of
     up to 63 factors of A_ab, whose terms grow like binomials (up to C(62, 31) ~ 5e17 times
     |A_ab|^31) while T itself stays small (|T| <= 1 for the model's a = -kk, b = kk * iclr), so
-    float32 loses everything where consecutive keys are correlated (numpy, float32, zero decay,
-    keys at correlation 0.8: relative error of T 2e8 by squaring, 4e-5 blockwise, 1e-7 by
-    substitution). Blockwise, the chains are at most 15 factors inside a block (as the 16-token
-    kernels' inverse) and 3 between blocks, each between inverses that are themselves small.
+    float32 loses every digit where consecutive keys are correlated (tests/
+    test_triton_rwkv7_chunk64.py's correlated keys), where blockwise keeps them. Blockwise, the
+    chains are at most 15 factors inside a block (as the 16-token kernels' inverse) and 3 between
+    blocks, each between inverses that are themselves small.
     The blocks come out of and go back into the [C, C] tile by a reshape to
     [C/BLOCK, BLOCK, C/BLOCK, BLOCK] and a mask of its two block indices (no slicing of register
     tiles)."""
@@ -175,8 +174,9 @@ def _wy_transform(a_ptr, k_ptr, b_ptr, w_ptr, v_ptr, wy_ptr, u0_ptr, matrices_pt
                   TAME: tl.constexpr, PRECISION: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
                   BLOCK_LEVELS: tl.constexpr, RESIDUALS: tl.constexpr):
     """A chunk's WY transform: A_ak and A_ab, T = (I - A_ab)^-1, W = T a~ and U0 = T A_ak V;
-    stores A_ak, W, U0 and, for the backward (RESIDUALS), T. A_ak goes to memory before the inverse and comes back after W
-    (T A_ak, then U0 per VI columns of V): at most two [C, C] tiles beside the inverse's."""
+    stores A_ak, W, U0 and, for the backward (RESIDUALS), T. A_ak goes to memory before the
+    inverse and comes back after W (T A_ak, then U0 per VI columns of V): at most two [C, C]
+    tiles beside the inverse's."""
     A_ak, A_ab = _wy_pairs(a_ptr, k_ptr, b_ptr, w_ptr, k_base, rows_in, 1.0, True, TAME, HEADS,
                            K, BK, KI, C, BLOCK_LEVELS, FLOOR, PRECISION)
     _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_A_AK, HEADS, C, False), 0, A_ak, used)
@@ -240,15 +240,15 @@ def rwkv7_wy_kernel(
     INVERSE_PRECISION: tl.constexpr, BLOCK_LEVELS: tl.constexpr, RESIDUALS: tl.constexpr,
 ):
     """Grid (2 * chunk slots, HEADS): two programs per 64-token chunk, side by side, one for the
-    WY transform and one for the queries' matrices and the decayed rows (H100, the forward with
-    its residuals: K=128 8.26 -> 7.50 ms, K=64 5.81 -> 5.62 against one program per chunk; the
-    two share the chunk's tiles through L2, and each holds fewer registers live than both). wy
-    [rows, HEADS, K]: W = T a~; u0 [rows, HEADS, V]: U0 = T A_ak V; matrices [chunk slots, HEADS,
-    4, C, C]: A_qk, A_qb, A_ak, T (``_wy_matrix``; the last two only the backward reads, and T is
-written only for it, RESIDUALS: A_ak is also this kernel's own scratch); qd,
-    kd, bd [rows, HEADS, K]: the decayed rows q~ = scale r e^gi, k^ = k e^(g - gi),
-    b^ = b e^(g - gi), and decay [chunk slots, HEADS, K] float32: e^g, which the later kernels
-    read instead of the decays. Each float32 or bfloat16, rounded once from its float32 value.
+    WY transform and one for the queries' matrices and the decayed rows (the two share the
+    chunk's tiles through L2, each holds fewer registers live than both, and twice the programs
+    hide each other's latency). wy [rows, HEADS, K]: W = T a~; u0 [rows, HEADS, V]:
+    U0 = T A_ak V; matrices [chunk slots, HEADS, 4, C, C]: A_qk, A_qb, A_ak, T (``_wy_matrix``;
+    the last two only the backward reads, and T is written only for it, RESIDUALS: A_ak is also
+    this kernel's own scratch); qd, kd, bd [rows, HEADS, K]: the decayed rows q~ = scale r e^gi, k^
+    = k e^(g - gi), b^ = b e^(g - gi), and decay [chunk slots, HEADS, K] float32: e^g, which the
+    later kernels read instead of the decays. Each float32 or bfloat16, rounded once from its
+    float32 value.
     Rows past the sequence's end read as zeros (w = 0) and are not stored; nor is anything of an
     unused slot.
 

@@ -103,11 +103,9 @@ def rwkv7_wy_state_gradient_kernel(
     dh_hi): every K column's decays are its own, so each half's are exact, and one half's
     [C, BK / 2] tiles are live at a time (``_wy_du_part``, then ``_wy_dh_part``, once per
     half; masked columns past K read and write nothing). A_qb^T dO is added last to dU, after
-    the products with dH', and W^T dU before q~^T dO to dH: sm_90, bf16, spill stores at 4 / 8
-    warps (all at 255 registers), K=128 44 / 216 B (on [C, 128] tiles 1720 / 912 B; A_qb^T dO
-    first 140 / 356 B; q~^T dO first 164 / 240 B), K=64 none (A_qb^T dO first 0 / 232 B; on
-    the one tile before, 112 / 184 B). (Carrying the previous chunk's W through the loop
-    spilled: K=64 4 warps 64 -> 380 B, K=128 8 warps 828 -> 1028 B, on [C, 128] tiles.)
+    the products with dH', and W^T dU before q~^T dO to dH: the order with the fewest spills
+    (sm_90 compile reports, benchmarks/compile_report.py --family rwkv7-64), and no W carried
+    through the loop (that spilled).
 
     PIPELINED: on the GPU the loop over chunks is a ``for`` that Triton pipelines (num_stages:
     the earlier chunks' loads, which do not depend on dH, in flight during this chunk's

@@ -5,7 +5,7 @@ The kernels see the batch flattened to rows ``[B * T, H, *]`` and one list of se
 share one code path. Chunks are 64 tokens (the WY form: :func:`forward_chunk64`,
 :func:`backward_chunk64_v_side`, :func:`backward_chunk64_k_side`); a call that is not
 differentiated at many sequence-heads takes the 16-token forward instead
-(``KernelConfig.chunk64_inference``). Where each sequence's chunks start in the per-chunk
+(``KernelConfig.inference64``). Where each sequence's chunks start in the per-chunk
 buffers is computed on the device from ``cu``, and the buffers have the static size
 ``rows // 64 + N`` (an upper bound over all length patterns): no host sync, no recompile per
 length pattern. The kernels clamp every row and slot they derive from ``cu`` into these
@@ -40,97 +40,83 @@ LEVELS = CHUNK.bit_length() - 1  # of the in-chunk factors (triton_kernels/rwkv7
 # A chunk is tame when its log decays sum to at least -TAME_SUM in every column: its A matrices'
 # middle-referenced factors stay within e^(+-TAME_SUM) (the kernels' TAME path).
 TAME_SUM = 16.0
-# K columns at a time of the exact path's in-chunk kernel: at K=128 228 registers and no spills
-# (sm_90, 4 warps); all 128 at once spilled 316 B. H100, B=8, T=4096, bf16: 5.0 ms (K=128).
+# K columns at a time of the 16-token exact in-chunk kernel: all 128 at once spill.
 EXACT_BLOCK_K = 32
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    # V columns per program of the 64-token state passes, outputs and V-side gradients (and of
-    # the 16-token forward).
+    """The op's kernel choices: those whose default depends on the shape (``DEFAULTS``) or that
+    a benchmark sweeps. The kernels' own tuning (warps, K parts, register caps) is a keyword of
+    :func:`forward_chunk64`, :func:`backward_chunk64_v_side` and :func:`backward_chunk64_k_side`
+    (benchmarks/gpu_chunk64_variants.py sweeps those)."""
+    # V columns per program of the state passes, outputs and V-side gradients.
     block_v: int
-    forward_warps: int = 4  # of the 16-token forward
-    stages: int | None = None
-    # V columns per program of the sequential passes (None: block_v). They read what the
-    # in-chunk kernels wrote, so more V blocks recompute nothing.
+    # V columns per program of the two sequential passes (None: block_v). They read what the
+    # in-chunk kernel wrote, so more V blocks recompute nothing.
     recurrence_block_v: int | None = None
-    in_chunk_warps: int = 4  # of the two in-chunk kernels
-    # Chunks per program of rwkv7_tame_in_chunk_kernel ([G, C, *] tiles, batched products),
-    # and the K columns it takes at a time (its A matrices are sums over K). H100, B=8,
-    # T=4096, bf16, 4 warps: K=64 0.99 ms (32 columns: 1.11), K=128 1.09 (1.19); one chunk per
-    # program 1.60 at both. The exact path's kernel takes EXACT_BLOCK_K.
+    # Calls whose every log decay is >= -1 take the kernels' tame path (``tame_path``: one
+    # product per A matrix); False: every call on the exact path (exact for every decay
+    # either way).
+    tame: bool = True
+    # Keys per program of the K-side gradient kernel (None: K_SIDE_BLOCK_K64).
+    k_side_block_k: int | None = None
+    # num_stages of the forward state pass's loop over chunks, a ``for`` that Triton
+    # pipelines (the next chunks' loads, which do not depend on the state, in flight in shared
+    # memory during this one's products); 0: a ``while`` loop carrying the next chunk's W by
+    # hand (K <= 64), not pipelined. None: forward_chunk64's default.
+    state_stages: int | None = None
+    # The same for the state-gradient pass's loop. None: STATE_GRADIENT_STAGES64.
+    state_gradient_stages: int | None = None
+    # 16-bit inputs: W, H per chunk and the decayed rows in bfloat16 (half their bytes, and W H
+    # multiplies at the bfloat16 tensor-core rate); the passes still carry H in float32. U0, U,
+    # the in-chunk matrices, dU and dX stay float32: U = W H + U0 cancels much of the delta
+    # rule's V, and rounding any of them cost measurably more precision. float32 inputs keep
+    # float32 buffers (their contract).
+    bf16_residuals: bool = True
+    # 16-bit inputs: dH' per chunk (the state-gradient pass's output, which the V and K sides
+    # read) in bfloat16 (half its bytes).
+    bf16_state_gradients: bool = True
+    # The 16-token forward, which a call that is not differentiated takes unless
+    # inference64: its warps and num_stages, the in-chunk kernels' warps, chunks per program
+    # and K columns per part of the tame one (the exact one takes EXACT_BLOCK_K), the
+    # precision of the (I - A_ab)^-1 products (None: "ieee" for float32 inputs, their
+    # contract, else "tf32"), and, for bfloat16 inputs, v multiplied as stored (``rounded``).
+    forward_warps: int = 4
+    stages: int | None = None
+    in_chunk_warps: int = 4
     in_chunk_group: int = 4
     in_chunk_block_k: int = 64
-    # Of the (I - A_ab)^-1 products; None: "ieee" for float32 inputs (their contract), else
-    # "tf32" (H100, bf16: 7% faster forward, error unchanged at two digits).
     inverse_precision: str | None = None
-    # Calls whose every log decay is >= -TAME_SUM / CHUNK take the kernels' tame path (one
-    # product per A matrix); False: every call level by level (exact for every decay either way).
-    tame: bool = True
-    # bfloat16 inputs: the 16-token forward multiplies v as stored, against the A
-    # matrices and the decayed k and q rounded to bfloat16 (16-bit operands, as GLA/RWKV-6's
-    # rounded_products: H100 K=128 GLA state pass 1.53 -> 1.12 ms there). Not yet timed for
-    # RWKV-7: off by default.
     rounded: bool = False
-    # At 64-token chunks: keys per program and warps of the K-side kernel (None:
-    # backward_chunk64_k_side's defaults), and warps of the two sequential passes (None: 4).
-    chunk64_k_side_block_k: int | None = None
-    chunk64_k_side_warps: int | None = None
-    chunk64_state_warps: int | None = None
-    # At 64-token chunks: warps and K columns per part of the in-chunk kernel's tame path
-    # (None: forward_chunk64's defaults, 4 and IN_CHUNK_BLOCK_K64).
-    chunk64_in_chunk_warps: int | None = None
-    chunk64_in_chunk_block_k: int | None = None
-    # At 64-token chunks: a call that is not differentiated takes the 64-token forward too
-    # (else the 16-token one, which saves nothing; default_config: for few sequence-heads).
-    chunk64_inference: bool = False
-    # At 64-token chunks: num_stages of the forward state pass's loop over chunks, a ``for``
-    # that Triton pipelines (the next chunks' loads, which do not depend on the state, in
-    # flight in shared memory during this one's products); 0: a ``while`` loop carrying the
-    # next chunk's W by hand (K <= 64), not pipelined. None: forward_chunk64's default (2;
-    # measured there).
-    chunk64_state_stages: int | None = None
-    # The same for the 64-token state-gradient pass's loop (0: a ``while``, not pipelined).
-    # None: backward_chunk64_v_side's default (STATE_GRADIENT_STAGES64).
-    chunk64_state_gradient_stages: int | None = None
-    # At 64-token chunks, 16-bit inputs: W and H per chunk in bfloat16 (half their bytes; W H
-    # multiplies at the bfloat16 tensor-core rate); the state pass still carries H in float32.
-    # The other buffers stay float32, as bfloat16 cost too much precision (interpreter, bf16
-    # inputs, relative errors against float64, K=64 T=256 H=2 unless said): U0 or U (db
-    # 6.1e-3 -> 9.0e-3 and 3.3e-3 -> 8.8e-3, split K side or not: U = W H + U0 cancels
-    # much of the delta rule's V), the in-chunk matrices (output 3.3e-3 -> 6.1e-3), dU and dX
-    # (da 3.4e-3 -> 8.9e-3 on the packed K=16 test case); dH' meets H elementwise in the K
-    # side's rowsum(H dH'). With W and H: output 3.32e-3 -> 3.38e-3, worst gradient 6.14e-3
-    # -> 6.31e-3 (split K side). float32 inputs keep float32 buffers.
-    chunk64_bf16_residuals: bool = True
-    # dH' per chunk (the state-gradient pass's output, which the V and K sides read) in
-    # bfloat16 for 16-bit inputs (backward_chunk64_v_side's bf16_state_gradients). H100, B=8
-    # T=4096 bf16, one process with fla (session 18): fwd+bwd K=128 18.30 -> 17.92 ms, peak
-    # 7.57 -> 7.06 GiB; K=64 15.13 -> 15.01, 7.81 -> 7.55 GiB; errors against float64
-    # unchanged there (output 2.0e-3, worst gradient 3.0e-3; fla 2.5e-3, 3.6e-3). On the
-    # interpreter (small cases) dv's and db's errors rise by ~10% (session 17).
-    chunk64_bf16_state_gradients: bool = True
+    # A call that is not differentiated takes the 64-token forward without residuals (else the
+    # 16-token one).
+    inference64: bool = False
 
 
-# Programs of the sequential passes below which they take V blocks of 32: fewer programs than
-# an H100 has multiprocessors (132). H100, one sequence of 65536 tokens, H=32, K=V=64, bf16
-# (32 programs): forward+backward 33.05 ms with V blocks of 64, 29.52 with 32, 29.38 with 16;
-# at B=8, T=4096 (512 programs at K=64) blocks of 32 are slower (K=128 forward 9.60 against
-# 5.29 ms).
+# Programs of the sequential passes below which they are latency-bound: fewer than an H100 has
+# multiprocessors (132).
 FEW_RECURRENCE_PROGRAMS = 132
+# The defaults by shape class: what each class sets over KernelConfig's own defaults, with
+# block_v = min(V rounded up to a power of two, 64) in every class (tiles of at most 64 V
+# columns are what the kernels' registers are sized for). Measurements: BENCHMARKS.md.
+DEFAULTS = {
+    # Enough sequence-heads to fill the GPU: the 16-token forward for calls not differentiated
+    # (its in-chunk matrices cost a quarter of the 64-token ones' arithmetic per token).
+    "many": dict(),
+    # Few: narrower V blocks for the latency-bound passes (twice the programs), and the 64-token
+    # forward (a quarter of the 16-token one's serial steps).
+    "few": dict(recurrence_block_v=32, inference64=True),
+}
 
 
 def default_config(k_size: int, v_size: int, streams: int = FEW_RECURRENCE_PROGRAMS
                    ) -> KernelConfig:
-    """The measured configuration for head sizes K, V and ``streams`` = sequences x heads."""
-    block_v = _pow2_at_least(v_size)
-    # Few sequence-heads: the sequential passes are latency-bound, so they take narrower V
-    # blocks (more programs) and calls that are not differentiated take the 64-token forward
-    # (4x fewer serial steps than the 16-token one, which many sequence-heads keep).
+    """The default configuration (``DEFAULTS``) for head sizes K, V and ``streams`` =
+    sequences x heads."""
+    block_v = min(_pow2_at_least(v_size), 64)
     few = streams * -(-v_size // 64) < FEW_RECURRENCE_PROGRAMS and block_v >= 64
-    return KernelConfig(block_v=min(block_v, 64), recurrence_block_v=32 if few else None,
-                        chunk64_inference=few)
+    return KernelConfig(block_v=block_v, **DEFAULTS["few" if few else "many"])
 
 
 # (K, V) -> KernelConfig, to try other settings (benchmarks/gpu_rwkv7.py) without editing code.
@@ -230,33 +216,21 @@ def _forward(static, r, w, k, v, a, b, h0, cu, tame):
 # The op: when differentiated, the 64-token forward's three kernels save what the backward
 # reads (``forward_chunk64``'s residuals), no state at every step; a call that is not
 # differentiated takes the 64-token forward without residuals or the 16-token forward
-# (KernelConfig.chunk64_inference).
-def _chunk64_options(static, cu_seqlens):
-    state_warps = static.config.chunk64_state_warps
-    return dict(cu_seqlens=cu_seqlens, block_v=static.config.block_v,
-                warps=state_warps and dict(state=state_warps))
-
-
+# (KernelConfig.inference64).
 def _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, residuals):
     """forward_chunk64 as the op's KernelConfig sets it."""
-    config, options = static.config, _chunk64_options(static, cu_seqlens)
-    if config.chunk64_in_chunk_warps:
-        options["warps"] = dict(options["warps"] or {}, tame=config.chunk64_in_chunk_warps)
+    config = static.config
     return forward_chunk64(r, w, k, v, a, b, scale=static.scale, initial_state=h0,
-                           residuals=residuals, exact=not config.tame,
-                           bf16_residuals=config.chunk64_bf16_residuals,
-                           state_stages=config.chunk64_state_stages,
-                           recurrence_block_v=config.recurrence_block_v,
-                           block_k_in_chunk=config.chunk64_in_chunk_block_k, **options)
+                           cu_seqlens=cu_seqlens, block_v=config.block_v, residuals=residuals,
+                           exact=not config.tame, bf16_residuals=config.bf16_residuals,
+                           state_stages=config.state_stages,
+                           recurrence_block_v=config.recurrence_block_v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rwkv7_chunk64(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
-    # Not differentiated (inference): the 64-token forward where KernelConfig.chunk64_inference
-    # says so, else the 16-token one, which is the faster one for many sequence-heads (H200,
-    # B=8 T=4096 H=32 K=128 bf16, session 16: 5.28 ms against 7.95 for the 64-token forward
-    # with its residuals).
-    if static.config.chunk64_inference:
+    # Not differentiated: nothing for a backward to read (KernelConfig.inference64).
+    if static.config.inference64:
         return _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, False)
     batch, steps, heads, _ = r.shape
     rows = lambda x: x.reshape(batch * steps, heads, x.shape[-1])
@@ -273,16 +247,14 @@ def _rwkv7_chunk64_bwd(static, residuals, cotangents):
     r, w, k, v, a, b, saved, cu_seqlens = residuals
     do, dht = cotangents
     do = do.astype(v.dtype)
-    options = _chunk64_options(static, cu_seqlens)
+    config = static.config
     dv, dh0, dstates, _, dx = backward_chunk64_v_side(
-        r, w, k, v, a, b, saved, do, dht, recurrence_block_v=static.config.recurrence_block_v,
-        state_stages=static.config.chunk64_state_gradient_stages,
-        bf16_state_gradients=static.config.chunk64_bf16_state_gradients, **options)
-    warps = static.config.chunk64_k_side_warps
+        r, w, k, v, a, b, saved, do, dht, cu_seqlens=cu_seqlens, block_v=config.block_v,
+        recurrence_block_v=config.recurrence_block_v, state_stages=config.state_gradient_stages,
+        bf16_state_gradients=config.bf16_state_gradients)
     dr, dw, dk, da, db = backward_chunk64_k_side(
-        r, w, k, v, a, b, saved, do, dstates, dx, scale=static.scale,
-        exact=not static.config.tame, block_k=static.config.chunk64_k_side_block_k,
-        **dict(options, warps=warps and dict(tame=warps, exact=warps)))
+        r, w, k, v, a, b, saved, do, dstates, dx, scale=static.scale, cu_seqlens=cu_seqlens,
+        block_v=config.block_v, exact=not config.tame, block_k=config.k_side_block_k)
     return dr, dw, dk, dv, da, db, dh0, None, None
 
 
@@ -293,7 +265,8 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     batch, steps, heads, k_size = r.shape
     v_size = v.shape[-1]
     _check_head_sizes(k_size, v_size)
-    cu, initial_state = _sequences(batch, steps, cu_seqlens, initial_state, (heads, k_size, v_size))
+    cu, initial_state = _sequences(batch, steps, cu_seqlens, initial_state,
+                                   (heads, k_size, v_size))
     config = (CONFIG_OVERRIDES.get((k_size, v_size))
               or default_config(k_size, v_size, (cu.shape[0] - 1) * heads))
     # tf32 alone (10-bit mantissa) would miss the float32 contract; split products recover it.
@@ -380,25 +353,12 @@ def _recurrence64(setup, block_v):
                 common=dict(setup.common, BV=block_v))
 
 
-# K columns per part of the in-chunk kernel's tame sums (the exact path's: 16, as parts of 64
-# spill 3-6 KB there). sm_90 bf16, 4 warps (benchmarks/compile_report.py --family rwkv7-64),
-# tame K=128: parts of 32 255 registers, 16 B of spills, 229 barriers, SASS 10896; of 64 253
-# registers, none, 127 barriers, 10512 (8 warps: 16 B, 138, 8824). H200, B=8 T=4096 bf16, one
-# process with fla (session 16): that kernel K=128 5.97 -> 5.71 ms, fwd+bwd 19.46 -> 19.29;
-# K=64 4.37 -> 3.55 ms, the 64-token fwd+bwd 16.28 -> 15.50.
+# K columns per part of the in-chunk kernel's tame sums: the fewest barriers without spills
+# (the exact path takes parts of 16: wider ones spill kilobytes).
 IN_CHUNK_BLOCK_K64 = 64
-# Registers per thread of the in-chunk kernel's tame path, by BK (none where absent). 168 lets
-# three programs share an SM instead of two (sm_90, 4 warps: K=64 264 B of spills, 48 KB of
-# shared memory each; K=128 980 B). H100, B=8 T=4096 bf16, the forward with its residuals
-# (session 18), two programs per chunk (rwkv7_wy_kernel): K=128 7.50 ms uncapped, 7.80 capped;
-# K=64 5.62 capped, 5.95 uncapped. One program per chunk, as before: K=128 8.26 capped, 8.47
-# uncapped; K=64 5.81 uncapped, 6.24 capped. Session 17 (H200), one program per chunk: capped at
-# K=128 7.79 -> 7.10 ms, at K=64 5.35 -> 5.60. Slower, same runs: the tame path at 8 warps
-# (9.05 ms at K=128, 8.28 at K=64; capped at 128 registers: 9.32, 7.91), and the state pass
-# capped at 128 (two programs per SM -> four, 672 B of spills at K=128: 7.21 -> 8.38 ms; the
-# state-gradient pass likewise 3.40 -> 3.83 with the V side). Session 18 (H100): the state
-# passes on V blocks of 32 (four programs per SM at K=64) slower at K=128, forward 8.29 ->
-# 8.97 ms and V side 3.50 -> 4.15 (8.84 and 4.05 capped at 128 registers).
+# Registers per thread of the in-chunk kernel's tame path, by BK (none where absent): 168 lets
+# three programs share an SM instead of two, which outweighs its few spills at K=64 (at K=128
+# the spills cost more than the third program gains).
 IN_CHUNK_MAX_REGISTERS64 = {64: 168}
 
 
@@ -431,42 +391,18 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     float32, A_qk, A_qb, A_ak, T; ``qd``, ``kd``, ``bd`` [B * T, H, K], the decayed rows, and
     ``decay`` [chunk slots, H, K] float32, e^g). ``states``, ``wy`` and the decayed rows are
     bfloat16 for 16-bit inputs when ``bf16_residuals``
-    (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``:
+    (KernelConfig.bf16_residuals), else float32. ``state_stages``:
     num_stages of the state pass's loop over chunks, 0 for its ``while`` loop
-    (KernelConfig.chunk64_state_stages; None: 2, as measured). The op's forward."""
+    (KernelConfig.state_stages; None: 2). The op's forward."""
     setup = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     block_k, block_v = common["BK"], common["BV"]
     buffer = _residual_dtype(common, bf16_residuals)
-    # The in-chunk kernel, sm_90, bf16 (benchmarks/compile_report.py --family rwkv7-64; K parts
-    # of 32 tame, 16 exact; spill stores at 4 / 8 warps, SASS instructions at 4 warps). Since
-    # T_D as batched [4, 16, 16] products and the log decays' sums as bf16 products: tame K=64
-    # none / none (SASS 5416), K=128 none / none (8200; at 8 warps 250 registers), exact K=64
-    # 168 / 264 B, K=128 280 / 472 B; before: tame K=64 none / 244 B (7640), K=128 none / 292 B
-    # (12264), exact 212 / 324 B and 380 / 516 B. H200, B=8 T=4096 (session 15), with the
-    # decayed rows it now also stores (their own kernel took 0.70 ms): 4.43 ms at K=64 and 6.13
-    # at K=128, against 3.94 + 0.70 and 6.27 + 0.70 before (8 warps, or parts of 64 at 8 warps,
-    # 0 spills and SASS 7408 at K=128, are the candidates to time beside 4). H100 (session 13,
-    # B=8 T=4096 H=64 K=64 bf16): the tame path took 3.78 ms in parts of 32 (the kernel before its
-    # masks moved after the K sums), 4.63 in parts of 16.
-    # The state pass (bf16 inputs, sm_90, spills at 4 / 8 warps; 255 registers throughout):
-    # K=64 none with its ``while`` loop (stages 0), nor at 1 or 2 stages (49 / 98 KB shared),
-    # 24 B at 3 stages and 4 warps. K=128, H in two halves of 64 keys: 152 / 100 B (stages 0),
-    # 52 / 72 B (1), 84 / 76 B (2, 140 KB shared), 76 / 92 B (3, 213 KB); before the halves,
-    # whole [64, 128] K tiles: 696 / 280 B, 66 KB. float32 W (float32 inputs or bf16_residuals
-    # off), K=64: the ``while`` loop's hand-carried W spills 180 / 200 B, 0 / 88 B at 2 stages
-    # (115 KB shared). Timed (H200, B=8 T=4096 bf16, session 14), the state pass: K=64 (4
-    # warps) 1.51 ms with the ``while`` loop, 1.22 at 2 stages; K=128 at 8 warps 4.38 (while),
-    # 4.30 (1 stage), 3.54 (2 stages), at 4 warps and 1 stage 2.97. Session 15, the state pass
-    # reading the decayed rows (no decays in its loop; sm_90 4 warps, K=128: no spills at 1
-    # stage, 28 B at 2, 115 KB shared; K=64 none at 0-2): K=128 1.21 ms at 1 stage, 1.03 at 2
-    # (fwd+bwd 22.95 -> 22.73), K=64 0.80 at 2, 0.76 with the ``while`` loop (fwd+bwd 18.93,
-    # 18.98): 2 stages at every K.
-    # The outputs and V-side gradient kernels at 8 warps (128 / 138 registers, no spills) were
-    # slower (H200, K=128, session 15: 1.55 -> 2.03 and 2.68 -> 3.54 ms), and at block_v=128
-    # (the passes at 64) the outputs too (1.91; the V side 2.49): fwd+bwd 27.97 against 29.09
-    # and 28.18.
+    # 4 warps everywhere: the fewest spills in the in-chunk kernel and the state pass (sm_90
+    # compile reports: benchmarks/compile_report.py --family rwkv7-64), and the outputs kernel
+    # (as the V side's) ran slower at 8. The state pass's loop pipelined at 2 stages: its loads
+    # do not depend on H, and 2 stages keep it within an SM's shared memory at K=128.
     warps = dict(dict(tame=4, exact=4, state=4, output=4), **(warps or {}))
     max_registers = dict(dict(tame=IN_CHUNK_MAX_REGISTERS64.get(block_k)), **(max_registers or {}))
     if state_stages is None:
@@ -517,19 +453,12 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
                                             kd=kd, bd=bd, decay=decay)
 
 
-# Warps of the 64-token state-gradient pass at every K (as the forward's state pass). sm_90,
-# bf16 (benchmarks/compile_report.py --family rwkv7-64), K=128 in two halves of 64 columns: 255
-# registers at 4 or 8 warps, 44 / 216 B of spill stores (on [64, 128] K tiles 1720 / 912 B);
-# K=64 none at either. H200, B=8 T=4096 bf16 (session 14), K=128: 6.28 ms at 8 warps and 5.43
-# at 4 on whole tiles, 3.51 in halves at 4.
+# Warps of the 64-token state-gradient pass at every K (as the forward's state pass: K=128 in
+# two halves of 64 keys spills least at 4).
 STATE_GRADIENT_WARPS64 = 4
-# num_stages of its loop over chunks (0: the ``while`` loop). H200, bf16, B=8 T=4096 (session
-# 15): reading the decayed rows, K=128 1.61 ms with the ``while`` loop, 2.02 at 2 stages;
-# before (computing the decays), 1 stage no faster and 2 slower at K=64 and 128 (392 and 44 B
-# of spills, sm_90 4 warps). One sequence of 65536 tokens (H=32 K=64, V blocks of 32: 64
-# programs, latency-bound), before: 2 stages 11.29 -> 8.51 ms. So 0 here;
-# KernelConfig.chunk64_state_gradient_stages = 2 for few long sequences (3 stages at K=128
-# need more shared memory than an SM has).
+# num_stages of its loop over chunks (0: the ``while`` loop, which carries no shared-memory
+# stages: pipelining it was slower at many sequence-heads; KernelConfig.state_gradient_stages
+# = 2 may pay for few long sequences, whose pass is latency-bound).
 STATE_GRADIENT_STAGES64 = 0
 
 
@@ -549,9 +478,9 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
     ``block_v`` and ``recurrence_block_v`` as :func:`forward_chunk64`'s (no ``scale``: the
     residuals' q~ carries it); ``state_stages``:
     num_stages of the state-gradient pass's loop over chunks, 0 for its ``while`` loop
-    (KernelConfig.chunk64_state_gradient_stages; None: STATE_GRADIENT_STAGES64).
+    (KernelConfig.state_gradient_stages; None: STATE_GRADIENT_STAGES64).
     ``bf16_state_gradients``: dstates in bfloat16 for 16-bit inputs (float32 inputs keep
-    float32; KernelConfig.chunk64_bf16_state_gradients)."""
+    float32; KernelConfig.bf16_state_gradients)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     r, w, k, v, a, b = setup.inputs
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
@@ -582,25 +511,14 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
     return dv.reshape(setup.shape), dh0, dstates, du, dx
 
 
-# The 64-token K side: keys per program of the K-side kernel and its warps, and V columns per
-# step of the dA kernel's sums and of the K-side kernel's state products. sm_90, bf16
-# (benchmarks/compile_report.py --family rwkv7-64), the K-side kernel's tame path at K=128:
-# 16 keys and 4 warps 204 registers, no spills, 41 barriers, SASS 2752 (session 15, with its
-# dA tiles in registers: 255, 80 B, 66, 4296); 32 keys at 4 warps spill 360 B. Measured (H200,
-# B=8 T=4096 bf16): session 14, 16 keys and 4 warps 9.21 / 9.91 ms at K=64 / 128 against
-# 10.62 / 11.17 at 32 keys and 8 warps; session 16, dA multiplied as loaded: 16 keys and 4
-# warps 8.51 / 9.23 ms, at 8 warps 16.70 / 17.26, 32 keys and 8 warps 10.80 / 11.23; then with
-# the decays' sums as products and the tiles loaded once, 6.88 / 7.62. The dA kernel 177 / 122
-# registers at 4 / 8 warps, no spills, 72 KB shared at 32 columns (64: 144 KB at V = 128).
+# The 64-token K side: keys per program of the K-side kernel and its warps (16 keys at 4 warps:
+# no spills, where 32 keys spill), and V columns per step of the dA kernel's sums and of the
+# K-side kernel's state products (the dA kernel's shared memory at 32 leaves room for two).
 K_SIDE_BLOCK_K64 = 16
 K_SIDE_WARPS64 = 4
 K_SIDE_BLOCK_V64 = 32
-# Registers per thread of the K-side kernel's tame path: its 204 (4 warps, 16 keys) let two
-# programs share an SM, 168 three (sm_90: 152 B of spills; 72 KB of shared memory each).
-# H200, B=8 T=4096 bf16 (session 17, the dA and K-side kernels): K=128 8.44 -> 7.05 ms, K=64
-# 7.94 -> 6.72. The dA kernel at 4 warps and capped likewise (163 registers, no spills: three
-# programs per SM against two at 8 warps) was no faster: 7.11 -> 7.08 ms at K=128, 6.80 ->
-# 6.61 at K=64 in one run, 7.15 and 6.78 in the next.
+# Registers per thread of the K-side kernel's tame path: 168 lets three programs share an SM
+# instead of two, at the price of a few spills.
 K_SIDE_MAX_REGISTERS64 = 168
 
 
