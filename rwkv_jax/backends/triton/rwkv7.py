@@ -4,8 +4,8 @@ The kernels see the batch flattened to rows ``[B * T, H, *]`` and one list of se
 ``cu`` (``cu_seqlens``, or ``arange(B + 1) * T`` for a plain batch), so packed and plain inputs
 share one code path. Chunks are 64 tokens (the WY form: :func:`forward_chunk64`,
 :func:`backward_chunk64_v_side`, :func:`backward_chunk64_k_side`); a call that is not
-differentiated at many sequence-heads takes the 16-token forward instead
-(``KernelConfig.inference64``). Where each sequence's chunks start in the per-chunk
+differentiated runs the forward without residuals. Where each sequence's chunks start in the
+per-chunk
 buffers is computed on the device from ``cu``, and the buffers have the static size
 ``rows // 64 + N`` (an upper bound over all length patterns): no host sync, no recompile per
 length pattern. The kernels clamp every row and slot they derive from ``cu`` into these
@@ -35,13 +35,14 @@ from .common import (_UNUSED, _check_head_sizes, _first_slots, _pow2_at_least, _
 
 _kernels = _launch.kernels("rwkv7")
 
-CHUNK = 16  # tokens per chunk
-LEVELS = CHUNK.bit_length() - 1  # of the in-chunk factors (triton_kernels/rwkv7.py)
+CHUNK64 = 64  # tokens per chunk
+LEVELS64 = CHUNK64.bit_length() - 1
+# The plan's 16-token blocks: of the exact path's in-chunk factors and of the in-chunk inverse's
+# diagonal (in_chunk.py's _wy_pairs, _wy_inverse).
+BLOCK64 = 16
 # A chunk is tame when its log decays sum to at least -TAME_SUM in every column: its A matrices'
-# middle-referenced factors stay within e^(+-TAME_SUM) (the kernels' TAME path).
-TAME_SUM = 16.0
-# K columns at a time of the 16-token exact in-chunk kernel: all 128 at once spill.
-EXACT_BLOCK_K = 32
+# middle-referenced factors stay within e^(+-TAME_SUM / 2) (the kernels' TAME path).
+TAME_SUM = 64.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,21 +78,6 @@ class KernelConfig:
     # 16-bit inputs: dH' per chunk (the state-gradient pass's output, which the V and K sides
     # read) in bfloat16 (half its bytes).
     bf16_state_gradients: bool = True
-    # The 16-token forward, which a call that is not differentiated takes unless
-    # inference64: its warps and num_stages, the in-chunk kernels' warps, chunks per program
-    # and K columns per part of the tame one (the exact one takes EXACT_BLOCK_K), the
-    # precision of the (I - A_ab)^-1 products (None: "ieee" for float32 inputs, their
-    # contract, else "tf32"), and, for bfloat16 inputs, v multiplied as stored (``rounded``).
-    forward_warps: int = 4
-    stages: int | None = None
-    in_chunk_warps: int = 4
-    in_chunk_group: int = 4
-    in_chunk_block_k: int = 64
-    inverse_precision: str | None = None
-    rounded: bool = False
-    # A call that is not differentiated takes the 64-token forward without residuals (else the
-    # 16-token one).
-    inference64: bool = False
 
 
 # Programs of the sequential passes below which they are latency-bound: fewer than an H100 has
@@ -101,12 +87,10 @@ FEW_RECURRENCE_PROGRAMS = 132
 # block_v = min(V rounded up to a power of two, 64) in every class (tiles of at most 64 V
 # columns are what the kernels' registers are sized for). Measurements: BENCHMARKS.md.
 DEFAULTS = {
-    # Enough sequence-heads to fill the GPU: the 16-token forward for calls not differentiated
-    # (its in-chunk matrices cost a quarter of the 64-token ones' arithmetic per token).
+    # Enough sequence-heads to fill the GPU: V blocks of block_v in every kernel.
     "many": dict(),
-    # Few: narrower V blocks for the latency-bound passes (twice the programs), and the 64-token
-    # forward (a quarter of the 16-token one's serial steps).
-    "few": dict(recurrence_block_v=32, inference64=True),
+    # Few: narrower V blocks for the latency-bound passes (twice the programs).
+    "few": dict(recurrence_block_v=32),
 }
 
 
@@ -123,46 +107,18 @@ def default_config(k_size: int, v_size: int, streams: int = FEW_RECURRENCE_PROGR
 CONFIG_OVERRIDES: dict = {}
 
 
-# The compile-time arguments of the two sequential passes.
-_RECURRENCE = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "FLOOR", "PRECISION", "ROUNDED")
-
-
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    """Everything the kernels are specialised on (hashable: a custom_vjp nondiff argument)."""
+    """What the op's launches are specialised on (hashable: a custom_vjp nondiff argument)."""
     scale: float
-    heads: int
-    k_size: int
-    v_size: int
     config: KernelConfig
-    precision: str  # of the float32 matrix products: "tf32x3" for float32 inputs, else "tf32"
-
-    def constexprs(self, *names):
-        """The kernels' compile-time arguments, those named."""
-        every = dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
-                     BK=_pow2_at_least(self.k_size), BV=self.config.block_v, C=CHUNK,
-                     LEVELS=LEVELS, FLOOR=LOG_DECAY_FLOOR, PRECISION=self.precision,
-                     ROUNDED=self.config.rounded,
-                     INVERSE_PRECISION=self.config.inverse_precision or (
-                         "ieee" if self.precision == "tf32x3" else "tf32"))
-        return {name: every[name] for name in names}
-
-    @property
-    def recurrence_block_v(self):
-        return self.config.recurrence_block_v or self.config.block_v
-
-    def recurrence_launch(self, sequences):
-        """The grid, warps and compile-time arguments of the 16-token forward."""
-        return dict(grid=(sequences * self.heads, -(-self.v_size // self.recurrence_block_v)),
-                    num_warps=self.config.forward_warps, num_stages=self.config.stages,
-                    **dict(self.constexprs(*_RECURRENCE), BV=self.recurrence_block_v))
 
 
 def tame_path(w):
     """Whether a call with log decays ``w`` takes the kernels' tame path: every log decay at
-    least -TAME_SUM / CHUNK (model-range ones, >= -e^-0.5, always are) makes every chunk tame
-    whatever the chunk boundaries. A traced boolean: one read of w, on the device."""
-    return jnp.min(w, initial=0.0).astype(jnp.float32) * CHUNK >= -TAME_SUM
+    least -TAME_SUM / CHUNK64 = -1 (model-range ones, >= -e^-0.5, always are) makes every chunk
+    tame whatever the chunk boundaries. A traced boolean: one read of w, on the device."""
+    return jnp.min(w, initial=0.0).astype(jnp.float32) * CHUNK64 >= -TAME_SUM
 
 
 def _on_path(tame, launch):
@@ -174,49 +130,9 @@ def _on_path(tame, launch):
     return lax.cond(tame, lambda: launch(True), lambda: launch(False))
 
 
-def _in_chunk_matrices(static, r, w, k, a, b, cu, tame):
-    """Every chunk's [C, C] matrices ((I - A_ab)^-1, A_qb, A_ak, A_qk: triton_kernels/rwkv7.py),
-    all at once, on the path ``tame`` picks: [chunk slots, heads, 4, C, C] float32, and the
-    slot of each sequence's first chunk."""
-    rows = r.shape[0]
-    sequences = cu.shape[0] - 1
-    chunks, chunk_index = _first_slots(cu, CHUNK)
-    chunk_slots = _slot_count(rows, sequences, CHUNK)
-    chunk_sequence = _slot_sequences(chunks, chunk_index, chunk_slots)
-    inputs = (r, w, k, a, b, cu, chunk_index, chunk_sequence)
-    matrices = jax.ShapeDtypeStruct((chunk_slots, static.heads, 4, CHUNK, CHUNK), jnp.float32)
-    common = dict(num_warps=static.config.in_chunk_warps, num_stages=static.config.stages,
-                  TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots,
-                  **static.constexprs("scale", "HEADS", "K", "BK", "C", "FLOOR", "PRECISION",
-                                      "INVERSE_PRECISION"))
-    block_k = lambda most: min(most, _pow2_at_least(static.k_size))
-    group = static.config.in_chunk_group
-    (matrices,) = _on_path(static.config.tame and tame, lambda TAME: _launch.launch(
-        _kernels.rwkv7_tame_in_chunk_kernel, inputs, (matrices,),
-        (-(-chunk_slots // group), static.heads), GROUP=group,
-        KI=block_k(static.config.in_chunk_block_k), **common) if TAME else _launch.launch(
-        _kernels.rwkv7_in_chunk_kernel, inputs, (matrices,), (chunk_slots, static.heads),
-        LEVELS=LEVELS, KI=block_k(EXACT_BLOCK_K), **common))
-    return matrices, chunk_index
-
-
-def _forward(static, r, w, k, v, a, b, h0, cu, tame):
-    """The 16-token forward (o, ht) of inputs flattened to rows."""
-    rows = r.shape[0]
-    sequences = cu.shape[0] - 1
-    matrices, chunk_index = _in_chunk_matrices(static, r, w, k, a, b, cu, tame)
-    return _launch.launch(
-        _kernels.rwkv7_forward_kernel, (r, w, k, v, a, b, h0, matrices, cu, chunk_index),
-        (jax.ShapeDtypeStruct((rows, static.heads, static.v_size), v.dtype),
-         jax.ShapeDtypeStruct((sequences, static.heads, static.k_size, static.v_size),
-                              jnp.float32)),
-        TOTAL_ROWS=rows, CHUNK_SLOTS=matrices.shape[0], **static.recurrence_launch(sequences))
-
-
-# The op: when differentiated, the 64-token forward's three kernels save what the backward
-# reads (``forward_chunk64``'s residuals), no state at every step; a call that is not
-# differentiated takes the 64-token forward without residuals or the 16-token forward
-# (KernelConfig.inference64).
+# The op: when differentiated, the forward's three kernels save what the backward reads
+# (``forward_chunk64``'s residuals), no state at every step; a call that is not differentiated
+# takes the forward without residuals (two kernels).
 def _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, residuals):
     """forward_chunk64 as the op's KernelConfig sets it."""
     config = static.config
@@ -228,22 +144,16 @@ def _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, residuals):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rwkv7_chunk64(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
-    # Not differentiated: nothing for a backward to read (KernelConfig.inference64).
-    if static.config.inference64:
-        return _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, False)
-    batch, steps, heads, _ = r.shape
-    rows = lambda x: x.reshape(batch * steps, heads, x.shape[-1])
-    o, ht = _forward(static, *map(rows, (r, w, k, v, a, b)), h0, cu, tame_path(w))
-    return o.reshape(v.shape), ht
+def _rwkv7(static, r, w, k, v, a, b, h0, cu_seqlens):
+    return _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, False)
 
 
-def _rwkv7_chunk64_fwd(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
+def _rwkv7_fwd(static, r, w, k, v, a, b, h0, cu_seqlens):
     o, ht, saved = _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, True)
     return (o, ht), (r, w, k, v, a, b, saved, cu_seqlens)
 
 
-def _rwkv7_chunk64_bwd(static, residuals, cotangents):
+def _rwkv7_bwd(static, residuals, cotangents):
     r, w, k, v, a, b, saved, cu_seqlens = residuals
     do, dht = cotangents
     do = do.astype(v.dtype)
@@ -255,10 +165,10 @@ def _rwkv7_chunk64_bwd(static, residuals, cotangents):
     dr, dw, dk, da, db = backward_chunk64_k_side(
         r, w, k, v, a, b, saved, do, dstates, dx, scale=static.scale, cu_seqlens=cu_seqlens,
         block_v=config.block_v, exact=not config.tame, block_k=config.k_side_block_k)
-    return dr, dw, dk, dv, da, db, dh0, None, None
+    return dr, dw, dk, dv, da, db, dh0, None
 
 
-_rwkv7_chunk64.defvjp(_rwkv7_chunk64_fwd, _rwkv7_chunk64_bwd)
+_rwkv7.defvjp(_rwkv7_fwd, _rwkv7_bwd)
 
 
 def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seqlens):
@@ -269,21 +179,7 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
                                    (heads, k_size, v_size))
     config = (CONFIG_OVERRIDES.get((k_size, v_size))
               or default_config(k_size, v_size, (cu.shape[0] - 1) * heads))
-    # tf32 alone (10-bit mantissa) would miss the float32 contract; split products recover it.
-    precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
-    static = _Static(float(scale), heads, k_size, v_size, config, "tf32x3" if precise else "tf32")
-    return _rwkv7_chunk64(static, r, w, k, v, a, b, initial_state, cu_seqlens, cu)
-
-
-# 64-token chunks (docs/RWKV7-CHUNK64.md): the op's kernels.
-CHUNK64 = 64
-LEVELS64 = CHUNK64.bit_length() - 1
-# The plan's 16-token blocks: of the exact path's in-chunk factors and of the in-chunk inverse's
-# diagonal (rwkv7.py's _wy_pairs, _wy_inverse).
-BLOCK64 = 16
-# The tame path at 64-token chunks is tame_path's: every log decay >= -TAME_SUM / CHUNK = -1,
-# so a chunk's log decays sum to >= -64 per channel and its middle-referenced factors stay
-# within e^(+-32); model-range decays (>= -e^-0.5) take it.
+    return _rwkv7(_Static(float(scale), config), r, w, k, v, a, b, initial_state, cu_seqlens)
 
 
 class _Setup64(NamedTuple):
