@@ -9,6 +9,8 @@ option (a capped launch runs a copy of the kernel whose compiles are capped); 0.
 """
 
 import inspect
+import subprocess
+import sys
 import types
 
 import jax
@@ -140,3 +142,14 @@ def test_interpreter_takes_scalar_masks_of_blocks():
                           (3,), LIMIT=2, SIZE=4)
     np.testing.assert_array_equal(np.asarray(y[:8]), np.arange(8, dtype=np.float32))
     assert np.isnan(np.asarray(y[8:])).all()  # never written: the bridge's NaN
+
+
+def test_probe_imports_neither_triton_nor_the_kernels():
+    """The registry's probe answers without importing the backend's package, which imports
+    Triton and the kernels: on a machine without Triton it must say so, not fail. (A fresh
+    process: this one imported both above.)"""
+    probe = ("import sys; from rwkv_jax import backends; "
+             "reasons = [backends._BACKENDS['triton'].probe(p) for p in ('cpu', 'tpu')]; "
+             "print(reasons[0], 'rwkv_jax.backends.triton' in sys.modules, 'triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["None", "False", "False"], out.stdout + out.stderr

@@ -1,4 +1,4 @@
-"""The triton GLA / RWKV-6 kernels (triton_kernels/gla.py) where the shared suite does not
+"""The triton GLA / RWKV-6 kernels (triton_kernels/gla/) where the shared suite does not
 reach: several V blocks (the K-side gradient kernel summing over them) and several K blocks
 (the V-side kernel summing over them, the state passes' grids over both), chunks (spans) of
 16, 32 and 64 tokens (packed sequences shorter than a chunk, partial chunks, odd T, T = 1,

@@ -27,10 +27,8 @@ _gla_kernels = _launch.kernels("gla")
 # dH at the end of every chunk (in the slots of the saved states) and its two gradient kernels
 # (K side, V side) take one chunk each, all of them at once.
 GLA_SPAN = 64
-# K columns per step of the in-chunk scores kernel: at 16, 165-194 registers and no spills at K
-# = 64 and 128 with 4 warps (sm_90, benchmarks/compile_report.py); at 32, 192-255 and spills
-# for RWKV-6 at K = 128; at 64, 255 and 112-672 B of spills. Its tame path at 16: 96-124
-# registers, no spills (32: 128, 64: 165 at K = 64 with 4 warps, none spilling; not timed).
+# K columns per step of the in-chunk scores kernel: the widest step that spills at neither K = 64
+# nor K = 128 with 4 warps (benchmarks/compile_report.py).
 GLA_SCORES_BLOCK_K = 16
 # A call is tame when no chunk's log gates (GLA: gk + g + g_gamma; RWKV-6: w) sum below
 # -GLA_TAME_SUM in any key channel: the tame path references its in-chunk factors to the chunk's
@@ -83,35 +81,28 @@ class _GlaStatic:
     # (False: always the exact build)
     tame: bool = True
     # The states saved at every chunk's start (and their gradients) in bfloat16, for 16-bit
-    # inputs (the carried state and ht, dh0 stay float32). H100, B=8 T=4096 K=V=128 bf16,
-    # fwd / fwd+bwd ms: GLA 4.04 / 15.88 -> 3.94 / 14.31, RWKV-6 4.07 / 18.28 -> 3.93 / 16.69,
-    # errors against float64 unchanged (2.0-2.2e-3; BENCHMARKS.md session 10)
+    # inputs (the carried state and ht, dh0 stay float32): half their bytes, faster, with errors
+    # against float64 unchanged (BENCHMARKS.md)
     bf16_states: bool = False
     # Launch order: a chunk's (or a sequence-head's) blocks fastest, so that its programs run
     # side by side and share their common tiles through L2 (K or V above 64: the output and
     # V-side kernels read q, k and the gates once per V block, the state passes k or q once
-    # per block of the other side). On by default (_gla_static): H100 K=128 with rounded
-    # products, GLA 3.39 / 11.04 -> 3.37 / 11.02 ms, RWKV-6 3.40 / 13.75 -> 3.41 / 13.74 (even)
+    # per block of the other side). On by default (_gla_static)
     blocks_fastest: bool = False
     # bfloat16 inputs: the sequential passes' decayed operands and the output kernel's decayed q
     # and scores rounded to the inputs' type, so that their products take 16-bit operands
-    # (fla's choice; _gla_static sets it for bfloat16 calls). H100, B=8 T=4096 K=V=128
-    # bf16, fwd / fwd+bwd ms, sequential passes only: GLA 3.83 / 11.89 -> 3.39 / 11.04, RWKV-6
-    # 3.82 / 14.48 -> 3.40 / 13.75; errors against float64: output 2.1e-3 -> 2.6e-3 with the
-    # output kernel's too (fla 2.5e-3), gradients unchanged (BENCHMARKS.md session 11)
+    # (fla's choice; _gla_static sets it for bfloat16 calls): faster, with the output's error
+    # against float64 still at fla's and the gradients' unchanged (BENCHMARKS.md)
     rounded_products: bool = False
-    # Pipeline depths (the launches' num_stages): the sequential passes' loops over chunks (1,
-    # no pipelining: GLA K=128 4.16 / 12.43 against 3.83 / 11.89 at 3; 2 and 4 within noise of
-    # 3) and the output kernel's over K blocks (GLA K=128 2.99 / 10.59 at 1, 2.87 / 10.34 at 2,
-    # 2.77 / 10.31 at 3)
+    # Pipeline depths (the launches' num_stages) of the sequential passes' loops over chunks and
+    # of the output kernel's loop over K blocks: the next iterations' loads in flight during
+    # this one's products (3: the fastest measured, BENCHMARKS.md)
     sequential_stages: int = 3
     output_stages: int = 3
     # The key gates' in-chunk sums (bfloat16 gates) of the state pass, the output kernel and the
     # state-gradient pass as tensor-core products rather than scans and reductions across rows
-    # (gla.py's _row_sums). H100, B=8 T=4096 bf16, fwd / fwd+bwd ms, same process: K=64 GLA
-    # 1.66 / 6.79 -> 1.35 / 6.53, RWKV-6 1.72 / 7.80 -> 1.63 / 7.66; K=128 GLA 2.85 / 10.61 ->
-    # 2.34 / 9.92, RWKV-6 2.85 / 12.27 -> 2.16 / 11.21; errors against float64 unchanged
-    # (BENCHMARKS.md session 12). Other gates' dtypes keep the scans.
+    # (triton_kernels/common.py's row_sums): faster, with errors against float64 unchanged
+    # (BENCHMARKS.md). Other gates' dtypes keep the scans.
     gate_sums_by_product: bool = True
 
     def __post_init__(self):
@@ -328,37 +319,16 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
 def _gla_warps(k_size, block_v, has_b, bf16_states):
-    """Measured on the H100 (B=8, T=4096, bf16; BENCHMARKS.md session 8), fwd+bwd ms: the
-    state-gradient pass at 4 warps (GLA K=64 10.97 -> 10.83, K=128 18.45 -> 18.02), the tame
-    K-side kernel at 4 warps (10.97 -> 8.86, 18.45 -> 16.13), the tame V-side kernel at 4 warps
-    at K=V=64 only (GLA 10.97 -> 10.19, RWKV-6 13.07 -> 12.29; K=128 19.03, worse); the output
-    kernel at 8 warps, K blocks of 32, V blocks of 128 and the state pass at 8 warps or K blocks
-    of 32 were all slower. Compile reports:
-    The forward's three kernels at 4 warps: none spills at K=V=64 or 128 (sm_90,
-    benchmarks/compile_report.py; registers: state pass 255, scores 163-194, output 128-168; at
-    8 warps the scores take 128-198, the output 98-157, the state pass 177). With a value gate
-    the state pass and the output kernel take 8 (4 spill 216 B and 1.4 KB; 8: none and 16 B).
-    The backward over 64-token chunks, by sm_90 compile reports only (GLA with gk
-    and RWKV-6, benchmarks/compile_report.py; not yet timed), no spills at K=V=64 and 128: the
-    state-gradient pass with 8 warps (204-207 registers; 4 warps spilled 32 B with the [64, 64]
-    tiles it then prefetched in registers; session 11's pipelined loop: 218-253 at 4 warps, no
-    spills). Exact path: the K-side gradient kernel with 8 warps and 16 keys per
-    program (GLA 247 registers at K=64, 213 at K=128; RWKV-6 255, 207; 4 warps spill 92-112 B
-    at K=64; 32 keys per program spill 140-152 B at K=64); the V-side one with 8 warps (245-255
-    registers; 4 warps spill 104-344 B). Tame path: the K-side kernel with 8 warps and every
-    key (up to 128) per program in steps of 16, so that dO v^T is formed once per chunk and
-    head (GLA 230 / 242 registers, RWKV-6 253 / 254; 4 warps spill 4-260 B; steps of 32: GLA
-    252 / 255 registers, RWKV-6 spills 172 / 60 B; one step of 64 keys: GLA spills 328 B); the
-    V-side kernel with 8 warps (GLA 163 / 235 registers, RWKV-6 173 / 251; 4 warps: 232-239
-    registers at K=64, 28-104 B of spills at K=128). With a value gate (gv) the V-side kernel
-    spills at K=64: 424 B exact, 644 B tame.
-    With bfloat16 saved states (session 10) the tame V-side kernel fits 4 warps at K=V=128 too
-    (255 registers, no spills, GLA and RWKV-6 alike): GLA K=128 fwd+bwd 12.91 -> 11.75 ms
-    (H100), RWKV-6 K=128 14.94 -> 13.99 (session 11, before its other changes). A value gate at
-    K=128 was not timed with it and keeps 8 warps."""
+    """Blocks and warps of each kernel: the fastest measured (BENCHMARKS.md) among those whose
+    registers do not spill (benchmarks/compile_report.py). 4 warps: the state pass, the scores
+    and output kernels (8 with a value gate, whose tiles spill at 4), the state-gradient pass,
+    and the tame path's K-side kernel, which takes every key per program in steps of 16 so that
+    dO v^T is formed once per chunk and head. 8 warps: the exact path's gradient kernels (16
+    keys per program on the K side), and the tame V-side kernel except at K = V = 64 and with
+    bfloat16 saved states and no value gate, where 4 fit and are faster."""
     gated = 8 if has_b else 4
     block_k = min(_pow2_at_least(k_size), 64)
-    # The tame V-side kernel at 4 warps where that was measured faster
+    # The tame V-side kernel at 4 warps where they fit (see above)
     tame_value_warps = 4 if (_pow2_at_least(k_size) * block_v <= 64 * 64
                              or bf16_states and not has_b) else 8
     return dict(state_block_k=block_k, state_block_v=block_v, output_block_k=block_k,
@@ -379,7 +349,7 @@ def _gla_static(q, k, v, a, b, u, scale, reverse):
     _check_head_sizes(k_size, v_size)
     # float32 anywhere (GLA's g and g_gamma make the summed key gate float32) takes tf32x3 and
     # float32 saved states: a strong g_gamma's gradient, a sum over every token and key, needs
-    # them (H100: 3.0e-2 against float64 with tf32 products, 7.8e-4 with tf32x3).
+    # them (with tf32 products its error against float64 misses the float32 contract).
     precise = any(x is not None and x.dtype == jnp.float32 for x in (q, k, v, a, b, u))
     block_v = min(_pow2_at_least(v_size), 64)
     static = _GlaStatic(

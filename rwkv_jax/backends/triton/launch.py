@@ -10,8 +10,10 @@ every input pointer, then every output pointer, then the ``constexprs`` by name.
 Neither path has a batching rule, so under ``jax.vmap`` a launch runs once per batch element
 (``lax.map``); the backends fold real batch dimensions into their grids themselves.
 
-Importing this module has no side effects: :func:`kernels` imports ``rwkv_jax.triton_kernels``
-(after setting ``TRITON_INTERPRET=1`` off the GPU, which must precede the kernels' definition).
+:func:`kernels` imports ``rwkv_jax.triton_kernels`` (after setting ``TRITON_INTERPRET=1`` off the
+GPU, which must precede the kernels' definition); the op modules call it when the package
+imports them, so whether the backend can run at all is asked of
+:mod:`rwkv_jax.backends._triton_probe`, outside the package.
 """
 
 from __future__ import annotations
