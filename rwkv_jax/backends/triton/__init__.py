@@ -7,8 +7,8 @@ Modules:
   module;
 - :mod:`.common`: what both op families share: the list of sequences ``cu``, the slot
   arithmetic of the per-chunk buffers, the head-size check;
-- :mod:`.rwkv7`: RWKV-7 (``KernelConfig``, ``default_config``, ``CONFIG_OVERRIDES``, the 16-
-  and 64-token launches, the op, its sequence-parallel pieces);
+- :mod:`.rwkv7`: RWKV-7 (``KernelConfig``, ``default_config``, ``CONFIG_OVERRIDES``, the
+  64-token launches, the op, its sequence-parallel pieces);
 - :mod:`.gla`: gated linear attention and RWKV-6, and their sequence-parallel pieces.
 
 :func:`sequence_parallel_pieces`, which :mod:`rwkv_jax.shard` looks up on this package, picks
@@ -25,10 +25,10 @@ from . import gla as _gla
 from . import rwkv7 as _rwkv7_module
 from .common import SequencePieces
 from .gla import gated_linear_attention, rwkv6
-from .rwkv7 import (CHUNK, CHUNK64, KernelConfig, backward_chunk64_k_side,
+from .rwkv7 import (CHUNK64, KernelConfig, backward_chunk64_k_side,
                     backward_chunk64_v_side, default_config, forward_chunk64, rwkv7, tame_path)
 
-__all__ = ["CHUNK", "CHUNK64", "KernelConfig", "SequencePieces", "backward_chunk64_k_side",
+__all__ = ["CHUNK64", "KernelConfig", "SequencePieces", "backward_chunk64_k_side",
            "backward_chunk64_v_side", "default_config", "forward_chunk64",
            "gated_linear_attention", "rwkv6", "rwkv7", "sequence_parallel_pieces", "tame_path"]
 

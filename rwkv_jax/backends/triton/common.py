@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 MAX_HEAD_SIZE = 128
+_UNUSED = jax.ShapeDtypeStruct((1,), jnp.float32)  # an output a kernel's options leave out
 
 
 def _pow2_at_least(n, floor=16):

@@ -15,8 +15,8 @@ from jax import lax
 
 from .. import LOG_DECAY_FLOOR
 from . import launch as _launch
-from .common import (SequencePieces, _check_head_sizes, _first_slots, _pow2_at_least, _sequences, _slot_count,
-                     _slot_sequences)
+from .common import (_UNUSED, SequencePieces, _check_head_sizes, _first_slots, _pow2_at_least,
+                     _sequences, _slot_count, _slot_sequences)
 
 _gla_kernels = _launch.kernels("gla")
 
@@ -266,7 +266,6 @@ def _gla_state_gradient(static, q, a, b, do, dht, cu):
         num_warps=static.state_gradient_warps, num_stages=static.sequential_stages, **constexprs)
 
 
-_UNUSED = jax.ShapeDtypeStruct((1,), jnp.float32)  # an output a kernel's options leave out
 
 
 def _gla_key_gradients(static, TAME, q, k, v, a, b, u, do, states, dstates, cu):

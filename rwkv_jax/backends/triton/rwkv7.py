@@ -2,22 +2,20 @@
 
 The kernels see the batch flattened to rows ``[B * T, H, *]`` and one list of sequences,
 ``cu`` (``cu_seqlens``, or ``arange(B + 1) * T`` for a plain batch), so packed and plain inputs
-share one code path. Every chunk's in-chunk matrices are computed once, all at once, and read
-by the forward and (kept for it) the state-gradient pass. The forward saves the state every
-``CHUNK * chunks_per_state`` tokens of each sequence (and U, see the kernels) for the backward,
-whose state-gradient pass saves dH at every chunk's end; where each sequence's entries start
-in these buffers (and the in-chunk matrices' buffer) is computed on the
-device from ``cu``, and the buffers have the static size ``rows // span + N`` (an upper bound
-over all length patterns): no host sync, no recompile per length pattern. The kernels clamp
-every row and slot they derive from ``cu`` into these buffers (their sizes are compile-time
-constants), so no value of ``cu`` reads or writes out of bounds. Launches go through
-:mod:`rwkv_jax.backends.triton.launch` (jax-triton on GPU, Triton's interpreter on CPU);
-:func:`rwkv7` is a ``jax.custom_vjp``. Exact for every log decay in [-inf, 0]: the kernels that
-build in-chunk matrices have two paths (tame and exact, see the kernels), and :func:`tame_path`
-picks one per call on the device (one read of w, ``lax.cond``: no host sync); the backward
-takes the forward's path. The two sequential passes have one path. Above K = 64 training takes
-the 64-token kernels instead (section "64-token chunks" below, ``KernelConfig.chunk``); a call
-that is not differentiated takes the 16-token forward at every head size.
+share one code path. Chunks are 64 tokens (the WY form: :func:`forward_chunk64`,
+:func:`backward_chunk64_v_side`, :func:`backward_chunk64_k_side`); a call that is not
+differentiated runs the forward without residuals. Where each sequence's chunks start in the
+per-chunk
+buffers is computed on the device from ``cu``, and the buffers have the static size
+``rows // 64 + N`` (an upper bound over all length patterns): no host sync, no recompile per
+length pattern. The kernels clamp every row and slot they derive from ``cu`` into these
+buffers (their sizes are compile-time constants), so no value of ``cu`` reads or writes out of
+bounds. Launches go through :mod:`rwkv_jax.backends.triton.launch` (jax-triton on GPU,
+Triton's interpreter on CPU); :func:`rwkv7` is a ``jax.custom_vjp``. Exact for every log decay
+in [-inf, 0]: the kernels that build in-chunk matrices have two paths (tame and exact, see the
+kernels), and :func:`tame_path` picks one per call on the device (one read of w,
+``lax.cond``: no host sync); the backward takes the forward's path. The sequential passes have
+one path.
 """
 
 from __future__ import annotations
@@ -32,221 +30,100 @@ from jax import lax
 
 from .. import LOG_DECAY_FLOOR
 from . import launch as _launch
-from .common import (SequencePieces, _check_head_sizes, _first_slots, _pow2_at_least, _sequences, _slot_count,
-                     _slot_sequences)
+from .common import (_UNUSED, SequencePieces, _check_head_sizes, _first_slots, _pow2_at_least,
+                     _sequences, _slot_count, _slot_sequences)
 
 _kernels = _launch.kernels("rwkv7")
 
-CHUNK = 16  # tokens per chunk
-LEVELS = CHUNK.bit_length() - 1  # of the in-chunk factors (triton_kernels/rwkv7.py)
+CHUNK64 = 64  # tokens per chunk
+LEVELS64 = CHUNK64.bit_length() - 1
+# The plan's 16-token blocks: of the exact path's in-chunk factors and of the in-chunk inverse's
+# diagonal (in_chunk.py's _wy_pairs, _wy_inverse).
+BLOCK64 = 16
 # A chunk is tame when its log decays sum to at least -TAME_SUM in every column: its A matrices'
-# middle-referenced factors stay within e^(+-TAME_SUM) (the kernels' TAME path).
-TAME_SUM = 16.0
-# K columns at a time of the exact path's in-chunk kernel: at K=128 228 registers and no spills
-# (sm_90, 4 warps); all 128 at once spilled 316 B. H100, B=8, T=4096, bf16: 5.0 ms (K=128).
-EXACT_BLOCK_K = 32
+# middle-referenced factors stay within e^(+-TAME_SUM / 2) (the kernels' TAME path).
+TAME_SUM = 64.0
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    block_v: int            # V columns per program of the gradient kernels
-    chunks_per_state: int   # the forward saves the state every this many chunks
-    forward_warps: int      # of the sequential passes (forward, state gradient)
-    backward_warps: int     # of the parallel gradient kernel
-    stages: int | None = None
-    # V columns per program of the two sequential passes (None: block_v). They read the
-    # in-chunk matrices of the in-chunk kernels, so more V blocks recompute nothing.
+    """The op's kernel choices: those whose default depends on the shape (``DEFAULTS``) or that
+    a benchmark sweeps. The kernels' own tuning (warps, K parts, register caps) is a keyword of
+    :func:`forward_chunk64`, :func:`backward_chunk64_v_side` and :func:`backward_chunk64_k_side`
+    (benchmarks/gpu_chunk64_variants.py sweeps those)."""
+    # V columns per program of the state passes, outputs and V-side gradients.
+    block_v: int
+    # V columns per program of the two sequential passes (None: block_v). They read what the
+    # in-chunk kernel wrote, so more V blocks recompute nothing.
     recurrence_block_v: int | None = None
-    in_chunk_warps: int = 4  # of the two in-chunk kernels
-    # Chunks per program of rwkv7_tame_in_chunk_kernel ([G, C, *] tiles, batched products),
-    # and the K columns it takes at a time (its A matrices are sums over K). H100, B=8,
-    # T=4096, bf16, 4 warps: K=64 0.99 ms (32 columns: 1.11), K=128 1.09 (1.19); one chunk per
-    # program 1.60 at both. The exact path's kernel takes EXACT_BLOCK_K.
-    in_chunk_group: int = 4
-    in_chunk_block_k: int = 64
-    # Of the (I - A_ab)^-1 products; None: "ieee" for float32 inputs (their contract), else
-    # "tf32" (H100, bf16: 7% faster forward, error unchanged at two digits).
-    inverse_precision: str | None = None
-    # Calls whose every log decay is >= -TAME_SUM / CHUNK take the kernels' tame path (one
-    # product per A matrix); False: every call level by level (exact for every decay either way).
+    # Calls whose every log decay is >= -1 take the kernels' tame path (``tame_path``: one
+    # product per A matrix); False: every call on the exact path (exact for every decay
+    # either way).
     tame: bool = True
-    # The tame path's K-side gradients in one kernel (rwkv7_tame_gradient_kernel) rather than
-    # two (dv has its own kernel either way).
-    fused_tame_gradient: bool = False
-    # K rows per program of the K-side gradient kernels (key, query, fused; None: all; else a
-    # power of two dividing K): their K-side tiles and states are per K row, so blocks of K
-    # need fewer registers at the cost of reading the V-side tiles once per block.
-    gradient_block_k: int | None = None
-    # 16-bit inputs: the states saved every span and dH saved at every chunk's end in bfloat16
-    # (half their bytes; float32 inputs keep float32). H100, B=8 T=4096 bf16, same run
-    # (session 13): K=64 15.20 -> 14.63 ms forward+backward, peak 7.28 -> 6.15 GiB, errors
-    # unchanged; K=128 32.05 -> 32.54 (the fused K-side kernel spills more): default_config
-    # turns it on at K <= 64.
-    bf16_saved: bool = False
-    # bfloat16 inputs: the sequential passes multiply v and dO as stored, against the A
-    # matrices and the decayed k and q rounded to bfloat16 (16-bit operands, as GLA/RWKV-6's
-    # rounded_products: H100 K=128 GLA state pass 1.53 -> 1.12 ms there). Not yet timed for
-    # RWKV-7: off by default.
-    rounded: bool = False
-    # Warps of the K-side gradient kernels (None: backward_warps). sm_90, bf16, the fused tame
-    # kernel: 4 warps spill 288 B at K=64 and 344 B at K=128, 8 warps 192 and 196 B, yet 8 are
-    # far slower (H100, session 13: that kernel 7.75 -> 13.94 ms at K=64, 18.84 -> 30.78 at
-    # K=128). The value kernel keeps backward_warps: Triton 3.6 miscompiles its products at 8.
-    k_side_warps: int | None = None
-    # Tokens per chunk of the training kernels: 16, the kernels above, or 64, the WY-form
-    # kernels of the section "64-token chunks" (docs/RWKV7-CHUNK64.md; default_config's choice
-    # from K = 64), which take block_v (the V columns per program of their state passes,
-    # outputs and V-side gradients) and the chunk64_* fields below; a call that is not
-    # differentiated takes the 16-token forward unless chunk64_inference.
-    chunk: int = 16
-    # At 64-token chunks: keys per program and warps of the K-side kernel (None:
-    # backward_chunk64_k_side's defaults), and warps of the two sequential passes (None: 4).
-    chunk64_k_side_block_k: int | None = None
-    chunk64_k_side_warps: int | None = None
-    chunk64_state_warps: int | None = None
-    # At 64-token chunks: warps and K columns per part of the in-chunk kernel's tame path
-    # (None: forward_chunk64's defaults, 4 and IN_CHUNK_BLOCK_K64).
-    chunk64_in_chunk_warps: int | None = None
-    chunk64_in_chunk_block_k: int | None = None
-    # At 64-token chunks: a call that is not differentiated takes the 64-token forward too
-    # (else the 16-token one, which saves nothing; default_config: for few sequence-heads).
-    chunk64_inference: bool = False
-    # At 64-token chunks: num_stages of the forward state pass's loop over chunks, a ``for``
-    # that Triton pipelines (the next chunks' loads, which do not depend on the state, in
-    # flight in shared memory during this one's products); 0: a ``while`` loop carrying the
-    # next chunk's W by hand (K <= 64), not pipelined. None: forward_chunk64's default (2;
-    # measured there).
-    chunk64_state_stages: int | None = None
-    # The same for the 64-token state-gradient pass's loop (0: a ``while``, not pipelined).
-    # None: backward_chunk64_v_side's default (STATE_GRADIENT_STAGES64).
-    chunk64_state_gradient_stages: int | None = None
-    # num_stages of the fused tame K-side kernel's loop over a span's chunks, a ``for`` that
-    # Triton pipelines (the next chunks' loads in flight during this one's products); 0: a
-    # ``while`` loop, not pipelined. H200, B=8 T=4096 bf16, that kernel (session 14): K=64
-    # 7.71 ms with ``while``, 7.89 at 2 stages, 7.83 at 3; K=128 18.12, 17.64, 17.05 (fwd+bwd
-    # 31.67 -> 30.52): default_config pipelines it at K=128 only. (The value kernel's loop
-    # pipelined the same way was slower: K=128 3.00 -> 5.85 ms at 3 stages.)
-    gradient_stages: int = 0
-    # At 64-token chunks, 16-bit inputs: W and H per chunk in bfloat16 (half their bytes; W H
-    # multiplies at the bfloat16 tensor-core rate); the state pass still carries H in float32.
-    # The other buffers stay float32, as bfloat16 cost too much precision (interpreter, bf16
-    # inputs, relative errors against float64, K=64 T=256 H=2 unless said): U0 or U (db
-    # 6.1e-3 -> 9.0e-3 and 3.3e-3 -> 8.8e-3, split K side or not: U = W H + U0 cancels
-    # much of the delta rule's V), the in-chunk matrices (output 3.3e-3 -> 6.1e-3), dU and dX
-    # (da 3.4e-3 -> 8.9e-3 on the packed K=16 test case); dH' meets H elementwise in the K
-    # side's rowsum(H dH'). With W and H: output 3.32e-3 -> 3.38e-3, worst gradient 6.14e-3
-    # -> 6.31e-3 (split K side). float32 inputs keep float32 buffers.
-    chunk64_bf16_residuals: bool = True
-    # dH' per chunk (the state-gradient pass's output, which the V and K sides read) in
-    # bfloat16 for 16-bit inputs (backward_chunk64_v_side's bf16_state_gradients). H100, B=8
-    # T=4096 bf16, one process with fla (session 18): fwd+bwd K=128 18.30 -> 17.92 ms, peak
-    # 7.57 -> 7.06 GiB; K=64 15.13 -> 15.01, 7.81 -> 7.55 GiB; errors against float64
-    # unchanged there (output 2.0e-3, worst gradient 3.0e-3; fla 2.5e-3, 3.6e-3). On the
-    # interpreter (small cases) dv's and db's errors rise by ~10% (session 17).
-    chunk64_bf16_state_gradients: bool = True
+    # Keys per program of the K-side gradient kernel (None: K_SIDE_BLOCK_K64).
+    k_side_block_k: int | None = None
+    # num_stages of the forward state pass's loop over chunks, a ``for`` that Triton
+    # pipelines (the next chunks' loads, which do not depend on the state, in flight in shared
+    # memory during this one's products); 0: a ``while`` loop carrying the next chunk's W by
+    # hand (K <= 64), not pipelined. None: forward_chunk64's default.
+    state_stages: int | None = None
+    # The same for the state-gradient pass's loop. None: STATE_GRADIENT_STAGES64.
+    state_gradient_stages: int | None = None
+    # 16-bit inputs: W, H per chunk and the decayed rows in bfloat16 (half their bytes, and W H
+    # multiplies at the bfloat16 tensor-core rate); the passes still carry H in float32. U0, U,
+    # the in-chunk matrices, dU and dX stay float32: U = W H + U0 cancels much of the delta
+    # rule's V, and rounding any of them cost measurably more precision. float32 inputs keep
+    # float32 buffers (their contract).
+    bf16_residuals: bool = True
+    # 16-bit inputs: dH' per chunk (the state-gradient pass's output, which the V and K sides
+    # read) in bfloat16 (half its bytes).
+    bf16_state_gradients: bool = True
 
 
-# Programs of the sequential passes below which they take V blocks of 32: fewer programs than
-# an H100 has multiprocessors (132). H100, one sequence of 65536 tokens, H=32, K=V=64, bf16
-# (32 programs): forward+backward 33.05 ms with V blocks of 64, 29.52 with 32, 29.38 with 16;
-# at B=8, T=4096 (512 programs at K=64) blocks of 32 are slower (K=128 forward 9.60 against
-# 5.29 ms).
+# Programs of the sequential passes below which they are latency-bound: fewer than an H100 has
+# multiprocessors (132).
 FEW_RECURRENCE_PROGRAMS = 132
+# The defaults by shape class: what each class sets over KernelConfig's own defaults, with
+# block_v = min(V rounded up to a power of two, 64) in every class (tiles of at most 64 V
+# columns are what the kernels' registers are sized for). Measurements: BENCHMARKS.md.
+DEFAULTS = {
+    # Enough sequence-heads to fill the GPU: V blocks of block_v in every kernel.
+    "many": dict(),
+    # Few: narrower V blocks for the latency-bound passes (twice the programs).
+    "few": dict(recurrence_block_v=32),
+}
 
 
 def default_config(k_size: int, v_size: int, streams: int = FEW_RECURRENCE_PROGRAMS
                    ) -> KernelConfig:
-    """The measured configuration for head sizes K, V and ``streams`` = sequences x heads."""
-    block_k, block_v = _pow2_at_least(k_size), _pow2_at_least(v_size)
-    # Measured on an H100 (BENCHMARKS.md): every kernel is fastest with 4 warps at K=V=64, and
-    # the gradient kernels must keep 4: with 8, Triton 3.6 miscompiles the products of dv (wrong
-    # dv at K=64 and K=128; slower too). A state every 8 chunks beats every 1, 2 or 4 (fewer
-    # saved states, and the span's walk costs little). The sequential passes (which read the
-    # in-chunk matrices) at 4 warps at every head size (K=128: forward 5.29 ms, state gradient
-    # 4.85, against 8.78 and 8.39 with 8 warps; V blocks of 32: 9.60 and 8.29). dv in its own
-    # kernel and the tame path's K-side gradients in one kernel at every head size, on blocks
-    # of 64 K rows at K=128 (session 13, B=8 T=4096 bf16 forward+backward: K=64 15.20 ms against
-    # 18.02 in two K-side kernels; K=128 32.05 against 36.54, and 39.09 without K blocks).
-    # bfloat16 saved states and dH at K <= 64 only (KernelConfig.bf16_saved). Above K = 64 the
-    # 64-token kernels (session 15, H200, B=8 T=4096 H=32 K=128 bf16, forward+backward: 22.13 ms
-    # against 30.87, peak 7.57 GiB against 11.56; session 16: 19.29; session 17, their K-side
-    # and in-chunk kernels under register caps: 17.45), and at K = 64 since session 17 (H=64:
-    # 14.47 against the 16-token kernels' 14.88, same run; session 16: 15.50 against 14.54;
-    # peak 7.81 GiB against 6.15); below K = 64 not timed. Few sequence-heads' sequential
-    # passes are latency-bound and take 4x fewer steps at 64 tokens (session 15, one sequence
-    # of 65536 tokens, H=32 K=64: 25.17 against 29.24), in training and in calls not
-    # differentiated (the 64-token forward, residuals included, 8.34 ms against the 16-token
-    # forward's 10.85). Inference at many sequence-heads keeps the 16-token forward (session
-    # 17, B=8: K=128 5.35 ms against 7.15 for the 64-token forward with its residuals, K=64
-    # 3.28 against 5.32).
+    """The default configuration (``DEFAULTS``) for head sizes K, V and ``streams`` =
+    sequences x heads."""
+    block_v = min(_pow2_at_least(v_size), 64)
     few = streams * -(-v_size // 64) < FEW_RECURRENCE_PROGRAMS and block_v >= 64
-    return KernelConfig(block_v=min(block_v, 64), chunks_per_state=8, forward_warps=4,
-                        backward_warps=4, fused_tame_gradient=True,
-                        gradient_block_k=64 if block_k == 128 else None,
-                        gradient_stages=3 if block_k == 128 else 0,
-                        recurrence_block_v=32 if few else None, bf16_saved=block_k <= 64,
-                        chunk=CHUNK64 if block_k >= 64 else CHUNK,
-                        chunk64_inference=few and block_k >= 64)
+    return KernelConfig(block_v=block_v, **DEFAULTS["few" if few else "many"])
 
 
 # (K, V) -> KernelConfig, to try other settings (benchmarks/gpu_rwkv7.py) without editing code.
 CONFIG_OVERRIDES: dict = {}
 
 
-# The compile-time arguments of the two sequential passes.
-_RECURRENCE = ("scale", "HEADS", "K", "V", "BK", "BV", "C", "FLOOR", "PRECISION", "ROUNDED")
+def _config(k_size, v_size, streams):
+    """The KernelConfig of a call: CONFIG_OVERRIDES' for its head sizes, else the default."""
+    return CONFIG_OVERRIDES.get((k_size, v_size)) or default_config(k_size, v_size, streams)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    """Everything the kernels are specialised on (hashable: a custom_vjp nondiff argument)."""
+    """What the op's launches are specialised on (hashable: a custom_vjp nondiff argument)."""
     scale: float
-    heads: int
-    k_size: int
-    v_size: int
     config: KernelConfig
-    precision: str  # of the float32 matrix products: "tf32x3" for float32 inputs, else "tf32"
-
-    @property
-    def span(self):
-        return CHUNK * self.config.chunks_per_state
-
-    @property
-    def saved_dtype(self):
-        """Of the saved states and dH (KernelConfig.bf16_saved)."""
-        sixteen_bit = self.precision != "tf32x3"
-        return jnp.bfloat16 if self.config.bf16_saved and sixteen_bit else jnp.float32
-
-    def constexprs(self, *names):
-        """The kernels' compile-time arguments, those named."""
-        every = dict(scale=self.scale, HEADS=self.heads, K=self.k_size, V=self.v_size,
-                     BK=_pow2_at_least(self.k_size), BV=self.config.block_v, C=CHUNK,
-                     LEVELS=LEVELS, FLOOR=LOG_DECAY_FLOOR,
-                     CHUNKS_PER_STATE=self.config.chunks_per_state, PRECISION=self.precision,
-                     ROUNDED=self.config.rounded,
-                     INVERSE_PRECISION=self.config.inverse_precision or (
-                         "ieee" if self.precision == "tf32x3" else "tf32"))
-        return {name: every[name] for name in names}
-
-    def grid(self, sequences):
-        return (sequences * self.heads, -(-self.v_size // self.config.block_v))
-
-    @property
-    def recurrence_block_v(self):
-        return self.config.recurrence_block_v or self.config.block_v
-
-    def recurrence_launch(self, sequences):
-        """The grid, warps and compile-time arguments of the two sequential passes."""
-        return dict(grid=(sequences * self.heads, -(-self.v_size // self.recurrence_block_v)),
-                    num_warps=self.config.forward_warps, num_stages=self.config.stages,
-                    **dict(self.constexprs(*_RECURRENCE), BV=self.recurrence_block_v))
 
 
 def tame_path(w):
     """Whether a call with log decays ``w`` takes the kernels' tame path: every log decay at
-    least -TAME_SUM / CHUNK (model-range ones, >= -e^-0.5, always are) makes every chunk tame
-    whatever the chunk boundaries. A traced boolean: one read of w, on the device."""
-    return jnp.min(w, initial=0.0).astype(jnp.float32) * CHUNK >= -TAME_SUM
+    least -TAME_SUM / CHUNK64 = -1 (model-range ones, >= -e^-0.5, always are) makes every chunk
+    tame whatever the chunk boundaries. A traced boolean: one read of w, on the device."""
+    return jnp.min(w, initial=0.0).astype(jnp.float32) * CHUNK64 >= -TAME_SUM
 
 
 def _on_path(tame, launch):
@@ -258,273 +135,55 @@ def _on_path(tame, launch):
     return lax.cond(tame, lambda: launch(True), lambda: launch(False))
 
 
-def _in_chunk_matrices(static, r, w, k, a, b, cu, tame):
-    """Every chunk's [C, C] matrices ((I - A_ab)^-1, A_qb, A_ak, A_qk: triton_kernels/rwkv7.py),
-    all at once, on the path ``tame`` picks: [chunk slots, heads, 4, C, C] float32, and the
-    slot of each sequence's first chunk."""
-    rows = r.shape[0]
-    sequences = cu.shape[0] - 1
-    chunks, chunk_index = _first_slots(cu, CHUNK)
-    chunk_slots = _slot_count(rows, sequences, CHUNK)
-    chunk_sequence = _slot_sequences(chunks, chunk_index, chunk_slots)
-    inputs = (r, w, k, a, b, cu, chunk_index, chunk_sequence)
-    matrices = jax.ShapeDtypeStruct((chunk_slots, static.heads, 4, CHUNK, CHUNK), jnp.float32)
-    common = dict(num_warps=static.config.in_chunk_warps, num_stages=static.config.stages,
-                  TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=chunk_slots,
-                  **static.constexprs("scale", "HEADS", "K", "BK", "C", "FLOOR", "PRECISION",
-                                      "INVERSE_PRECISION"))
-    block_k = lambda most: min(most, _pow2_at_least(static.k_size))
-    group = static.config.in_chunk_group
-    (matrices,) = _on_path(static.config.tame and tame, lambda TAME: _launch.launch(
-        _kernels.rwkv7_tame_in_chunk_kernel, inputs, (matrices,),
-        (-(-chunk_slots // group), static.heads), GROUP=group,
-        KI=block_k(static.config.in_chunk_block_k), **common) if TAME else _launch.launch(
-        _kernels.rwkv7_in_chunk_kernel, inputs, (matrices,), (chunk_slots, static.heads),
-        LEVELS=LEVELS, KI=block_k(EXACT_BLOCK_K), **common))
-    return matrices, chunk_index
-
-
-def _forward(static, r, w, k, v, a, b, h0, cu, save, tame):
-    rows = r.shape[0]
-    sequences = cu.shape[0] - 1
-    state_shape = (sequences, static.heads, static.k_size, static.v_size)
-    saved = lambda shape, dtype: jax.ShapeDtypeStruct(shape if save else (1,), dtype)
-    matrices, chunk_index = _in_chunk_matrices(static, r, w, k, a, b, cu, tame)
-    o, ht, states, u = _launch.launch(
-        _kernels.rwkv7_forward_kernel,
-        (r, w, k, v, a, b, h0, matrices, cu, _first_slots(cu, static.span)[1], chunk_index),
-        (jax.ShapeDtypeStruct((rows, static.heads, static.v_size), v.dtype),
-         jax.ShapeDtypeStruct(state_shape, jnp.float32),
-         saved((_slot_count(rows, sequences, static.span),) + state_shape[1:],
-               static.saved_dtype),
-         saved((rows, static.heads, static.v_size), jnp.float32)),
-        SAVE=save, TOTAL_ROWS=rows,
-        STATE_SLOTS=_slot_count(rows, sequences, static.span) if save else 1,
-        CHUNK_SLOTS=matrices.shape[0], CHUNKS_PER_STATE=static.config.chunks_per_state,
-        **static.recurrence_launch(sequences))
-    return o, ht, states, u, matrices
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rwkv7(static, r, w, k, v, a, b, h0, cu):
-    o, ht, _, _, _ = _forward(static, r, w, k, v, a, b, h0, cu, False, tame_path(w))
-    return o, ht
-
-
-def _rwkv7_fwd(static, r, w, k, v, a, b, h0, cu):
-    tame = tame_path(w)
-    o, ht, states, u, matrices = _forward(static, r, w, k, v, a, b, h0, cu, True, tame)
-    return (o, ht), (r, w, k, v, a, b, states, u, matrices, cu, tame)
-
-
-def _rwkv7_bwd(static, residuals, cotangents):
-    r, w, k, v, a, b, states, u, matrices, cu, tame = residuals
-    do, dht = cotangents
-    do = do.astype(v.dtype)
-    dh0, dstates, dx = _state_gradient(static, r, w, a, b, matrices, cu, do, dht)
-    # dV reads the forward's A matrices (one path): outside the lax.cond, so that they are freed
-    # before the K-side kernels.
-    dv = _value_gradient(static, w, k, do, dstates, dx, matrices, cu)
-    dr, dw, dk, da, db = _on_path(static.config.tame and tame, lambda TAME: _k_side_gradients(
-        static, TAME, r, w, k, v, a, b, states, u, cu, do, dstates, dx))
-    return dr, dw, dk, dv, da, db, dh0, None
-
-
-def _state_gradient(static, r, w, a, b, matrices, cu, do, dht):
-    """The reverse recurrence of the state gradient: dh0, dH at the end of every chunk, and dX
-    (one path; outside the backward's lax.cond, so that the in-chunk matrices are freed before
-    the gradient kernels run)."""
-    rows = r.shape[0]
-    sequences = cu.shape[0] - 1
-    state_shape = (static.heads, static.k_size, static.v_size)
-    return _launch.launch(
-        _kernels.rwkv7_state_gradient_kernel,
-        (r, w, a, b, do, dht.astype(jnp.float32), matrices, cu, _first_slots(cu, CHUNK)[1]),
-        (jax.ShapeDtypeStruct((sequences,) + state_shape, jnp.float32),
-         jax.ShapeDtypeStruct((_slot_count(rows, sequences, CHUNK),) + state_shape,
-                              static.saved_dtype),
-         jax.ShapeDtypeStruct((rows, static.heads, static.v_size), jnp.float32)),
-        TOTAL_ROWS=rows, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
-        **static.recurrence_launch(sequences))
-
-
-def _gradient_launch(static, cu, rows):
-    """What every gradient kernel launches with (one program per span, head and V block, all
-    at once): its span slots, their index inputs, and the common options."""
-    sequences = cu.shape[0] - 1
-    _, chunk_index = _first_slots(cu, CHUNK)
-    spans, state_index = _first_slots(cu, static.span)
-    slots = _slot_count(rows, sequences, static.span)
-    index = (cu, state_index, chunk_index, _slot_sequences(spans, state_index, slots))
-    options = dict(
-        num_warps=static.config.backward_warps, num_stages=static.config.stages,
-        TOTAL_ROWS=rows, SEQUENCES=sequences, CHUNK_SLOTS=_slot_count(rows, sequences, CHUNK),
-        **static.constexprs("HEADS", "K", "V", "BK", "BV", "C", "FLOOR", "PRECISION",
-                            "CHUNKS_PER_STATE"))
-    return (slots, static.heads, static.grid(sequences)[1]), index, options
-
-
-def _value_gradient(static, w, k, do, dstates, dx, matrices, cu):
-    """dv (rwkv7_value_gradient_kernel: one path, the forward's A matrices), summed over K in
-    pieces of 64 rows where they tile K (K=128: 124 registers and 20 KB of shared memory
-    against 201 and 46 KB in one piece; sm_90, 4 warps)."""
-    grid, index, options = _gradient_launch(static, cu, w.shape[0])
-    pieces = options["BK"] // 64 if static.k_size % 64 == 0 else 1
-    (dv,) = _launch.launch(_kernels.rwkv7_value_gradient_kernel,
-                           (w, k, do, dstates, dx, matrices, *index),
-                           (jax.ShapeDtypeStruct(do.shape, do.dtype),), grid,
-                           **dict(options, BK=options["BK"] // pieces, K_PIECES=pieces))
-    return dv
-
-
-def _k_side_gradients(static, TAME, r, w, k, v, a, b, states, u, cu, do, dstates, dx):
-    """dr, dw, dk, da, db, on the forward's path: in two kernels (none holds every tile: dk, db
-    and dw's share through them; dr, da and dw), or on the tame path in one
-    (KernelConfig.fused_tame_gradient); on blocks of K rows (KernelConfig.gradient_block_k).
-    They sum over V: with several V blocks, one launch per V block, each adding the float32
-    sums of the launch before (the first reads none: it is passed the inputs in their place),
-    the last writing the inputs' dtypes. One float32 buffer per gradient, summed in a fixed
-    order; before, every V block wrote its own partial sums and XLA added them afterwards
-    (K=V=128, B=8 T=4096 H=32: 5.4 GB of them, the backward's largest buffer)."""
-    rows = r.shape[0]
-    (slots, heads, v_blocks), index, options = _gradient_launch(static, cu, rows)
-    block_k = static.config.gradient_block_k or options["BK"]
-    if options["BK"] % block_k or (block_k < options["BK"] and static.k_size % block_k):
-        raise ValueError(f"KernelConfig.gradient_block_k must divide K = {static.k_size} "
-                         f"(a power of two); got {block_k}")
-    k_side = dict(options, scale=static.scale, BK=block_k, K_BLOCKS=options["BK"] // block_k,
-                  num_warps=static.config.k_side_warps or static.config.backward_warps)
-    grid = (slots, heads, k_side["K_BLOCKS"])
-    fused = TAME and static.config.fused_tame_gradient
-    if not fused:
-        k_side = dict(k_side, TAME=TAME, LEVELS=LEVELS)
-    shape = (rows, static.heads, static.k_size)
-    dr = dw = dk = da = db = w  # (the first launch's unread earlier sums)
-    for v_block in range(v_blocks):
-        last = v_block == v_blocks - 1
-        out = lambda x: jax.ShapeDtypeStruct(shape, x.dtype if last else jnp.float32)
-        launch = functools.partial(_launch.launch, grid=grid, V_BLOCK=v_block,
-                                   ACCUMULATE=v_block > 0, **k_side)
-        if fused:
-            stages = static.config.gradient_stages
-            dr, dw, dk, da, db = launch(
-                _kernels.rwkv7_tame_gradient_kernel,
-                (r, w, k, v, a, b, do, states, u, dstates, dx, dr, dw, dk, da, db, *index),
-                (out(r), out(w), out(k), out(a), out(b)), PIPELINED=stages > 0,
-                num_stages=stages or static.config.stages)
-        else:
-            dk, db, dw_part = launch(
-                _kernels.rwkv7_key_gradient_kernel,
-                (r, w, k, v, a, b, do, u, dstates, dx, dk, db, *index),
-                (out(k), out(b), jax.ShapeDtypeStruct(shape, jnp.float32)))
-            dr, dw, da = launch(
-                _kernels.rwkv7_query_gradient_kernel,
-                (r, w, k, v, a, b, do, states, u, dstates, dx, dw_part, dr, dw, da, *index),
-                (out(r), out(w), out(a)))
-    return dr, dw, dk, da, db
-
-
-_rwkv7.defvjp(_rwkv7_fwd, _rwkv7_bwd)
-
-
-# The op at 64-token chunks (KernelConfig.chunk = 64), when differentiated: the forward's three
-# kernels save what the backward reads (``forward_chunk64``'s residuals), no state at every
-# step. A call that is not differentiated takes the 16-token forward.
-def _chunk64_options(static, cu_seqlens):
-    state_warps = static.config.chunk64_state_warps
-    return dict(cu_seqlens=cu_seqlens, block_v=static.config.block_v,
-                warps=state_warps and dict(state=state_warps))
-
-
+# The op: when differentiated, the forward's three kernels save what the backward reads
+# (``forward_chunk64``'s residuals), no state at every step; a call that is not differentiated
+# takes the forward without residuals (two kernels).
 def _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, residuals):
     """forward_chunk64 as the op's KernelConfig sets it."""
-    config, options = static.config, _chunk64_options(static, cu_seqlens)
-    if config.chunk64_in_chunk_warps:
-        options["warps"] = dict(options["warps"] or {}, tame=config.chunk64_in_chunk_warps)
+    config = static.config
     return forward_chunk64(r, w, k, v, a, b, scale=static.scale, initial_state=h0,
-                           residuals=residuals, exact=not config.tame,
-                           bf16_residuals=config.chunk64_bf16_residuals,
-                           state_stages=config.chunk64_state_stages,
-                           recurrence_block_v=config.recurrence_block_v,
-                           block_k_in_chunk=config.chunk64_in_chunk_block_k, **options)
+                           cu_seqlens=cu_seqlens, block_v=config.block_v, residuals=residuals,
+                           exact=not config.tame, bf16_residuals=config.bf16_residuals,
+                           state_stages=config.state_stages,
+                           recurrence_block_v=config.recurrence_block_v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rwkv7_chunk64(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
-    # Not differentiated (inference): the 64-token forward where KernelConfig.chunk64_inference
-    # says so, else the 16-token one, which is the faster one for many sequence-heads (H200,
-    # B=8 T=4096 H=32 K=128 bf16, session 16: 5.28 ms against 7.95 for the 64-token forward
-    # with its residuals).
-    if static.config.chunk64_inference:
-        return _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, False)
-    batch, steps, heads, _ = r.shape
-    rows = lambda x: x.reshape(batch * steps, heads, x.shape[-1])
-    o, ht, _, _, _ = _forward(static, *map(rows, (r, w, k, v, a, b)), h0, cu, False,
-                              tame_path(w))
-    return o.reshape(v.shape), ht
+def _rwkv7(static, r, w, k, v, a, b, h0, cu_seqlens):
+    return _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, False)
 
 
-def _rwkv7_chunk64_fwd(static, r, w, k, v, a, b, h0, cu_seqlens, cu):
+def _rwkv7_fwd(static, r, w, k, v, a, b, h0, cu_seqlens):
     o, ht, saved = _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, True)
     return (o, ht), (r, w, k, v, a, b, saved, cu_seqlens)
 
 
-def _rwkv7_chunk64_bwd(static, residuals, cotangents):
+def _rwkv7_bwd(static, residuals, cotangents):
     r, w, k, v, a, b, saved, cu_seqlens = residuals
     do, dht = cotangents
     do = do.astype(v.dtype)
-    options = _chunk64_options(static, cu_seqlens)
+    config = static.config
     dv, dh0, dstates, _, dx = backward_chunk64_v_side(
-        r, w, k, v, a, b, saved, do, dht, recurrence_block_v=static.config.recurrence_block_v,
-        state_stages=static.config.chunk64_state_gradient_stages,
-        bf16_state_gradients=static.config.chunk64_bf16_state_gradients, **options)
-    warps = static.config.chunk64_k_side_warps
+        r, w, k, v, a, b, saved, do, dht, cu_seqlens=cu_seqlens, block_v=config.block_v,
+        recurrence_block_v=config.recurrence_block_v, state_stages=config.state_gradient_stages,
+        bf16_state_gradients=config.bf16_state_gradients)
     dr, dw, dk, da, db = backward_chunk64_k_side(
-        r, w, k, v, a, b, saved, do, dstates, dx, scale=static.scale,
-        exact=not static.config.tame, block_k=static.config.chunk64_k_side_block_k,
-        **dict(options, warps=warps and dict(tame=warps, exact=warps)))
-    return dr, dw, dk, dv, da, db, dh0, None, None
+        r, w, k, v, a, b, saved, do, dstates, dx, scale=static.scale, cu_seqlens=cu_seqlens,
+        block_v=config.block_v, exact=not config.tame, block_k=config.k_side_block_k)
+    return dr, dw, dk, dv, da, db, dh0, None
 
 
-_rwkv7_chunk64.defvjp(_rwkv7_chunk64_fwd, _rwkv7_chunk64_bwd)
-
-
-def _rwkv7_static(scale, sequences, r, w, k, v, a, b):
-    """The kernels' _Static for a call: its head sizes, KernelConfig and product precision."""
-    heads, k_size, v_size = r.shape[2], r.shape[3], v.shape[3]
-    config = (CONFIG_OVERRIDES.get((k_size, v_size))
-              or default_config(k_size, v_size, sequences * heads))
-    # tf32 alone (10-bit mantissa) would miss the float32 contract; split products recover it.
-    precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
-    return _Static(float(scale), heads, k_size, v_size, config, "tf32x3" if precise else "tf32")
+_rwkv7.defvjp(_rwkv7_fwd, _rwkv7_bwd)
 
 
 def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seqlens):
     batch, steps, heads, k_size = r.shape
     v_size = v.shape[-1]
     _check_head_sizes(k_size, v_size)
-    cu, initial_state = _sequences(batch, steps, cu_seqlens, initial_state, (heads, k_size, v_size))
-    static = _rwkv7_static(scale, cu.shape[0] - 1, r, w, k, v, a, b)
-    config = static.config
-    if config.chunk == CHUNK64:
-        return _rwkv7_chunk64(static, r, w, k, v, a, b, initial_state, cu_seqlens, cu)
-    if config.chunk != CHUNK:
-        raise ValueError(f"KernelConfig.chunk must be {CHUNK} or {CHUNK64}; got {config.chunk}")
-    rows = lambda x: x.reshape(batch * steps, heads, x.shape[-1])
-    o, ht = _rwkv7(static, *map(rows, (r, w, k, v, a, b)), initial_state, cu)
-    return o.reshape(batch, steps, heads, v_size), ht
-
-
-# 64-token chunks (docs/RWKV7-CHUNK64.md): the op's training kernels at KernelConfig.chunk = 64
-# (the default from K = 64: BENCHMARKS.md sessions 14 and 17).
-CHUNK64 = 64
-LEVELS64 = CHUNK64.bit_length() - 1
-# The plan's 16-token blocks: of the exact path's in-chunk factors and of the in-chunk inverse's
-# diagonal (rwkv7.py's _wy_pairs, _wy_inverse).
-BLOCK64 = 16
-# The tame path at 64-token chunks is tame_path's: every log decay >= -TAME_SUM / CHUNK = -1,
-# so a chunk's log decays sum to >= -64 per channel and its middle-referenced factors stay
-# within e^(+-32); model-range decays (>= -e^-0.5) take it.
+    cu, initial_state = _sequences(batch, steps, cu_seqlens, initial_state,
+                                   (heads, k_size, v_size))
+    config = _config(k_size, v_size, (cu.shape[0] - 1) * heads)
+    return _rwkv7(_Static(float(scale), config), r, w, k, v, a, b, initial_state, cu_seqlens)
 
 
 class _Setup64(NamedTuple):
@@ -594,25 +253,12 @@ def _recurrence64(setup, block_v):
                 common=dict(setup.common, BV=block_v))
 
 
-# K columns per part of the in-chunk kernel's tame sums (the exact path's: 16, as parts of 64
-# spill 3-6 KB there). sm_90 bf16, 4 warps (benchmarks/compile_report.py --family rwkv7-64),
-# tame K=128: parts of 32 255 registers, 16 B of spills, 229 barriers, SASS 10896; of 64 253
-# registers, none, 127 barriers, 10512 (8 warps: 16 B, 138, 8824). H200, B=8 T=4096 bf16, one
-# process with fla (session 16): that kernel K=128 5.97 -> 5.71 ms, fwd+bwd 19.46 -> 19.29;
-# K=64 4.37 -> 3.55 ms, the 64-token fwd+bwd 16.28 -> 15.50.
+# K columns per part of the in-chunk kernel's tame sums: the fewest barriers without spills
+# (the exact path takes parts of 16: wider ones spill kilobytes).
 IN_CHUNK_BLOCK_K64 = 64
-# Registers per thread of the in-chunk kernel's tame path, by BK (none where absent). 168 lets
-# three programs share an SM instead of two (sm_90, 4 warps: K=64 264 B of spills, 48 KB of
-# shared memory each; K=128 980 B). H100, B=8 T=4096 bf16, the forward with its residuals
-# (session 18), two programs per chunk (rwkv7_wy_kernel): K=128 7.50 ms uncapped, 7.80 capped;
-# K=64 5.62 capped, 5.95 uncapped. One program per chunk, as before: K=128 8.26 capped, 8.47
-# uncapped; K=64 5.81 uncapped, 6.24 capped. Session 17 (H200), one program per chunk: capped at
-# K=128 7.79 -> 7.10 ms, at K=64 5.35 -> 5.60. Slower, same runs: the tame path at 8 warps
-# (9.05 ms at K=128, 8.28 at K=64; capped at 128 registers: 9.32, 7.91), and the state pass
-# capped at 128 (two programs per SM -> four, 672 B of spills at K=128: 7.21 -> 8.38 ms; the
-# state-gradient pass likewise 3.40 -> 3.83 with the V side). Session 18 (H100): the state
-# passes on V blocks of 32 (four programs per SM at K=64) slower at K=128, forward 8.29 ->
-# 8.97 ms and V side 3.50 -> 4.15 (8.84 and 4.05 capped at 128 registers).
+# Registers per thread of the in-chunk kernel's tame path, by BK (none where absent): 168 lets
+# three programs share an SM instead of two, which outweighs its few spills at K=64 (at K=128
+# the spills cost more than the third program gains).
 IN_CHUNK_MAX_REGISTERS64 = {64: 168}
 
 
@@ -627,7 +273,9 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     U0, A_qk, A_qb, A_ak, T, the decayed rows q~, k^, b^ and e^g; tame or exact path per call on
     the device, ``tame_path``: every log decay >= -1, so that every 64-token chunk sums to
     >= -64 per channel; ``exact`` forces the exact path), the state pass (U, the state at
-    every chunk's start, ht) and the outputs.
+    every chunk's start, ht) and the outputs; or, without ``residuals`` (a call that is not
+    differentiated), two: the in-chunk kernel (no T) and the state pass, which writes each
+    chunk's outputs from the H and U it holds (no H per chunk or U to memory and back).
     ``block_v``: V columns per program of the state pass and the outputs (and of each U0
     product); ``recurrence_block_v``: the state pass's instead, where set (fewer columns, more
     programs, for few sequences: KernelConfig.recurrence_block_v); ``block_k_in_chunk``: K
@@ -643,35 +291,39 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
     float32, A_qk, A_qb, A_ak, T; ``qd``, ``kd``, ``bd`` [B * T, H, K], the decayed rows, and
     ``decay`` [chunk slots, H, K] float32, e^g). ``states``, ``wy`` and the decayed rows are
     bfloat16 for 16-bit inputs when ``bf16_residuals``
-    (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``:
+    (KernelConfig.bf16_residuals), else float32. ``state_stages``:
     num_stages of the state pass's loop over chunks, 0 for its ``while`` loop
-    (KernelConfig.chunk64_state_stages; None: 2, as measured). The op's
-    forward at KernelConfig.chunk = 64."""
+    (KernelConfig.state_stages; None: 2). The op's forward."""
     setup = _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v)
     warps, max_registers = _forward_launch_options64(setup, warps, max_registers)
     buffer = _residual_dtype(setup.common, bf16_residuals)
-    in_chunk = _in_chunk64(setup, scale, exact, buffer, block_k_in_chunk, warps, max_registers)
+    in_chunk = _in_chunk64(setup, scale, exact, buffer, block_k_in_chunk, residuals, warps,
+                           max_registers)
     v = setup.inputs[3]
-    ht, states, u = _state_pass64(setup, in_chunk, v, in_chunk["u0"], setup.h0, buffer,
-                                  recurrence_block_v, state_stages, warps, max_registers)
-    o = _outputs64(setup, in_chunk, v, u, states, warps, max_registers).reshape(setup.shape)
-    if residuals:
-        return o, ht, dict(_without(in_chunk, "u0"), states=states, u=u)
-    return o, ht
+    ht, states, u, o = _state_pass64(setup, in_chunk, v, in_chunk["u0"], setup.h0, buffer,
+                                     residuals, recurrence_block_v, state_stages, warps,
+                                     max_registers)
+    if not residuals:
+        return o.reshape(setup.shape), ht
+    o = _outputs64(setup, in_chunk, v, u, states, warps, max_registers)
+    return o.reshape(setup.shape), ht, dict(_without(in_chunk, "u0"), states=states, u=u)
 
 
 def _forward_launch_options64(setup, warps, max_registers):
-    """The forward's warps and register caps per launch over their defaults (forward_chunk64)."""
+    """The forward's warps and register caps per launch over their defaults: 4 warps
+    everywhere (the fewest spills in the in-chunk kernel and the state pass, sm_90 compile
+    reports: benchmarks/compile_report.py --family rwkv7-64; the outputs kernel, as the V
+    side's, ran slower at 8)."""
     warps = dict(dict(tame=4, exact=4, state=4, output=4), **(warps or {}))
     max_registers = dict(dict(tame=IN_CHUNK_MAX_REGISTERS64.get(setup.common["BK"])),
                          **(max_registers or {}))
     return warps, max_registers
 
 
-def _in_chunk64(setup, scale, exact, buffer, block_k_in_chunk, warps, max_registers):
-    """1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T per chunk, on the call's path; the
-    decayed rows q~, k^, b^ and e^g per chunk, which the kernels below read (a dict: wy, u0,
-    matrices, qd, kd, bd, decay)."""
+def _in_chunk64(setup, scale, exact, buffer, block_k_in_chunk, residuals, warps, max_registers):
+    """1. In-chunk: W, U0 per token, A_qk, A_qb, A_ak and T (T only with ``residuals``) per
+    chunk, on the call's path; the decayed rows q~, k^, b^ and e^g per chunk, which the kernels
+    below read. A dict: wy, u0, matrices, qd, kd, bd, decay."""
     common, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
     block_k, block_v = common["BK"], common["BV"]
     r, w, k, v, a, b = setup.inputs
@@ -687,60 +339,58 @@ def _in_chunk64(setup, scale, exact, buffer, block_k_in_chunk, warps, max_regist
         KI=min((block_k_in_chunk or IN_CHUNK_BLOCK_K64) if TAME else 16, block_k),
         VI=block_v,
         SEQUENCES=setup.sequences, CHUNK_SLOTS=slots,
-        # float32 inputs: tf32x3 (split products, float32's precision), not the 16-token
-        # kernels' "ieee": ten [64, 64] products without tensor cores spilled 8.6 KB at K=32
-        # (sm_90, 4 warps; tf32x3: 328 B tame, 1.4 KB exact).
+        # float32 inputs: tf32x3 (split products, float32's precision): ten [64, 64] products
+        # without tensor cores ("ieee") spill several KB.
         INVERSE_PRECISION=common["PRECISION"],
-        BLOCK_LEVELS=BLOCK64.bit_length() - 1,
+        BLOCK_LEVELS=BLOCK64.bit_length() - 1, RESIDUALS=residuals,
         **dict(common, BV=setup.v_blocks * block_v))
     outputs = _on_path(not exact and tame_path(w), in_chunk)
     return dict(zip(("wy", "u0", "matrices", "qd", "kd", "bd", "decay"), outputs))
 
 
-def _state_pass64(setup, in_chunk, v, u0, h0, buffer, recurrence_block_v, state_stages, warps,
-                  max_registers):
-    """2. The state pass over the V columns of ``setup`` (of v, U0 and h0): the final states,
-    the state at every chunk's start and U."""
+def _state_pass64(setup, in_chunk, v, u0, h0, buffer, residuals, recurrence_block_v,
+                  state_stages, warps, max_registers):
+    """2. The state pass over the V columns of ``setup`` (of v, U0 and h0): (the final states,
+    the state at every chunk's start and U for the backward, else unused; each chunk's outputs
+    at once where not ``residuals``: no H or U to memory and back, else unused). Its loop over
+    chunks is pipelined at ``state_stages`` (None: 2; its loads do not depend on H, and 2
+    stages keep it within an SM's shared memory at K=128)."""
     recurrence = _recurrence64(setup, recurrence_block_v)
     if state_stages is None:
         state_stages = 2
+    saved = ((setup.states(setup.chunk_slots, buffer), setup.per_row(setup.common["V"]))
+             if residuals else (_UNUSED, _UNUSED))
     return _launch.launch(
         _kernels.rwkv7_wy_state_kernel,
         (in_chunk["kd"], v, in_chunk["bd"], in_chunk["decay"], in_chunk["wy"], u0, h0, setup.cu,
-         setup.chunk_index),
-        (setup.states(setup.sequences), setup.states(setup.chunk_slots, buffer),
-         setup.per_row(setup.common["V"])),
+         setup.chunk_index, in_chunk["qd"], in_chunk["matrices"]),
+        (setup.states(setup.sequences), *saved,
+         _UNUSED if residuals else setup.per_row(setup.common["V"], v.dtype)),
         recurrence["grid"], num_warps=warps["state"], max_registers=max_registers.get("state"),
         num_stages=max(state_stages, 1), PIPELINED=state_stages > 0,
-        CHUNK_SLOTS=setup.chunk_slots, **_without(recurrence["common"], "FLOOR"))
+        CHUNK_SLOTS=setup.chunk_slots, OUTPUTS=not residuals,
+        **_without(recurrence["common"], "FLOOR"))
 
 
 def _outputs64(setup, in_chunk, v, u, states, warps, max_registers):
-    """3. The outputs [rows, H, V], all chunks at once."""
+    """3. The outputs [rows, H, V], all chunks at once, from the saved states and U."""
     (o,) = _launch.launch(
         _kernels.rwkv7_wy_output_kernel,
         (in_chunk["qd"], v, u, states, in_chunk["matrices"], *setup.index),
-        (setup.per_row(setup.common["V"], v.dtype),), (setup.chunk_slots * setup.v_blocks,
-                                                       setup.common["HEADS"]),
+        (setup.per_row(setup.common["V"], v.dtype),),
+        (setup.chunk_slots * setup.v_blocks, setup.common["HEADS"]),
         num_warps=warps["output"], max_registers=max_registers.get("output"),
         SEQUENCES=setup.sequences, CHUNK_SLOTS=setup.chunk_slots,
         **_without(setup.common, "FLOOR"))
     return o
 
 
-# Warps of the 64-token state-gradient pass at every K (as the forward's state pass). sm_90,
-# bf16 (benchmarks/compile_report.py --family rwkv7-64), K=128 in two halves of 64 columns: 255
-# registers at 4 or 8 warps, 44 / 216 B of spill stores (on [64, 128] K tiles 1720 / 912 B);
-# K=64 none at either. H200, B=8 T=4096 bf16 (session 14), K=128: 6.28 ms at 8 warps and 5.43
-# at 4 on whole tiles, 3.51 in halves at 4.
+# Warps of the 64-token state-gradient pass at every K (as the forward's state pass: K=128 in
+# two halves of 64 keys spills least at 4).
 STATE_GRADIENT_WARPS64 = 4
-# num_stages of its loop over chunks (0: the ``while`` loop). H200, bf16, B=8 T=4096 (session
-# 15): reading the decayed rows, K=128 1.61 ms with the ``while`` loop, 2.02 at 2 stages;
-# before (computing the decays), 1 stage no faster and 2 slower at K=64 and 128 (392 and 44 B
-# of spills, sm_90 4 warps). One sequence of 65536 tokens (H=32 K=64, V blocks of 32: 64
-# programs, latency-bound), before: 2 stages 11.29 -> 8.51 ms. So 0 here;
-# KernelConfig.chunk64_state_gradient_stages = 2 for few long sequences (3 stages at K=128
-# need more shared memory than an SM has).
+# num_stages of its loop over chunks (0: the ``while`` loop, which carries no shared-memory
+# stages: pipelining it was slower at many sequence-heads; KernelConfig.state_gradient_stages
+# = 2 may pay for few long sequences, whose pass is latency-bound).
 STATE_GRADIENT_STAGES64 = 0
 
 
@@ -760,9 +410,9 @@ def backward_chunk64_v_side(r, w, k, v, a, b, residuals, do, dht, *, cu_seqlens=
     ``block_v`` and ``recurrence_block_v`` as :func:`forward_chunk64`'s (no ``scale``: the
     residuals' q~ carries it); ``state_stages``:
     num_stages of the state-gradient pass's loop over chunks, 0 for its ``while`` loop
-    (KernelConfig.chunk64_state_gradient_stages; None: STATE_GRADIENT_STAGES64).
+    (KernelConfig.state_gradient_stages; None: STATE_GRADIENT_STAGES64).
     ``bf16_state_gradients``: dstates in bfloat16 for 16-bit inputs (float32 inputs keep
-    float32; KernelConfig.chunk64_bf16_state_gradients)."""
+    float32; KernelConfig.bf16_state_gradients)."""
     setup = _setup64(r, w, k, v, a, b, None, cu_seqlens, block_v)
     warps = dict(dict(state=STATE_GRADIENT_WARPS64, value=4), **(warps or {}))
     max_registers = max_registers or {}
@@ -804,25 +454,14 @@ def _value_gradients64(setup, residuals, do, du, dstates, dtype, warps, max_regi
         CHUNK_SLOTS=setup.chunk_slots, **_without(setup.common, "FLOOR"))
 
 
-# The 64-token K side: keys per program of the K-side kernel and its warps, and V columns per
-# step of the dA kernel's sums and of the K-side kernel's state products. sm_90, bf16
-# (benchmarks/compile_report.py --family rwkv7-64), the K-side kernel's tame path at K=128:
-# 16 keys and 4 warps 204 registers, no spills, 41 barriers, SASS 2752 (session 15, with its
-# dA tiles in registers: 255, 80 B, 66, 4296); 32 keys at 4 warps spill 360 B. Measured (H200,
-# B=8 T=4096 bf16): session 14, 16 keys and 4 warps 9.21 / 9.91 ms at K=64 / 128 against
-# 10.62 / 11.17 at 32 keys and 8 warps; session 16, dA multiplied as loaded: 16 keys and 4
-# warps 8.51 / 9.23 ms, at 8 warps 16.70 / 17.26, 32 keys and 8 warps 10.80 / 11.23; then with
-# the decays' sums as products and the tiles loaded once, 6.88 / 7.62. The dA kernel 177 / 122
-# registers at 4 / 8 warps, no spills, 72 KB shared at 32 columns (64: 144 KB at V = 128).
+# The 64-token K side: keys per program of the K-side kernel and its warps (16 keys at 4 warps:
+# no spills, where 32 keys spill), and V columns per step of the dA kernel's sums and of the
+# K-side kernel's state products (the dA kernel's shared memory at 32 leaves room for two).
 K_SIDE_BLOCK_K64 = 16
 K_SIDE_WARPS64 = 4
 K_SIDE_BLOCK_V64 = 32
-# Registers per thread of the K-side kernel's tame path: its 204 (4 warps, 16 keys) let two
-# programs share an SM, 168 three (sm_90: 152 B of spills; 72 KB of shared memory each).
-# H200, B=8 T=4096 bf16 (session 17, the dA and K-side kernels): K=128 8.44 -> 7.05 ms, K=64
-# 7.94 -> 6.72. The dA kernel at 4 warps and capped likewise (163 registers, no spills: three
-# programs per SM against two at 8 warps) was no faster: 7.11 -> 7.08 ms at K=128, 6.80 ->
-# 6.61 at K=64 in one run, 7.15 and 6.78 in the next.
+# Registers per thread of the K-side kernel's tame path: 168 lets three programs share an SM
+# instead of two, at the price of a few spills.
 K_SIDE_MAX_REGISTERS64 = 168
 
 
@@ -892,8 +531,8 @@ def sequence_pieces(options):
 
     def setup(x):
         r, w, k, v, a, b = (x[n] for n in "rwkvab")
-        static = _rwkv7_static(scale, r.shape[0], r, w, k, v, a, b)
-        return static, _setup64(r, w, k, v, a, b, None, None, static.config.block_v)
+        config = _config(r.shape[3], v.shape[3], r.shape[0] * r.shape[2])
+        return _Static(scale, config), _setup64(r, w, k, v, a, b, None, None, config.block_v)
 
     def widened(base, zeros_for, start):
         """(base over V + K columns from the states ``start``, the columns' values: those of
@@ -930,30 +569,25 @@ def sequence_pieces(options):
                        precision="highest")
         return y.reshape(x.shape[:2] + (h.shape[-1],))
 
-    def forward_warps(static, base):
-        config = static.config
-        warps = dict(state=config.chunk64_state_warps, tame=config.chunk64_in_chunk_warps)
-        return _forward_launch_options64(base, {n: x for n, x in warps.items() if x}, None)
-
     def state(x):
         static, base = setup(x)
         config = static.config
-        warps, caps = forward_warps(static, base)
-        buffer = _residual_dtype(base.common, config.chunk64_bf16_residuals)
-        in_chunk = _in_chunk64(base, static.scale, not config.tame, buffer,
-                               config.chunk64_in_chunk_block_k, warps, caps)
+        warps, caps = _forward_launch_options64(base, None, None)
+        buffer = _residual_dtype(base.common, config.bf16_residuals)
+        in_chunk = _in_chunk64(base, static.scale, not config.tame, buffer, None, True, warps,
+                               caps)
         wide, v = widened(base, base.inputs[3], identity_after_zeros(base))
         _, u0 = widened(base, in_chunk["u0"], None)
-        ht, states, u = _state_pass64(wide, in_chunk, v, u0, wide.h0, buffer,
-                                      config.recurrence_block_v, config.chunk64_state_stages,
-                                      warps, caps)
+        ht, states, u, _ = _state_pass64(wide, in_chunk, v, u0, wide.h0, buffer, True,
+                                         config.recurrence_block_v, config.state_stages, warps,
+                                         caps)
         h_local, transition = split(ht, base)
         return transition, h_local, (in_chunk, states, u, h_local, transition)
 
     def forward(x, saved, h_in):
         in_chunk, states, u, h_local, transition = saved
         static, base = setup(x)
-        warps, caps = forward_warps(static, base)
+        warps, caps = _forward_launch_options64(base, None, None)
         from_zero, maps = split(states, base)
         states = corrected(from_zero, maps, per_slot(base, h_in))
         from_zero, maps = split(u, base)
@@ -969,8 +603,8 @@ def sequence_pieces(options):
         wide, do_wide = widened(base, rows, None)
         dh0, dstates, du = _state_gradient_pass64(
             wide, residuals, do_wide, identity_after_zeros(base),
-            _residual_dtype(base.common, static.config.chunk64_bf16_state_gradients),
-            static.config.recurrence_block_v, static.config.chunk64_state_gradient_stages,
+            _residual_dtype(base.common, static.config.bf16_state_gradients),
+            static.config.recurrence_block_v, static.config.state_gradient_stages,
             dict(state=STATE_GRADIENT_WARPS64), {})
         g, transposed = split(dh0, base)
         return g, (dstates, du, g, transposed)
@@ -986,11 +620,10 @@ def sequence_pieces(options):
         rows = do.astype(x["v"].dtype).reshape(base.common["TOTAL_ROWS"], *do.shape[2:])
         dv, dx = _value_gradients64(base, residuals, rows, du, dstates, x["v"].dtype,
                                     dict(value=4), {})
-        warps = config.chunk64_k_side_warps
         dr, dw, dk, da, db = backward_chunk64_k_side(
             *(x[n] for n in "rwkvab"), residuals, rows.reshape(do.shape), dstates, dx,
-            scale=static.scale, exact=not config.tame, block_k=config.chunk64_k_side_block_k,
-            block_v=config.block_v, warps=warps and dict(tame=warps, exact=warps))
+            scale=static.scale, exact=not config.tame, block_k=config.k_side_block_k,
+            block_v=config.block_v)
         dh_in = g + jnp.einsum("bhkj,bhjv->bhkv", transposed, dh_t, precision="highest")
         grads = dict(r=dr, w=dw, k=dk, v=dv.reshape(base.shape), a=da, b=db)
         return {n: grads[n].astype(x[n].dtype) for n in x}, dh_in
