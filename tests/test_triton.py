@@ -259,11 +259,13 @@ def test_bfloat16_buffers(decay, hard):
 @pytest.mark.parametrize("hard", ["", "every third -1e9"])
 def test_bfloat16_packed_v_blocks(hard):
     """bfloat16 inputs, model decays (and the same with every third token at -1e9), packed with
-    an empty segment and several V blocks: not differentiated (the forward without residuals)
-    and differentiated."""
+    an empty segment and several V blocks: not differentiated (the 16-token forward, and the
+    64-token forward without residuals) and differentiated."""
     case = Case(steps=60, heads=2, key=32, value=32, decay="model", hard=hard, dtype="bfloat16",
                 cu_seqlens=(0, 0, 17, 57, 60), config=dict(block_v=16))
     check(case, seed=29, differentiate=False)
+    check(dataclasses.replace(case, config=dict(block_v=16, inference64=True)), seed=29,
+          differentiate=False)
     check(case, seed=29)
 
 
@@ -291,16 +293,20 @@ def test_few_sequences_take_narrow_v_blocks():
     per head here), packed with an empty segment."""
     assert triton_backend.default_config(64, 64, 32).recurrence_block_v == 32
     assert triton_backend.default_config(64, 64, 512).recurrence_block_v is None
+    # (and a call not differentiated takes the 64-token forward: 4x fewer serial steps)
+    assert triton_backend.default_config(64, 64, 32).inference64
+    assert not triton_backend.default_config(128, 128, 512).inference64
     check(Case(steps=40, key=64, value=64, cu_seqlens=(0, 0, 23, 40),
                config=dict(recurrence_block_v=32)), seed=13)
 
 
 @pytest.mark.parametrize("hard", ["", "-1e9 and -inf tokens"])
-def test_not_differentiated(hard):
-    """A call not differentiated (the forward without residuals): forward and final state,
-    packed with an empty segment, on the tame and exact paths."""
-    check(Case(steps=140, heads=2, key=32, value=16, cu_seqlens=(0, 0, 65, 130, 140), hard=hard),
-          seed=41, differentiate=False)
+def test_inference64(hard):
+    """A call not differentiated at 64-token chunks through the 64-token forward
+    (KernelConfig.inference64): forward and final state, packed with an empty segment,
+    on the tame and exact paths."""
+    check(Case(steps=140, heads=2, key=32, value=16, cu_seqlens=(0, 0, 65, 130, 140), hard=hard,
+               config=dict(inference64=True)), seed=41, differentiate=False)
 
 
 def test_head_size_above_limit_is_refused():
@@ -340,6 +346,6 @@ def test_chunk64_op(name):
 
 @pytest.mark.parametrize("name", ["packed, bfloat16", "-1e9 and -inf tokens"])
 def test_chunk64_op_not_differentiated(name):
-    """A call that is not differentiated (the forward without residuals): the same outputs
-    within the contract."""
+    """A call that is not differentiated (many sequence-heads: the 16-token forward): the same
+    outputs within the contract."""
     check(CHUNK64_CASES[name], seed=len(name), differentiate=False)

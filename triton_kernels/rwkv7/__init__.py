@@ -59,7 +59,8 @@ Sequences are rows [cu[n], cu[n+1]) of the flattened [rows, HEADS, *] inputs (a 
 cu = arange(B + 1) * T); ``chunk_index[n]`` is sequence n's first chunk slot and
 ``chunk_sequence[s]`` the sequence of slot s (-1 past the last chunk: such slots read and write
 nothing). ``chunks`` holds what the modules share: chunk slots, a sequential pass's program,
-the in-chunk decays and the buffers' layout.
+the in-chunk decays and the buffers' layout. ``chunk16`` is the 16-token forward, which a call
+that is not differentiated takes at many sequence-heads (the backend's KernelConfig).
 
 Tiles are addressed as a scalar row base plus offsets within a chunk that are the same for
 every chunk (computed once per program), and masks are row masks unless K or V needs padding,
@@ -67,13 +68,15 @@ which keeps registers free and loads and stores vectorised.
 """
 
 # The kernels the backend launches (rwkv_jax/backends/triton: ``launch.kernels("rwkv7")``).
+from .chunk16 import rwkv7_forward_kernel, rwkv7_in_chunk_kernel, rwkv7_tame_in_chunk_kernel
 from .in_chunk import rwkv7_wy_kernel
 from .k_side import rwkv7_wy_key_gradient_kernel, rwkv7_wy_matrix_gradient_kernel
 from .outputs import rwkv7_wy_output_kernel
 from .state import rwkv7_wy_state_kernel
 from .v_side import rwkv7_wy_state_gradient_kernel, rwkv7_wy_value_gradient_kernel
 
-__all__ = ["rwkv7_wy_kernel", "rwkv7_wy_key_gradient_kernel",
+__all__ = ["rwkv7_forward_kernel", "rwkv7_in_chunk_kernel", "rwkv7_tame_in_chunk_kernel",
+           "rwkv7_wy_kernel", "rwkv7_wy_key_gradient_kernel",
            "rwkv7_wy_matrix_gradient_kernel", "rwkv7_wy_output_kernel",
            "rwkv7_wy_state_gradient_kernel", "rwkv7_wy_state_kernel",
            "rwkv7_wy_value_gradient_kernel"]

@@ -78,6 +78,9 @@ class KernelConfig:
     # 16-bit inputs: dH' per chunk (the state-gradient pass's output, which the V and K sides
     # read) in bfloat16 (half its bytes).
     bf16_state_gradients: bool = True
+    # A call that is not differentiated takes the 64-token forward without residuals; else the
+    # 16-token forward (``_forward16``).
+    inference64: bool = False
 
 
 # Programs of the sequential passes below which they are latency-bound: fewer than an H100 has
@@ -87,10 +90,13 @@ FEW_RECURRENCE_PROGRAMS = 132
 # block_v = min(V rounded up to a power of two, 64) in every class (tiles of at most 64 V
 # columns are what the kernels' registers are sized for). Measurements: BENCHMARKS.md.
 DEFAULTS = {
-    # Enough sequence-heads to fill the GPU: V blocks of block_v in every kernel.
+    # Enough sequence-heads to fill the GPU: V blocks of block_v in every kernel; a call that is
+    # not differentiated takes the 16-token forward (its in-chunk matrices cost a quarter of the
+    # 64-token ones' arithmetic per token, and the GPU is full either way).
     "many": dict(),
-    # Few: narrower V blocks for the latency-bound passes (twice the programs).
-    "few": dict(recurrence_block_v=32),
+    # Few: narrower V blocks for the latency-bound passes (twice the programs), and the 64-token
+    # forward (a quarter of the 16-token one's serial steps).
+    "few": dict(recurrence_block_v=32, inference64=True),
 }
 
 
@@ -150,7 +156,9 @@ def _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, residuals):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rwkv7(static, r, w, k, v, a, b, h0, cu_seqlens):
-    return _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, False)
+    if static.config.inference64:
+        return _forward64(static, r, w, k, v, a, b, h0, cu_seqlens, False)
+    return _forward16(static, r, w, k, v, a, b, h0, cu_seqlens)
 
 
 def _rwkv7_fwd(static, r, w, k, v, a, b, h0, cu_seqlens):
@@ -184,6 +192,55 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
                                    (heads, k_size, v_size))
     config = _config(k_size, v_size, (cu.shape[0] - 1) * heads)
     return _rwkv7(_Static(float(scale), config), r, w, k, v, a, b, initial_state, cu_seqlens)
+
+
+# The 16-token forward: every chunk's [16, 16] in-chunk matrices in a parallel kernel, then one
+# sequential pass that keeps H in registers and writes the outputs (triton_kernels/rwkv7/chunk16.py).
+CHUNK = 16
+LEVELS = CHUNK.bit_length() - 1
+# Chunks per program of the tame in-chunk kernel ([G, C, *] tiles, batched products) and its K
+# columns at a time; the exact one takes 32 (all 128 at once spill).
+IN_CHUNK16_GROUP = 4
+IN_CHUNK16_BLOCK_K = 64
+EXACT16_BLOCK_K = 32
+
+
+def _forward16(static, r, w, k, v, a, b, h0, cu_seqlens):
+    """(o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) of the 16-token forward, from the
+    op's [B, T, H, *] inputs and float32 initial states h0; V columns per program as the
+    64-token state pass's."""
+    batch, steps, heads, k_size = r.shape
+    v_size = v.shape[-1]
+    rows = batch * steps
+    r, w, k, v, a, b = (x.reshape(rows, heads, x.shape[-1]) for x in (r, w, k, v, a, b))
+    cu, _ = _sequences(batch, steps, cu_seqlens, h0, (heads, k_size, v_size))
+    sequences = cu.shape[0] - 1
+    chunks, chunk_index = _first_slots(cu, CHUNK)
+    slots = _slot_count(rows, sequences, CHUNK)
+    # float32 inputs: split tf32 products and "ieee" inverses (their contract); else tf32.
+    precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
+    block_k = _pow2_at_least(k_size)
+    block_v = static.config.recurrence_block_v or static.config.block_v
+    common = dict(scale=static.scale, HEADS=heads, K=k_size, BK=block_k, C=CHUNK,
+                  FLOOR=LOG_DECAY_FLOOR, PRECISION="tf32x3" if precise else "tf32",
+                  TOTAL_ROWS=rows, CHUNK_SLOTS=slots)
+    inputs = (r, w, k, a, b, cu, chunk_index, _slot_sequences(chunks, chunk_index, slots))
+    matrices = jax.ShapeDtypeStruct((slots, heads, 4, CHUNK, CHUNK), jnp.float32)
+    in_chunk = dict(num_warps=4, SEQUENCES=sequences,
+                    INVERSE_PRECISION="ieee" if precise else "tf32", **common)
+    (matrices,) = _on_path(tame_path(w), lambda TAME: _launch.launch(
+        _kernels.rwkv7_tame_in_chunk_kernel, inputs, (matrices,),
+        (-(-slots // IN_CHUNK16_GROUP), heads), GROUP=IN_CHUNK16_GROUP,
+        KI=min(IN_CHUNK16_BLOCK_K, block_k), **in_chunk) if TAME else _launch.launch(
+        _kernels.rwkv7_in_chunk_kernel, inputs, (matrices,), (slots, heads), LEVELS=LEVELS,
+        KI=min(EXACT16_BLOCK_K, block_k), **in_chunk))
+    o, ht = _launch.launch(
+        _kernels.rwkv7_forward_kernel, (r, w, k, v, a, b, h0, matrices, cu, chunk_index),
+        (jax.ShapeDtypeStruct((rows, heads, v_size), v.dtype),
+         jax.ShapeDtypeStruct((sequences, heads, k_size, v_size), jnp.float32)),
+        (sequences * heads, -(-v_size // block_v)), num_warps=4, V=v_size, BV=block_v,
+        ROUNDED=False, **common)
+    return o.reshape(batch, steps, heads, v_size), ht
 
 
 class _Setup64(NamedTuple):
