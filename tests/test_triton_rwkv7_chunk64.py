@@ -1,5 +1,5 @@
-"""The 64-token-chunk RWKV-7 forward (``triton.forward_chunk64``; docs/RWKV7-CHUNK64.md, the
-kernels in triton_kernels/rwkv7.py's section "64-token chunks") against the float64 reference,
+"""The 64-token-chunk RWKV-7 forward (``triton.forward_chunk64``; docs/DESIGN.md, "RWKV-7 at
+64-token chunks", the kernels in triton_kernels/rwkv7/) against the float64 reference,
 on CPU through Triton's interpreter: both in-chunk paths (tame, exact, and tame-range decays
 forced onto the exact one), strong, zero, -1e9 and -inf decays, T = 1, lengths that are no
 multiple of 64, several chunks, packed sequences with an empty segment, initial states, several

@@ -243,19 +243,12 @@ def _against(x, tile, ROUNDED: tl.constexpr):
     return x
 
 
-# The two sequential passes load every tile and matrix of a chunk first, so that their loads
-# are in flight together rather than each before its product (H100, B=8, T=4096, bf16, 4 warps:
-# forward 3.86 -> 2.59 ms at K=64 and 5.37 -> 4.48 at K=128, state gradient 3.45 -> 2.57 and
-# 4.91 -> 4.29). Up to BK = PREFETCH_UP_TO they go further: the next chunk's loads (c + 1, or
-# c - 1 in the reverse pass) are issued at the start of chunk c (``_forward_chunk``,
-# ``_state_gradient_chunk``; carried as stored, bfloat16 in half the registers of float32) so
-# that their latency overlaps chunk c's products (K=64: forward 3.66 -> 3.28 ms, forward+
-# backward 17.37 -> 16.90, session 6's run against session 7's; sm_90, 4 warps: forward 255
-# registers and no spills, as before, state gradient 226, was 210). Their tiles are [C, *]:
-# held transposed ([K, C], [V, C], the state [V, K]) so that the products have V rows
-# (Hopper's warpgroup MMA) they measured slower (K=128 forward 6.57 ms against 5.29, state
-# gradient 6.09 against 4.85, loads not first), and at 8 warps the transposed forward failed
-# with an illegal memory access (Triton 3.6).
+# The forward loads every tile and matrix of a chunk first, so that their loads are in flight
+# together rather than each before its product; up to BK = PREFETCH_UP_TO it issues the next
+# chunk's loads at the start of this one (``_forward_chunk``; carried as stored, bfloat16 in half
+# the registers of float32) so that their latency overlaps this chunk's products. Its tiles are
+# [C, *]: held transposed (so that the products have V rows, for Hopper's warpgroup MMA) it was
+# slower. Measurements: BENCHMARKS.md, "Decisions that shaped the kernels".
 
 @triton.jit
 def rwkv7_forward_kernel(

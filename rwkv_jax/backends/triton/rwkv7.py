@@ -323,8 +323,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
                     exact=False, block_v=64, block_k_in_chunk=None, warps=None, residuals=False,
                     bf16_residuals=True, state_stages=None, recurrence_block_v=None,
                     max_registers=None):
-    """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7.py, section
-    "64-token chunks"): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
+    """RWKV-7's forward over 64-token chunks in the WY form (triton_kernels/rwkv7/): (o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) from [B, T, H, *]
     inputs, as :func:`rwkv7` takes them (``cu_seqlens`` packs sequences into B = 1 rows;
     ``initial_state`` [N, H, K, V], zeros when None). Three launches: the in-chunk kernel (W,
     U0, A_qk, A_qb, A_ak, T, the decayed rows q~, k^, b^ and e^g; tame or exact path per call on
