@@ -7,8 +7,10 @@ Each tree runs in its own process (``PYTHONPATH=TREE``: both define the package 
 old first, then new, then old again when ``--rounds 2``; every process times the same cases on
 the same inputs (bf16, seeded random values in the models' ranges, never zeros) through the
 public op with ``backend="triton"``: the forward alone and forward+backward (``jax.vjp`` with a
-random cotangent), each the median of ``--reps`` calls after a compiling call. Prints one
-markdown table: each case's milliseconds per tree and new / old (the old tree's figure is the
+random cotangent), each the median of ``--reps`` calls after a compiling call (which takes a
+minute or more per case on a fresh machine: give ``--timeout`` room, or fewer ``--cases``; a
+process stopped at its timeout keeps the rows it printed). Prints one markdown table: each case
+measured in both trees, its milliseconds per tree and new / old (the old tree's figure is the
 median of its rounds)."""
 
 from __future__ import annotations
@@ -62,7 +64,6 @@ def worker(names, reps, smoke):
     import jax
     import jax.numpy as jnp
     import rwkv_jax
-    rows = {}
     for name in names:
         op, batch, steps, heads, key, extra = CASES[name]
         if smoke:
@@ -95,9 +96,8 @@ def worker(names, reps, smoke):
                 start = __import__("time").perf_counter()
                 jax.block_until_ready(fn(x))
                 times.append(__import__("time").perf_counter() - start)
-            rows[f"{name} {mode}"] = 1e3 * statistics.median(times)
-            print(f"  {name} {mode}: {rows[f'{name} {mode}']:.3f} ms", file=sys.stderr, flush=True)
-    print(json.dumps(rows), flush=True)
+            row = {f"{name} {mode}": 1e3 * statistics.median(times)}
+            print(json.dumps(row), flush=True)   # one line each: a run cut short keeps them
 
 
 def run_tree(tree, names, reps, smoke, timeout):
@@ -106,12 +106,21 @@ def run_tree(tree, names, reps, smoke, timeout):
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--reps", str(reps),
                "--cases", *names] + (["--smoke"] if smoke else [])
     print(f"== {tree}", flush=True)
-    proc = subprocess.run(command, env=env, cwd=tree, stdout=subprocess.PIPE, text=True,
-                          timeout=timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        raise SystemExit(f"{tree}: exit status {proc.returncode}")
-    return json.loads(lines[-1])
+    try:
+        proc = subprocess.run(command, env=env, cwd=tree, stdout=subprocess.PIPE, text=True,
+                              timeout=timeout)
+        output, status = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as stopped:
+        output, status = stopped.stdout or "", f"stopped after {timeout} s"
+        output = output.decode() if isinstance(output, bytes) else output
+    rows = {}
+    for line in output.splitlines():
+        if line.startswith("{"):
+            rows.update(json.loads(line))
+            print("  " + line, flush=True)
+    if status:
+        print(f"{tree}: exit status {status}; {len(rows)} rows", flush=True)
+    return rows
 
 
 def main(argv=None):
@@ -136,8 +145,8 @@ def main(argv=None):
     if args.rounds == 2:
         old.append(run_tree(old_tree, args.cases, args.reps, args.smoke, args.timeout))
     print(f"\n| case | old ms | new ms | new / old |\n|---|---|---|---|")
-    for row in new:
-        before = statistics.median(o[row] for o in old)
+    for row in [r for r in new if any(r in o for o in old)]:
+        before = statistics.median(o[row] for o in old if row in o)
         print(f"| {row} | {before:.3f} | {new[row]:.3f} | {new[row] / before:.3f} |")
 
 
