@@ -8,7 +8,7 @@ Modules:
 - :mod:`.common`: what both op families share: the list of sequences ``cu``, the slot
   arithmetic of the per-chunk buffers, the head-size check;
 - :mod:`.rwkv7`: RWKV-7 (``KernelConfig``, ``default_config``, ``CONFIG_OVERRIDES``, the
-  64-token launches, the op, its sequence-parallel pieces);
+  64-token launches and the 16-token forward, the op, its sequence-parallel pieces);
 - :mod:`.gla`: gated linear attention and RWKV-6, and their sequence-parallel pieces.
 
 :func:`sequence_parallel_pieces`, which :mod:`rwkv_jax.shard` looks up on this package, picks

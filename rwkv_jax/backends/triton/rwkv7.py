@@ -4,10 +4,10 @@ The kernels see the batch flattened to rows ``[B * T, H, *]`` and one list of se
 ``cu`` (``cu_seqlens``, or ``arange(B + 1) * T`` for a plain batch), so packed and plain inputs
 share one code path. Chunks are 64 tokens (the WY form: :func:`forward_chunk64`,
 :func:`backward_chunk64_v_side`, :func:`backward_chunk64_k_side`); a call that is not
-differentiated runs the forward without residuals. Where each sequence's chunks start in the
-per-chunk
-buffers is computed on the device from ``cu``, and the buffers have the static size
-``rows // 64 + N`` (an upper bound over all length patterns): no host sync, no recompile per
+differentiated runs the 64-token forward without residuals with few sequence-heads and the
+16-token forward (:func:`_forward16`) with many (``KernelConfig.inference64``). Where each
+sequence's chunks start in the per-chunk buffers is computed on the device from ``cu``, and the
+buffers have the static size ``rows // chunk + N`` (an upper bound over all length patterns): no host sync, no recompile per
 length pattern. The kernels clamp every row and slot they derive from ``cu`` into these
 buffers (their sizes are compile-time constants), so no value of ``cu`` reads or writes out of
 bounds. Launches go through :mod:`rwkv_jax.backends.triton.launch` (jax-triton on GPU,
