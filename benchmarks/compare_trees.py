@@ -61,6 +61,8 @@ def inputs(op, batch, steps, heads, key, extra, seed=0):
 
 
 def worker(names, reps, smoke):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _log import median_seconds   # benchmarks/_log.py
     import jax
     import jax.numpy as jnp
     import rwkv_jax
@@ -90,13 +92,7 @@ def worker(names, reps, smoke):
             return result, pull((d_out, d_state))
 
         for mode, fn in (("forward", forward), ("forward+backward", forward_backward)):
-            jax.block_until_ready(fn(x))
-            times = []
-            for _ in range(reps):
-                start = __import__("time").perf_counter()
-                jax.block_until_ready(fn(x))
-                times.append(__import__("time").perf_counter() - start)
-            row = {f"{name} {mode}": 1e3 * statistics.median(times)}
+            row = {f"{name} {mode}": 1e3 * median_seconds(fn, x, reps=reps)}
             print(json.dumps(row), flush=True)   # one line each: a run cut short keeps them
 
 

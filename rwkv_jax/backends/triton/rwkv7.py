@@ -209,42 +209,33 @@ def _forward16(static, r, w, k, v, a, b, h0, cu_seqlens):
     """(o [B, T, H, V] in v's dtype, ht [N, H, K, V] float32) of the 16-token forward, from the
     op's [B, T, H, *] inputs and float32 initial states h0; V columns per program as the
     64-token state pass's."""
-    batch, steps, heads, k_size = r.shape
-    v_size = v.shape[-1]
-    rows = batch * steps
-    r, w, k, v, a, b = (x.reshape(rows, heads, x.shape[-1]) for x in (r, w, k, v, a, b))
-    cu, _ = _sequences(batch, steps, cu_seqlens, h0, (heads, k_size, v_size))
-    sequences = cu.shape[0] - 1
-    chunks, chunk_index = _first_slots(cu, CHUNK)
-    slots = _slot_count(rows, sequences, CHUNK)
-    # float32 inputs: split tf32 products and "ieee" inverses (their contract); else tf32.
-    precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
-    block_k = _pow2_at_least(k_size)
-    block_v = static.config.recurrence_block_v or static.config.block_v
-    common = dict(scale=static.scale, HEADS=heads, K=k_size, BK=block_k, C=CHUNK,
-                  FLOOR=LOG_DECAY_FLOOR, PRECISION="tf32x3" if precise else "tf32",
-                  TOTAL_ROWS=rows, CHUNK_SLOTS=slots)
-    inputs = (r, w, k, a, b, cu, chunk_index, _slot_sequences(chunks, chunk_index, slots))
+    setup = _setup64(r, w, k, v, a, b, h0, cu_seqlens,
+                     static.config.recurrence_block_v or static.config.block_v, chunk=CHUNK)
+    r, w, k, v, a, b = setup.inputs
+    c, slots, heads = setup.common, setup.chunk_slots, setup.common["HEADS"]
+    common = dict(_without(c, "V", "BV"), scale=static.scale, CHUNK_SLOTS=slots)
     matrices = jax.ShapeDtypeStruct((slots, heads, 4, CHUNK, CHUNK), jnp.float32)
-    in_chunk = dict(num_warps=4, SEQUENCES=sequences,
-                    INVERSE_PRECISION="ieee" if precise else "tf32", **common)
+    # float32 inputs: "ieee" inverses (their contract); else tf32.
+    in_chunk = dict(num_warps=4, SEQUENCES=setup.sequences, INVERSE_PRECISION=(
+        "ieee" if c["PRECISION"] == "tf32x3" else "tf32"), **common)
+    inputs = (r, w, k, a, b, *setup.index)
     (matrices,) = _on_path(tame_path(w), lambda TAME: _launch.launch(
         _kernels.rwkv7_tame_in_chunk_kernel, inputs, (matrices,),
         (-(-slots // IN_CHUNK16_GROUP), heads), GROUP=IN_CHUNK16_GROUP,
-        KI=min(IN_CHUNK16_BLOCK_K, block_k), **in_chunk) if TAME else _launch.launch(
+        KI=min(IN_CHUNK16_BLOCK_K, c["BK"]), **in_chunk) if TAME else _launch.launch(
         _kernels.rwkv7_in_chunk_kernel, inputs, (matrices,), (slots, heads), LEVELS=LEVELS,
-        KI=min(EXACT16_BLOCK_K, block_k), **in_chunk))
+        KI=min(EXACT16_BLOCK_K, c["BK"]), **in_chunk))
     o, ht = _launch.launch(
-        _kernels.rwkv7_forward_kernel, (r, w, k, v, a, b, h0, matrices, cu, chunk_index),
-        (jax.ShapeDtypeStruct((rows, heads, v_size), v.dtype),
-         jax.ShapeDtypeStruct((sequences, heads, k_size, v_size), jnp.float32)),
-        (sequences * heads, -(-v_size // block_v)), num_warps=4, V=v_size, BV=block_v,
+        _kernels.rwkv7_forward_kernel,
+        (r, w, k, v, a, b, setup.h0, matrices, setup.cu, setup.chunk_index),
+        (setup.per_row(c["V"], v.dtype), setup.states(setup.sequences)),
+        (setup.sequences * heads, setup.v_blocks), num_warps=4, V=c["V"], BV=c["BV"],
         ROUNDED=False, **common)
-    return o.reshape(batch, steps, heads, v_size), ht
+    return o.reshape(setup.shape), ht
 
 
 class _Setup64(NamedTuple):
-    """What every 64-token launch shares (``_setup64``), and its buffers' shapes."""
+    """What every launch of a call shares (``_setup64``), and its buffers' shapes."""
     inputs: tuple      # r, w, k, v, a, b flattened to [rows, H, *]
     cu: jax.Array
     h0: jax.Array      # [N, H, K, V] float32
@@ -267,9 +258,10 @@ class _Setup64(NamedTuple):
         return jax.ShapeDtypeStruct((slots, c["HEADS"], c["K"], c["V"]), dtype)
 
 
-def _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v):
-    """The inputs flattened to rows, ``cu`` and the initial states, the chunk slots' index
-    arrays, and the common compile-time arguments."""
+def _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v, chunk=CHUNK64):
+    """The inputs flattened to rows, ``cu`` and the initial states, the slots' index arrays of
+    ``chunk``-token chunks (64; the 16-token forward's 16), and the common compile-time
+    arguments."""
     batch, steps, heads, k_size = r.shape
     v_size = v.shape[-1]
     _check_head_sizes(k_size, v_size)
@@ -279,15 +271,15 @@ def _setup64(r, w, k, v, a, b, initial_state, cu_seqlens, block_v):
     flat = lambda x: x.reshape(rows, heads, x.shape[-1])
     precise = any(x.dtype == jnp.float32 for x in (r, w, k, v, a, b))
     block_v = min(block_v, _pow2_at_least(v_size))
-    chunks, chunk_index = _first_slots(cu, CHUNK64)
-    chunk_slots = _slot_count(rows, sequences, CHUNK64)
+    chunks, chunk_index = _first_slots(cu, chunk)
+    chunk_slots = _slot_count(rows, sequences, chunk)
     return _Setup64(
         inputs=tuple(map(flat, (r, w, k, v, a, b))), cu=cu, h0=h0, chunk_index=chunk_index,
         index=(cu, chunk_index, _slot_sequences(chunks, chunk_index, chunk_slots)),
         sequences=sequences, chunk_slots=chunk_slots, v_blocks=-(-v_size // block_v),
         shape=(batch, steps, heads, v_size),
         common=dict(HEADS=heads, K=k_size, V=v_size, BK=_pow2_at_least(k_size), BV=block_v,
-                    C=CHUNK64, FLOOR=LOG_DECAY_FLOOR, TOTAL_ROWS=rows,
+                    C=chunk, FLOOR=LOG_DECAY_FLOOR, TOTAL_ROWS=rows,
                     PRECISION="tf32x3" if precise else "tf32"))
 
 
