@@ -11,7 +11,12 @@ random cotangent), each the median of ``--reps`` calls after a compiling call (w
 minute or more per case on a fresh machine: give ``--timeout`` room, or fewer ``--cases``; a
 process stopped at its timeout keeps the rows it printed). Prints one markdown table: each case
 measured in both trees, its milliseconds per tree and new / old (the old tree's figure is the
-median of its rounds)."""
+median of its rounds).
+
+``--parallel`` compiles on every core at once: one process per tree and case, all started
+together, each compiling its case and then waiting; once all are ready the processes time one at
+a time, in two rounds (each case old then new, then new then old), and each tree's figure is the
+median of its two rounds. Nothing else runs on the GPU while one process times."""
 
 from __future__ import annotations
 
@@ -34,8 +39,12 @@ CASES = {
     "rwkv7-exact": ("rwkv7", 8, 4096, 64, 64, {"strong": True}),
     "gla-k64": ("gated_linear_attention", 8, 4096, 64, 64, {}),
     "gla-k128": ("gated_linear_attention", 8, 4096, 32, 128, {}),
+    "gla-long": ("gated_linear_attention", 1, 65536, 32, 64, {}),
+    "gla-varlen": ("gated_linear_attention", 1, 32768, 32, 64, {"sequences": 16}),
     "rwkv6-k64": ("rwkv6", 8, 4096, 64, 64, {}),
     "rwkv6-k128": ("rwkv6", 8, 4096, 32, 128, {}),
+    "rwkv6-long": ("rwkv6", 1, 65536, 32, 64, {}),
+    "rwkv6-varlen": ("rwkv6", 1, 32768, 32, 64, {"sequences": 16}),
 }
 SMOKE = dict(batch=1, steps=80, heads=2, key=16)
 
@@ -60,12 +69,15 @@ def inputs(op, batch, steps, heads, key, extra, seed=0):
     return dict(q=q, k=k, v=v, gk=np.log(sigmoid(raw + 3.0)) / 16.0)
 
 
-def worker(names, reps, smoke):
+def worker(names, reps, smoke, serve=False):
+    """Times ``names``; with ``serve``, compiles them, prints "ready", then times them each time
+    a line "time" arrives on standard input (and prints "done"), until the input ends."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _log import median_seconds   # benchmarks/_log.py
     import jax
     import jax.numpy as jnp
     import rwkv_jax
+    jobs = []
     for name in names:
         op, batch, steps, heads, key, extra = CASES[name]
         if smoke:
@@ -92,8 +104,20 @@ def worker(names, reps, smoke):
             return result, pull((d_out, d_state))
 
         for mode, fn in (("forward", forward), ("forward+backward", forward_backward)):
-            row = {f"{name} {mode}": 1e3 * median_seconds(fn, x, reps=reps)}
-            print(json.dumps(row), flush=True)   # one line each: a run cut short keeps them
+            jobs.append((f"{name} {mode}", fn.lower(x).compile() if serve else fn, x))
+    if not serve:
+        return time_jobs(jobs, reps, median_seconds)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "time":
+            time_jobs(jobs, reps, median_seconds)
+            print("done", flush=True)
+
+
+def time_jobs(jobs, reps, median_seconds):
+    for label, fn, x in jobs:
+        row = {label: 1e3 * median_seconds(fn, x, reps=reps)}
+        print(json.dumps(row), flush=True)   # one line each: a run cut short keeps them
 
 
 def run_tree(tree, names, reps, smoke, timeout):
@@ -119,6 +143,49 @@ def run_tree(tree, names, reps, smoke, timeout):
     return rows
 
 
+def run_parallel(trees, names, reps, smoke, timeout):
+    """One serving worker per (tree, case), compiling at once; then timed one at a time in two
+    rounds of opposite tree order. Returns each tree's rows per round."""
+    import time
+    workers = {}
+    for tree in trees:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [os.path.abspath(tree), os.environ.get("PYTHONPATH")])))
+        for name in names:
+            command = [sys.executable, os.path.abspath(__file__), "--worker", "--serve",
+                       "--reps", str(reps), "--cases", name] + (["--smoke"] if smoke else [])
+            env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # the GPU is shared
+            workers[tree, name] = subprocess.Popen(command, env=env, cwd=tree, text=True,
+                                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    start = time.monotonic()
+    ready = {}
+    for key, proc in workers.items():
+        line = proc.stdout.readline()            # "ready", or "" when the worker failed
+        ready[key] = line.strip() == "ready"
+        print(f"{key}: {'compiled' if ready[key] else 'FAILED'} at "
+              f"{time.monotonic() - start:.0f} s", flush=True)
+    rows = {tree: [{}, {}] for tree in trees}
+    for round_index, order in enumerate((trees, trees[::-1])):
+        for name in names:
+            for tree in order:
+                if not ready[tree, name] or time.monotonic() - start > timeout:
+                    continue
+                proc = workers[tree, name]
+                proc.stdin.write("time\n")
+                proc.stdin.flush()
+                for line in proc.stdout:
+                    if line.strip() == "done":
+                        break
+                    if line.startswith("{"):
+                        rows[tree][round_index].update(json.loads(line))
+                        print(f"  round {round_index + 1} {tree}: {line.strip()}", flush=True)
+    for proc in workers.values():
+        if proc.stdin:
+            proc.stdin.close()
+        proc.wait()
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trees", nargs="*", help="OLD_TREE NEW_TREE")
@@ -127,21 +194,35 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=1, choices=(1, 2))
     parser.add_argument("--timeout", type=int, default=400, help="seconds per tree's process")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--parallel", action="store_true",
+                        help="compile every (tree, case) at once, then time one at a time")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps must be at least 1; got {args.reps}")
     if args.worker:
-        return worker(args.cases, args.reps, args.smoke)
+        return worker(args.cases, args.reps, args.smoke, args.serve)
     if len(args.trees) != 2 or not all(os.path.isdir(t) for t in args.trees):
         parser.error(f"give two source trees, OLD_TREE NEW_TREE; got {args.trees}")
     old_tree, new_tree = args.trees
+    if args.parallel:
+        rows = run_parallel([old_tree, new_tree], args.cases, args.reps, args.smoke, args.timeout)
+        old = rows[old_tree]
+        new = {row: statistics.median(r[row] for r in rows[new_tree] if row in r)
+               for row in set().union(*rows[new_tree])}
+        return print_table(old, new)
     old = [run_tree(old_tree, args.cases, args.reps, args.smoke, args.timeout)]
     new = run_tree(new_tree, args.cases, args.reps, args.smoke, args.timeout)
     if args.rounds == 2:
         old.append(run_tree(old_tree, args.cases, args.reps, args.smoke, args.timeout))
+    print_table(old, new)
+
+
+def print_table(old, new):
+    """``old``: the old tree's rows per round; ``new``: the new tree's figure per row."""
     print(f"\n| case | old ms | new ms | new / old |\n|---|---|---|---|")
-    for row in [r for r in new if any(r in o for o in old)]:
+    for row in sorted(r for r in new if any(r in o for o in old)):
         before = statistics.median(o[row] for o in old if row in o)
         print(f"| {row} | {before:.3f} | {new[row]:.3f} | {new[row] / before:.3f} |")
 
