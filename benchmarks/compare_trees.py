@@ -14,9 +14,9 @@ measured in both trees, its milliseconds per tree and new / old (the old tree's 
 median of its rounds).
 
 ``--parallel`` compiles on every core at once: one process per tree and case, all started
-together, each compiling its case and then waiting; once all are ready the processes time one at
-a time, in two rounds (each case old then new, then new then old), and each tree's figure is the
-median of its two rounds. Nothing else runs on the GPU while one process times."""
+together, each compiling its case and then waiting; once all are ready they time one at a time,
+each case in two rounds (old, new, then new, old) before its two processes quit, and each tree's
+figure is the median of its two rounds. Nothing else runs on the GPU while one process times."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def worker(names, reps, smoke, serve=False):
                                                            replace=False))
             options["cu_seqlens"] = jnp.asarray(np.concatenate([[0], cuts, [steps]]), jnp.int32)
         call = lambda x: getattr(rwkv_jax, op)(**x, **options)
-        out, state = call(x)
+        out, state = jax.eval_shape(call, x)
         rng = np.random.default_rng(2)
         d_out = jnp.asarray(rng.standard_normal(out.shape), out.dtype)
         d_state = jnp.asarray(rng.standard_normal(state.shape), state.dtype)
@@ -144,8 +144,8 @@ def run_tree(tree, names, reps, smoke, timeout):
 
 
 def run_parallel(trees, names, reps, smoke, timeout):
-    """One serving worker per (tree, case), compiling at once; then timed one at a time in two
-    rounds of opposite tree order. Returns each tree's rows per round."""
+    """One serving worker per (tree, case), compiling at once; then timed one at a time, each
+    case in two rounds of opposite tree order. Returns each tree's rows per round."""
     import time
     workers = {}
     for tree in trees:
@@ -165,24 +165,22 @@ def run_parallel(trees, names, reps, smoke, timeout):
         print(f"{key}: {'compiled' if ready[key] else 'FAILED'} at "
               f"{time.monotonic() - start:.0f} s", flush=True)
     rows = {tree: [{}, {}] for tree in trees}
-    for round_index, order in enumerate((trees, trees[::-1])):
-        for name in names:
-            for tree in order:
-                if not ready[tree, name] or time.monotonic() - start > timeout:
-                    continue
-                proc = workers[tree, name]
-                proc.stdin.write("time\n")
-                proc.stdin.flush()
-                for line in proc.stdout:
-                    if line.strip() == "done":
-                        break
-                    if line.startswith("{"):
-                        rows[tree][round_index].update(json.loads(line))
-                        print(f"  round {round_index + 1} {tree}: {line.strip()}", flush=True)
-    for proc in workers.values():
-        if proc.stdin:
-            proc.stdin.close()
-        proc.wait()
+    for name in names:              # a case's processes quit after it: they free their memory
+        for round_index, tree in ((0, trees[0]), (0, trees[1]), (1, trees[1]), (1, trees[0])):
+            if not ready[tree, name] or time.monotonic() - start > timeout:
+                continue
+            proc = workers[tree, name]
+            proc.stdin.write("time\n")
+            proc.stdin.flush()
+            for line in proc.stdout:
+                if line.strip() == "done":
+                    break
+                if line.startswith("{"):
+                    rows[tree][round_index].update(json.loads(line))
+                    print(f"  round {round_index + 1} {tree}: {line.strip()}", flush=True)
+        for tree in trees:
+            workers[tree, name].stdin.close()
+            workers[tree, name].wait()
     return rows
 
 
