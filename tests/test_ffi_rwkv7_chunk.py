@@ -61,7 +61,8 @@ def test_head_sizes_pick_the_kernel():
     assert kernel_of(64, 64) == "chunk" and kernel_of(128, 128) == "chunk"
     # The chunked kernels' tiles take K = V in (64, 128); other sizes keep the sequential ones.
     assert kernel_of(16, 16) == "sequential" and kernel_of(64, 128) == "sequential"
-    assert ffi.rwkv7_kernel(32, 32) == "rwkv7" and ffi.rwkv7_kernel(128, 128) == "rwkv7_chunk"
+    assert ffi.rwkv7_kernel(32, 32, jnp.float32, "cpu") == "rwkv7"
+    assert ffi.rwkv7_kernel(128, 128, jnp.bfloat16, "cpu") == "rwkv7_chunk"
 
 
 @pytest.mark.parametrize("decay", list(DECAYS))

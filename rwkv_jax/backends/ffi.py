@@ -122,15 +122,25 @@ def _checkpoint_shape(r, v, n, save):
 # RWKV-7
 
 
-# The chunked kernels (ffi/cpu_rwkv7_chunk.cc, ffi/cuda_rwkv7_chunk.cu) take K = V in these sizes;
-# the CUDA kernel's tiles are compiled for them. Other head sizes take the sequential kernels.
+# The chunked kernels (ffi/cpu_rwkv7_chunk.cc, ffi/cuda_rwkv7_chunk.cu) take K = V in these sizes:
+# the CUDA kernel's tiles are compiled for them, and its shared memory (about 210 KiB per block
+# at K = 128) leaves no room for larger heads. Other head sizes take the sequential kernels.
 CHUNKED_HEAD_SIZES = (64, 128)
 
 
-def rwkv7_kernel(k_size, v_size):
-    """The rwkv7 training kernels' target stem: "rwkv7_chunk" (16-token chunks, tensor cores on
-    the GPU) for K = V in CHUNKED_HEAD_SIZES, else "rwkv7" (sequential, any K and V)."""
-    return "rwkv7_chunk" if k_size == v_size and k_size in CHUNKED_HEAD_SIZES else "rwkv7"
+def rwkv7_kernel(k_size, v_size, dtype, platform=None):
+    """The rwkv7 training kernels' target stem on ``platform`` (None: JAX's default):
+    "rwkv7_chunk" (16-token chunks, tensor cores on the GPU) for K = V in CHUNKED_HEAD_SIZES
+    where the GPU's shared memory per block holds the CUDA kernels' tiles, else "rwkv7"
+    (sequential, any K and V)."""
+    if k_size != v_size or k_size not in CHUNKED_HEAD_SIZES:
+        return "rwkv7"
+    if (platform or jax.default_backend()) == "gpu":
+        _chunk()
+        cuda = importlib.import_module(_module_name("gpu"))
+        if cuda.rwkv7_chunk_shared_bytes(k_size, jnp.dtype(dtype).itemsize) > cuda.max_shared_bytes():
+            return "rwkv7"
+    return "rwkv7_chunk"
 
 
 def _rwkv7_forward(kernel, scale, r, w, k, v, a, b, h0, cu, save):
@@ -171,7 +181,7 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     cu = _segments(batch, length, cu_seqlens)
     check_shape("rwkv7", r.shape[3], v.shape[3], cu.shape[0] - 1)
     h0 = _states(r, v, cu.shape[0] - 1, initial_state)
-    o, h = _rwkv7(rwkv7_kernel(r.shape[3], v.shape[3]), float(scale),
+    o, h = _rwkv7(rwkv7_kernel(r.shape[3], v.shape[3], dtype), float(scale),
                   *(x.astype(dtype) for x in (r, w, k, v, a, b)), h0, cu)
     return o.astype(v.dtype), h
 
@@ -191,7 +201,7 @@ def _rwkv7_step_bwd(scale, residuals, cotangents):
     r, w, k, v, a, b, h0, rows = residuals
     d_o, d_state = cotangents
     cu = _segments(r.shape[0], r.shape[1], None)
-    kernel = rwkv7_kernel(r.shape[3], v.shape[3])
+    kernel = rwkv7_kernel(r.shape[3], v.shape[3], r.dtype)
     _, saved = _rwkv7_fwd(kernel, scale, r, w, k, v, a, b, h0, cu)
     *grads, dh0, _ = _rwkv7_bwd(kernel, scale, saved, (d_o, read_rows(d_state, rows)))
     return (*grads, write_rows(d_state, rows, dh0), None)
