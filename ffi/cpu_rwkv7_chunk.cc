@@ -19,13 +19,15 @@ struct Chunk {
   int64_t K, V;
   std::vector<float> q, w, k, a, b, v;  // [C, K] (v: [C, V]); q = scale * r
   std::vector<float> gi, ge, to_end;    // [C, K]: inclusive, exclusive sums, g - gi from the end
+  std::vector<float> e_gi, e_ge, e_end;  // their exponentials
   std::vector<float> F;                 // [C, C, K]: F(t, i) = e^(gi_t - gi_i), i <= t
   std::vector<float> Aqk, Aqb, Aak, Aab, Tm;  // [C, C]; Tm = (I - A_ab)^-1
   bool tame = true;
 
   Chunk(int64_t K_, int64_t V_)
       : K(K_), V(V_), q(C * K_), w(C * K_), k(C * K_), a(C * K_), b(C * K_), v(C * V_),
-        gi(C * K_), ge(C * K_), to_end(C * K_), F(C * C * K_), Aqk(C * C), Aqb(C * C),
+        gi(C * K_), ge(C * K_), to_end(C * K_), e_gi(C * K_), e_ge(C * K_), e_end(C * K_),
+        F(C * C * K_), Aqk(C * C), Aqb(C * C),
         Aak(C * C), Aab(C * C), Tm(C * C) {}
 
   float* f(int64_t t, int64_t i) { return F.data() + (t * C + i) * K; }
@@ -72,6 +74,11 @@ struct Chunk {
         back += w[t * K + kk];
       }
     }
+    for (int64_t x = 0; x < C * K; ++x) {
+      e_gi[x] = vexp(gi[x]);
+      e_ge[x] = vexp(ge[x]);
+      e_end[x] = vexp(to_end[x]);
+    }
     tame = true;
     for (int64_t kk = 0; kk < K; ++kk) tame = tame && g(kk) >= -kTameSum;
     if (tame) {
@@ -80,23 +87,26 @@ struct Chunk {
       for (int64_t t = 0; t < C; ++t)
         for (int64_t kk = 0; kk < K; ++kk) {
           const float m = gi[kMiddle * K + kk];
-          row[t * K + kk] = std::exp(gi[t * K + kk] - m);
-          col[t * K + kk] = std::exp(m - gi[t * K + kk]);
+          row[t * K + kk] = vexp(gi[t * K + kk] - m);
+          col[t * K + kk] = vexp(m - gi[t * K + kk]);
         }
       for (int64_t t = 0; t < C; ++t)
         for (int64_t i = 0; i <= t; ++i)
           for (int64_t kk = 0; kk < K; ++kk) f(t, i)[kk] = row[t * K + kk] * col[i * K + kk];
     } else {
       // Each factor from its own sum of log decays.
-      for (int64_t i = 0; i < C; ++i)
-        for (int64_t kk = 0; kk < K; ++kk) {
-          float sum = 0.f;
-          f(i, i)[kk] = 1.f;
-          for (int64_t t = i + 1; t < C; ++t) {
-            sum += w[t * K + kk];
-            f(t, i)[kk] = std::exp(sum);
+      std::vector<float> sum(K);
+      for (int64_t i = 0; i < C; ++i) {
+        std::fill(sum.begin(), sum.end(), 0.f);
+        std::fill(f(i, i), f(i, i) + K, 1.f);
+        for (int64_t t = i + 1; t < C; ++t) {
+          float* F_ti = f(t, i);
+          for (int64_t kk = 0; kk < K; ++kk) {
+            sum[kk] += w[t * K + kk];
+            F_ti[kk] = vexp(sum[kk]);
           }
         }
+      }
     }
     std::fill(Aqk.begin(), Aqk.end(), 0.f);
     std::fill(Aqb.begin(), Aqb.end(), 0.f);
@@ -106,6 +116,7 @@ struct Chunk {
       for (int64_t i = 0; i <= t; ++i) {
         const float *F_ti = f(t, i), *qt = &q[t * K], *ki = &k[i * K], *bi = &b[i * K];
         float sqk = 0.f, sqb = 0.f;
+#pragma omp simd reduction(+ : sqk, sqb)
         for (int64_t kk = 0; kk < K; ++kk) {
           sqk += qt[kk] * ki[kk] * F_ti[kk];
           sqb += qt[kk] * bi[kk] * F_ti[kk];
@@ -115,6 +126,7 @@ struct Chunk {
         if (i < t) {  // E(t, i) = e^(ge_t - gi_i) = F(t - 1, i)
           const float *E_ti = f(t - 1, i), *at = &a[t * K];
           float sak = 0.f, sab = 0.f;
+#pragma omp simd reduction(+ : sak, sab)
           for (int64_t kk = 0; kk < K; ++kk) {
             sak += at[kk] * ki[kk] * E_ti[kk];
             sab += at[kk] * bi[kk] * E_ti[kk];
@@ -140,7 +152,7 @@ struct Chunk {
     std::vector<float> X(C * V, 0.f);
     for (int64_t t = 0; t < C; ++t) {
       float* x = &X[t * V];
-      for (int64_t kk = 0; kk < K; ++kk) axpy(x, a[t * K + kk] * std::exp(ge[t * K + kk]), Hs + kk * V, V);
+      for (int64_t kk = 0; kk < K; ++kk) axpy(x, a[t * K + kk] * e_ge[t * K + kk], Hs + kk * V, V);
       for (int64_t i = 0; i < t; ++i) axpy(x, Aak[t * C + i], &v[i * V], V);
     }
     std::fill(U, U + C * V, 0.f);
@@ -157,7 +169,7 @@ void forward_chunk(const Chunk& c, float* Hs, float* O, float* U) {
   for (int64_t t = 0; t < C; ++t) {
     float* o = O + t * V;
     for (int64_t kk = 0; kk < K; ++kk)
-      axpy(o, c.q[t * K + kk] * std::exp(c.gi[t * K + kk]), Hs + kk * V, V);
+      axpy(o, c.q[t * K + kk] * c.e_gi[t * K + kk], Hs + kk * V, V);
     for (int64_t i = 0; i <= t; ++i) {
       axpy(o, c.Aqk[t * C + i], &c.v[i * V], V);
       axpy(o, c.Aqb[t * C + i], U + i * V, V);
@@ -165,10 +177,10 @@ void forward_chunk(const Chunk& c, float* Hs, float* O, float* U) {
   }
   for (int64_t kk = 0; kk < K; ++kk) {
     float* h = Hs + kk * V;
-    const float eg = std::exp(c.g(kk));
+    const float eg = c.e_gi[(C - 1) * K + kk];
     for (int64_t j = 0; j < V; ++j) h[j] *= eg;
     for (int64_t t = 0; t < C; ++t) {
-      const float f = std::exp(c.to_end[t * K + kk]);
+      const float f = c.e_end[t * K + kk];
       axpy(h, c.k[t * K + kk] * f, &c.v[t * V], V);
       axpy(h, c.b[t * K + kk] * f, U + t * V, V);
     }
@@ -218,7 +230,7 @@ void backward_chunk(const Chunk& c, const float* Hs, const float* dO, float* G, 
     float* du = &dU[i * V];
     for (int64_t t = i; t < C; ++t) axpy(du, c.Aqb[t * C + i], dO + t * V, V);
     for (int64_t kk = 0; kk < K; ++kk)
-      axpy(du, c.b[i * K + kk] * std::exp(c.to_end[i * K + kk]), G + kk * V, V);
+      axpy(du, c.b[i * K + kk] * c.e_end[i * K + kk], G + kk * V, V);
   }
   // dX = Tm^T dU
   for (int64_t i = 0; i < C; ++i)
@@ -232,7 +244,7 @@ void backward_chunk(const Chunk& c, const float* Hs, const float* dO, float* G, 
       if (t > i) axpy(dv, c.Aak[t * C + i], &dX[t * V], V);
     }
     for (int64_t kk = 0; kk < K; ++kk)
-      axpy(dv, c.k[i * K + kk] * std::exp(c.to_end[i * K + kk]), G + kk * V, V);
+      axpy(dv, c.k[i * K + kk] * c.e_end[i * K + kk], G + kk * V, V);
   }
   // dA matrices.
   std::vector<float> dAqk(C * C, 0.f), dAqb(C * C, 0.f), dAak(C * C, 0.f), dAab(C * C, 0.f);
@@ -250,10 +262,10 @@ void backward_chunk(const Chunk& c, const float* Hs, const float* dO, float* G, 
   for (int64_t kk = 0; kk < K; ++kk) {
     const float* h = Hs + kk * V;
     const float* gk = G + kk * V;
-    dg[kk] = std::exp(c.g(kk)) * dot(h, gk, V);
+    dg[kk] = c.e_gi[(C - 1) * K + kk] * dot(h, gk, V);
     for (int64_t t = 0; t < C; ++t) {
       const int64_t x = t * K + kk;
-      const float eq = std::exp(c.gi[x]), ea = std::exp(c.ge[x]), ek = std::exp(c.to_end[x]);
+      const float eq = c.e_gi[x], ea = c.e_ge[x], ek = c.e_end[x];
       g_q[x] = dot(dO + t * V, h, V) * eq;
       g_a[x] = dot(&dX[t * V], h, V) * ea;
       const float dkh = dot(&c.v[t * V], gk, V) * ek, dbh = dot(&U[t * V], gk, V) * ek;
@@ -267,6 +279,7 @@ void backward_chunk(const Chunk& c, const float* Hs, const float* dO, float* G, 
     for (int64_t i = 0; i <= t; ++i) {
       const float* F_ti = c.f(t, i);
       const float qk = dAqk[t * C + i], qb = dAqb[t * C + i];
+#pragma omp simd
       for (int64_t kk = 0; kk < K; ++kk) {
         const float F = F_ti[kk];
         g_q[t * K + kk] += (qk * c.k[i * K + kk] + qb * c.b[i * K + kk]) * F;
@@ -276,6 +289,7 @@ void backward_chunk(const Chunk& c, const float* Hs, const float* dO, float* G, 
       if (i < t) {
         const float* E_ti = c.f(t - 1, i);
         const float ak = dAak[t * C + i], ab = dAab[t * C + i];
+#pragma omp simd
         for (int64_t kk = 0; kk < K; ++kk) {
           const float E = E_ti[kk];
           g_a[t * K + kk] += (ak * c.k[i * K + kk] + ab * c.b[i * K + kk]) * E;
@@ -300,11 +314,11 @@ void backward_chunk(const Chunk& c, const float* Hs, const float* dO, float* G, 
   // dH = e^g dH' + q~^T dO + a~^T dX
   for (int64_t kk = 0; kk < K; ++kk) {
     float* gk = G + kk * V;
-    const float eg = std::exp(c.g(kk));
+    const float eg = c.e_gi[(C - 1) * K + kk];
     for (int64_t j = 0; j < V; ++j) gk[j] *= eg;
     for (int64_t t = 0; t < C; ++t) {
-      axpy(gk, c.q[t * K + kk] * std::exp(c.gi[t * K + kk]), dO + t * V, V);
-      axpy(gk, c.a[t * K + kk] * std::exp(c.ge[t * K + kk]), &dX[t * V], V);
+      axpy(gk, c.q[t * K + kk] * c.e_gi[t * K + kk], dO + t * V, V);
+      axpy(gk, c.a[t * K + kk] * c.e_ge[t * K + kk], &dX[t * V], V);
     }
   }
 }

@@ -115,3 +115,32 @@ def test_nan_in_nan_out():
     assert np.isnan(out[0, 18:]).any() and np.isnan(state[0]).any()
     assert np.isfinite(out[0, :18]).all() and np.isfinite(out[1]).all()
     assert np.isfinite(state[1]).all()
+
+
+def test_step_backward_through_the_chunked_kernels():
+    """rwkv7_step's gradient runs the training kernels: at K = V = 64 the chunked ones."""
+    x, rng = draw("rwkv7_step", seed=18, batch=2, steps=3, heads=1, key=64, state_rows=4)
+    indices = jnp.asarray([3, 0], jnp.int32)
+    out, state = call("rwkv7_step", x, "native", state_indices=indices)
+    cotangents = (jnp.asarray(rng.standard_normal(out.shape), out.dtype),
+                  jnp.asarray(rng.standard_normal(state.shape), jnp.float32))
+    _, _, native = value_and_grads("rwkv7_step", x, cotangents, "native", state_indices=indices)
+    _, _, compiled = value_and_grads("rwkv7_step", x, cotangents, "ffi", state_indices=indices)
+    for name in x:
+        assert rel(compiled[name], native[name]) <= GRADIENT_TOL, name
+
+
+def test_vmap_and_jit_match_a_loop():
+    x, _ = draw("rwkv7", seed=19, batch=1, steps=19, heads=1, key=64)
+    stacked = {n: jnp.stack([a, a[::-1] * 0.5]) for n, a in x.items()}
+
+    def run(arrays):
+        out, state = call("rwkv7", arrays, "ffi")
+        return jnp.sum(out ** 2) + jnp.sum(state * state[..., ::-1])
+
+    mapped = jax.jit(jax.vmap(jax.value_and_grad(run)))(stacked)
+    for i in range(2):
+        value, grads = jax.value_and_grad(run)({n: a[i] for n, a in stacked.items()})
+        assert rel(mapped[0][i], value) <= FORWARD_TOL
+        for name in x:
+            assert rel(mapped[1][name][i], grads[name]) <= GRADIENT_TOL, name
