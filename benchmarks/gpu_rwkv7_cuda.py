@@ -44,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 import reference  # noqa: E402
-from _log import log, open_log  # noqa: E402
+from _log import log, open_log, profile_kernels  # noqa: E402
 
 import rwkv_jax  # noqa: E402
 from rwkv_jax.backends import ffi as ffi_backend  # noqa: E402
@@ -202,6 +202,12 @@ def bench_jax(shape, backend, x, d_out, d_state, cu_seqlens=None, ref=None):
         errors = slice_errors(out, state, grads, ref)
     record(shape, backend, time_jax(forward, x), time_jax(both, x, d_out, d_state, reps=10),
            jax_peak_bytes(both, x, d_out, d_state), errors)
+    if jax.default_backend() == "gpu":
+        try:  # GPU time per kernel (torch's profiler sees XLA's launches too)
+            log(f"  {shape} {backend} fwd+bwd per kernel (ms): " + profile_kernels(
+                lambda: jax.block_until_ready(both(x, d_out, d_state))))
+        except Exception as e:  # noqa: BLE001
+            log(f"  {shape} {backend}: no per-kernel profile ({e!r})")
 
 
 def bench_fla(shape, x, d_out, d_state, cu_seqlens=None, ref=None):
