@@ -494,21 +494,20 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
       if (threadIdx.x % 32 == 0) blk.dg()[row] = blk.eg()[row] * s;
     }
     __syncthreads();
+    // The key-side gradients through the factors, column by column: first each column's
+    // terms against the state (dq~ e^gi, da~ e^ge, dk^ e^(g - gi), db^ e^(g - gi) in place in
+    // s0..s3; gi into the dX tile, free now; dg), then kParts threads per column share its
+    // pairs (t, i) by i, then one thread per column sums dw and stores.
+    constexpr int kParts = kThreads / D;
     if (j < D) {
-      // Column j of the key-side gradients, through the factors. dq and da stay in registers;
-      // dk, db accumulate in column j of the dk^, db^ tiles, and gi goes to the dq~ tile's.
-      float row[C], g_q[C], g_a[C];
       float run = 0.f;
 #pragma unroll
       for (int t = 0; t < C; ++t) {
-        g_a[t] = s1[t * L + j] * expf(run);
+        s1[t * L + j] *= expf(run);
         run += blk.w_(t, j);
-        g_q[t] = s0[t * L + j] * expf(run);
-        s0[t * L + j] = run;
+        s0[t * L + j] *= expf(run);
+        dx[t * L + j] = run;
       }
-      const float m = s0[kMiddle * L + j];
-#pragma unroll
-      for (int t = 0; t < C; ++t) row[t] = expf(s0[t * L + j] - m);
       float dg = blk.dg()[j], back = 0.f;
 #pragma unroll
       for (int t = C - 1; t >= 0; --t) {
@@ -519,49 +518,78 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
         dg += blk.k_(t, j) * dk_h + blk.b_(t, j) * db_h;
         back += blk.w_(t, j);
       }
+      blk.dg()[j] = dg;
+    }
+    __syncthreads();
+    {
+      const int column = j % D, part = j / D;
+      const float m = dx[kMiddle * L + column];
+      float row[C], g_q[C], g_a[C];
+#pragma unroll
+      for (int t = 0; t < C; ++t) {
+        row[t] = expf(dx[t * L + column] - m);
+        g_q[t] = 0.f;
+        g_a[t] = 0.f;
+      }
 #pragma unroll 1
-      for (int i = 0; i < C; ++i) {
-        const float ki = blk.k_(i, j), bi = blk.b_(i, j), col = expf(m - s0[i * L + j]);
+      for (int i = part; i < C; i += kParts) {
+        const float ki = blk.k_(i, column), bi = blk.b_(i, column);
+        const float col = expf(m - dx[i * L + column]);
         float F = 1.f, E = 0.f, sum = 0.f, dki = 0.f, dbi = 0.f;
 #pragma unroll
         for (int t = 0; t < C; ++t) {
           if (t < i) continue;
           if (t > i) {
             E = F;  // E(t, i) = F(t - 1, i)
-            sum += blk.w_(t, j);
+            sum += blk.w_(t, column);
             F = tame ? row[t] * col : expf(sum);
           } else if (tame) {
             F = row[t] * col;
           }
-          const float q_t = blk.q_(t, j), qk = blk.dAqk(t, i), qb = blk.dAqb(t, i);
+          const float q_t = blk.q_(t, column), qk = blk.dAqk(t, i), qb = blk.dAqb(t, i);
           g_q[t] += (qk * ki + qb * bi) * F;
           dki += qk * q_t * F;
           dbi += qb * q_t * F;
           if (t > i) {
-            const float a_t = blk.a_(t, j), ak = blk.dAak(t, i), ab = blk.dAab(t, i);
+            const float a_t = blk.a_(t, column), ak = blk.dAak(t, i), ab = blk.dAab(t, i);
             g_a[t] += (ak * ki + ab * bi) * E;
             dki += ak * a_t * E;
             dbi += ab * a_t * E;
           }
         }
-        s2[i * L + j] += dki;
-        s3[i * L + j] += dbi;
+        s2[i * L + column] += dki;  // each i belongs to one thread of the column
+        s3[i * L + column] += dbi;
       }
+      // The parts' sums of dq and da, one part after another (the same order every run).
+      for (int q = 0; q < kParts; ++q) {
+        if (part == q) {
+#pragma unroll
+          for (int t = 0; t < C; ++t) {
+            s0[t * L + column] += g_q[t];
+            s1[t * L + column] += g_a[t];
+          }
+        }
+        __syncthreads();
+      }
+    }
+    if (j < D) {
       // dw_s = sum_{t >= s} (dgi_t + dge_t) - dge_s + dg; 0 where the log decay was raised.
+      const float dg = blk.dg()[j];
       float acc = 0.f;
 #pragma unroll
       for (int t = C - 1; t >= 0; --t) {
+        const float g_q = s0[t * L + j], g_a = s1[t * L + j];
         const float g_k = s2[t * L + j], g_b = s3[t * L + j];
-        const float dgi = blk.q_(t, j) * g_q[t] - blk.k_(t, j) * g_k - blk.b_(t, j) * g_b;
-        const float dge = blk.a_(t, j) * g_a[t];
+        const float dgi = blk.q_(t, j) * g_q - blk.k_(t, j) * g_k - blk.b_(t, j) * g_b;
+        const float dge = blk.a_(t, j) * g_a;
         acc += dgi + dge;
         if (t < len) {
           const int64_t out = ((c0 + t) * p.H + hd) * D + j;
           const float w_raw = to_f(blk.in(1)[t * L + j]);
           gw[out] = from_f<T>(w_raw < kFloor ? 0.f : acc - dge + dg);
-          gr[out] = from_f<T>(g_q[t] * p.scale);
+          gr[out] = from_f<T>(g_q * p.scale);
           gk[out] = from_f<T>(g_k);
-          ga[out] = from_f<T>(g_a[t]);
+          ga[out] = from_f<T>(g_a);
           gb[out] = from_f<T>(g_b);
         }
       }
