@@ -279,26 +279,22 @@ template <int D, typename T, bool BACKWARD> struct Block {
     __syncthreads();
   }
 
-  // U = (I - A_ab)^-1 (a~H + A_ak V) from a~H [C, L]: into f(0) and op(4). Ends synchronised.
-  __device__ void values_u(const float* ah) {
-    const int j = threadIdx.x;
-    if (j < D) {
-      float x[C];
-#pragma unroll
-      for (int t = 0; t < C; ++t) {
-        float s = ah[t * L + j];
-#pragma unroll
-        for (int i = 0; i < t; ++i) s += Aak(t, i) * v_(i, j);
-        x[t] = s;
-      }
-#pragma unroll
-      for (int t = 0; t < C; ++t) {
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i <= t; ++i) s += Tm(t, i) * x[i];
-        f(0)[t * L + j] = s;
-        op(4)[t * L + j] = to_op<Op>(s);
-      }
+  // U = (I - A_ab)^-1 (a~H + A_ak V) from a~H in `x` [C, L] (overwritten with X): into f(0)
+  // and op(4). One element (t, j) per thread at a time. Ends synchronised.
+  __device__ void values_u(float* x) {
+    for (int idx = threadIdx.x; idx < C * D; idx += kThreads) {
+      const int t = idx / D, j = idx % D;
+      float s = x[t * L + j];
+      for (int i = 0; i < t; ++i) s += Aak(t, i) * v_(i, j);
+      x[t * L + j] = s;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < C * D; idx += kThreads) {
+      const int t = idx / D, j = idx % D;
+      float s = 0.f;
+      for (int i = 0; i <= t; ++i) s += Tm(t, i) * x[i * L + j];
+      f(0)[t * L + j] = s;
+      op(4)[t * L + j] = to_op<Op>(s);
     }
     __syncthreads();
   }
@@ -432,35 +428,31 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
     gemm<C, D, D, false, false, false>(bh, L, G_op, ldG_op, s2, L);  // b^ dH'
     __syncthreads();
     const int j = threadIdx.x;
-    if (j < D) {
-      // dU = A_qb^T dO + b^ dH', dX = (I - A_ab)^-T dU, dV = A_qk^T dO + A_ak^T dX + k^ dH'.
-      float d_u[C], d_x[C];
-#pragma unroll
-      for (int t = 0; t < C; ++t) {
-        float s = s2[t * L + j];
-#pragma unroll
-        for (int x = t; x < C; ++x) s += blk.Aqb(x, t) * to_f(blk.in(6)[x * L + j]);
-        d_u[t] = s;
+    // dU = A_qb^T dO + b^ dH' (in place of b^ dH'), dX = (I - A_ab)^-T dU,
+    // dV = A_qk^T dO + A_ak^T dX + k^ dH'; one element (i, column) per thread at a time.
+    for (int idx = j; idx < C * D; idx += kThreads) {
+      const int i = idx / D, column = idx % D;
+      float s = s2[i * L + column];
+      for (int t = i; t < C; ++t) s += blk.Aqb(t, i) * to_f(blk.in(6)[t * L + column]);
+      s2[i * L + column] = s;
+    }
+    __syncthreads();
+    for (int idx = j; idx < C * D; idx += kThreads) {
+      const int i = idx / D, column = idx % D;
+      float s = 0.f;
+      for (int t = i; t < C; ++t) s += blk.Tm(t, i) * s2[t * L + column];
+      dx[i * L + column] = s;
+      dxb[i * L + column] = to_op<Op>(s);
+    }
+    __syncthreads();
+    for (int idx = j; idx < len * D; idx += kThreads) {
+      const int i = idx / D, column = idx % D;
+      float s = s1[i * L + column];
+      for (int t = i; t < C; ++t) {
+        s += blk.Aqk(t, i) * to_f(blk.in(6)[t * L + column]);
+        if (t > i) s += blk.Aak(t, i) * dx[t * L + column];
       }
-#pragma unroll
-      for (int i = 0; i < C; ++i) {
-        float s = 0.f;
-#pragma unroll
-        for (int t = i; t < C; ++t) s += blk.Tm(t, i) * d_u[t];
-        d_x[i] = s;
-        dx[i * L + j] = s;
-        dxb[i * L + j] = to_op<Op>(s);
-      }
-#pragma unroll
-      for (int i = 0; i < C; ++i) {
-        float s = s1[i * L + j];
-#pragma unroll
-        for (int t = i; t < C; ++t) {
-          s += blk.Aqk(t, i) * to_f(blk.in(6)[t * L + j]);
-          if (t > i) s += blk.Aak(t, i) * d_x[t];
-        }
-        if (i < len) gv[((c0 + i) * p.H + hd) * D + j] = from_f<T>(s);
-      }
+      gv[((c0 + i) * p.H + hd) * D + column] = from_f<T>(s);
     }
     __syncthreads();
     if (j < kPairs) {  // the gradients of the in-chunk matrices
