@@ -236,35 +236,36 @@ template <int D, typename T, bool BACKWARD> struct Block {
       }
     }
     __syncthreads();
-    if (j < kPairs) {
+    // Each pair (t, i) by two threads: the rows q (A_qk, A_qb) and the rows a (A_ak, A_ab).
+    for (int idx = j; idx < 2 * kPairs; idx += kThreads) {
       int t, i;
-      pair(j, t, i);
-      float sqk = 0.f, sqb = 0.f, sak = 0.f, sab = 0.f;
+      pair(idx % kPairs, t, i);
+      const bool rows_a = idx >= kPairs;
+      const float* rm = rows_a ? am : qm;
+      float sk = 0.f, sb = 0.f;
       if (tame) {
         for (int x = 0; x < D; ++x) {
-          const float qx = qm[t * L + x], ax = am[t * L + x];
-          const float kx = km[i * L + x], bx = bm[i * L + x];
-          sqk += qx * kx;
-          sqb += qx * bx;
-          sak += ax * kx;
-          sab += ax * bx;
+          const float rx = rm[t * L + x];
+          sk += rx * km[i * L + x];
+          sb += rx * bm[i * L + x];
         }
       } else {  // each factor from its own sum: F = e^(w_{i+1} + ... + w_t), E = F(t - 1, i)
         for (int x = 0; x < D; ++x) {
           float e_sum = 0.f;
           for (int s = i + 1; s < t; ++s) e_sum += w_(s, x);
-          const float F = t > i ? expf(e_sum + w_(t, x)) : 1.f, E = expf(e_sum);
-          const float qx = q_(t, x), ax = a_(t, x), kx = k_(i, x), bx = b_(i, x);
-          sqk += qx * kx * F;
-          sqb += qx * bx * F;
-          sak += ax * kx * E;
-          sab += ax * bx * E;
+          const float F = rows_a ? expf(e_sum) : t > i ? expf(e_sum + w_(t, x)) : 1.f;
+          const float rx = rows_a ? a_(t, x) : q_(t, x);
+          sk += rx * k_(i, x) * F;
+          sb += rx * b_(i, x) * F;
         }
       }
-      Aqk(t, i) = sqk;
-      Aqb(t, i) = sqb;
-      Aak(t, i) = sak;  // read only below the diagonal
-      Aab(t, i) = sab;
+      if (rows_a) {
+        Aak(t, i) = sk;  // read only below the diagonal
+        Aab(t, i) = sb;
+      } else {
+        Aqk(t, i) = sk;
+        Aqb(t, i) = sb;
+      }
     }
     __syncthreads();
     // (I - A_ab)^-1 by forward substitution, one column per thread.
@@ -455,22 +456,25 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
       gv[((c0 + i) * p.H + hd) * D + column] = from_f<T>(s);
     }
     __syncthreads();
-    if (j < kPairs) {  // the gradients of the in-chunk matrices
+    // The gradients of the in-chunk matrices, each pair (t, i) by two threads: rows dO
+    // (dA_qk, dA_qb) and rows dX (dA_ak, dA_ab).
+    for (int idx = j; idx < 2 * kPairs; idx += kThreads) {
       int t, i;
-      pair(j, t, i);
-      float qk = 0.f, qb = 0.f, ak = 0.f, ab = 0.f;
+      pair(idx % kPairs, t, i);
+      const bool rows_x = idx >= kPairs;
+      float sv = 0.f, su = 0.f;
       for (int x = 0; x < D; ++x) {
-        const float d_o = to_f(blk.in(6)[t * L + x]), vx = blk.v_(i, x), ux = u[i * L + x];
-        const float dxx = dx[t * L + x];
-        qk += d_o * vx;
-        qb += d_o * ux;
-        ak += dxx * vx;
-        ab += dxx * ux;
+        const float rx = rows_x ? dx[t * L + x] : to_f(blk.in(6)[t * L + x]);
+        sv += rx * blk.v_(i, x);
+        su += rx * u[i * L + x];
       }
-      blk.dAqk(t, i) = qk;
-      blk.dAqb(t, i) = qb;
-      blk.dAak(t, i) = ak;
-      blk.dAab(t, i) = ab;
+      if (rows_x) {
+        blk.dAak(t, i) = sv;
+        blk.dAab(t, i) = su;
+      } else {
+        blk.dAqk(t, i) = sv;
+        blk.dAqb(t, i) = su;
+      }
     }
     // Against the state: dq~ = dO H^T, da~ = dX H^T, dk^ = V dH'^T, db^ = U dH'^T.
     gemm<C, D, D, false, true, false>(dob, L, H_op, ldH, s0, L);
