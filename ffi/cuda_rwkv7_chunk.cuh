@@ -192,47 +192,41 @@ template <int D, typename T, bool BACKWARD> struct Block {
   // (I - A_ab)^-1. Uses the four scratch tiles. Ends synchronised.
   __device__ void prepare() {
     const int j = threadIdx.x;
-    // Tame: every column's total >= -kTameSum (a NaN total makes the chunk exact).
+    // The cumulative log decays gi of each column (into the U tile, free until values_u) and
+    // e^g. Tame: every column's total >= -kTameSum (a NaN total makes the chunk exact).
+    float* gi = f(0);
     bool tame_col = true;
     if (j < D) {
-      float g = 0.f;
-      for (int t = 0; t < C; ++t) g += w_(t, j);
-      tame_col = g >= -kTameSum;
+      float run = 0.f;
+      for (int t = 0; t < C; ++t) {
+        run += w_(t, j);
+        gi[t * L + j] = run;
+      }
+      eg()[j] = expf(run);
+      tame_col = run >= -kTameSum;
     }
     const bool tame = __syncthreads_and(tame_col);
     if (j == 0) *tame_flag() = tame;
+    // The operands q~, a~, k^, b^, V and, on the tame path, the factored tiles referenced to
+    // the middle (F = e^(gi_t - m) e^(m - gi_i), E(t, i) = F(t - 1, i)); one element per thread.
     float *qm = f(1), *am = f(2), *km = f(3), *bm = f(4);
-    if (j < D) {
-      float gi[C];
-      float run = 0.f;
-#pragma unroll
-      for (int t = 0; t < C; ++t) {
-        const float ge = run;
-        run += w_(t, j);
-        gi[t] = run;
-        op(0)[t * L + j] = to_op<Op>(q_(t, j) * expf(gi[t]));
-        op(1)[t * L + j] = to_op<Op>(a_(t, j) * expf(ge));
-        op(5)[t * L + j] = to_op<Op>(v_(t, j));
-      }
-      eg()[j] = expf(run);
-      float back = 0.f;
-#pragma unroll
-      for (int t = C - 1; t >= 0; --t) {
-        const float e = expf(back);  // e^(g - gi_t), summed from the end
-        op(2)[t * L + j] = to_op<Op>(k_(t, j) * e);
-        op(3)[t * L + j] = to_op<Op>(b_(t, j) * e);
-        back += w_(t, j);
-      }
-      if (tame) {  // referenced to the middle: F = e^(gi_t - m) e^(m - gi_i)
-        const float m = gi[kMiddle];
-#pragma unroll
-        for (int t = 0; t < C; ++t) {
-          const float col = expf(m - gi[t]);
-          qm[t * L + j] = q_(t, j) * expf(gi[t] - m);
-          am[t * L + j] = a_(t, j) * expf((t ? gi[t - 1] : 0.f) - m);  // E(t, i) = F(t - 1, i)
-          km[t * L + j] = k_(t, j) * col;
-          bm[t * L + j] = b_(t, j) * col;
-        }
+    for (int idx = j; idx < C * D; idx += kThreads) {
+      const int t = idx / D, x = idx % D, e = t * L + x;
+      const float g_t = gi[e], ge = t ? gi[e - L] : 0.f;
+      float to_end = 0.f;  // e^(g - gi_t) from its own sum, from the chunk's end
+      for (int s = C - 1; s > t; --s) to_end += w_(s, x);
+      const float f_end = expf(to_end);
+      op(0)[e] = to_op<Op>(q_(t, x) * expf(g_t));
+      op(1)[e] = to_op<Op>(a_(t, x) * expf(ge));
+      op(2)[e] = to_op<Op>(k_(t, x) * f_end);
+      op(3)[e] = to_op<Op>(b_(t, x) * f_end);
+      op(5)[e] = to_op<Op>(v_(t, x));
+      if (tame) {
+        const float m = gi[kMiddle * L + x], col = expf(m - g_t);
+        qm[e] = q_(t, x) * expf(g_t - m);
+        am[e] = a_(t, x) * expf(ge - m);
+        km[e] = k_(t, x) * col;
+        bm[e] = b_(t, x) * col;
       }
     }
     __syncthreads();
