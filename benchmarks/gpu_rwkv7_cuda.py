@@ -307,7 +307,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU twin")
     parser.add_argument("--out", default="/tmp/gpu_rwkv7_cuda")
-    parser.add_argument("--budget", type=float, default=420.0,
+    parser.add_argument("--budget", type=float, default=360.0,
                         help="seconds after which remaining timings are skipped")
     args = parser.parse_args()
     if args.smoke:
