@@ -2,14 +2,14 @@
 ``--family gla``), compiled for an H100/H200 (sm_90) on any machine: no GPU needed, Triton's
 wheel carries ptxas and cuobjdump.
 
-    python benchmarks/compile_report.py [--family rwkv7|gla] [--key 64] [--value 64] [--warps 4,8]
+    python benchmarks/compile_report.py [--family rwkv7-64|gla] [--key 64] [--value 64]
+        [--warps 4,8]
         [--precision tf32|bf16] [--span 64 --scores-block-k 16 --bonus --gate-v
          --key-block-k 16 --key-program-k 16 --tame-key-block-k 16 --tame-key-program-k 128
          --float32-states --no-rounded --stages 3]   (gla: the backend's defaults for bf16
          inputs)
-        [--bf16-saved --rounded]   (rwkv7: KernelConfig.bf16_saved, KernelConfig.rounded;
-         rwkv7-64: --bf16-saved, also U, dH' and dX in bfloat16 (not the backend's choice))
-        [--float32-residuals]   (rwkv7-64: KernelConfig.chunk64_bf16_residuals off)
+        [--bf16-saved]   (rwkv7-64: also U, dH' and dX in bfloat16, not the backend's choice)
+        [--float32-residuals]   (rwkv7-64: KernelConfig.bf16_residuals off)
 
 Each kernel is reported for both compiled paths (TAME=True, the model-range one; TAME=False,
 exact for every decay). A kernel at 255 registers with spills is latency-bound: METHOD.md's
@@ -55,8 +55,14 @@ def resources(compiled):
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        report = subprocess.run([os.path.join(TOOLS, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
-                                 cubin], capture_output=True, text=True, check=True).stderr
+        # (Triton's newer ptxas where the PTX's version is past the older one's)
+        for ptxas in ("ptxas", "ptxas-blackwell"):
+            run = subprocess.run([os.path.join(TOOLS, ptxas), "-arch=sm_90a", "-v", ptx, "-o",
+                                  cubin], capture_output=True, text=True)
+            if run.returncode == 0 or not os.path.exists(os.path.join(TOOLS, "ptxas-blackwell")):
+                break
+        run.check_returncode()
+        report = run.stderr
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
         sass = subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-sass", cubin],
@@ -85,16 +91,10 @@ def main():
                         help="gla family: tokens per chunk of the forward (a state saved at each)")
     parser.add_argument("--block-v", type=int, default=64,
                         help="the most V columns a program takes")
-    parser.add_argument("--recurrence-block-v", type=int, default=0,
-                        help="rwkv7: V columns per program of the sequential passes (0: "
-                             "--block-v)")
-    parser.add_argument("--gradient-block-k", type=int, default=0,
-                        help="rwkv7: K rows per program of the key and query gradient kernels "
-                             "(0: default_config's, 64 at K=128, else all)")
     parser.add_argument("--scores-block-k", type=int, default=16,
                         help="gla family: K columns per step of the forward's scores kernel")
-    parser.add_argument("--family", choices=("rwkv7", "gla", "rwkv7-64"), default="rwkv7",
-                        help="rwkv7-64: the 64-token prototypes (forward_chunk64, the K side)")
+    parser.add_argument("--family", choices=("rwkv7-64", "gla"), default="rwkv7-64",
+                        help="rwkv7-64: RWKV-7's kernels (forward_chunk64 and the backward's)")
     parser.add_argument("--block-k-in-chunk", type=int, default=None,
                         help="rwkv7-64: K columns per part of the in-chunk kernel's tame path "
                              "(default as forward_chunk64: 64; the exact path's: 16)")
@@ -116,29 +116,26 @@ def main():
                         default=True, help="gla family: _GlaStatic.gate_sums_by_product")
     parser.add_argument("--stages", type=int, default=None,
                         help="num_stages of the loops Triton pipelines (gla: the sequential "
-                             "passes, default 3; rwkv7: the fused tame gradient kernel's, 0: its "
-                             "while loop, default as default_config: 3 at K=128, else 0; "
-                             "rwkv7-64: the state pass's, KernelConfig.chunk64_state_stages, "
+                             "passes, default 3; rwkv7-64: the state pass's, "
+                             "KernelConfig.state_stages, "
                              "default as forward_chunk64: 1 at K > 64, else 2)")
     parser.add_argument("--rounded", action=argparse.BooleanOptionalAction, default=None,
                         help="decayed operands rounded to bf16 against stored tiles (gla: "
-                             "_GlaStatic.rounded_products, on by default as for bf16 inputs; "
-                             "rwkv7: KernelConfig.rounded, off by default)")
+                             "_GlaStatic.rounded_products, on by default as for bf16 inputs)")
     parser.add_argument("--precision", default="tf32",
                         help="of the matrix products (gla family: tf32 or bf16)")
     parser.add_argument("--float32-states", action="store_true",
                         help="gla family: the saved states and their gradients in float32 (as "
                         "for float32 inputs; bf16 inputs save them in bfloat16)")
     parser.add_argument("--bf16-saved", action="store_true",
-                        help="rwkv7 family: the saved states and dH in bfloat16 "
-                        "(KernelConfig.bf16_saved); rwkv7-64: also U, dH' and dX (not the "
+                        help="rwkv7-64: the saved states, dH', U and dX in bfloat16 (not the "
                         "backend's choice)")
     parser.add_argument("--float32-residuals", action="store_true",
                         help="rwkv7-64: W and H per chunk in float32, as with "
-                        "KernelConfig.chunk64_bf16_residuals off (on: bfloat16 for bf16 inputs)")
+                        "KernelConfig.bf16_residuals off (on: bfloat16 for bf16 inputs)")
     parser.add_argument("--max-registers", type=int, default=None,
                         help="a cap on every kernel's registers per thread (Triton's maxnreg, as "
-                        "_launch.launch's max_registers; the backend's rwkv7-64 caps: "
+                        "launch.launch's max_registers; the backend's rwkv7-64 caps: "
                         "IN_CHUNK_MAX_REGISTERS64, K_SIDE_MAX_REGISTERS64, tame paths)")
     parser.add_argument("--dump", metavar="DIR",
                         help="also write each compiled kernel's TTGIR and PTX into DIR")
@@ -147,20 +144,12 @@ def main():
     rounded = args.family == "gla" if args.rounded is None else args.rounded
     bk = max(16, 1 << (args.key - 1).bit_length())
     stages = args.stages if args.stages is not None else (
-        3 if args.family == "gla" or (args.family == "rwkv7" and bk == 128)
-        else (1 if bk > 64 else 2) if args.family == "rwkv7-64" else 0)
+        3 if args.family == "gla" else 1 if bk > 64 else 2)
     bv = min(args.block_v, max(16, 1 << (args.value - 1).bit_length()))
     v_blocks = -(-args.value // bv)
-    rows, spans = 8 * 4096, 8 * 4096 // (16 * 8) + 8
+    rows = 8 * 4096
     shapes = dict(scale=1.0, HEADS=64, K=args.key, V=args.value, BK=bk, BV=bv, C=16, LEVELS=4,
                   FLOOR=-128.0, TOTAL_ROWS=rows, PRECISION=args.precision)
-    in_chunk = dict({n: shapes[n] for n in ("scale", "HEADS", "K", "BK", "C", "FLOOR",
-                                            "TOTAL_ROWS", "PRECISION")},
-                    SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8,
-                    INVERSE_PRECISION="tf32")
-    recurrence = dict({n: x for n, x in shapes.items() if n != "LEVELS"}, ROUNDED=rounded,
-                      BV=min(args.recurrence_block_v or bv, bv * v_blocks),
-                      CHUNK_SLOTS=rows // 16 + 8)
     bf16, f32, i32 = "*bf16", "*fp32", "*i32"
     inputs = dict(r_ptr=bf16, w_ptr=bf16, k_ptr=bf16, v_ptr=bf16, a_ptr=bf16, b_ptr=bf16,
                   do_ptr=bf16, h0_ptr=f32, dht_ptr=f32, states_ptr=f32, dstates_ptr=f32,
@@ -171,28 +160,8 @@ def main():
     # The K-side gradients: the last V block's launch (with several, it adds the earlier sums)
     inputs.update({f"d{n}_ptr": bf16 for n in "rwkab"})
     inputs.update({f"earlier_d{n}_ptr": f32 for n in "rwkab"})
-    gradient = dict(shapes, CHUNKS_PER_STATE=8, SEQUENCES=8, CHUNK_SLOTS=rows // 16 + 8)
-    block_k = args.gradient_block_k or (64 if bk == 128 else bk)
-    k_side = dict(gradient, BK=block_k, K_BLOCKS=bk // block_k, V_BLOCK=v_blocks - 1,
-                  ACCUMULATE=v_blocks > 1)
-    kernels = [
-        ("tame in-chunk", rwkv7.rwkv7_tame_in_chunk_kernel,
-         dict(in_chunk, GROUP=4, KI=min(64, bk))),
-        ("in-chunk", rwkv7.rwkv7_in_chunk_kernel, dict(in_chunk, LEVELS=4, KI=min(32, bk))),
-        ("forward", rwkv7.rwkv7_forward_kernel,
-         dict(recurrence, CHUNKS_PER_STATE=8, SAVE=True, STATE_SLOTS=spans)),
-        ("state gradient", rwkv7.rwkv7_state_gradient_kernel, recurrence),
-        ("value gradient", rwkv7.rwkv7_value_gradient_kernel,
-         dict({n: x for n, x in gradient.items() if n not in ("scale", "LEVELS")},
-              BK=min(bk, 64), K_PIECES=-(-bk // 64))),
-        ("key gradient", rwkv7.rwkv7_key_gradient_kernel, k_side),
-        ("query gradient", rwkv7.rwkv7_query_gradient_kernel, k_side),
-        ("tame gradient", rwkv7.rwkv7_tame_gradient_kernel,
-         dict({n: x for n, x in k_side.items() if n != "LEVELS"}, PIPELINED=stages > 0)),
-    ]
+    kernels = []
     tame_constexprs = {}  # kernel name -> the tame path's own constexprs
-    if args.family == "rwkv7" and args.bf16_saved:
-        inputs.update(states_ptr=bf16, dstates_ptr=bf16)
     if args.family == "gla":
         if not args.float32_states:
             inputs.update(states_ptr=bf16, dstates_ptr=bf16)
@@ -239,8 +208,8 @@ def chunk64_kernels(shapes, inputs, k_side_block_k, da_block_v, bf16_residuals, 
     bf16 inputs: the pointer types and constexprs. The in-chunk kernel in K parts of 16, as
     forward_chunk64's exact path (the caller sets the tame path's).
     ``bf16_residuals``: W, H per chunk and the decayed rows in bfloat16
-    (KernelConfig.chunk64_bf16_residuals), else float32. ``state_stages``: the state pass's
-    num_stages (KernelConfig.chunk64_state_stages; 0: its ``while`` loop, not pipelined)."""
+    (KernelConfig.bf16_residuals), else float32. ``state_stages``: the state pass's
+    num_stages (KernelConfig.state_stages; 0: its ``while`` loop, not pipelined)."""
     buffer = "*bf16" if bf16_residuals else "*fp32"
     inputs.update({f"{n}_ptr": "*fp32" for n in ("u0", "u", "matrices", "du", "dx", "dstates")},
                   wy_ptr=buffer, states_ptr=buffer, dA_ptr="*bf16", diagonal_ptr="*fp32",
@@ -256,9 +225,12 @@ def chunk64_kernels(shapes, inputs, k_side_block_k, da_block_v, bf16_residuals, 
         ("wy in-chunk", rwkv7.rwkv7_wy_kernel,
          dict(parallel, scale=1.0, LEVELS=6, KI=min(16, shapes["BK"]),
               BV=-(-shapes["V"] // shapes["BV"]) * shapes["BV"], VI=shapes["BV"],
-              INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4)),
+              INVERSE_PRECISION=shapes["PRECISION"], BLOCK_LEVELS=4, RESIDUALS=True)),
         ("wy state", rwkv7.rwkv7_wy_state_kernel,
-         dict(no_decays(common), PIPELINED=state_stages > 0)),
+         dict(no_decays(common), PIPELINED=state_stages > 0, OUTPUTS=False)),
+        # (a call that is not differentiated: the state pass with the outputs, no residuals)
+        ("wy state outputs", rwkv7.rwkv7_wy_state_kernel,
+         dict(no_decays(common), PIPELINED=state_stages > 0, OUTPUTS=True)),
         ("wy output", rwkv7.rwkv7_wy_output_kernel, no_decays(parallel)),
         ("wy state gradient", rwkv7.rwkv7_wy_state_gradient_kernel,
          dict(no_decays(common), PIPELINED=state_stages > 0)),

@@ -16,8 +16,8 @@ caps over the function's defaults, null for none); "stages": those to time (defa
 which the variant's process imports instead. ``@FILE``: the variants from FILE, a JSON object
 (name -> variant). Each stage is timed as the main benchmark times the op (``gpu_rwkv7.time_jax``:
 median ms); their sum includes a little dispatch that the op's one jitted call does not pay.
-Off the GPU it runs a toy size in Triton's interpreter (a smoke test). Session 17 (H200) found
-the register caps with it (BENCHMARKS.md; its stages then the median of 15 rounds of 10 calls).
+Off the GPU it runs a toy size in Triton's interpreter (a smoke test). The register caps were
+chosen with it (BENCHMARKS.md, "Decisions that shaped the kernels").
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from gpu_rwkv7 import jax_peak_bytes, time_jax, torch_peak_bytes, within  # noqa
 from reference import relative_error  # noqa: E402
 
 import rwkv_jax  # noqa: E402
-from rwkv_jax.backends import triton as triton_backend  # noqa: E402
+from rwkv_jax.backends.triton import gla as triton_gla  # noqa: E402
 
 NAMES = {"gated_linear_attention": ("q", "k", "v"), "rwkv6": tuple("rkvwu")}
 results: dict = {"correctness": [], "benchmark": []}
@@ -151,7 +151,7 @@ def slice_errors(out, state, grads, ref, heads=4):
 def kernel_times(op, x_jax, d_out, d_state):
     """Each launch of the tame path alone (the backend's own functions, jitted one by one):
     where the forward+backward time goes."""
-    tb = triton_backend
+    tb = triton_gla
     rows = lambda t: t.reshape(-1, *t.shape[2:])
     q, k, v = (x_jax[n] for n in NAMES[op][:3])
     a, u = x_jax["w" if op == "rwkv6" else "gk"], x_jax.get("u")
@@ -284,12 +284,12 @@ def benchmark(deadline, out_dir, with_fla, shapes, sweep, lean):
         for index, (op, shape, ours) in enumerate(prepared):
             if picked is not None and index not in picked:
                 continue
-            triton_backend.GLA_OVERRIDES.update(overrides)
+            triton_gla.GLA_OVERRIDES.update(overrides)
             try:
                 row = within(f"ours {op} {shape} {overrides}", deadline, 60, bench_ours, op,
                              *ours, False, False)
             finally:
-                triton_backend.GLA_OVERRIDES.clear()
+                triton_gla.GLA_OVERRIDES.clear()
             if row is not None:
                 row["name"] += " " + ",".join(f"{k}={v}" for k, v in overrides.items())
                 record(row, op, shape, out_dir)
@@ -339,7 +339,7 @@ def main():
     log(f"GPU {gpu}; jax {jax.__version__} ({jax.devices()[0]}), torch {torch.__version__}")
     results["gpu"] = gpu
     for overrides in [{}] + [sweep_item(item)[0] for item in args.check_sweep.split(";") if item]:
-        triton_backend.GLA_OVERRIDES.update(overrides)
+        triton_gla.GLA_OVERRIDES.update(overrides)
         suffix = " " + ",".join(f"{k}={v}" for k, v in overrides.items()) if overrides else ""
         try:
             for seed, (name, *check_args) in enumerate(CHECKS[:args.checks]):
@@ -349,7 +349,7 @@ def main():
                 within(name + suffix, deadline, 120, check, name + suffix, *check_args[:4],
                        dict(check_args[4]), check_args[5], seed)
         finally:
-            triton_backend.GLA_OVERRIDES.clear()
+            triton_gla.GLA_OVERRIDES.clear()
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",") if i]
     benchmark(deadline, args.out, not args.no_fla, shapes,
               [sweep_item(item) for item in args.sweep.split(";") if item], args.lean)

@@ -41,6 +41,7 @@ from reference import relative_error  # noqa: E402
 
 import rwkv_jax  # noqa: E402
 from rwkv_jax.backends import triton as triton_backend  # noqa: E402
+from rwkv_jax.backends.triton.rwkv7 import CONFIG_OVERRIDES  # noqa: E402
 
 NAMES = tuple("rwkvab")
 LOWER_BOUND = -0.6065  # fla's fastest configuration asserts w >= this
@@ -75,7 +76,7 @@ def _hard_decays(kind, rng, shape):
 
 
 def check(name, dtype, key, value, steps=300, batch=2, heads=4, decay="model", cu_seqlens=None,
-          seed=0, hard=None, chunk=16):
+          seed=0, hard=None):
     rng = np.random.default_rng(seed)
     rows = len(cu_seqlens) - 1 if cu_seqlens else None
     drawn = reference.random_inputs("rwkv7", rng, batch=1 if cu_seqlens else batch, steps=steps,
@@ -93,13 +94,7 @@ def check(name, dtype, key, value, steps=300, batch=2, heads=4, decay="model", c
     ref_grads = reference.gradients("rwkv7", x64, np.asarray(d_out, np.float64),
                                     np.asarray(d_state, np.float64), **options)
     cu = jnp.asarray(cu_seqlens, jnp.int32) if cu_seqlens else None
-    triton_backend.CONFIG_OVERRIDES[(key, value)] = dataclasses.replace(
-        triton_backend.default_config(key, value), chunk=chunk)
-    try:
-        out, state, grads = jax.jit(triton_vjp)(x, d_out, d_state, cu)
-    finally:
-        triton_backend.CONFIG_OVERRIDES.pop((key, value))
-    name = f"{name}{', 64-token chunks' if chunk == 64 else ''}"
+    out, state, grads = jax.jit(triton_vjp)(x, d_out, d_state, cu)
     errors = {"out": relative_error(out, ref_out), "state": relative_error(state, ref_state)}
     errors.update({f"d{n}": relative_error(g, ref_grads[n]) for n, g in grads.items()})
     finite = all(np.isfinite(np.asarray(a, np.float64)).all()
@@ -129,12 +124,11 @@ CHECKS = [
 ]
 
 
-def correctness(count, chunks=(16,)):
+def correctness(count):
     # The hard decays first: --checks N runs them and the first N - 4 others.
     ordered = CHECKS[-4:] + CHECKS[:-4]
-    for chunk in chunks:
-        for seed, (name, dtype, key, value, options) in enumerate(ordered[:count]):
-            check(name, dtype, key, value, seed=seed, chunk=chunk, **options)
+    for seed, (name, dtype, key, value, options) in enumerate(ordered[:count]):
+        check(name, dtype, key, value, seed=seed, **options)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,7 +205,7 @@ def bench_jax(label, x_jax, d_out, d_state, ref, backend="triton", config=None,
     saves states for the backward (the backward alone is the difference)."""
     size = x_jax["k"].shape[-1]
     if config is not None:
-        triton_backend.CONFIG_OVERRIDES[(size, size)] = config
+        CONFIG_OVERRIDES[(size, size)] = config
     try:
         def op(x):
             return rwkv_jax.rwkv7(*(x[n] for n in NAMES), backend=backend,
@@ -237,10 +231,10 @@ def bench_jax(label, x_jax, d_out, d_state, ref, backend="triton", config=None,
             row["profile"] = profile_kernels(
                 lambda: jax.block_until_ready(both(x_jax, d_out, d_state)))
             log(f"  {label} forward+backward, per kernel: {row['profile']}")
-            row["config"] = dataclasses.asdict(triton_backend.CONFIG_OVERRIDES.get(
+            row["config"] = dataclasses.asdict(CONFIG_OVERRIDES.get(
                 (size, size), triton_backend.default_config(size, size)))
     finally:
-        triton_backend.CONFIG_OVERRIDES.pop((size, size), None)
+        CONFIG_OVERRIDES.pop((size, size), None)
     return row
 
 
@@ -426,8 +420,8 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
     if fla_first:
         ours()
     default = triton_backend.default_config(size, size)
-    # Other configurations (KernelConfig fields), e.g. the 64-token WY kernels (chunk = 64;
-    # docs/RWKV7-CHUNK64.md); with --sweep also those with every chunk on the exact path.
+    # Other configurations (KernelConfig fields, --variants); with --sweep also those with every
+    # chunk on the exact path.
     for change in [*variants, *(dict(c, tame=False) for c in variants if sweep)]:
         attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref, "triton",
                 dataclasses.replace(default, **change), cap=120)
@@ -435,19 +429,6 @@ def benchmark(sweep, others, deadline, out_dir, fla_first=False, size=64, fla_de
         # Every chunk through the level-by-level path (what chunks with strong decays take).
         attempt(bench_jax, "triton, every chunk level by level", x_jax, d_out_jax, d_state_jax,
                 ref, "triton", dataclasses.replace(default, tame=False), cap=90)
-        # The other choice of each measured option of the 16-token kernels (session 13,
-        # BENCHMARKS.md), on them whatever the default's chunk (64 above K = 64): the K-side
-        # gradients in two kernels, bf16 saved states, the passes' bf16 products, 8 K-side
-        # warps and, at K=128, no K blocks.
-        changes = [dict(fused_tame_gradient=not default.fused_tame_gradient),
-                   dict(bf16_saved=not default.bf16_saved), dict(rounded=True),
-                   dict(k_side_warps=8)]
-        if default.gradient_block_k:
-            changes.append(dict(gradient_block_k=None))
-        for change in (dict(change, chunk=16) for change in changes):
-            config = dataclasses.replace(default, **change)
-            attempt(bench_jax, f"triton {change}", x_jax, d_out_jax, d_state_jax, ref,
-                    "triton", config, cap=60)
     if fla_default:  # it autotunes each kernel on first use (minutes): last, capped.
         attempt(bench_fla, "fla chunk_rwkv7 default", x, d_out, d_state, ref, cap=300)
     for backend in others:
@@ -465,11 +446,9 @@ def main():
                         help="seconds (from the start) after which nothing new starts")
     parser.add_argument("--checks", type=int, default=len(CHECKS),
                         help="how many of the correctness checks to run (0: none)")
-    parser.add_argument("--variants", default='{"chunk": 64}',
+    parser.add_argument("--variants", default="",
                         help="|-separated JSON dicts of KernelConfig fields, each timed as a "
                              "row beside the default")
-    parser.add_argument("--check-chunks", default="16",
-                        help="the correctness checks at these of KernelConfig.chunk, e.g. 16,64")
     parser.add_argument("--fla-first", action="store_true",
                         help="time fla's fastest configuration first, with a longer cap")
     parser.add_argument("--others", default="native,chunked",
@@ -490,7 +469,7 @@ def main():
     gpu = torch.cuda.get_device_name()
     log(f"GPU {gpu}; jax {jax.__version__} ({jax.devices()[0]}), torch {torch.__version__}")
     results["gpu"] = gpu
-    correctness(args.checks, [int(c) for c in args.check_chunks.split(",")])
+    correctness(args.checks)
     rows = []
     variants = [json.loads(v) for v in args.variants.split("|") if v.strip()]
     for size in (int(x) for x in args.sizes.split(",") if x):

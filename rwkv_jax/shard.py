@@ -42,10 +42,12 @@ backward. Per-device memory is that of one block plus ``n`` transitions and stat
 scans. These passes use only the public op, so every backend runs them and gradients are
 exact. A backend may replace the four passes with its own (a module function
 ``sequence_parallel_pieces``, see :class:`rwkv_jax.backends.triton.SequencePieces`): the triton
-backend does for RWKV-6 and GLA, running its state pass and state-gradient pass from zero once
-each way and correcting every chunk's state (state gradient) by the incoming state (the final
-state's gradient) times its decay before its output (gradient) kernels, so that each device
-runs the kernels of one device's op on ``T/n`` tokens plus elementwise corrections.
+backend does, running its state pass and state-gradient pass from zero once each way and
+correcting every chunk's state (state gradient) by the incoming state (the final state's
+gradient) before its output (gradient) kernels, so that each device runs the kernels of one
+device's op on ``T/n`` tokens plus the corrections: elementwise decays for RWKV-6 and GLA; for
+RWKV-7, whose passes run over ``V + K`` columns (the map from the identity beside the values),
+one ``K×K`` by ``K×V`` product per chunk and one ``K`` by ``K×V`` product per token.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GPU side of rwkv_jax.backends._launch against the two jax-triton APIs, on the CPU.
+"""The GPU side of rwkv_jax.backends.triton.launch against the two jax-triton APIs, on the CPU.
 
 jax_triton does not import without a CUDA jaxlib (0.3) and launches nothing without a GPU, so
 these tests put a stand-in module in its place whose ``triton_call`` has the signature of each
@@ -9,6 +9,8 @@ option (a capped launch runs a copy of the kernel whose compiles are capped); 0.
 """
 
 import inspect
+import subprocess
+import sys
 import types
 
 import jax
@@ -18,8 +20,7 @@ import pytest
 
 # Imported before triton: on CPU it switches Triton to the interpreter before anything defines
 # a kernel (the test kernel below included).
-from rwkv_jax.backends import _launch
-from rwkv_jax.backends import triton as triton_backend  # noqa: F401
+from rwkv_jax.backends.triton import launch as _launch
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -141,3 +142,14 @@ def test_interpreter_takes_scalar_masks_of_blocks():
                           (3,), LIMIT=2, SIZE=4)
     np.testing.assert_array_equal(np.asarray(y[:8]), np.arange(8, dtype=np.float32))
     assert np.isnan(np.asarray(y[8:])).all()  # never written: the bridge's NaN
+
+
+def test_probe_imports_neither_triton_nor_the_kernels():
+    """The registry's probe answers without importing the backend's package, which imports
+    Triton and the kernels: on a machine without Triton it must say so, not fail. (A fresh
+    process: this one imported both above.)"""
+    probe = ("import sys; from rwkv_jax import backends; "
+             "reasons = [backends._BACKENDS['triton'].probe(p) for p in ('cpu', 'tpu')]; "
+             "print(reasons[0], 'rwkv_jax.backends.triton' in sys.modules, 'triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["None", "False", "False"], out.stdout + out.stderr

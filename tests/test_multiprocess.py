@@ -92,9 +92,13 @@ def _tokens():
 
 def _worker(process_id, port, out_dir, backends):
     import contextlib
+    import faulthandler
     import functools
     import traceback
 
+    # A worker that hangs (a collective the other process never joins) prints every thread's
+    # stack into its log before the test kills it, so the failure says where it stopped.
+    faulthandler.dump_traceback_later(TIMEOUT_S - 20, exit=False)
     import jax
     jax.config.update("jax_num_cpu_devices", 2)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -1,7 +1,8 @@
 """The README's sharding snippet, run as a user runs it: a script on 8 CPU devices with the
 ``triton`` backend (Triton's interpreter) that ends right after the call. It used to print
 ``jax.pure_callback failed ... can't register atexit after shutdown`` and die with a segfault,
-since the interpreter's callbacks were still running when Python shut down (_launch.py)."""
+since the interpreter's callbacks were still running when Python shut down
+(rwkv_jax/backends/triton/launch.py)."""
 
 import os
 import pathlib

@@ -1,8 +1,8 @@
-"""The math of docs/RWKV7-CHUNK64.md (the planned 64-token-chunk RWKV-7 kernels), in float64
-numpy, against the reference: the WY form of the forward, the blockwise in-chunk inverse and
-the backward's formulas, chunk by chunk. Small chunks of four blocks stand for 64 tokens in
-blocks of 16; the formulas do not depend on the sizes. A check of the plan, run before any
-kernel follows it (the kernels' own float32 exactness is the shared suite's business)."""
+"""The math of the 64-token-chunk RWKV-7 kernels (docs/DESIGN.md, "RWKV-7 at 64-token
+chunks"), in float64 numpy, against the reference: the WY form of the forward, the blockwise
+in-chunk inverse and the backward's formulas, chunk by chunk. Small chunks of four blocks stand
+for 64 tokens in blocks of 16; the formulas do not depend on the sizes (the kernels' own float32
+exactness is the shared suite's business)."""
 
 import numpy as np
 import pytest

@@ -379,10 +379,9 @@ def test_sequence_parallel_backward_runs_the_op_backward_once(op, monkeypatch):
 
 @pytest.mark.parametrize("op", SEQUENCE_OPS)
 def test_backend_sequence_pieces_are_used(op, monkeypatch):
-    """The triton backend's own passes (rwkv6, GLA: its kernels once each way, chunk states
-    corrected) take the place of the reference; RWKV-7 has none there and takes the
-    reference. Both give one device's results (the hard-decay test above covers every
-    backend)."""
+    """The triton backend's own passes (its kernels once each way, chunk states corrected;
+    RWKV-7's state passes over V + K columns) take the place of the reference and give one
+    device's results (the hard-decay test above covers every backend)."""
     from rwkv_jax.backends import triton
     real = triton.sequence_parallel_pieces
     asked = []
@@ -396,7 +395,7 @@ def test_backend_sequence_pieces_are_used(op, monkeypatch):
     x = _inputs(op, seed=15, batch=1, steps=8)
     jax.clear_caches()   # shard's jitted program, if an earlier test traced it without the spy
     _assert_matches(op, x, ("seq_axis",), mesh=_mesh((4,), ("seq",)), backend="triton")
-    assert asked and set(asked) == {(op, op != "rwkv7")}
+    assert asked and set(asked) == {(op, True)}
 
 
 def test_sequence_parallel_refuses_forward_mode_clearly():
@@ -423,7 +422,7 @@ def test_rwkv7_wide_values_over_the_sequence(backend_name):
 # The README's sharding snippet at its shapes (B=2, T=128, H=4, K=64; mesh (2, 4) over data and
 # seq) with the triton backend in Triton's interpreter, forward and gradients against one device
 # of the native backend. In a child process with a time limit: the sequence-parallel all-gather
-# used to leave every interpreter callback waiting forever (rwkv_jax/backends/_launch.py,
+# used to leave every interpreter callback waiting forever (rwkv_jax/backends/triton/launch.py,
 # _callback_pieces), and a hang must fail the test instead of stopping the suite.
 README_SHAPES = """
 import functools, sys

@@ -18,8 +18,10 @@ import rwkv_jax
 from conftest import tolerance
 # Imported before triton: on CPU it switches Triton to the interpreter before anything defines
 # a kernel (the test kernel below included).
-from rwkv_jax.backends import _launch
+from rwkv_jax.backends import _triton_probe
 from rwkv_jax.backends import triton as triton_backend
+from rwkv_jax.backends.triton import launch as _launch
+from rwkv_jax.backends.triton.rwkv7 import CONFIG_OVERRIDES
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -34,7 +36,7 @@ def _scale_and_shift_kernel(x_ptr, y_ptr, doubled_ptr, shifted_ptr, SIZE: tl.con
     tl.store(shifted_ptr + block, tl.load(y_ptr + block) + SHIFT)
 
 
-# (shape, block): one callback operand, or several pieces of at most 64 KiB (_launch.py).
+# (shape, block): one callback operand, or several pieces of at most 64 KiB (launch.py).
 @pytest.mark.parametrize("shape, block", [((32,), 16), ((5, 8192), 4096)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_launch_keeps_argument_order_and_dtypes(dtype, shape, block):
@@ -52,7 +54,7 @@ def test_launch_keeps_argument_order_and_dtypes(dtype, shape, block):
 
 
 # Eight devices each launch a kernel on 160 KiB operands, then all-gather: in a child process
-# with a time limit, since every callback used to wait forever for its operands' copy (_launch.py,
+# with a time limit, since every callback used to wait forever for its operands' copy (launch.py,
 # _callback_pieces) and a hang must fail the test instead of stopping the suite.
 LAUNCH_BEFORE_ALL_GATHER = """
 import jax
@@ -60,7 +62,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
-from rwkv_jax.backends import _launch
+from rwkv_jax.backends.triton import launch as _launch
 import triton
 import triton.language as tl
 
@@ -169,7 +171,7 @@ def check(case, seed, differentiate=True):
 
     default = triton_backend.default_config(case.key, case.value)
     key = (case.key, case.value)
-    triton_backend.CONFIG_OVERRIDES[key] = dataclasses.replace(default, **case.config)
+    CONFIG_OVERRIDES[key] = dataclasses.replace(default, **case.config)
     try:
         @jax.jit
         def run(x, cu_seqlens):
@@ -185,7 +187,7 @@ def check(case, seed, differentiate=True):
         cu = jnp.asarray(case.cu_seqlens, jnp.int32) if packed else None
         out, state, grads = run(x, cu)
     finally:
-        del triton_backend.CONFIG_OVERRIDES[key]
+        del CONFIG_OVERRIDES[key]
 
     forward_tol = tolerance("triton", case.dtype, "forward")
     gradient_tol = tolerance("triton", case.dtype, "gradient")
@@ -200,30 +202,25 @@ def check(case, seed, differentiate=True):
     return errors
 
 
-# Saved states every 2 chunks (32 tokens) so that short sequences cross span boundaries.
-SHORT_SPANS = dict(chunks_per_state=2)
-
-
 @pytest.mark.parametrize("steps", [1, 15, 16, 17, 32, 33, 70])
-def test_chunk_and_span_boundaries(steps):
-    check(Case(steps=steps, config=SHORT_SPANS), seed=steps)
+def test_chunk_boundaries(steps):
+    check(Case(steps=steps), seed=steps)
 
 
-@pytest.mark.parametrize("chunks_per_state", [1, 3])
-def test_saved_state_spacing(chunks_per_state):
-    check(Case(steps=75, heads=2, config=dict(chunks_per_state=chunks_per_state)),
-          seed=chunks_per_state)
+@pytest.mark.parametrize("seed", [1, 3])
+def test_several_chunks_and_heads(seed):
+    check(Case(steps=75, heads=2), seed=seed)
 
 
 @pytest.mark.parametrize("decay", ["strong", "zero"])
 def test_decay_extremes_across_chunks(decay):
-    check(Case(steps=40, decay=decay, config=SHORT_SPANS), seed=len(decay))
+    check(Case(steps=40, decay=decay), seed=len(decay))
 
 
 @pytest.mark.parametrize("hard", sorted(HARD_DECAYS))
 def test_every_decay(hard):
     """Exact and finite for log decays far below the model's range (the exact path)."""
-    check(Case(steps=40, hard=hard, config=SHORT_SPANS), seed=len(hard))
+    check(Case(steps=40, hard=hard), seed=len(hard))
 
 
 @pytest.mark.parametrize("decay, hard, tame", [("model", "", True), ("strong", "", False),
@@ -237,68 +234,58 @@ def test_path_per_call(decay, hard, tame):
     if hard:
         w = HARD_DECAYS[hard](rng, w)
     assert bool(jax.jit(triton_backend.tame_path)(jnp.asarray(w, jnp.float32))) is tame
-    case = Case(steps=40, decay=decay, hard=hard, config=SHORT_SPANS)
+    case = Case(steps=40, decay=decay, hard=hard)
     check(case, seed=3)
     if tame:
-        check(dataclasses.replace(case, config=dict(SHORT_SPANS, tame=False)), seed=3)
-        # its K-side gradients in two kernels as well as in one (the default)
-        fused = triton_backend.default_config(16, 16).fused_tame_gradient
-        check(dataclasses.replace(case, config=dict(SHORT_SPANS, fused_tame_gradient=not fused)),
-              seed=3)
+        check(dataclasses.replace(case, config=dict(tame=False)), seed=3)
 
 
 def test_packed_sequences_with_initial_states_bfloat16():
-    # Segments of 0, 17, 40 and 3 tokens: empty, partial chunk, several spans, short.
-    check(Case(steps=60, cu_seqlens=(0, 0, 17, 57, 60), dtype="bfloat16", config=SHORT_SPANS),
-          seed=7)
+    # Segments of 0, 17, 40 and 3 tokens: empty, partial chunk, short.
+    check(Case(steps=60, cu_seqlens=(0, 0, 17, 57, 60), dtype="bfloat16"), seed=7)
 
 
-@pytest.mark.parametrize("decay, hard, fused", [("model", "", True), ("model", "", False),
-                                                ("model", "every third -1e9", False)])
-def test_bfloat16_saved_states(decay, hard, fused):
-    """KernelConfig.bf16_saved: the saved states and dH in bfloat16 (16-bit inputs), read by
-    every gradient kernel: tame (fused K-side kernel or two) and exact, packed with an empty
-    segment, several spans and V blocks."""
+@pytest.mark.parametrize("decay, hard", [("model", ""), ("model", "every third -1e9")])
+def test_bfloat16_buffers(decay, hard):
+    """KernelConfig.bf16_residuals and bf16_state_gradients: W, H per chunk,
+    the decayed rows and dH' in bfloat16 (16-bit inputs), read by every gradient kernel: tame
+    and exact, packed with an empty segment, several V blocks."""
     check(Case(steps=60, heads=2, key=32, value=32, decay=decay, hard=hard, dtype="bfloat16",
                cu_seqlens=(0, 0, 17, 57, 60),
-               config=dict(SHORT_SPANS, block_v=16, fused_tame_gradient=fused,
-                           bf16_saved=True)), seed=13)
+               config=dict(block_v=16, bf16_residuals=True,
+                           bf16_state_gradients=True)), seed=13)
 
 
 @pytest.mark.parametrize("hard", ["", "every third -1e9"])
-def test_rounded_products(hard):
-    """KernelConfig.rounded: with bfloat16 inputs the sequential passes multiply v and dO as
-    stored, against the A matrices and the decayed k and q rounded to bfloat16; model decays
-    (and the same with every third token at -1e9), packed with an empty segment, several spans
-    and V blocks."""
-    check(Case(steps=60, heads=2, key=32, value=32, decay="model", hard=hard, dtype="bfloat16",
-               cu_seqlens=(0, 0, 17, 57, 60),
-               config=dict(SHORT_SPANS, block_v=16, rounded=True)), seed=29)
+def test_bfloat16_packed_v_blocks(hard):
+    """bfloat16 inputs, model decays (and the same with every third token at -1e9), packed with
+    an empty segment and several V blocks: not differentiated (the 16-token forward, and the
+    64-token forward without residuals) and differentiated."""
+    case = Case(steps=60, heads=2, key=32, value=32, decay="model", hard=hard, dtype="bfloat16",
+                cu_seqlens=(0, 0, 17, 57, 60), config=dict(block_v=16))
+    check(case, seed=29, differentiate=False)
+    check(dataclasses.replace(case, config=dict(block_v=16, inference64=True)), seed=29,
+          differentiate=False)
+    check(case, seed=29)
 
 
-@pytest.mark.parametrize("key, value, block_v, fused", [
-    (32, 32, 16, True), (32, 32, 16, False), (128, 64, 64, True), (16, 48, 32, True),
-    (16, 48, 16, False)])
-def test_head_sizes_and_v_blocks(key, value, block_v, fused):
-    """Several V blocks per head (the K-side gradient kernels launched once per V block, each
-    launch adding the float32 sums of the one before; three launches in the last case); padded
-    sizes; the tame path's K-side gradients in one kernel or two (at K=128 in blocks of 64 K
-    rows)."""
-    check(Case(steps=20, heads=2, key=key, value=value,
-               config=dict(block_v=block_v, fused_tame_gradient=fused)), seed=key + value)
+@pytest.mark.parametrize("key, value, block_v", [
+    (32, 32, 16), (128, 64, 64), (16, 48, 32), (16, 48, 16)])
+def test_head_sizes_and_v_blocks(key, value, block_v):
+    """Several V blocks per head (of the state passes, outputs and V-side gradients; the K
+    side sums over all of V inside each program), padded sizes, K = 128 (H in two halves)."""
+    check(Case(steps=20, heads=2, key=key, value=value, config=dict(block_v=block_v)),
+          seed=key + value)
 
 
-@pytest.mark.parametrize("decay, hard, fused", [
-    ("model", "", False), ("model", "", True), ("strong", "", False),
-    ("model", "-1e9 and -inf tokens", False)])
-def test_key_blocks_of_the_gradient_kernels(decay, hard, fused):
-    """The K-side gradient kernels in blocks of K rows, with several V blocks, on both paths
-    (model-range decays: tame, in two kernels or one; the others exact), packed with an empty
-    segment."""
+@pytest.mark.parametrize("decay, hard", [
+    ("model", ""), ("strong", ""), ("model", "-1e9 and -inf tokens")])
+def test_key_blocks_of_the_gradient_kernels(decay, hard):
+    """The K-side gradient kernel in blocks of 16 keys, with several V blocks, on both paths
+    (model-range decays: tame; the others exact), packed with an empty segment."""
     check(Case(steps=40, heads=2, key=32, value=32, decay=decay, hard=hard,
                cu_seqlens=(0, 23, 23, 40),
-               config=dict(SHORT_SPANS, block_v=16, fused_tame_gradient=fused,
-                           gradient_block_k=16)), seed=11)
+               config=dict(block_v=16, k_side_block_k=16)), seed=11)
 
 
 def test_few_sequences_take_narrow_v_blocks():
@@ -306,24 +293,20 @@ def test_few_sequences_take_narrow_v_blocks():
     per head here), packed with an empty segment."""
     assert triton_backend.default_config(64, 64, 32).recurrence_block_v == 32
     assert triton_backend.default_config(64, 64, 512).recurrence_block_v is None
-    # (and train at 64-token chunks, whose passes take 4x fewer serial steps; so do many)
-    assert triton_backend.default_config(64, 64, 32).chunk == 64
-    assert triton_backend.default_config(64, 64, 512).chunk == 64
-    assert triton_backend.default_config(32, 32, 512).chunk == 16
-    # (and a call not differentiated takes the 64-token forward: the same passes)
-    assert triton_backend.default_config(64, 64, 32).chunk64_inference
-    assert not triton_backend.default_config(128, 128, 512).chunk64_inference
+    # (and a call not differentiated takes the 64-token forward: 4x fewer serial steps)
+    assert triton_backend.default_config(64, 64, 32).inference64
+    assert not triton_backend.default_config(128, 128, 512).inference64
     check(Case(steps=40, key=64, value=64, cu_seqlens=(0, 0, 23, 40),
-               config=dict(SHORT_SPANS, recurrence_block_v=32)), seed=13)
+               config=dict(recurrence_block_v=32)), seed=13)
 
 
 @pytest.mark.parametrize("hard", ["", "-1e9 and -inf tokens"])
-def test_chunk64_inference(hard):
+def test_inference64(hard):
     """A call not differentiated at 64-token chunks through the 64-token forward
-    (KernelConfig.chunk64_inference): forward and final state, packed with an empty segment,
+    (KernelConfig.inference64): forward and final state, packed with an empty segment,
     on the tame and exact paths."""
     check(Case(steps=140, heads=2, key=32, value=16, cu_seqlens=(0, 0, 65, 130, 140), hard=hard,
-               config=dict(chunk=64, chunk64_inference=True)), seed=41, differentiate=False)
+               config=dict(inference64=True)), seed=41, differentiate=False)
 
 
 def test_head_size_above_limit_is_refused():
@@ -333,13 +316,13 @@ def test_head_size_above_limit_is_refused():
 
 
 def test_platform_without_triton_gets_a_reason():
-    assert "NVIDIA" in _launch.unavailable_reason("tpu")
-    assert _launch.unavailable_reason("cpu") is None  # triton is a test requirement
+    assert "NVIDIA" in _triton_probe.unavailable_reason("tpu")
+    assert _triton_probe.unavailable_reason("cpu") is None  # triton is a test requirement
 
 
-# The op at 64-token chunks (KernelConfig.chunk = 64): forward, final state and every gradient
-# through its custom_vjp, across chunk boundaries, packed sequences with an empty segment, V != K
-# and the decays of the exact path.
+# The op at 64-token chunks: forward, final state and every gradient through its custom_vjp,
+# across chunk boundaries, packed sequences with an empty segment, V != K and the decays of the
+# exact path.
 CHUNK64_CASES = {
     "one token": Case(steps=1),
     "two chunks, the last partial": Case(steps=70, heads=2),
@@ -352,25 +335,17 @@ CHUNK64_CASES = {
     "uniform down to -1e3": Case(steps=70, hard="uniform down to -1e3"),
     "float32 buffers between the kernels, packed bfloat16": Case(
         steps=140, cu_seqlens=(0, 0, 65, 130, 140), dtype="bfloat16",
-        config=dict(chunk64_bf16_residuals=False, chunk64_bf16_state_gradients=False)),
+        config=dict(bf16_residuals=False, bf16_state_gradients=False)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CHUNK64_CASES))
 def test_chunk64_op(name):
-    case = CHUNK64_CASES[name]
-    check(dataclasses.replace(case, config=dict(case.config, chunk=64)), seed=len(name))
+    check(CHUNK64_CASES[name], seed=len(name))
 
 
 @pytest.mark.parametrize("name", ["packed, bfloat16", "-1e9 and -inf tokens"])
 def test_chunk64_op_not_differentiated(name):
-    """A call that is not differentiated takes the 16-token forward (the faster one): the same
+    """A call that is not differentiated (many sequence-heads: the 16-token forward): the same
     outputs within the contract."""
-    case = CHUNK64_CASES[name]
-    check(dataclasses.replace(case, config=dict(case.config, chunk=64)), seed=len(name),
-          differentiate=False)
-
-
-def test_chunk_must_be_16_or_64():
-    with pytest.raises(ValueError, match="KernelConfig.chunk must be 16 or 64; got 32"):
-        check(Case(config=dict(chunk=32)), seed=0)
+    check(CHUNK64_CASES[name], seed=len(name), differentiate=False)

@@ -1,4 +1,4 @@
-"""The triton GLA / RWKV-6 kernels (triton_kernels/gla.py) where the shared suite does not
+"""The triton GLA / RWKV-6 kernels (triton_kernels/gla/) where the shared suite does not
 reach: several V blocks (the K-side gradient kernel summing over them) and several K blocks
 (the V-side kernel summing over them, the state passes' grids over both), chunks (spans) of
 16, 32 and 64 tokens (packed sequences shorter than a chunk, partial chunks, odd T, T = 1,
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from rwkv_jax.backends import triton as triton_backend
+from rwkv_jax.backends.triton import gla as triton_gla
 from test_ops import Case, check_case, make_inputs
 
 GATES = ("g", "g_gamma", "gk", "gv")
@@ -19,16 +19,16 @@ PACKED = [0, 0, 17, 57, 70]  # empty, partial chunk, several spans of 2 chunks, 
 
 
 def _chunks(monkeypatch, span):
-    monkeypatch.setattr(triton_backend, "GLA_SPAN", span)
+    monkeypatch.setattr(triton_gla, "GLA_SPAN", span)
 
 
 def _tame(a, cu, reverse=False):
     """Whether the state pass sends key gates ``a`` ([rows, H, K]) of sequences ``cu`` (in
     their direction) down the tame path."""
     x = jnp.ones((1,) + a.shape, jnp.float32)
-    static = triton_backend._gla_static(x, x, x, a[None], None, None, 1.0, reverse)
+    static = triton_gla._gla_static(x, x, x, a[None], None, None, 1.0, reverse)
     h0 = jnp.zeros((len(cu) - 1,) + a.shape[1:] + a.shape[-1:], jnp.float32)
-    states = jax.jit(lambda a: triton_backend._gla_states(static, x[0], x[0], a, None, h0,
+    states = jax.jit(lambda a: triton_gla._gla_states(static, x[0], x[0], a, None, h0,
                                                           jnp.asarray(cu, jnp.int32)))
     return bool(states(a)[2])
 
@@ -132,7 +132,7 @@ def test_tame_and_exact_paths_per_call(monkeypatch, op, decay, tame, key, value)
     assert _tame(a[0], options["cu_seqlens"], options.get("reverse", False)) is tame
     check_case("triton", case, seed=17)
     if tame:
-        monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", {"tame": False})
+        monkeypatch.setattr(triton_gla, "GLA_OVERRIDES", {"tame": False})
         check_case("triton", case, seed=17)
 
 
@@ -143,7 +143,7 @@ def test_tame_path_criterion(monkeypatch, dtype, by_product):
     end if reverse); -inf and NaN take the exact path. Also with the sums as products
     (_GlaStatic.gate_sums_by_product, bfloat16 gates)."""
     _chunks(monkeypatch, 64)
-    monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", {"gate_sums_by_product": by_product})
+    monkeypatch.setattr(triton_gla, "GLA_OVERRIDES", {"gate_sums_by_product": by_product})
     # Chunks of 64 rows sum to -57.6 (bfloat16: -57.5), of 36 to -32.4
     gates = jnp.full((100, 2, 3), -0.9, dtype)
     assert _tame(gates, [0, 100]) and _tame(gates, [0, 100], reverse=True)
@@ -164,7 +164,7 @@ def _check_packed_with_overrides(monkeypatch, op, decay, overrides, key, reverse
     chunks (one empty, one shorter than a chunk) with V = 96 (two V blocks, one partial); GLA
     with its key gate gk (in ``reverse`` if asked)."""
     _chunks(monkeypatch, 64)
-    monkeypatch.setattr(triton_backend, "GLA_OVERRIDES", overrides)
+    monkeypatch.setattr(triton_gla, "GLA_OVERRIDES", overrides)
     drawn = dict(batch=1, steps=140, key=key, value=96, state_rows=3, decay=decay)
     options = dict(cu_seqlens=[0, 5, 5, 140])
     if op == "gated_linear_attention":
@@ -194,12 +194,12 @@ def test_sixteen_bit_path_only_without_float32():
     for bfloat16 ones (not float16: its range would not hold every score); float32 anywhere
     (here the key gate GLA sums with a float32 g_gamma) keeps float32 states and tf32x3."""
     x = jnp.ones((1, 4, 2, 16), jnp.bfloat16)
-    static = triton_backend._gla_static(x, x, x, x, None, None, 1.0, False)
+    static = triton_gla._gla_static(x, x, x, x, None, None, 1.0, False)
     assert static.bf16_states and static.precision == "tf32" and static.rounded_products
     half = x.astype(jnp.float16)
-    static = triton_backend._gla_static(half, half, half, half, None, None, 1.0, False)
+    static = triton_gla._gla_static(half, half, half, half, None, None, 1.0, False)
     assert static.bf16_states and not static.rounded_products
-    static = triton_backend._gla_static(x, x, x, x.astype(jnp.float32), None, None, 1.0, False)
+    static = triton_gla._gla_static(x, x, x, x.astype(jnp.float32), None, None, 1.0, False)
     assert not static.bf16_states and static.precision == "tf32x3"
     assert not static.rounded_products
 

@@ -1,5 +1,5 @@
-"""The 64-token-chunk RWKV-7 forward (``triton.forward_chunk64``; docs/RWKV7-CHUNK64.md, the
-kernels in triton_kernels/rwkv7.py's section "64-token chunks") against the float64 reference,
+"""The 64-token-chunk RWKV-7 forward (``triton.forward_chunk64``; docs/DESIGN.md, "RWKV-7 at
+64-token chunks", the kernels in triton_kernels/rwkv7/) against the float64 reference,
 on CPU through Triton's interpreter: both in-chunk paths (tame, exact, and tame-range decays
 forced onto the exact one), strong, zero, -1e9 and -inf decays, T = 1, lengths that are no
 multiple of 64, several chunks, packed sequences with an empty segment, initial states, several
@@ -21,6 +21,7 @@ import test_rwkv7_chunk64_math as plan
 from reference import relative_error
 from conftest import has_gpu, tolerance
 from rwkv_jax.backends import triton as triton_backend
+from rwkv_jax.backends.triton import launch as launch_module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +181,41 @@ def test_key_halves(case):
     partly masked) with V != K and hard decays; K = 128, V = 64 packed with an empty segment
     and bfloat16 inputs (W and H per chunk stored in bfloat16)."""
     check(case, seed=31)
+
+
+@pytest.mark.parametrize("case", [
+    Case(steps=140, heads=2, key=128, value=64, cu_seqlens=(0, 0, 70, 73, 140),
+         dtype="bfloat16", decay="-1e9 and -inf tokens"),
+    Case(steps=133, key=32, value=48, options=dict(block_v=16, recurrence_block_v=16)),
+], ids=["K=128 packed bfloat16 exact", "K=32 V blocks"])
+def test_forward_without_residuals(case, monkeypatch):
+    """A forward that keeps no residuals (a call that is not differentiated) is two launches:
+    the in-chunk kernel, which then writes no T, and the state pass writing each chunk's
+    outputs (no H or U to memory, no outputs kernel); its outputs and final states are those
+    of the forward that keeps its residuals, which the earlier tests check against float64."""
+    launched = []
+    launch = launch_module.launch
+
+    def recorded(kernel, *args, **options):
+        launched.append((kernel.__name__, options.get("RESIDUALS"), options.get("OUTPUTS")))
+        return launch(kernel, *args, **options)
+
+    monkeypatch.setattr(launch_module, "launch", recorded)
+    packed = bool(case.cu_seqlens)
+    x, _ = _draw(case, np.random.default_rng(41))
+    forward = jax.jit(lambda x, cu, residuals: triton_backend.forward_chunk64(
+        *(x[n] for n in "rwkvab"), scale=0.5, initial_state=x.get("initial_state"),
+        cu_seqlens=cu, residuals=residuals, **case.options)[:2], static_argnums=2)
+    cu = jnp.asarray(case.cu_seqlens, jnp.int32) if packed else None
+    out, state = forward(x, cu, False)
+    # (the in-chunk kernel once per path, both traced for the device's choice)
+    assert sorted(set(launched)) == [("rwkv7_wy_kernel", False, None),
+                                     ("rwkv7_wy_state_kernel", None, True)], launched
+    launched.clear()
+    kept_out, kept_state = forward(x, cu, True)
+    assert ("rwkv7_wy_output_kernel", None, None) in launched
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(kept_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(state), np.asarray(kept_state))
 
 
 def test_invalid_traced_offsets_stay_in_bounds():

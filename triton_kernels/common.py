@@ -102,7 +102,7 @@ def program(sequence, head, v_block, cu_ptr, HEADS: tl.constexpr, K: tl.constexp
 
 
 # ---------------------------------------------------------------------------------------------
-# Added for the RWKV-7 kernels (bounds that hold whatever a traced array holds).
+# Bounds that hold whatever a traced array holds: no kernel reads or writes outside a buffer.
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -112,6 +112,14 @@ def clamped_rows(start, end, TOTAL_ROWS: tl.constexpr, C: tl.constexpr):
     start = tl.minimum(tl.maximum(start, 0), TOTAL_ROWS)
     end = tl.minimum(tl.maximum(end, start), TOTAL_ROWS)
     return start, end, (end - start + C - 1) // C
+
+
+@triton.jit
+def sequence_rows(sequence, cu_ptr, TOTAL_ROWS: tl.constexpr, C: tl.constexpr):
+    """Rows [start, end) of a sequence (entries ``sequence`` and ``sequence + 1`` of ``cu``),
+    clamped to the arrays (``clamped_rows``), and its chunk count."""
+    return clamped_rows(tl.load(cu_ptr + sequence).to(tl.int64),
+                        tl.load(cu_ptr + sequence + 1).to(tl.int64), TOTAL_ROWS, C)
 
 
 @triton.jit
@@ -184,7 +192,7 @@ def dot(x, y, acc, PRECISION: tl.constexpr):
     return product
 
 
-# Sums of bfloat16 log gates as tensor-core products (gla.py: _GlaStatic.gate_sums_by_product;
+# Sums of bfloat16 log gates as tensor-core products (the backend's _GlaStatic.gate_sums_by_product;
 # rwkv7.py: the 64-token in-chunk kernel), instead of scans and reductions across a tile's rows:
 # a [C, C] matrix of 0, 1 and -1 (which rows to add, and subtract) times the gates. The
 # products are exact and the sums float32, and every sum is formed as itself (the gates after

@@ -69,22 +69,22 @@ LOG_DECAY_FLOOR = -128.0
 # Adding a backend to an op is a one-line edit of its entry.
 DEFAULTS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("rwkv7", "gpu"): (("triton", "ffi", "native", "chunked"),
-        "H100 B=8 T=4096 H=64 K=64 bf16 fwd+bwd: triton 14.63 ms (session 13), ffi 110.9, "
+        "H100 B=8 T=4096 H=64 K=64 bf16 fwd+bwd: triton 14.63 ms, ffi 110.9, "
         "native 466; at B=8 T=1024 H=32 (main job, 5 repeats) fwd: triton 0.84 ms, ffi 2.58, "
         "chunked 6.72, native 11.46"),
     ("rwkv7", "cpu"): (("ffi", "native", "chunked"),
         "2-core CPU B=4 T=1024 H=8 K=64 f32 fwd / fwd+bwd: ffi 24.1 / 131 ms, native 80.7 / 664, "
         "chunked 250 / 1259"),
     ("rwkv6", "gpu"): (("triton", "ffi", "native", "chunked"),
-        "H100 B=8 T=4096 H=64 K=64 bf16 fwd / fwd+bwd: triton 1.63 / 7.66 ms (session 12; fla "
+        "H100 B=8 T=4096 H=64 K=64 bf16 fwd / fwd+bwd: triton 1.63 / 7.66 ms (fla "
         "4.00 / 14.35), ffi 7.1 / 68.6 (ffi stays the step path); at B=8 T=1024 H=32 (main "
         "job) fwd: triton 1.10 ms, ffi 1.96, chunked 2.90, native 21.3"),
     ("rwkv6", "cpu"): (("ffi", "chunked", "native"),
         "2-core CPU B=4 T=1024 H=8 K=64 f32 fwd / fwd+bwd: ffi 18.5 / 124 ms, chunked 84.0 / 769, "
         "native 105.8 / 854"),
     ("gated_linear_attention", "gpu"): (("triton", "chunked", "native"),
-        "H100 B=8 T=4096 H=64 K=64 bf16 gk fwd / fwd+bwd: triton 1.35 / 6.53 ms (session 12; "
-        "fla 3.20 / 12.78), chunked 18.5 / 85.3, native 67.3 / 378 (issue 12)"),
+        "H100 B=8 T=4096 H=64 K=64 bf16 gk fwd / fwd+bwd: triton 1.35 / 6.53 ms "
+        "(fla 3.20 / 12.78), chunked 18.5 / 85.3, native 67.3 / 378 (issue 12)"),
     ("gated_linear_attention", "cpu"): (("chunked", "native"),
         "2-core CPU (loaded) f32 fwd+bwd, the dominant cost: chunked 390 ms vs native 1294 at "
         "B=1 T=1024 H=4 K=64, 1450 vs 3131 at B=1 T=4096, a tie at B=2 T=1024 H=4 (758 vs 710) "
@@ -279,7 +279,7 @@ register("chunked", "rwkv_jax.backends.chunked",
          float32_tolerance=(2e-3, 2e-3), forward_mode_ad=True, float64=True)
 register("triton", "rwkv_jax.backends.triton",
          "chunked Triton kernels (jax-triton on GPU, Triton's interpreter on CPU)",
-         lambda p: importlib.import_module("rwkv_jax.backends._launch").unavailable_reason(p),
+         lambda p: importlib.import_module("rwkv_jax.backends._triton_probe").unavailable_reason(p),
          float32_tolerance=(2e-3, 2e-3))
 register("ffi", "rwkv_jax.backends.ffi", "compiled C++ (CPU) and CUDA kernels through the XLA FFI",
          lambda p: importlib.import_module("rwkv_jax.backends.ffi").unavailable(p))

@@ -53,7 +53,7 @@ from jax import lax
 
 from rwkv_jax.backends import LOG_DECAY_FLOOR
 
-CHUNK_SIZE = 32  # tokens per chunk (on CPU, 16 and 32 train alike; 64 is ~30% slower)
+CHUNK_SIZE = 32  # tokens per chunk (on CPU, 16 and 32 train alike and 64 slower)
 SUB_CHUNK = 16  # tokens per sub-chunk, whose pairwise decays are exact masked exponentials
 
 
@@ -84,9 +84,17 @@ def _masked_exp(exponent, mask):
     return jnp.where(mask, jnp.exp(jnp.where(mask, exponent, 0.0)), 0.0)
 
 
+def _cumsum(x):
+    """The inclusive cumulative sum over axis 1 (the tokens of a chunk) as a parallel prefix of
+    additions: XLA:GPU (jaxlib 0.11) failed to compile the reduce-window that ``jnp.cumsum``
+    lowers to when fused with these kernels' neighbours at some shapes ("Failed to translate
+    module to LLVM IR")."""
+    return lax.associative_scan(jnp.add, x, axis=1)
+
+
 def _cumulative(log_decay):
     """Inclusive and exclusive in-chunk cumulative sums over the token axis."""
-    inclusive = jnp.cumsum(log_decay, axis=1)
+    inclusive = _cumsum(log_decay)
     exclusive = jnp.concatenate([jnp.zeros_like(inclusive[:, :1]), inclusive[:, :-1]], axis=1)
     return inclusive, exclusive
 
@@ -136,7 +144,7 @@ def _across_sub_chunks(g_rows, g_cols, sub, strict):
 def _decay_to_end(log_decay):
     """``exp(sum_{m > j} w_m)``: the decay from after token ``j`` to the chunk's end, as a
     suffix sum (exactly 0 in the exponent for the last token, see :func:`_pairwise_decay`)."""
-    suffix = jnp.flip(jnp.cumsum(jnp.flip(log_decay, 1), axis=1), 1)
+    suffix = jnp.flip(_cumsum(jnp.flip(log_decay, 1)), 1)
     return jnp.exp(jnp.concatenate([suffix[:, 1:], jnp.zeros_like(suffix[:, :1])], axis=1))
 
 

@@ -10,8 +10,10 @@ every input pointer, then every output pointer, then the ``constexprs`` by name.
 Neither path has a batching rule, so under ``jax.vmap`` a launch runs once per batch element
 (``lax.map``); the backends fold real batch dimensions into their grids themselves.
 
-Importing this module has no side effects: :func:`kernels` imports ``rwkv_jax.triton_kernels``
-(after setting ``TRITON_INTERPRET=1`` off the GPU, which must precede the kernels' definition).
+:func:`kernels` imports ``rwkv_jax.triton_kernels`` (after setting ``TRITON_INTERPRET=1`` off the
+GPU, which must precede the kernels' definition); the op modules call it when the package
+imports them, so whether the backend can run at all is asked of
+:mod:`rwkv_jax.backends._triton_probe`, outside the package.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib
-import importlib.util
 import inspect
 import os
 import threading
@@ -29,37 +30,9 @@ import jax
 import numpy as np
 from jax import lax
 
+from .._triton_probe import import_jax_triton as _import_jax_triton
+
 _KERNELS = "rwkv_jax.triton_kernels"
-
-
-def unavailable_reason(platform: str) -> Optional[str]:
-    """None if Triton kernels can run on ``platform``, else why not (the backend's probe)."""
-    if platform == "gpu":
-        try:
-            _import_jax_triton()
-        except Exception as err:
-            return (f"jax_triton does not import ({type(err).__name__}: {err}); "
-                    f"install rwkv_jax[gpu] (BUILD.md: jax-triton next to a CUDA jaxlib)")
-        return None
-    if platform == "cpu":
-        # Found, not imported: triton must first be imported with TRITON_INTERPRET=1 set.
-        if importlib.util.find_spec("triton") is None:
-            return ("on CPU the Triton kernels run in Triton's interpreter, which needs triton "
-                    "(pip install triton)")
-        return None
-    return f"Triton kernels run on NVIDIA GPUs (or interpreted on CPU), not on {platform!r}"
-
-
-def _import_jax_triton():
-    """jax_triton, without its import-time ``TRITON_CACHE_DIR=""``, which would leave every
-    other Triton user of the process (torch, say) unable to compile."""
-    previous = os.environ.get("TRITON_CACHE_DIR")
-    import jax_triton
-    if previous is None:
-        os.environ.pop("TRITON_CACHE_DIR", None)
-    else:
-        os.environ["TRITON_CACHE_DIR"] = previous
-    return jax_triton
 
 
 def _on_gpu() -> bool:
