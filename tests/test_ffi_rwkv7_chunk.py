@@ -3,8 +3,9 @@ against the float64 reference: output, final state and every gradient (initial s
 for every log decay in [-inf, 0] (tame chunks, exact chunks and both in one sequence), ragged
 last chunks, T = 1, packed sequences with empty segments, K = V = 64 and 128, 16-bit inputs.
 
-Here they run on the CPU twin (ffi/cpu_rwkv7_chunk.cc); where a GPU is the default device, on
-the CUDA kernels (ffi/cuda_rwkv7_chunk.cu).
+Here they run on the CPU twin (ffi/cpu_rwkv7_chunk.cc), which the CPU does not take by default
+(the fixture below selects it); where a GPU is the default device, on the CUDA kernels
+(ffi/cuda_rwkv7_chunk.cu).
 """
 
 import jax
@@ -19,6 +20,16 @@ from test_ffi import FORWARD_TOL, GRADIENT_TOL, call, draw, rel, value_and_grads
 
 pytestmark = pytest.mark.skipif(backends.unavailable_reason("ffi", backends.platform()) is not None,
                                 reason="the ffi extension is not built")
+
+# The CPU's default for K = V = 64, before the fixture below changes it.
+CPU_DEFAULT = ffi.rwkv7_kernel(64, 64, jnp.float32, "cpu")
+
+
+@pytest.fixture(autouse=True)
+def chunked_everywhere(monkeypatch):
+    """The chunked kernels on every platform (the CPU twin here)."""
+    monkeypatch.setattr(ffi, "CHUNKED_PLATFORMS", ("cpu", "gpu"))
+
 
 DECAYS = {
     "model": "model",                       # tame chunks
@@ -59,10 +70,17 @@ def kernel_of(key, value):
 
 def test_head_sizes_pick_the_kernel():
     assert kernel_of(64, 64) == "chunk" and kernel_of(128, 128) == "chunk"
-    # The chunked kernels' tiles take K = V in (64, 128); other sizes keep the sequential ones.
-    assert kernel_of(16, 16) == "sequential" and kernel_of(64, 128) == "sequential"
+    # The chunked kernels' tiles take K = V in (64, 128); other sizes keep the sequential ones
+    # (on the GPU those need K in (64, 128) too, and V a multiple of 32).
+    assert kernel_of(64, 128) == "sequential"
+    if backends.platform() == "cpu":
+        assert kernel_of(16, 16) == "sequential"
     assert ffi.rwkv7_kernel(32, 32, jnp.float32, "cpu") == "rwkv7"
     assert ffi.rwkv7_kernel(128, 128, jnp.bfloat16, "cpu") == "rwkv7_chunk"
+
+
+def test_the_cpu_keeps_the_sequential_kernels_by_default():
+    assert CPU_DEFAULT == "rwkv7"
 
 
 @pytest.mark.parametrize("decay", list(DECAYS))

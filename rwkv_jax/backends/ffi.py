@@ -126,16 +126,21 @@ def _checkpoint_shape(r, v, n, save):
 # the CUDA kernel's tiles are compiled for them, and its shared memory (about 210 KiB per block
 # at K = 128) leaves no room for larger heads. Other head sizes take the sequential kernels.
 CHUNKED_HEAD_SIZES = (64, 128)
+# Where the chunked pair is the default: on the GPU it trains several times faster than the
+# sequential kernels; on the CPU its twin (which CI tests for the CUDA kernels' arithmetic) is
+# slower than the sequential kernel (BENCHMARKS.md).
+CHUNKED_PLATFORMS = ("gpu",)
 
 
 def rwkv7_kernel(k_size, v_size, dtype, platform=None):
     """The rwkv7 training kernels' target stem on ``platform`` (None: JAX's default):
-    "rwkv7_chunk" (16-token chunks, tensor cores on the GPU) for K = V in CHUNKED_HEAD_SIZES
-    where the GPU's shared memory per block holds the CUDA kernels' tiles, else "rwkv7"
-    (sequential, any K and V)."""
-    if k_size != v_size or k_size not in CHUNKED_HEAD_SIZES:
+    "rwkv7_chunk" (16-token chunks, tensor cores on the GPU) on CHUNKED_PLATFORMS for K = V in
+    CHUNKED_HEAD_SIZES where the GPU's shared memory per block holds the CUDA kernels' tiles,
+    else "rwkv7" (sequential, any K and V)."""
+    platform = platform or jax.default_backend()
+    if platform not in CHUNKED_PLATFORMS or k_size != v_size or k_size not in CHUNKED_HEAD_SIZES:
         return "rwkv7"
-    if (platform or jax.default_backend()) == "gpu":
+    if platform == "gpu":
         _chunk()
         cuda = importlib.import_module(_module_name("gpu"))
         if cuda.rwkv7_chunk_shared_bytes(k_size, jnp.dtype(dtype).itemsize) > cuda.max_shared_bytes():
