@@ -9,6 +9,8 @@
   X("rwkv_jax_rwkv7_fwd", Rwkv7Forward)           \
   X("rwkv_jax_rwkv7_bwd", Rwkv7Backward)          \
   X("rwkv_jax_rwkv7_step", Rwkv7Step)             \
+  X("rwkv_jax_rwkv7_chunk_fwd", Rwkv7ChunkForward) \
+  X("rwkv_jax_rwkv7_chunk_bwd", Rwkv7ChunkBackward) \
   X("rwkv_jax_rwkv6_fwd", Rwkv6Forward)           \
   X("rwkv_jax_rwkv6_bwd", Rwkv6Backward)          \
   X("rwkv_jax_rwkv6_step", Rwkv6Step)             \

@@ -10,6 +10,10 @@ namespace nb = nanobind;
 
 #ifdef RWKV_JAX_CUDA
 RWKV_JAX_FFI_TARGETS(RWKV_JAX_DECLARE_CUDA)
+namespace rwkv_ffi {
+int64_t rwkv7_chunk_shared_bytes(int64_t K, int64_t itemsize);
+int64_t max_shared_bytes();
+}  // namespace rwkv_ffi
 #define RWKV_JAX_HANDLER(stem) RwkvJax##stem##Cuda
 #define RWKV_JAX_MODULE _ffi_cuda
 #else
@@ -28,4 +32,10 @@ NB_MODULE(RWKV_JAX_MODULE, m) {
 #undef RWKV_JAX_ADD
     return targets;
   });
+#ifdef RWKV_JAX_CUDA
+  // The chunked rwkv7 kernels' shared memory per block (the larger of forward and backward) for
+  // head size K and input itemsize, and the current GPU's limit per block.
+  m.def("rwkv7_chunk_shared_bytes", &rwkv_ffi::rwkv7_chunk_shared_bytes);
+  m.def("max_shared_bytes", &rwkv_ffi::max_shared_bytes);
+#endif
 }

@@ -122,28 +122,54 @@ def _checkpoint_shape(r, v, n, save):
 # RWKV-7
 
 
-def _rwkv7_forward(scale, r, w, k, v, a, b, h0, cu, save):
-    return _call("rwkv7_fwd",
+# The chunked kernels (ffi/cpu_rwkv7_chunk.cc, ffi/cuda_rwkv7_chunk.cu) take K = V in these sizes:
+# the CUDA kernel's tiles are compiled for them, and its shared memory (about 210 KiB per block
+# at K = 128) leaves no room for larger heads. Other head sizes take the sequential kernels.
+CHUNKED_HEAD_SIZES = (64, 128)
+# Where the chunked pair is the default: on the GPU it trains several times faster than the
+# sequential kernels; on the CPU its twin (which CI tests for the CUDA kernels' arithmetic) is
+# slower than the sequential kernel (BENCHMARKS.md).
+CHUNKED_PLATFORMS = ("gpu",)
+
+
+def rwkv7_kernel(k_size, v_size, dtype, platform=None):
+    """The rwkv7 training kernels' target stem on ``platform`` (None: JAX's default):
+    "rwkv7_chunk" (16-token chunks, tensor cores on the GPU) on CHUNKED_PLATFORMS for K = V in
+    CHUNKED_HEAD_SIZES where the GPU's shared memory per block holds the CUDA kernels' tiles,
+    else "rwkv7" (sequential, any K and V)."""
+    platform = platform or jax.default_backend()
+    if platform not in CHUNKED_PLATFORMS or k_size != v_size or k_size not in CHUNKED_HEAD_SIZES:
+        return "rwkv7"
+    if platform == "gpu":
+        _chunk()
+        cuda = importlib.import_module(_module_name("gpu"))
+        if cuda.rwkv7_chunk_shared_bytes(k_size, jnp.dtype(dtype).itemsize) > cuda.max_shared_bytes():
+            return "rwkv7"
+    return "rwkv7_chunk"
+
+
+def _rwkv7_forward(kernel, scale, r, w, k, v, a, b, h0, cu, save):
+    return _call(f"{kernel}_fwd",
                  (_like(v, v.shape, v.dtype), _like(h0, h0.shape, jnp.float32),
                   _like(h0, _checkpoint_shape(r, v, h0.shape[0], save), jnp.float32)),
                  r, w, k, v, a, b, h0, cu, scale=scale)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rwkv7(scale, r, w, k, v, a, b, h0, cu):
-    return _rwkv7_forward(scale, r, w, k, v, a, b, h0, cu, save=False)[:2]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rwkv7(kernel, scale, r, w, k, v, a, b, h0, cu):
+    return _rwkv7_forward(kernel, scale, r, w, k, v, a, b, h0, cu, save=False)[:2]
 
 
-def _rwkv7_fwd(scale, r, w, k, v, a, b, h0, cu):
-    o, h, ckpt = _rwkv7_forward(scale, r, w, k, v, a, b, h0, cu, save=True)
+def _rwkv7_fwd(kernel, scale, r, w, k, v, a, b, h0, cu):
+    o, h, ckpt = _rwkv7_forward(kernel, scale, r, w, k, v, a, b, h0, cu, save=True)
     return (o, h), (r, w, k, v, a, b, ckpt, cu)
 
 
-def _rwkv7_bwd(scale, residuals, cotangents):
+def _rwkv7_bwd(kernel, scale, residuals, cotangents):
     r, w, k, v, a, b, ckpt, cu = residuals
     d_o, dh = cotangents
     n = cu.shape[0] - 1
-    grads = _call("rwkv7_bwd",
+    grads = _call(f"{kernel}_bwd",
                   tuple(_like(x, x.shape, x.dtype) for x in (r, w, k, v, a, b))
                   + (_like(ckpt, (n,) + ckpt.shape[1:], jnp.float32),),
                   r, w, k, v, a, b, d_o.astype(v.dtype), dh.astype(jnp.float32), ckpt, cu,
@@ -160,7 +186,8 @@ def rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seql
     cu = _segments(batch, length, cu_seqlens)
     check_shape("rwkv7", r.shape[3], v.shape[3], cu.shape[0] - 1)
     h0 = _states(r, v, cu.shape[0] - 1, initial_state)
-    o, h = _rwkv7(float(scale), *(x.astype(dtype) for x in (r, w, k, v, a, b)), h0, cu)
+    o, h = _rwkv7(rwkv7_kernel(r.shape[3], v.shape[3], dtype), float(scale),
+                  *(x.astype(dtype) for x in (r, w, k, v, a, b)), h0, cu)
     return o.astype(v.dtype), h
 
 
@@ -179,8 +206,9 @@ def _rwkv7_step_bwd(scale, residuals, cotangents):
     r, w, k, v, a, b, h0, rows = residuals
     d_o, d_state = cotangents
     cu = _segments(r.shape[0], r.shape[1], None)
-    _, saved = _rwkv7_fwd(scale, r, w, k, v, a, b, h0, cu)
-    *grads, dh0, _ = _rwkv7_bwd(scale, saved, (d_o, read_rows(d_state, rows)))
+    kernel = rwkv7_kernel(r.shape[3], v.shape[3], r.dtype)
+    _, saved = _rwkv7_fwd(kernel, scale, r, w, k, v, a, b, h0, cu)
+    *grads, dh0, _ = _rwkv7_bwd(kernel, scale, saved, (d_o, read_rows(d_state, rows)))
     return (*grads, write_rows(d_state, rows, dh0), None)
 
 

@@ -1,0 +1,164 @@
+"""The ffi backend's chunked rwkv7 kernels (16-token chunks, the WY form; ffi/rwkv7_chunk_math.h)
+against the float64 reference: output, final state and every gradient (initial state included)
+for every log decay in [-inf, 0] (tame chunks, exact chunks and both in one sequence), ragged
+last chunks, T = 1, packed sequences with empty segments, K = V = 64 and 128, 16-bit inputs.
+
+Here they run on the CPU twin (ffi/cpu_rwkv7_chunk.cc), which the CPU does not take by default
+(the fixture below selects it); where a GPU is the default device, on the CUDA kernels
+(ffi/cuda_rwkv7_chunk.cu).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference
+from rwkv_jax import backends
+from rwkv_jax.backends import ffi
+from test_ffi import FORWARD_TOL, GRADIENT_TOL, call, draw, rel, value_and_grads
+
+pytestmark = pytest.mark.skipif(backends.unavailable_reason("ffi", backends.platform()) is not None,
+                                reason="the ffi extension is not built")
+
+# The CPU's default for K = V = 64, before the fixture below changes it.
+CPU_DEFAULT = ffi.rwkv7_kernel(64, 64, jnp.float32, "cpu")
+
+
+@pytest.fixture(autouse=True)
+def chunked_everywhere(monkeypatch):
+    """The chunked kernels on every platform (the CPU twin here)."""
+    monkeypatch.setattr(ffi, "CHUNKED_PLATFORMS", ("cpu", "gpu"))
+
+
+DECAYS = {
+    "model": "model",                       # tame chunks
+    "strong": "strong",                     # uniform in [-8, 0]: exact chunks
+    "uniform_1000": ("uniform", -1e3),
+    "tokens_1e9": ("tokens", -1e9),         # exact chunks beside tame ones
+    "tokens_inf": ("tokens", -np.inf),
+    "every_third_1e9": ("every_third", -1e9),
+    "zero": "zero",
+}
+
+
+def check_against_reference(x, rng, tol=(FORWARD_TOL, GRADIENT_TOL), **options):
+    out, state = call("rwkv7", x, "native", **options)
+    cotangents = (jnp.asarray(rng.standard_normal(out.shape), out.dtype),
+                  jnp.asarray(rng.standard_normal(state.shape), jnp.float32))
+    f_out, f_state, f_grads = value_and_grads("rwkv7", x, cotangents, "ffi", **options)
+    ref_options = {n: np.asarray(v) for n, v in options.items()}
+    x64 = {n: np.asarray(a, np.float64) for n, a in x.items()}
+    ref_out, ref_state = reference.forward("rwkv7", x64, **ref_options)
+    ref_grads = reference.gradients("rwkv7", x64, np.asarray(cotangents[0], np.float64),
+                                    np.asarray(cotangents[1], np.float64), **ref_options)
+    errors = {"output": rel(f_out, ref_out), "final state": rel(f_state, ref_state)}
+    errors.update({f"d{n}": rel(f_grads[n], ref_grads[n]) for n in x})
+    limits = {n: tol[0] if n in ("output", "final state") else tol[1] for n in errors}
+    failed = {n: e for n, e in errors.items() if not e <= limits[n]}
+    assert not failed, f"errors past the contract: {failed}"
+    assert f_out.dtype == x["v"].dtype and f_state.dtype == jnp.float32
+    for name in x:
+        assert f_grads[name].dtype == x[name].dtype, name
+
+
+def kernel_of(key, value):
+    x, _ = draw("rwkv7", seed=0, batch=1, steps=3, heads=1, key=key, value=value)
+    jaxpr = str(jax.make_jaxpr(lambda arrays: call("rwkv7", arrays, "ffi"))(x))
+    return "chunk" if "rwkv_jax_rwkv7_chunk_fwd" in jaxpr else "sequential"
+
+
+def test_head_sizes_pick_the_kernel():
+    assert kernel_of(64, 64) == "chunk" and kernel_of(128, 128) == "chunk"
+    # The chunked kernels' tiles take K = V in (64, 128); other sizes keep the sequential ones
+    # (on the GPU those need K in (64, 128) too, and V a multiple of 32).
+    assert kernel_of(64, 128) == "sequential"
+    if backends.platform() == "cpu":
+        assert kernel_of(16, 16) == "sequential"
+    assert ffi.rwkv7_kernel(32, 32, jnp.float32, "cpu") == "rwkv7"
+    assert ffi.rwkv7_kernel(128, 128, jnp.bfloat16, "cpu") == "rwkv7_chunk"
+
+
+def test_the_cpu_keeps_the_sequential_kernels_by_default():
+    assert CPU_DEFAULT == "rwkv7"
+
+
+@pytest.mark.parametrize("decay", list(DECAYS))
+def test_every_decay_matches_the_reference(decay):
+    # T = 37: two whole chunks and a ragged one of 5 tokens.
+    x, rng = draw("rwkv7", seed=11, batch=2, steps=37, heads=1, key=64, decay=DECAYS[decay])
+    check_against_reference(x, rng)
+
+
+@pytest.mark.parametrize("decay", ["model", "tokens_inf"])
+def test_head_size_128(decay):
+    x, rng = draw("rwkv7", seed=12, batch=1, steps=21, heads=2, key=128, decay=DECAYS[decay])
+    check_against_reference(x, rng)
+
+
+@pytest.mark.parametrize("steps", [1, 16, 17])
+def test_short_and_chunk_edge_lengths(steps):
+    x, rng = draw("rwkv7", seed=13, batch=2, steps=steps, heads=1, key=64)
+    check_against_reference(x, rng)
+
+
+def test_without_initial_state():
+    x, rng = draw("rwkv7", seed=14, batch=1, steps=20, heads=1, key=64, initial_state=False)
+    check_against_reference(x, rng)
+
+
+@pytest.mark.parametrize("decay", ["model", "tokens_1e9"])
+def test_packed_sequences(decay):
+    # Empty segments (first, middle and last), one token, and segments across chunk boundaries.
+    cu_seqlens = jnp.asarray([0, 0, 9, 9, 40, 41, 70, 70], jnp.int32)
+    x, rng = draw("rwkv7", seed=15, batch=1, steps=70, heads=2, key=64, state_rows=7,
+                  decay=DECAYS[decay])
+    check_against_reference(x, rng, cu_seqlens=cu_seqlens)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_inputs(dtype):
+    x, rng = draw("rwkv7", seed=16, dtype=dtype, batch=1, steps=33, heads=2, key=64,
+                  decay=DECAYS["tokens_inf"])
+    check_against_reference(x, rng, tol=(1e-2, 1e-2))
+
+
+def test_nan_in_nan_out():
+    """A NaN log decay reaches the outputs of its sequence from its token on (no floor eats it);
+    the other sequence stays finite."""
+    x, _ = draw("rwkv7", seed=17, batch=2, steps=20, heads=1, key=64)
+    x["w"] = x["w"].at[0, 18, 0, 3].set(jnp.nan)
+    out, state = call("rwkv7", x, "ffi")
+    out, state = np.asarray(out), np.asarray(state)
+    assert np.isnan(out[0, 18:]).any() and np.isnan(state[0]).any()
+    assert np.isfinite(out[0, :18]).all() and np.isfinite(out[1]).all()
+    assert np.isfinite(state[1]).all()
+
+
+def test_step_backward_through_the_chunked_kernels():
+    """rwkv7_step's gradient runs the training kernels: at K = V = 64 the chunked ones."""
+    x, rng = draw("rwkv7_step", seed=18, batch=2, steps=3, heads=1, key=64, state_rows=4)
+    indices = jnp.asarray([3, 0], jnp.int32)
+    out, state = call("rwkv7_step", x, "native", state_indices=indices)
+    cotangents = (jnp.asarray(rng.standard_normal(out.shape), out.dtype),
+                  jnp.asarray(rng.standard_normal(state.shape), jnp.float32))
+    _, _, native = value_and_grads("rwkv7_step", x, cotangents, "native", state_indices=indices)
+    _, _, compiled = value_and_grads("rwkv7_step", x, cotangents, "ffi", state_indices=indices)
+    for name in x:
+        assert rel(compiled[name], native[name]) <= GRADIENT_TOL, name
+
+
+def test_vmap_and_jit_match_a_loop():
+    x, _ = draw("rwkv7", seed=19, batch=1, steps=19, heads=1, key=64)
+    stacked = {n: jnp.stack([a, a[::-1] * 0.5]) for n, a in x.items()}
+
+    def run(arrays):
+        out, state = call("rwkv7", arrays, "ffi")
+        return jnp.sum(out ** 2) + jnp.sum(state * state[..., ::-1])
+
+    mapped = jax.jit(jax.vmap(jax.value_and_grad(run)))(stacked)
+    for i in range(2):
+        value, grads = jax.value_and_grad(run)({n: a[i] for n, a in stacked.items()})
+        assert rel(mapped[0][i], value) <= FORWARD_TOL
+        for name in x:
+            assert rel(mapped[1][name][i], grads[name]) <= GRADIENT_TOL, name
