@@ -19,7 +19,8 @@ It builds nothing: build the extension first and copy it next to the package, e.
    ffi (chunked CUDA), triton and, if importable, fla's fastest chunk_rwkv7 configuration.
    The errors of each against float64 on a slice (batch 0, two heads) of the B=8 inputs.
 
-``--smoke`` runs the correctness part at tiny sizes on the CPU (the CPU twin of the kernels)
+``--shapes`` (k64 k128 long packed) and ``--backends`` (ffi triton fla) narrow part 2;
+``--skip-correctness`` skips part 1. ``--smoke`` runs the correctness part at tiny sizes on the CPU (the CPU twin of the kernels)
 and a tiny timing of the ffi backend alone.
 """
 
