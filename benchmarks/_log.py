@@ -21,6 +21,15 @@ def log(*parts):
         _file.flush()
 
 
+def relative_error(x, ref):
+    """||x - ref|| / ||ref|| in float64; inf when x has a non-finite value."""
+    import numpy as np
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(x)):
+        return float("inf")
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
 def median_seconds(fn, *args, reps=20):
     """Median seconds of ``reps`` calls of ``fn(*args)``, each waited for, after one untimed
     call (it compiles)."""

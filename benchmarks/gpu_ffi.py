@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import reference  # noqa: E402
-from _log import log, median_seconds, open_log  # noqa: E402  (benchmarks/_log.py)
+from _log import log, median_seconds, open_log, relative_error as rel  # noqa: E402  (benchmarks/_log.py)
 
 import rwkv_jax  # noqa: E402
 
@@ -37,11 +37,6 @@ ARGS = {"rwkv7": "rwkvab", "rwkv6": "rkvwu", "rwkv4": "wukv", "rwkv7_step": "rwk
 results: dict = {"correctness": [], "timings": []}
 
 
-def rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    if not np.all(np.isfinite(x)):
-        return float("inf")
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def call(op, arrays, opts):

@@ -32,7 +32,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares 
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -45,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 import reference  # noqa: E402
-from _log import log, open_log, profile_kernels  # noqa: E402
+from _log import log, median_seconds, open_log, profile_kernels, relative_error as rel  # noqa: E402
 
 import rwkv_jax  # noqa: E402
 from rwkv_jax.backends import ffi as ffi_backend  # noqa: E402
@@ -55,11 +54,6 @@ LOWER_BOUND = -0.6065  # fla's fastest configuration asserts w >= this
 results: dict = {"correctness": [], "timings": []}
 
 
-def rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    if not np.all(np.isfinite(x)):
-        return float("inf")
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,13 +126,7 @@ def correctness(smoke):
 
 
 def time_jax(fn, *args, reps=15):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(fn, *args, reps=reps)
 
 
 def jax_peak_bytes(fn, *args):
@@ -319,6 +307,7 @@ def main():
     args = parser.parse_args()
     if args.smoke:
         jax.config.update("jax_platforms", "cpu")
+        ffi_backend.CHUNKED_PLATFORMS = ("cpu", "gpu")   # the chunked kernels' CPU twin
     os.makedirs(args.out, exist_ok=True)
     open_log(os.path.join(args.out, "gpu_rwkv7_cuda.log"))
     deadline = time.time() + args.budget
