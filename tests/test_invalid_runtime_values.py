@@ -238,12 +238,15 @@ CLAMPED_OFFSETS = [([0, 10, 20], [0, 10, 32]), ([4, 10, 32], [0, 10, 32]),
 
 
 @ffi_only
+@pytest.mark.parametrize("kernel", ["rwkv7", "rwkv7_chunk"])
 @pytest.mark.parametrize("offsets, clamped", CLAMPED_OFFSETS, ids=str)
-def test_ffi_kernels_never_return_unwritten_memory(offsets, clamped):
+def test_ffi_kernels_never_return_unwritten_memory(offsets, clamped, kernel):
+    """Both rwkv7 kernel pairs of the ffi backend: the sequential one and the chunked one (on the
+    CPU its twin; K = V = 64, a size it takes)."""
     from rwkv_jax.backends import ffi
-    x, _ = _inputs("rwkv7", 6, batch=1, state_rows=2)
+    x, _ = _inputs("rwkv7", 6, batch=1, state_rows=2, key=64)
     args = [x[n] for n in "rwkvab"] + [x["initial_state"]]
-    run = jax.jit(lambda cu: ffi._rwkv7(1.0, *args, cu))
+    run = jax.jit(lambda cu: ffi._rwkv7(kernel, 1.0, *args, cu))
     if backends.platform() == "cpu":  # the C++ kernels read the offsets on the host: an error
         with pytest.raises(Exception, match="cu_seqlens"):
             jax.block_until_ready(run(jnp.asarray(offsets, jnp.int32)))
