@@ -7,52 +7,29 @@
 namespace rwkv_ffi {
 namespace {
 
-struct Rwkv6Args {
+struct Rwkv6Args : ForwardArgs {
   const void *r, *k, *v, *w;
   const float* u;  // [H, K]
-  const int* cu;
-  const int* rows;
-  int64_t pool_rows;
-  const float* h_in;
-  float* h_out;
-  float* ckpt;
-  void* o;
-  int64_t H, V, length, total;
-  float scale;
 };
 
 // Staged step: rs, ew, k (K each), then v (V).
 template <int K, typename T>
 __global__ void rwkv6_forward_kernel(Rwkv6Args p) {
-  const int64_t hd = blockIdx.x, n = blockIdx.y;
-  const int j = threadIdx.x, V = p.V;
-  const Range seq = sequence(p.cu, n, p.length, p.total);
-  if (p.rows && outside_pool(p.rows, n, p.pool_rows, seq, (T*)p.o, p.H, hd, V, j)) return;
-  const int64_t row = p.rows ? p.rows[n] : n;
+  const auto [hd, n, j, seq, row, skip] = forward_block<T>(p);
+  if (skip) return;
+  const int V = p.V;
   extern __shared__ float sm[];
   const int stride = 3 * K + V;
   float* uk = sm + kChunk * stride;
   for (int i = j; i < K; i += V) uk[i] = p.u[hd * K + i];
   float s[K];
-#pragma unroll
-  for (int i = 0; i < K; ++i) s[i] = p.h_in[((row * p.H + hd) * K + i) * V + j];
+  load_column(s, p.h_in, row, p.H, hd, V, j);
   const T *r = (const T*)p.r, *w = (const T*)p.w, *k = (const T*)p.k, *v = (const T*)p.v;
   for (int64_t c0 = seq.start; c0 < seq.end; c0 += kChunk) {
     const int len = (int)lmin(kChunk, seq.end - c0);
-    if (p.ckpt) {
-      const int64_t slot = first_slot(n, seq.start) + (c0 - seq.start) / kChunk;
-#pragma unroll
-      for (int i = 0; i < K; ++i) p.ckpt[((slot * p.H + hd) * K + i) * V + j] = s[i];
-    }
+    save_checkpoint(p.ckpt, n, seq, c0, s, p.H, hd, V, j);
     __syncthreads();
-    for (int idx = j; idx < len * K; idx += V) {
-      const int t = idx / K, i = idx % K;
-      const int64_t src = ((c0 + t) * p.H + hd) * K + i;
-      float* x = sm + t * stride;
-      x[i] = to_f(r[src]) * p.scale;
-      x[K + i] = expf(to_f(w[src]));
-      x[2 * K + i] = to_f(k[src]);
-    }
+    stage_keys<K>(sm, stride, c0, len, p.H, hd, V, j, p.scale, r, w, k);
     for (int idx = j; idx < len * V; idx += V) {
       const int t = idx / V, jj = idx % V;
       sm[t * stride + 3 * K + jj] = to_f(v[((c0 + t) * p.H + hd) * V + jj]);
@@ -71,28 +48,22 @@ __global__ void rwkv6_forward_kernel(Rwkv6Args p) {
       ((T*)p.o)[((c0 + t) * p.H + hd) * V + j] = from_f<T>(out);
     }
   }
-#pragma unroll
-  for (int i = 0; i < K; ++i) p.h_out[((row * p.H + hd) * K + i) * V + j] = s[i];
+  store_column(s, p.h_out, row, p.H, hd, V, j);
 }
 
-struct Rwkv6BackArgs {
+struct Rwkv6BackArgs : BackwardArgs {
   const void *r, *k, *v, *w, *d_o;
   const float* u;
-  const int* cu;
-  const float *dh_final, *ckpt;
   void *dr, *dk, *dv, *dw;
-  float *du, *dh0;  // du: [N, H, K]
-  int64_t H, V, total;
-  float scale;
+  float* du;  // [N, H, K]
 };
 
 // Shared memory: staged steps (rs, ew, k: K each; v, do: V each; v.do: 1), u and du (K each),
 // then 3 x warps x K sums.
 template <int K, typename T>
 __global__ void rwkv6_backward_kernel(Rwkv6BackArgs p) {
-  const int64_t hd = blockIdx.x, n = blockIdx.y;
-  const int j = threadIdx.x, V = p.V, warps = V / 32, lane = j & 31;
-  const Range seq = sequence(p.cu, n, 0, p.total);
+  const auto [hd, n, j, lane, warps, seq] = backward_block(p);
+  const int V = p.V;
   extern __shared__ float sm[];
   const int stride = 3 * K + 2 * V + 1;
   float* uk = sm + kChunk * stride;
@@ -102,27 +73,15 @@ __global__ void rwkv6_backward_kernel(Rwkv6BackArgs p) {
     uk[i] = p.u[hd * K + i];
     du[i] = 0.f;
   }
-  const int64_t base = (n * p.H + hd) * K;
   float G[K];
-#pragma unroll
-  for (int i = 0; i < K; ++i) G[i] = p.dh_final[(base + i) * V + j];
+  load_column(G, p.dh_final, n, p.H, hd, V, j);
   const T *r = (const T*)p.r, *w = (const T*)p.w, *k = (const T*)p.k, *v = (const T*)p.v;
   const T* d_o = (const T*)p.d_o;
   T* outs[3] = {(T*)p.dr, (T*)p.dk, (T*)p.dw};
-  const int64_t n_chunks = (seq.end - seq.start + kChunk - 1) / kChunk;
-  for (int64_t c = n_chunks - 1; c >= 0; --c) {
-    const int64_t c0 = seq.start + c * kChunk;
-    const int len = (int)lmin(kChunk, seq.end - c0);
-    const float* ck = p.ckpt + ((first_slot(n, seq.start) + c) * p.H + hd) * K * V;
+  for (int64_t c = chunk_count(seq) - 1; c >= 0; --c) {
+    const auto [c0, len, ck] = backward_chunk(p.ckpt, n, seq, c, p.H, hd, K, V);
     __syncthreads();
-    for (int idx = j; idx < len * K; idx += V) {
-      const int t = idx / K, i = idx % K;
-      const int64_t src = ((c0 + t) * p.H + hd) * K + i;
-      float* x = sm + t * stride;
-      x[i] = to_f(r[src]) * p.scale;
-      x[K + i] = expf(to_f(w[src]));
-      x[2 * K + i] = to_f(k[src]);
-    }
+    stage_keys<K>(sm, stride, c0, len, p.H, hd, V, j, p.scale, r, w, k);
     for (int idx = j; idx < len * V; idx += V) {
       const int t = idx / V, jj = idx % V;
       const int64_t src = ((c0 + t) * p.H + hd) * V + jj;
@@ -186,24 +145,21 @@ __global__ void rwkv6_backward_kernel(Rwkv6BackArgs p) {
       __syncthreads();
     }
   }
-#pragma unroll
-  for (int i = 0; i < K; ++i) p.dh0[(base + i) * V + j] = G[i];
-  for (int i = j; i < K; i += V) p.du[base + i] = du[i];
+  store_column(G, p.dh0, n, p.H, hd, V, j);
+  for (int i = j; i < K; i += V) p.du[(n * p.H + hd) * K + i] = du[i];
 }
 
 ffi::Error rwkv6_forward(cudaStream_t stream, Buffers ins, const float* u, const SeqShape& s,
                          const int* cu, const int* rows, int64_t pool_rows, const float* h_in,
                          float* h_out, float* ckpt, void* o, int64_t n_seq, float scale) {
-  Rwkv6Args p{ins[0].untyped_data(), ins[1].untyped_data(), ins[2].untyped_data(),
-              ins[3].untyped_data(), u, cu, rows, pool_rows, h_in, h_out, ckpt, o,
-              s.H, s.V, s.T, s.B * s.T, scale};
-  return dispatch_cuda(ins[0].element_type(), [&](auto t) {
+  Rwkv6Args p{{cu, rows, pool_rows, h_in, h_out, ckpt, o, s.H, s.V, s.T, s.B * s.T, scale},
+              ins[0].untyped_data(), ins[1].untyped_data(), ins[2].untyped_data(),
+              ins[3].untyped_data(), u};
+  return dispatch_type_and_head_size(ins[0].element_type(), s.K, [&](auto t, auto kc) {
     using T = decltype(t);
-    return dispatch_head_size(s.K, [&](auto kc) {
-      constexpr int K = decltype(kc)::value;
-      const size_t shared = sizeof(float) * (kChunk * (3 * K + s.V) + K);
-      return launch(rwkv6_forward_kernel<K, T>, dim3(s.H, n_seq), s.V, shared, stream, p);
-    });
+    constexpr int K = decltype(kc)::value;
+    const size_t shared = sizeof(float) * (kChunk * (3 * K + s.V) + K);
+    return launch(rwkv6_forward_kernel<K, T>, dim3(s.H, n_seq), s.V, shared, stream, p);
   });
 }
 
@@ -240,19 +196,18 @@ ffi::Error Rwkv6BackwardCuda(cudaStream_t stream, ffi::AnyBuffer r, ffi::AnyBuff
   if (c.ok()) check_f32(c, "du", *du, {s.N, s.H, s.K});
   check_cuda(c, s);
   if (!c.ok()) return c.error("rwkv6 backward");
-  Rwkv6BackArgs p{r.untyped_data(), k.untyped_data(), v.untyped_data(), w.untyped_data(),
-                  d_o.untyped_data(), u.typed_data<float>(), cu.typed_data(),
-                  dh_final.typed_data<float>(), ckpt.typed_data<float>(), dr->untyped_data(),
+  Rwkv6BackArgs p{{cu.typed_data(), dh_final.typed_data<float>(), ckpt.typed_data<float>(),
+                   dh0->typed_data<float>(), s.H, s.V, s.B * s.T, scale},
+                  r.untyped_data(), k.untyped_data(), v.untyped_data(), w.untyped_data(),
+                  d_o.untyped_data(), u.typed_data<float>(), dr->untyped_data(),
                   dk->untyped_data(), dv->untyped_data(), dw->untyped_data(),
-                  du->typed_data<float>(), dh0->typed_data<float>(), s.H, s.V, s.B * s.T, scale};
-  return dispatch_cuda(r.element_type(), [&](auto t) {
+                  du->typed_data<float>()};
+  return dispatch_type_and_head_size(r.element_type(), s.K, [&](auto t, auto kc) {
     using T = decltype(t);
-    return dispatch_head_size(s.K, [&](auto kc) {
-      constexpr int K = decltype(kc)::value;
-      const size_t shared =
-          sizeof(float) * (kChunk * (3 * K + 2 * s.V + 1) + 2 * K + 3 * (s.V / 32) * K);
-      return launch(rwkv6_backward_kernel<K, T>, dim3(s.H, s.N), s.V, shared, stream, p);
-    });
+    constexpr int K = decltype(kc)::value;
+    const size_t shared =
+        sizeof(float) * (kChunk * (3 * K + 2 * s.V + 1) + 2 * K + 3 * (s.V / 32) * K);
+    return launch(rwkv6_backward_kernel<K, T>, dim3(s.H, s.N), s.V, shared, stream, p);
   });
 }
 

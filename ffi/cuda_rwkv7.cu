@@ -12,52 +12,38 @@
 namespace rwkv_ffi {
 namespace {
 
-struct Rwkv7Args {
+struct Rwkv7Args : ForwardArgs {
   const void *r, *w, *k, *v, *a, *b;
-  const int* cu;       // [N + 1] or null (then sequence n is tokens [n T, (n + 1) T))
-  const int* rows;     // step: state row of each sequence, or null (row n)
-  int64_t pool_rows;   // step: slots in the pool
-  const float* h_in;   // [rows, H, K, V]
-  float* h_out;        // may alias h_in (step)
-  float* ckpt;         // [slots, H, K, V] or null
-  void* o;
-  int64_t H, V, length, total;
-  float scale;
 };
+
+// One step of the recurrence on a thread's state column h, from the staged step x and its
+// value v_j: h = h * e^w + b (a . h) + k v_j.
+template <int K>
+__device__ __forceinline__ void advance(float (&h)[K], const float* x, float vj) {
+  float sa = 0.f;
+#pragma unroll
+  for (int i = 0; i < K; ++i) sa += x[3 * K + i] * h[i];
+#pragma unroll
+  for (int i = 0; i < K; ++i) h[i] = h[i] * x[K + i] + x[4 * K + i] * sa + x[2 * K + i] * vj;
+}
 
 // Shared-memory layout of one staged step: rs, ew, k, a, b (K each), then v (V).
 template <int K, typename T>
 __global__ void rwkv7_forward_kernel(Rwkv7Args p) {
-  const int64_t hd = blockIdx.x, n = blockIdx.y;
-  const int j = threadIdx.x, V = p.V;
-  const Range seq = sequence(p.cu, n, p.length, p.total);
-  if (p.rows && outside_pool(p.rows, n, p.pool_rows, seq, (T*)p.o, p.H, hd, V, j)) return;
-  const int64_t row = p.rows ? p.rows[n] : n;
+  const auto [hd, n, j, seq, row, skip] = forward_block<T>(p);
+  if (skip) return;
+  const int V = p.V;
   extern __shared__ float sm[];
   const int stride = 5 * K + V;
   float s[K];
-#pragma unroll
-  for (int i = 0; i < K; ++i) s[i] = p.h_in[((row * p.H + hd) * K + i) * V + j];
+  load_column(s, p.h_in, row, p.H, hd, V, j);
   const T *r = (const T*)p.r, *w = (const T*)p.w, *k = (const T*)p.k, *v = (const T*)p.v;
   const T *a = (const T*)p.a, *b = (const T*)p.b;
   for (int64_t c0 = seq.start; c0 < seq.end; c0 += kChunk) {
     const int len = (int)lmin(kChunk, seq.end - c0);
-    if (p.ckpt) {
-      const int64_t slot = first_slot(n, seq.start) + (c0 - seq.start) / kChunk;
-#pragma unroll
-      for (int i = 0; i < K; ++i) p.ckpt[((slot * p.H + hd) * K + i) * V + j] = s[i];
-    }
+    save_checkpoint(p.ckpt, n, seq, c0, s, p.H, hd, V, j);
     __syncthreads();
-    for (int idx = j; idx < len * K; idx += V) {
-      const int t = idx / K, i = idx % K;
-      const int64_t src = ((c0 + t) * p.H + hd) * K + i;
-      float* x = sm + t * stride;
-      x[i] = to_f(r[src]) * p.scale;
-      x[K + i] = expf(to_f(w[src]));
-      x[2 * K + i] = to_f(k[src]);
-      x[3 * K + i] = to_f(a[src]);
-      x[4 * K + i] = to_f(b[src]);
-    }
+    stage_keys<K>(sm, stride, c0, len, p.H, hd, V, j, p.scale, r, w, k, a, b);
     for (int idx = j; idx < len * V; idx += V) {
       const int t = idx / V, jj = idx % V;
       sm[t * stride + 5 * K + jj] = to_f(v[((c0 + t) * p.H + hd) * V + jj]);
@@ -65,65 +51,38 @@ __global__ void rwkv7_forward_kernel(Rwkv7Args p) {
     __syncthreads();
     for (int t = 0; t < len; ++t) {
       const float* x = sm + t * stride;
-      float sa = 0.f;
-#pragma unroll
-      for (int i = 0; i < K; ++i) sa += x[3 * K + i] * s[i];
-      const float vj = x[5 * K + j];
+      advance<K>(s, x, x[5 * K + j]);
       float out = 0.f;
 #pragma unroll
-      for (int i = 0; i < K; ++i) {
-        s[i] = s[i] * x[K + i] + x[4 * K + i] * sa + x[2 * K + i] * vj;
-        out += x[i] * s[i];
-      }
+      for (int i = 0; i < K; ++i) out += x[i] * s[i];
       ((T*)p.o)[((c0 + t) * p.H + hd) * V + j] = from_f<T>(out);
     }
   }
-#pragma unroll
-  for (int i = 0; i < K; ++i) p.h_out[((row * p.H + hd) * K + i) * V + j] = s[i];
+  store_column(s, p.h_out, row, p.H, hd, V, j);
 }
 
-struct Rwkv7BackArgs {
+struct Rwkv7BackArgs : BackwardArgs {
   const void *r, *w, *k, *v, *a, *b, *d_o;
-  const int* cu;
-  const float *dh_final, *ckpt;
   void *dr, *dw, *dk, *dv, *da, *db;
-  float* dh0;
-  int64_t H, V, total;
-  float scale;
 };
 
 // Shared memory: staged steps (rs, ew, k, a, b: K each; v, do: V each), then 5 x warps x K sums.
 template <int K, typename T>
 __global__ void rwkv7_backward_kernel(Rwkv7BackArgs p) {
-  const int64_t hd = blockIdx.x, n = blockIdx.y;
-  const int j = threadIdx.x, V = p.V, warps = V / 32, lane = j & 31;
-  const Range seq = sequence(p.cu, n, 0, p.total);
+  const auto [hd, n, j, lane, warps, seq] = backward_block(p);
+  const int V = p.V;
   extern __shared__ float sm[];
   const int stride = 5 * K + 2 * V;
   float* red = sm + kChunk * stride;
-  const int64_t base = (n * p.H + hd) * K;
   float G[K];
-#pragma unroll
-  for (int i = 0; i < K; ++i) G[i] = p.dh_final[(base + i) * V + j];
+  load_column(G, p.dh_final, n, p.H, hd, V, j);
   const T *r = (const T*)p.r, *w = (const T*)p.w, *k = (const T*)p.k, *v = (const T*)p.v;
   const T *a = (const T*)p.a, *b = (const T*)p.b, *d_o = (const T*)p.d_o;
   T* outs[5] = {(T*)p.dk, (T*)p.db, (T*)p.dw, (T*)p.da, (T*)p.dr};
-  const int64_t n_chunks = (seq.end - seq.start + kChunk - 1) / kChunk;
-  for (int64_t c = n_chunks - 1; c >= 0; --c) {
-    const int64_t c0 = seq.start + c * kChunk;
-    const int len = (int)lmin(kChunk, seq.end - c0);
-    const float* ck = p.ckpt + ((first_slot(n, seq.start) + c) * p.H + hd) * K * V;
+  for (int64_t c = chunk_count(seq) - 1; c >= 0; --c) {
+    const auto [c0, len, ck] = backward_chunk(p.ckpt, n, seq, c, p.H, hd, K, V);
     __syncthreads();
-    for (int idx = j; idx < len * K; idx += V) {
-      const int t = idx / K, i = idx % K;
-      const int64_t src = ((c0 + t) * p.H + hd) * K + i;
-      float* x = sm + t * stride;
-      x[i] = to_f(r[src]) * p.scale;
-      x[K + i] = expf(to_f(w[src]));
-      x[2 * K + i] = to_f(k[src]);
-      x[3 * K + i] = to_f(a[src]);
-      x[4 * K + i] = to_f(b[src]);
-    }
+    stage_keys<K>(sm, stride, c0, len, p.H, hd, V, j, p.scale, r, w, k, a, b);
     for (int idx = j; idx < len * V; idx += V) {
       const int t = idx / V, jj = idx % V;
       const int64_t src = ((c0 + t) * p.H + hd) * V + jj;
@@ -136,15 +95,7 @@ __global__ void rwkv7_backward_kernel(Rwkv7BackArgs p) {
       float h[K];
 #pragma unroll
       for (int i = 0; i < K; ++i) h[i] = ck[i * V + j];
-      for (int u = 0; u < t; ++u) {
-        const float* x = sm + u * stride;
-        float sa = 0.f;
-#pragma unroll
-        for (int i = 0; i < K; ++i) sa += x[3 * K + i] * h[i];
-        const float vj = x[5 * K + j];
-#pragma unroll
-        for (int i = 0; i < K; ++i) h[i] = h[i] * x[K + i] + x[4 * K + i] * sa + x[2 * K + i] * vj;
-      }
+      for (int u = 0; u < t; ++u) advance<K>(h, sm + u * stride, sm[u * stride + 5 * K + j]);
       const float* x = sm + t * stride;
       const float vj = x[5 * K + j], dj = x[5 * K + V + j];
       float sa = 0.f, dsa = 0.f, dv = 0.f;
@@ -186,23 +137,20 @@ __global__ void rwkv7_backward_kernel(Rwkv7BackArgs p) {
       __syncthreads();
     }
   }
-#pragma unroll
-  for (int i = 0; i < K; ++i) p.dh0[(base + i) * V + j] = G[i];
+  store_column(G, p.dh0, n, p.H, hd, V, j);
 }
 
 ffi::Error rwkv7_forward(cudaStream_t stream, Buffers ins, const SeqShape& s, const int* cu,
                          const int* rows, int64_t pool_rows, const float* h_in, float* h_out,
                          float* ckpt, void* o, int64_t n_seq, float scale) {
-  Rwkv7Args p{ins[0].untyped_data(), ins[1].untyped_data(), ins[2].untyped_data(),
-              ins[3].untyped_data(), ins[4].untyped_data(), ins[5].untyped_data(),
-              cu, rows, pool_rows, h_in, h_out, ckpt, o, s.H, s.V, s.T, s.B * s.T, scale};
-  return dispatch_cuda(ins[0].element_type(), [&](auto t) {
+  Rwkv7Args p{{cu, rows, pool_rows, h_in, h_out, ckpt, o, s.H, s.V, s.T, s.B * s.T, scale},
+              ins[0].untyped_data(), ins[1].untyped_data(), ins[2].untyped_data(),
+              ins[3].untyped_data(), ins[4].untyped_data(), ins[5].untyped_data()};
+  return dispatch_type_and_head_size(ins[0].element_type(), s.K, [&](auto t, auto kc) {
     using T = decltype(t);
-    return dispatch_head_size(s.K, [&](auto kc) {
-      constexpr int K = decltype(kc)::value;
-      const size_t shared = sizeof(float) * kChunk * (5 * K + s.V);
-      return launch(rwkv7_forward_kernel<K, T>, dim3(s.H, n_seq), s.V, shared, stream, p);
-    });
+    constexpr int K = decltype(kc)::value;
+    const size_t shared = sizeof(float) * kChunk * (5 * K + s.V);
+    return launch(rwkv7_forward_kernel<K, T>, dim3(s.H, n_seq), s.V, shared, stream, p);
   });
 }
 
@@ -239,18 +187,17 @@ ffi::Error Rwkv7BackwardCuda(cudaStream_t stream, ffi::AnyBuffer r, ffi::AnyBuff
   if (c.ok()) check_backward(c, d_o, dh_final, ckpt, cu, grads, 6, 3, *dh0, r.element_type(), s);
   check_cuda(c, s);
   if (!c.ok()) return c.error("rwkv7 backward");
-  Rwkv7BackArgs p{r.untyped_data(), w.untyped_data(), k.untyped_data(), v.untyped_data(),
-                  a.untyped_data(), b.untyped_data(), d_o.untyped_data(), cu.typed_data(),
-                  dh_final.typed_data<float>(), ckpt.typed_data<float>(), dr->untyped_data(),
+  Rwkv7BackArgs p{{cu.typed_data(), dh_final.typed_data<float>(), ckpt.typed_data<float>(),
+                   dh0->typed_data<float>(), s.H, s.V, s.B * s.T, scale},
+                  r.untyped_data(), w.untyped_data(), k.untyped_data(), v.untyped_data(),
+                  a.untyped_data(), b.untyped_data(), d_o.untyped_data(), dr->untyped_data(),
                   dw->untyped_data(), dk->untyped_data(), dv->untyped_data(), da->untyped_data(),
-                  db->untyped_data(), dh0->typed_data<float>(), s.H, s.V, s.B * s.T, scale};
-  return dispatch_cuda(r.element_type(), [&](auto t) {
+                  db->untyped_data()};
+  return dispatch_type_and_head_size(r.element_type(), s.K, [&](auto t, auto kc) {
     using T = decltype(t);
-    return dispatch_head_size(s.K, [&](auto kc) {
-      constexpr int K = decltype(kc)::value;
-      const size_t shared = sizeof(float) * (kChunk * (5 * K + 2 * s.V) + 5 * (s.V / 32) * K);
-      return launch(rwkv7_backward_kernel<K, T>, dim3(s.H, s.N), s.V, shared, stream, p);
-    });
+    constexpr int K = decltype(kc)::value;
+    const size_t shared = sizeof(float) * (kChunk * (5 * K + 2 * s.V) + 5 * (s.V / 32) * K);
+    return launch(rwkv7_backward_kernel<K, T>, dim3(s.H, s.N), s.V, shared, stream, p);
   });
 }
 

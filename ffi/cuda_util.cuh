@@ -81,6 +81,126 @@ __device__ __forceinline__ float sum_warps(const float* red, int warps, int K, i
   return s;
 }
 
+// The sequence kernels' shared set-up (cuda_rwkv7.cu, cuda_rwkv6.cu): one block per (head hd,
+// sequence n), one thread per value column j, which holds column j of the K x V state in
+// registers; kChunk tokens at a time staged in shared memory.
+
+// What every forward kernel takes besides its inputs (an op's arguments derive from it).
+struct ForwardArgs {
+  const int* cu;       // [N + 1] or null (then sequence n is tokens [n T, (n + 1) T))
+  const int* rows;     // step: state row of each sequence, or null (row n)
+  int64_t pool_rows;   // step: slots in the pool
+  const float* h_in;   // [rows, H, K, V]
+  float* h_out;        // may alias h_in (step)
+  float* ckpt;         // [slots, H, K, V] or null
+  void* o;
+  int64_t H, V, length, total;
+  float scale;
+};
+
+// A forward block: its head hd, sequence n, value column j (the thread's), the sequence's tokens
+// and its state row (the step's pool row, else n); `skip` for a step row outside the pool, whose
+// outputs are then NaN (outside_pool).
+struct ForwardBlock {
+  int64_t hd, n;
+  int j;
+  Range seq;
+  int64_t row;
+  bool skip;
+};
+template <typename T>
+__device__ __forceinline__ ForwardBlock forward_block(const ForwardArgs& p) {
+  const int64_t hd = blockIdx.x, n = blockIdx.y;
+  const int j = threadIdx.x;
+  const Range seq = sequence(p.cu, n, p.length, p.total);
+  if (p.rows && outside_pool(p.rows, n, p.pool_rows, seq, (T*)p.o, p.H, hd, (int)p.V, j))
+    return {hd, n, j, seq, n, true};
+  return {hd, n, j, seq, p.rows ? p.rows[n] : n, false};
+}
+
+// What every backward kernel takes besides its inputs, cotangents and gradients.
+struct BackwardArgs {
+  const int* cu;
+  const float *dh_final, *ckpt;
+  float* dh0;
+  int64_t H, V, total;
+  float scale;
+};
+
+// A backward block: its head hd, sequence n, value column j (the thread's), j's lane in its warp,
+// the block's warps and the sequence's tokens.
+struct BackwardBlock {
+  int64_t hd, n;
+  int j, lane, warps;
+  Range seq;
+};
+__device__ __forceinline__ BackwardBlock backward_block(const BackwardArgs& p) {
+  const int64_t n = blockIdx.y;
+  const int j = threadIdx.x;
+  return {blockIdx.x, n, j, j & 31, (int)p.V / 32, sequence(p.cu, n, 0, p.total)};
+}
+
+// Column j of the state of head hd at entry `row` of a [rows, H, K, V] float32 buffer.
+template <int K>
+__device__ __forceinline__ void load_column(float (&s)[K], const float* states, int64_t row,
+                                            int64_t H, int64_t hd, int V, int j) {
+#pragma unroll
+  for (int i = 0; i < K; ++i) s[i] = states[((row * H + hd) * K + i) * V + j];
+}
+
+template <int K>
+__device__ __forceinline__ void store_column(const float (&s)[K], float* states, int64_t row,
+                                             int64_t H, int64_t hd, int V, int j) {
+#pragma unroll
+  for (int i = 0; i < K; ++i) states[((row * H + hd) * K + i) * V + j] = s[i];
+}
+
+// The forward's checkpoint of sequence n's chunk starting at token c0 (if checkpoints are kept):
+// the state before the chunk.
+template <int K>
+__device__ __forceinline__ void save_checkpoint(float* ckpt, int64_t n, Range seq, int64_t c0,
+                                                const float (&s)[K], int64_t H, int64_t hd, int V,
+                                                int j) {
+  if (!ckpt) return;
+  store_column(s, ckpt, first_slot(n, seq.start) + (c0 - seq.start) / kChunk, H, hd, V, j);
+}
+
+// The backward's view of sequence n's chunk c (chunks run last to first): its first token, its
+// length and its checkpoint (the [K, V] state before it).
+struct Chunk {
+  int64_t c0;
+  int len;
+  const float* ckpt;
+};
+__device__ __forceinline__ int64_t chunk_count(Range seq) {
+  return (seq.end - seq.start + kChunk - 1) / kChunk;
+}
+__device__ __forceinline__ Chunk backward_chunk(const float* ckpt, int64_t n, Range seq, int64_t c,
+                                                int64_t H, int64_t hd, int K, int V) {
+  const int64_t c0 = seq.start + c * kChunk;
+  return {c0, (int)lmin(kChunk, seq.end - c0),
+          ckpt + ((first_slot(n, seq.start) + c) * H + hd) * K * V};
+}
+
+// Stages the K-wide inputs of tokens [c0, c0 + len) of head hd in shared memory, token t at
+// x = sm + t * stride: x[0, K) = scale * r, x[K, 2K) = e^w, x[2K, 3K) = k, then K values of each
+// array of `more` in turn (RWKV-7's a and b). The block's V threads share the work.
+template <int K, typename T, typename... More>
+__device__ __forceinline__ void stage_keys(float* sm, int stride, int64_t c0, int len, int64_t H,
+                                           int64_t hd, int V, int j, float scale, const T* r,
+                                           const T* w, const T* k, const More*... more) {
+  for (int idx = j; idx < len * K; idx += V) {
+    const int t = idx / K, i = idx % K;
+    const int64_t src = ((c0 + t) * H + hd) * K + i;
+    float* x = sm + t * stride;
+    x[i] = to_f(r[src]) * scale;
+    x[K + i] = expf(to_f(w[src]));
+    x[2 * K + i] = to_f(k[src]);
+    int at = 3 * K + i;
+    ((x[at] = to_f(more[src]), at += K), ...);
+  }
+}
+
 template <typename Body> ffi::Error dispatch_cuda(ffi::DataType dtype, Body&& body) {
   switch (dtype) {
     case ffi::DataType::F32: return body(float{});
@@ -96,6 +216,14 @@ template <typename Body> ffi::Error dispatch_head_size(int64_t K, Body&& body) {
     case 128: return body(std::integral_constant<int, 128>{});
     default: return ffi::Error::InvalidArgument("the CUDA kernels support K in {64, 128}");
   }
+}
+
+// body(T{}, std::integral_constant<int, K>{}) for the inputs' element type T and head size K.
+template <typename Body> ffi::Error dispatch_type_and_head_size(ffi::DataType dtype, int64_t K,
+                                                                Body&& body) {
+  return dispatch_cuda(dtype, [&](auto t) {
+    return dispatch_head_size(K, [&](auto k) { return body(t, k); });
+  });
 }
 
 // The CUDA kernels run one thread per value column: V must be whole warps, at most 1024.
