@@ -27,42 +27,48 @@ TOLERANCE = {"f32": (1e-5, 1e-4), "bf16": (1e-2, 1e-2), "f16": (1e-2, 1e-2)}  # 
 ROUND = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}
 
 
-@pytest.fixture(scope="module")
-def driver(tmp_path_factory):
+def compile_driver(tmp_path_factory, name):
+    """tests/cuda_emulation/<name>.cc built with the host C++ compiler (jaxlib's headers for the
+    XLA FFI types that ffi/common.h names)."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     assert compiler, "no C++ compiler (the CPU extension's build needs one too)"
     include = os.path.join(os.path.dirname(importlib.util.find_spec("jaxlib").origin), "include")
-    binary = str(tmp_path_factory.mktemp("cuda_emulation") / "rwkv7_chunk_driver")
+    binary = str(tmp_path_factory.mktemp("cuda_emulation") / name)
     subprocess.run([compiler, "-std=c++20", "-O1", "-pthread",
                     f"-I{os.path.join(HERE, 'cuda_emulation')}", f"-I{os.path.join(ROOT, 'ffi')}",
-                    "-isystem", include, os.path.join(HERE, "cuda_emulation", "rwkv7_chunk_driver.cc"),
+                    "-isystem", include, os.path.join(HERE, "cuda_emulation", f"{name}.cc"),
                     "-o", binary], check=True)
     return binary
 
 
-def run_case(driver, workdir, key, dtype, batch, steps, decay, cu_seqlens=None, seed=0):
-    rng = np.random.default_rng(seed)
-    rows = batch if cu_seqlens is None else len(cu_seqlens) - 1
-    x = reference.random_inputs("rwkv7", rng, batch=batch, steps=steps, heads=1, key=key,
-                                decay=decay, state_rows=rows)
-    rounded = lambda a: a.astype(np.float32).astype(ROUND[dtype]).astype(np.float64)
-    x = {n: (a if n == "initial_state" else rounded(a)) for n, a in x.items()}
-    options = {} if cu_seqlens is None else dict(cu_seqlens=np.asarray(cu_seqlens))
-    out, state = reference.forward("rwkv7", x, **options)
-    d_out = rounded(rng.standard_normal(out.shape))
-    d_state = rng.standard_normal(state.shape)
-    grads = reference.gradients("rwkv7", x, d_out, d_state, **options)
-    files = {**{n: x[n] for n in NAMES}, "do": d_out, "h0": x["initial_state"], "dh": d_state}
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    return compile_driver(tmp_path_factory, "rwkv7_chunk_driver")
+
+
+@pytest.fixture(scope="module")
+def sequential_driver(tmp_path_factory):
+    return compile_driver(tmp_path_factory, "sequential_driver")
+
+
+def rounder(dtype):
+    """x rounded to the kernels' input type DTYPE, back in float64."""
+    return lambda a: np.asarray(a).astype(np.float32).astype(ROUND[dtype]).astype(np.float64)
+
+
+def write_files(workdir, files):
     for name, a in files.items():
-        np.asarray(a, np.float32).tofile(os.path.join(workdir, name))
-    cu = np.arange(batch + 1) * steps if cu_seqlens is None else np.asarray(cu_seqlens)
-    cu.astype(np.int32).tofile(os.path.join(workdir, "cu"))
-    subprocess.run([driver, str(key), dtype, str(workdir), str(batch), str(steps), "1",
-                    str(rows)], check=True)
-    read = lambda name, like: np.fromfile(os.path.join(workdir, name), np.float32).reshape(like.shape)
-    results = {"out": (read("out_o", out), out), "state": (read("out_h", state), state),
-               "dinitial_state": (read("out_dh0", state), grads["initial_state"])}
-    results.update({f"d{n}": (read(f"out_d{n}", out if n == "v" else x[n]), grads[n]) for n in NAMES})
+        a = np.asarray(a)
+        a.astype(np.int32 if a.dtype.kind == "i" else np.float32).tofile(os.path.join(workdir, name))
+
+
+def read_file(workdir, name, like):
+    return np.fromfile(os.path.join(workdir, name), np.float32).reshape(np.shape(like))
+
+
+def assert_within_contract(results, dtype):
+    """results: name -> (kernel's float32 result, float64 reference); "out" and "state" are held
+    to the forward tolerance of DTYPE, everything else to the gradient one."""
     errors = {}
     for name, (got, want) in results.items():
         assert np.all(np.isfinite(got)), f"{name}: non-finite"
@@ -71,6 +77,30 @@ def run_case(driver, workdir, key, dtype, batch, steps, decay, cu_seqlens=None, 
     failed = {n: e for n, e in errors.items()
               if e > (forward_tol if n in ("out", "state") else gradient_tol)}
     assert not failed, f"errors past the contract: {failed}"
+
+
+def run_case(driver, workdir, key, dtype, batch, steps, decay, cu_seqlens=None, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = batch if cu_seqlens is None else len(cu_seqlens) - 1
+    x = reference.random_inputs("rwkv7", rng, batch=batch, steps=steps, heads=1, key=key,
+                                decay=decay, state_rows=rows)
+    rounded = rounder(dtype)
+    x = {n: (a if n == "initial_state" else rounded(a)) for n, a in x.items()}
+    options = {} if cu_seqlens is None else dict(cu_seqlens=np.asarray(cu_seqlens))
+    out, state = reference.forward("rwkv7", x, **options)
+    d_out = rounded(rng.standard_normal(out.shape))
+    d_state = rng.standard_normal(state.shape)
+    grads = reference.gradients("rwkv7", x, d_out, d_state, **options)
+    cu = np.arange(batch + 1) * steps if cu_seqlens is None else np.asarray(cu_seqlens)
+    write_files(workdir, {**{n: x[n] for n in NAMES}, "do": d_out, "h0": x["initial_state"],
+                          "dh": d_state, "cu": cu})
+    subprocess.run([driver, str(key), dtype, str(workdir), str(batch), str(steps), "1",
+                    str(rows)], check=True)
+    read = lambda name, like: read_file(workdir, name, like)
+    results = {"out": (read("out_o", out), out), "state": (read("out_h", state), state),
+               "dinitial_state": (read("out_dh0", state), grads["initial_state"])}
+    results.update({f"d{n}": (read(f"out_d{n}", out if n == "v" else x[n]), grads[n]) for n in NAMES})
+    assert_within_contract(results, dtype)
 
 
 DECAYS = {"model": "model", "uniform_1000": ("uniform", -1e3), "tokens_1e9": ("tokens", -1e9),

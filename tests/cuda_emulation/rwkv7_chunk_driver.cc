@@ -4,12 +4,7 @@
 // reads float32 files r w k v a b do ([B, T, H, D]), h0 dh ([N, H, D, D]) and int32 cu ([N + 1])
 // from DIR and writes float32 files out_o, out_h, out_dh0 and out_d{r,w,k,v,a,b} there. DTYPE
 // (f32, bf16, f16) is the kernels' input type; inputs are rounded to it.
-#include "cuda_util.cuh"
-
-#include <cstdio>
-#include <string>
-#include <thread>
-#include <vector>
+#include "driver.h"
 
 namespace rwkv_ffi {
 namespace {
@@ -20,56 +15,15 @@ alignas(128) char sm[256 * 1024];  // the kernels' `extern __shared__ char sm[]`
 #include "cuda_rwkv7_chunk.cuh"
 
 using namespace rwkv_ffi;
+using emulation::read_as;
+using emulation::read_raw;
+using emulation::write_from;
 
 namespace {
 
-template <typename T> std::vector<T> read_as(const std::string& path, size_t n) {
-  std::vector<float> f(n);
-  FILE* fp = fopen(path.c_str(), "rb");
-  if (!fp || fread(f.data(), 4, n, fp) != n) {
-    fprintf(stderr, "cannot read %zu floats from %s\n", n, path.c_str());
-    exit(1);
-  }
-  fclose(fp);
-  std::vector<T> out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = from_f<T>(f[i]);
-  return out;
-}
-
-template <typename T> void write_from(const std::string& path, const T* x, size_t n) {
-  std::vector<float> f(n);
-  for (size_t i = 0; i < n; ++i) f[i] = to_f<T>(x[i]);
-  FILE* fp = fopen(path.c_str(), "wb");
-  fwrite(f.data(), 4, n, fp);
-  fclose(fp);
-}
-
-// The grid (H, N), one block after another, each as kThreads host threads.
 template <typename Kernel> void run_grid(Kernel kernel, const ChunkArgs& p, unsigned H, unsigned N,
                                          size_t shared) {
-  if (shared > sizeof(sm)) {
-    fprintf(stderr, "shared memory %zu > %zu\n", shared, sizeof(sm));
-    exit(1);
-  }
-  gridDim = {H, N, 1};
-  for (unsigned y = 0; y < N; ++y)
-    for (unsigned x = 0; x < H; ++x) {
-      std::fill(sm, sm + sizeof(sm), char(0x7f));  // no value survives from the last block
-      std::barrier<> block(kThreads);
-      std::vector<std::barrier<>*> warps;
-      for (int w = 0; w < kThreads / 32; ++w) warps.push_back(new std::barrier<>(32));
-      emu_block_barrier = &block;
-      for (int w = 0; w < kThreads / 32; ++w) emu_warp_barrier[w] = warps[w];
-      std::vector<std::thread> threads;
-      for (unsigned t = 0; t < kThreads; ++t)
-        threads.emplace_back([&, t] {
-          threadIdx = {t, 1, 1};
-          blockIdx = {x, y, 1};
-          kernel(p);
-        });
-      for (auto& t : threads) t.join();
-      for (auto* w : warps) delete w;
-    }
+  emulation::run_grid(kernel, p, H, N, kThreads, shared, sm, sizeof(sm));
 }
 
 template <int D, typename T> int run(const std::string& dir, int B, int length, int H, int N) {
@@ -78,10 +32,7 @@ template <int D, typename T> int run(const std::string& dir, int B, int length, 
   std::vector<std::vector<T>> in;
   for (int i = 0; i < 7; ++i) in.push_back(read_as<T>(dir + "/" + names[i], tokens));
   auto h0 = read_as<float>(dir + "/h0", states), dh = read_as<float>(dir + "/dh", states);
-  std::vector<int> cu(N + 1);
-  FILE* fp = fopen((dir + "/cu").c_str(), "rb");
-  if (!fp || fread(cu.data(), 4, N + 1, fp) != size_t(N + 1)) return 1;
-  fclose(fp);
+  auto cu = read_raw<int>(dir + "/cu", N + 1);
   const int64_t total = int64_t(B) * length;
   std::vector<float> ckpt(checkpoint_slots(N, total) * H * D * D, 0.f), h_final(states), dh0(states);
   std::vector<T> o(tokens);
