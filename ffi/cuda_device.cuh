@@ -99,12 +99,12 @@ struct ForwardArgs {
   float scale;
 };
 
-// A forward block: its head hd, sequence n, value column j (the thread's), the sequence's tokens
-// and its state row (the step's pool row, else n); `skip` for a step row outside the pool, whose
+// A forward block: its head hd, sequence n, value column j (the thread's), the value size V (the
+// block's threads), the sequence's tokens and its state row (the step's pool row, else n); `skip` for a step row outside the pool, whose
 // outputs are then NaN (outside_pool).
 struct ForwardBlock {
   int64_t hd, n;
-  int j;
+  int j, V;
   Range seq;
   int64_t row;
   bool skip;
@@ -115,8 +115,8 @@ __device__ __forceinline__ ForwardBlock forward_block(const ForwardArgs& p) {
   const int j = threadIdx.x;
   const Range seq = sequence(p.cu, n, p.length, p.total);
   if (p.rows && outside_pool(p.rows, n, p.pool_rows, seq, (T*)p.o, p.H, hd, (int)p.V, j))
-    return {hd, n, j, seq, n, true};
-  return {hd, n, j, seq, p.rows ? p.rows[n] : n, false};
+    return {hd, n, j, (int)p.V, seq, n, true};
+  return {hd, n, j, (int)p.V, seq, p.rows ? p.rows[n] : n, false};
 }
 
 // What every backward kernel takes besides its inputs, cotangents and gradients.
@@ -128,17 +128,17 @@ struct BackwardArgs {
   float scale;
 };
 
-// A backward block: its head hd, sequence n, value column j (the thread's), j's lane in its warp,
-// the block's warps and the sequence's tokens.
+// A backward block: its head hd, sequence n, value column j (the thread's), the value size V (the
+// block's threads), j's lane in its warp, the block's warps and the sequence's tokens.
 struct BackwardBlock {
   int64_t hd, n;
-  int j, lane, warps;
+  int j, V, lane, warps;
   Range seq;
 };
 __device__ __forceinline__ BackwardBlock backward_block(const BackwardArgs& p) {
   const int64_t n = blockIdx.y;
   const int j = threadIdx.x;
-  return {blockIdx.x, n, j, j & 31, (int)p.V / 32, sequence(p.cu, n, 0, p.total)};
+  return {blockIdx.x, n, j, (int)p.V, j & 31, (int)p.V / 32, sequence(p.cu, n, 0, p.total)};
 }
 
 // Column j of the state of head hd at entry `row` of a [rows, H, K, V] float32 buffer.
@@ -199,6 +199,22 @@ __device__ __forceinline__ void stage_keys(float* sm, int stride, int64_t c0, in
     x[2 * K + i] = to_f(k[src]);
     int at = 3 * K + i;
     ((x[at] = to_f(more[src]), at += K), ...);
+  }
+}
+
+// Stages the V-wide inputs of tokens [c0, c0 + len) of head hd in shared memory after their
+// K-wide ones (stage_keys): token t's V values of each array in turn from x = sm + t * stride +
+// offset (v, and the backward's do). The block's V threads share the work.
+template <typename... Arrays>
+__device__ __forceinline__ void stage_values(float* sm, int stride, int offset, int64_t c0,
+                                             int len, int64_t H, int64_t hd, int V, int j,
+                                             const Arrays*... arrays) {
+  for (int idx = j; idx < len * V; idx += V) {
+    const int t = idx / V, jj = idx % V;
+    const int64_t src = ((c0 + t) * H + hd) * V + jj;
+    float* x = sm + t * stride + offset;
+    int at = jj;
+    ((x[at] = to_f(arrays[src]), at += V), ...);
   }
 }
 

@@ -23,9 +23,8 @@ template <int K> size_t rwkv6_forward_shared_bytes(int64_t V) {
 }
 template <int K, typename T>
 __global__ void rwkv6_forward_kernel(Rwkv6Args p) {
-  const auto [hd, n, j, seq, row, skip] = forward_block<T>(p);
+  const auto [hd, n, j, V, seq, row, skip] = forward_block<T>(p);
   if (skip) return;
-  const int V = p.V;
   extern __shared__ float sm[];
   const int stride = 3 * K + V;
   float* uk = sm + kChunk * stride;
@@ -38,10 +37,7 @@ __global__ void rwkv6_forward_kernel(Rwkv6Args p) {
     save_checkpoint(p.ckpt, n, seq, c0, s, p.H, hd, V, j);
     __syncthreads();
     stage_keys<K>(sm, stride, c0, len, p.H, hd, V, j, p.scale, r, w, k);
-    for (int idx = j; idx < len * V; idx += V) {
-      const int t = idx / V, jj = idx % V;
-      sm[t * stride + 3 * K + jj] = to_f(v[((c0 + t) * p.H + hd) * V + jj]);
-    }
+    stage_values(sm, stride, 3 * K, c0, len, p.H, hd, V, j, v);
     __syncthreads();
     for (int t = 0; t < len; ++t) {
       const float* x = sm + t * stride;
@@ -73,8 +69,7 @@ template <int K> size_t rwkv6_backward_shared_bytes(int64_t V) {
 }
 template <int K, typename T>
 __global__ void rwkv6_backward_kernel(Rwkv6BackArgs p) {
-  const auto [hd, n, j, lane, warps, seq] = backward_block(p);
-  const int V = p.V;
+  const auto [hd, n, j, V, lane, warps, seq] = backward_block(p);
   extern __shared__ float sm[];
   const int stride = 3 * K + 2 * V + 1;
   float* uk = sm + kChunk * stride;
@@ -93,12 +88,7 @@ __global__ void rwkv6_backward_kernel(Rwkv6BackArgs p) {
     const auto [c0, len, ck] = backward_chunk(p.ckpt, n, seq, c, p.H, hd, K, V);
     __syncthreads();
     stage_keys<K>(sm, stride, c0, len, p.H, hd, V, j, p.scale, r, w, k);
-    for (int idx = j; idx < len * V; idx += V) {
-      const int t = idx / V, jj = idx % V;
-      const int64_t src = ((c0 + t) * p.H + hd) * V + jj;
-      sm[t * stride + 3 * K + jj] = to_f(v[src]);
-      sm[t * stride + 3 * K + V + jj] = to_f(d_o[src]);
-    }
+    stage_values(sm, stride, 3 * K, c0, len, p.H, hd, V, j, v, d_o);
     __syncthreads();
     for (int t = j; t < len; t += V) {  // v_t . do_t, one step per thread
       const float* x = sm + t * stride;

@@ -38,9 +38,8 @@ template <int K> size_t rwkv7_forward_shared_bytes(int64_t V) {
 }
 template <int K, typename T>
 __global__ void rwkv7_forward_kernel(Rwkv7Args p) {
-  const auto [hd, n, j, seq, row, skip] = forward_block<T>(p);
+  const auto [hd, n, j, V, seq, row, skip] = forward_block<T>(p);
   if (skip) return;
-  const int V = p.V;
   extern __shared__ float sm[];
   const int stride = 5 * K + V;
   float s[K];
@@ -52,10 +51,7 @@ __global__ void rwkv7_forward_kernel(Rwkv7Args p) {
     save_checkpoint(p.ckpt, n, seq, c0, s, p.H, hd, V, j);
     __syncthreads();
     stage_keys<K>(sm, stride, c0, len, p.H, hd, V, j, p.scale, r, w, k, a, b);
-    for (int idx = j; idx < len * V; idx += V) {
-      const int t = idx / V, jj = idx % V;
-      sm[t * stride + 5 * K + jj] = to_f(v[((c0 + t) * p.H + hd) * V + jj]);
-    }
+    stage_values(sm, stride, 5 * K, c0, len, p.H, hd, V, j, v);
     __syncthreads();
     for (int t = 0; t < len; ++t) {
       const float* x = sm + t * stride;
@@ -80,8 +76,7 @@ template <int K> size_t rwkv7_backward_shared_bytes(int64_t V) {
 }
 template <int K, typename T>
 __global__ void rwkv7_backward_kernel(Rwkv7BackArgs p) {
-  const auto [hd, n, j, lane, warps, seq] = backward_block(p);
-  const int V = p.V;
+  const auto [hd, n, j, V, lane, warps, seq] = backward_block(p);
   extern __shared__ float sm[];
   const int stride = 5 * K + 2 * V;
   float* red = sm + kChunk * stride;
@@ -94,12 +89,7 @@ __global__ void rwkv7_backward_kernel(Rwkv7BackArgs p) {
     const auto [c0, len, ck] = backward_chunk(p.ckpt, n, seq, c, p.H, hd, K, V);
     __syncthreads();
     stage_keys<K>(sm, stride, c0, len, p.H, hd, V, j, p.scale, r, w, k, a, b);
-    for (int idx = j; idx < len * V; idx += V) {
-      const int t = idx / V, jj = idx % V;
-      const int64_t src = ((c0 + t) * p.H + hd) * V + jj;
-      sm[t * stride + 5 * K + jj] = to_f(v[src]);
-      sm[t * stride + 5 * K + V + jj] = to_f(d_o[src]);
-    }
+    stage_values(sm, stride, 5 * K, c0, len, p.H, hd, V, j, v, d_o);
     __syncthreads();
     for (int t = len - 1; t >= 0; --t) {
       // h_{t-1}: the checkpoint advanced by the t earlier steps of the chunk.

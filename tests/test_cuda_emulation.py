@@ -63,9 +63,11 @@ def rounder(dtype):
 
 
 def write_files(workdir, files):
+    """Each array as the drivers read it: int32 for integer arrays, else float32."""
     for name, a in files.items():
         a = np.asarray(a)
-        a.astype(np.int32 if a.dtype.kind == "i" else np.float32).tofile(os.path.join(workdir, name))
+        a = a.astype(np.int32 if a.dtype.kind == "i" else np.float32)
+        a.tofile(os.path.join(workdir, name))
 
 
 def read_file(workdir, name, like):

@@ -10,8 +10,6 @@
 #include <thread>
 #include <vector>
 
-namespace emulation {
-
 // n 4-byte values (float32 or int32) of the file at `path`.
 template <typename U> std::vector<U> read_raw(const std::string& path, size_t n) {
   static_assert(sizeof(U) == 4);
@@ -74,4 +72,17 @@ void run_grid(Kernel kernel, const Args& p, unsigned H, unsigned N, unsigned thr
     }
 }
 
-}  // namespace emulation
+// body(std::integral_constant<int, K>{}, T{}) for the head size K (64 or 128) and the element
+// type T of DTYPE (f32, bf16, f16), as the CUDA handlers dispatch; 2 (a usage error) otherwise.
+template <typename Body>
+int dispatch_head_size_and_dtype(int K, const std::string& dtype, Body body) {
+  auto with_dtype = [&](auto k) {
+    if (dtype == "f32") return body(k, float{});
+    if (dtype == "bf16") return body(k, __nv_bfloat16{});
+    if (dtype == "f16") return body(k, __half{});
+    return 2;
+  };
+  if (K == 64) return with_dtype(std::integral_constant<int, 64>{});
+  if (K == 128) return with_dtype(std::integral_constant<int, 128>{});
+  return 2;
+}

@@ -15,15 +15,12 @@ alignas(128) char sm[256 * 1024];  // the kernels' `extern __shared__ char sm[]`
 #include "cuda_rwkv7_chunk.cuh"
 
 using namespace rwkv_ffi;
-using emulation::read_as;
-using emulation::read_raw;
-using emulation::write_from;
 
 namespace {
 
-template <typename Kernel> void run_grid(Kernel kernel, const ChunkArgs& p, unsigned H, unsigned N,
-                                         size_t shared) {
-  emulation::run_grid(kernel, p, H, N, kThreads, shared, sm, sizeof(sm));
+template <typename Kernel> void run_chunked(Kernel kernel, const ChunkArgs& p, unsigned H,
+                                            unsigned N, size_t shared) {
+  run_grid(kernel, p, H, N, kThreads, shared, sm, sizeof(sm));
 }
 
 template <int D, typename T> int run(const std::string& dir, int B, int length, int H, int N) {
@@ -41,24 +38,17 @@ template <int D, typename T> int run(const std::string& dir, int B, int length, 
                           in[5].data(), nullptr, cu.data(), h0.data(), h_final.data(), ckpt.data(),
                           o.data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, H, total,
                           1.0f};
-  run_grid(rwkv7_chunk_forward_kernel<D, T>, forward, H, N, Layout<D, T, false>::bytes);
+  run_chunked(rwkv7_chunk_forward_kernel<D, T>, forward, H, N, Layout<D, T, false>::bytes);
   const ChunkArgs backward{in[0].data(), in[1].data(), in[2].data(), in[3].data(), in[4].data(),
                            in[5].data(), in[6].data(), cu.data(), dh.data(), dh0.data(),
                            ckpt.data(), nullptr, g[0].data(), g[1].data(), g[2].data(),
                            g[3].data(), g[4].data(), g[5].data(), H, total, 1.0f};
-  run_grid(rwkv7_chunk_backward_kernel<D, T>, backward, H, N, Layout<D, T, true>::bytes);
+  run_chunked(rwkv7_chunk_backward_kernel<D, T>, backward, H, N, Layout<D, T, true>::bytes);
   write_from(dir + "/out_o", o.data(), tokens);
   write_from(dir + "/out_h", h_final.data(), states);
   write_from(dir + "/out_dh0", dh0.data(), states);
   for (int i = 0; i < 6; ++i) write_from(dir + "/out_d" + names[i], g[i].data(), tokens);
   return 0;
-}
-
-template <int D> int run_dtype(const std::string& dtype, const std::string& dir, int B, int T, int H, int N) {
-  if (dtype == "f32") return run<D, float>(dir, B, T, H, N);
-  if (dtype == "bf16") return run<D, __nv_bfloat16>(dir, B, T, H, N);
-  if (dtype == "f16") return run<D, __half>(dir, B, T, H, N);
-  return 2;
 }
 
 }  // namespace
@@ -70,7 +60,7 @@ int main(int argc, char** argv) {
   }
   const int D = atoi(argv[1]), B = atoi(argv[4]), T = atoi(argv[5]), H = atoi(argv[6]),
             N = atoi(argv[7]);
-  if (D == 64) return run_dtype<64>(argv[2], argv[3], B, T, H, N);
-  if (D == 128) return run_dtype<128>(argv[2], argv[3], B, T, H, N);
-  return 2;
+  return dispatch_head_size_and_dtype(D, argv[2], [&](auto k, auto t) {
+    return run<decltype(k)::value, decltype(t)>(argv[3], B, T, H, N);
+  });
 }

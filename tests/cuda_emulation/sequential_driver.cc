@@ -21,9 +21,6 @@ alignas(128) float sm[64 * 1024];  // the kernels' `extern __shared__ float sm[]
 #include "cuda_rwkv7.cuh"
 
 using namespace rwkv_ffi;
-using emulation::read_as;
-using emulation::read_raw;
-using emulation::write_from;
 
 namespace {
 
@@ -53,22 +50,23 @@ template <typename T> Arrays<T> zeros(const Problem& q, const std::string& names
   return x;
 }
 
+// The grid (H, n) of V-thread blocks, as the .cu launches.
 template <typename Kernel, typename Args>
-void run_grid(Kernel kernel, const Args& p, const Problem& q, int64_t blocks_y, size_t shared) {
-  emulation::run_grid(kernel, p, q.H, unsigned(blocks_y), q.V, shared, (char*)sm, sizeof(sm));
+void run_sequential(Kernel kernel, const Args& p, const Problem& q, int64_t n, size_t shared) {
+  run_grid(kernel, p, q.H, unsigned(n), q.V, shared, (char*)sm, sizeof(sm));
 }
 
 template <int K, typename T> struct Rwkv7 {
   static constexpr const char* names = "rwkvab";
   static void forward(const Problem& q, Arrays<T>& x, const float*, ForwardArgs base, int64_t n) {
     Rwkv7Args p{base, x('r'), x('w'), x('k'), x('v'), x('a'), x('b')};
-    run_grid(rwkv7_forward_kernel<K, T>, p, q, n, rwkv7_forward_shared_bytes<K>(q.V));
+    run_sequential(rwkv7_forward_kernel<K, T>, p, q, n, rwkv7_forward_shared_bytes<K>(q.V));
   }
   static void backward(const Problem& q, Arrays<T>& x, const T* d_o, const float*, Arrays<T>& g,
                        float*, BackwardArgs base) {
     Rwkv7BackArgs p{base, x('r'), x('w'), x('k'), x('v'), x('a'), x('b'), d_o,
                     g('r'), g('w'), g('k'), g('v'), g('a'), g('b')};
-    run_grid(rwkv7_backward_kernel<K, T>, p, q, q.N, rwkv7_backward_shared_bytes<K>(q.V));
+    run_sequential(rwkv7_backward_kernel<K, T>, p, q, q.N, rwkv7_backward_shared_bytes<K>(q.V));
   }
 };
 
@@ -76,13 +74,13 @@ template <int K, typename T> struct Rwkv6 {
   static constexpr const char* names = "rkvw";
   static void forward(const Problem& q, Arrays<T>& x, const float* u, ForwardArgs base, int64_t n) {
     Rwkv6Args p{base, x('r'), x('k'), x('v'), x('w'), u};
-    run_grid(rwkv6_forward_kernel<K, T>, p, q, n, rwkv6_forward_shared_bytes<K>(q.V));
+    run_sequential(rwkv6_forward_kernel<K, T>, p, q, n, rwkv6_forward_shared_bytes<K>(q.V));
   }
   static void backward(const Problem& q, Arrays<T>& x, const T* d_o, const float* u, Arrays<T>& g,
                        float* du, BackwardArgs base) {
     Rwkv6BackArgs p{base, x('r'), x('k'), x('v'), x('w'), d_o, u,
                     g('r'), g('k'), g('v'), g('w'), du};
-    run_grid(rwkv6_backward_kernel<K, T>, p, q, q.N, rwkv6_backward_shared_bytes<K>(q.V));
+    run_sequential(rwkv6_backward_kernel<K, T>, p, q, q.N, rwkv6_backward_shared_bytes<K>(q.V));
   }
 };
 
@@ -103,7 +101,8 @@ template <typename Op, typename T> int run(const Problem& q) {
     return 0;
   }
   auto cu = read_raw<int>(q.dir + "/cu", q.N + 1);
-  auto h0 = read_raw<float>(q.dir + "/h0", q.states()), dh = read_raw<float>(q.dir + "/dh", q.states());
+  auto h0 = read_raw<float>(q.dir + "/h0", q.states());
+  auto dh = read_raw<float>(q.dir + "/dh", q.states());
   auto d_o = read_as<T>(q.dir + "/do", q.size('v'));
   std::vector<float> ckpt(checkpoint_slots(q.N, q.total()) * q.H * q.K * q.V, 0.f);
   std::vector<float> h(q.states()), dh0(q.states()), du(size_t(q.N) * q.H * q.K);
@@ -123,19 +122,6 @@ template <typename Op, typename T> int run(const Problem& q) {
   return 0;
 }
 
-template <int K, typename T> int run_op(const Problem& q) {
-  if (q.op == "rwkv7") return run<Rwkv7<K, T>, T>(q);
-  if (q.op == "rwkv6") return run<Rwkv6<K, T>, T>(q);
-  return 2;
-}
-
-template <int K> int run_dtype(const std::string& dtype, const Problem& q) {
-  if (dtype == "f32") return run_op<K, float>(q);
-  if (dtype == "bf16") return run_op<K, __nv_bfloat16>(q);
-  if (dtype == "f16") return run_op<K, __half>(q);
-  return 2;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -145,9 +131,11 @@ int main(int argc, char** argv) {
   }
   const Problem q{argv[1], argv[2], argv[6], atoi(argv[3]), atoi(argv[4]), atoi(argv[7]),
                   atoi(argv[8]), atoi(argv[9]), atoi(argv[10]), float(atof(argv[11]))};
-  if (q.mode != "train" && q.mode != "step") return 2;
+  if ((q.op != "rwkv7" && q.op != "rwkv6") || (q.mode != "train" && q.mode != "step")) return 2;
   if (q.V % 32 || q.V < 32 || q.V > 1024) return 2;
-  if (q.K == 64) return run_dtype<64>(argv[5], q);
-  if (q.K == 128) return run_dtype<128>(argv[5], q);
-  return 2;
+  return dispatch_head_size_and_dtype(q.K, argv[5], [&](auto k, auto t) {
+    constexpr int K = decltype(k)::value;
+    using T = decltype(t);
+    return q.op == "rwkv7" ? run<Rwkv7<K, T>, T>(q) : run<Rwkv6<K, T>, T>(q);
+  });
 }
