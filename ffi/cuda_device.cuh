@@ -99,12 +99,12 @@ struct ForwardArgs {
   float scale;
 };
 
-// A forward block: its head hd, sequence n, value column j (the thread's), the value size V (the
-// block's threads), the sequence's tokens and its state row (the step's pool row, else n); `skip` for a step row outside the pool, whose
+// A forward block: its head hd, sequence n, value column j (the thread's), the sequence's tokens
+// and its state row (the step's pool row, else n); `skip` for a step row outside the pool, whose
 // outputs are then NaN (outside_pool).
 struct ForwardBlock {
   int64_t hd, n;
-  int j, V;
+  int j;
   Range seq;
   int64_t row;
   bool skip;
@@ -115,8 +115,8 @@ __device__ __forceinline__ ForwardBlock forward_block(const ForwardArgs& p) {
   const int j = threadIdx.x;
   const Range seq = sequence(p.cu, n, p.length, p.total);
   if (p.rows && outside_pool(p.rows, n, p.pool_rows, seq, (T*)p.o, p.H, hd, (int)p.V, j))
-    return {hd, n, j, (int)p.V, seq, n, true};
-  return {hd, n, j, (int)p.V, seq, p.rows ? p.rows[n] : n, false};
+    return {hd, n, j, seq, n, true};
+  return {hd, n, j, seq, p.rows ? p.rows[n] : n, false};
 }
 
 // What every backward kernel takes besides its inputs, cotangents and gradients.
@@ -128,17 +128,17 @@ struct BackwardArgs {
   float scale;
 };
 
-// A backward block: its head hd, sequence n, value column j (the thread's), the value size V (the
-// block's threads), j's lane in its warp, the block's warps and the sequence's tokens.
+// A backward block: its head hd, sequence n, value column j (the thread's), j's lane in its warp,
+// the block's warps and the sequence's tokens.
 struct BackwardBlock {
   int64_t hd, n;
-  int j, V, lane, warps;
+  int j, lane, warps;
   Range seq;
 };
 __device__ __forceinline__ BackwardBlock backward_block(const BackwardArgs& p) {
   const int64_t n = blockIdx.y;
   const int j = threadIdx.x;
-  return {blockIdx.x, n, j, (int)p.V, j & 31, (int)p.V / 32, sequence(p.cu, n, 0, p.total)};
+  return {blockIdx.x, n, j, j & 31, (int)p.V / 32, sequence(p.cu, n, 0, p.total)};
 }
 
 // Column j of the state of head hd at entry `row` of a [rows, H, K, V] float32 buffer.

@@ -23,8 +23,9 @@ template <int K> size_t rwkv6_forward_shared_bytes(int64_t V) {
 }
 template <int K, typename T>
 __global__ void rwkv6_forward_kernel(Rwkv6Args p) {
-  const auto [hd, n, j, V, seq, row, skip] = forward_block<T>(p);
+  const auto [hd, n, j, seq, row, skip] = forward_block<T>(p);
   if (skip) return;
+  const int V = p.V;
   extern __shared__ float sm[];
   const int stride = 3 * K + V;
   float* uk = sm + kChunk * stride;
@@ -69,7 +70,8 @@ template <int K> size_t rwkv6_backward_shared_bytes(int64_t V) {
 }
 template <int K, typename T>
 __global__ void rwkv6_backward_kernel(Rwkv6BackArgs p) {
-  const auto [hd, n, j, V, lane, warps, seq] = backward_block(p);
+  const auto [hd, n, j, lane, warps, seq] = backward_block(p);
+  const int V = p.V;
   extern __shared__ float sm[];
   const int stride = 3 * K + 2 * V + 1;
   float* uk = sm + kChunk * stride;

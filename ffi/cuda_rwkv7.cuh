@@ -38,8 +38,9 @@ template <int K> size_t rwkv7_forward_shared_bytes(int64_t V) {
 }
 template <int K, typename T>
 __global__ void rwkv7_forward_kernel(Rwkv7Args p) {
-  const auto [hd, n, j, V, seq, row, skip] = forward_block<T>(p);
+  const auto [hd, n, j, seq, row, skip] = forward_block<T>(p);
   if (skip) return;
+  const int V = p.V;
   extern __shared__ float sm[];
   const int stride = 5 * K + V;
   float s[K];
@@ -76,7 +77,8 @@ template <int K> size_t rwkv7_backward_shared_bytes(int64_t V) {
 }
 template <int K, typename T>
 __global__ void rwkv7_backward_kernel(Rwkv7BackArgs p) {
-  const auto [hd, n, j, V, lane, warps, seq] = backward_block(p);
+  const auto [hd, n, j, lane, warps, seq] = backward_block(p);
+  const int V = p.V;
   extern __shared__ float sm[];
   const int stride = 5 * K + 2 * V;
   float* red = sm + kChunk * stride;
