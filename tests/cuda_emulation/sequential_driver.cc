@@ -44,9 +44,13 @@ template <typename T> Arrays<T> read_inputs(const Problem& q, const std::string&
   for (char n : names) x.data.push_back(read_as<T>(q.dir + "/" + n, q.size(n)));
   return x;
 }
-template <typename T> Arrays<T> zeros(const Problem& q, const std::string& names) {
+// NaN everywhere, so that an element a kernel leaves unwritten shows in the results.
+template <typename T> std::vector<T> unwritten(size_t n) {
+  return std::vector<T>(n, from_f<T>(NAN));
+}
+template <typename T> Arrays<T> unwritten(const Problem& q, const std::string& names) {
   Arrays<T> x{names, {}};
-  for (char n : names) x.data.emplace_back(q.size(n));
+  for (char n : names) x.data.push_back(unwritten<T>(q.size(n)));
   return x;
 }
 
@@ -88,8 +92,8 @@ template <typename Op, typename T> int run(const Problem& q) {
   auto x = read_inputs<T>(q, Op::names);
   std::vector<float> u = q.op == "rwkv6" ? read_raw<float>(q.dir + "/u", size_t(q.H) * q.K)
                                          : std::vector<float>();
-  std::vector<T> o(q.size('v'));
   if (q.mode == "step") {
+    std::vector<T> o(q.size('v'));  // zeros: an invalid row's NaN must come from the kernel
     auto pool = read_raw<float>(q.dir + "/pool", q.states());
     auto rows = read_raw<int>(q.dir + "/rows", q.B);
     Op::forward(q, x, u.data(),
@@ -104,13 +108,15 @@ template <typename Op, typename T> int run(const Problem& q) {
   auto h0 = read_raw<float>(q.dir + "/h0", q.states());
   auto dh = read_raw<float>(q.dir + "/dh", q.states());
   auto d_o = read_as<T>(q.dir + "/do", q.size('v'));
-  std::vector<float> ckpt(checkpoint_slots(q.N, q.total()) * q.H * q.K * q.V, 0.f);
-  std::vector<float> h(q.states()), dh0(q.states()), du(size_t(q.N) * q.H * q.K);
+  auto ckpt = unwritten<float>(checkpoint_slots(q.N, q.total()) * q.H * q.K * q.V);
+  auto h = unwritten<float>(q.states()), dh0 = unwritten<float>(q.states());
+  auto du = unwritten<float>(size_t(q.N) * q.H * q.K);
+  auto o = unwritten<T>(q.size('v'));
   Op::forward(q, x, u.data(),
               {cu.data(), nullptr, 0, h0.data(), h.data(), ckpt.data(), o.data(), q.H, q.V, q.T,
                q.total(), q.scale},
               q.N);
-  auto g = zeros<T>(q, Op::names);
+  auto g = unwritten<T>(q, Op::names);
   Op::backward(q, x, d_o.data(), u.data(), g, du.data(),
                {cu.data(), dh.data(), ckpt.data(), dh0.data(), q.H, q.V, q.total(), q.scale});
   write_from(q.dir + "/out_o", o.data(), o.size());
