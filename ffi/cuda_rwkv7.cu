@@ -1,208 +1,22 @@
-// CUDA kernels of RWKV-7 (training forward/backward, inference step), with the same operands as
-// the CPU handlers of cpu_rwkv7.cc (see there for the math).
-//
-// One block per (head, sequence), one thread per value column j; thread j keeps column j of the
-// K x V state (K floats) in registers. The inputs of kChunk steps are staged in shared memory at
-// a time. Sums over j (the key-side gradients) are block reductions: a warp transpose-reduce
-// (each lane ends with K/32 of the K sums) and a pass over the warps. The backward recomputes the
-// state before each step from the chunk's checkpoint (exact, no division by the decay), walking
-// dL/dh back with the exact reverse recurrence.
+// The FFI handlers of the RWKV-7 CUDA kernels of cuda_rwkv7.cuh (training forward/backward,
+// inference step): shape checks, then one launch.
 #include "cuda_util.cuh"
+#include "cuda_rwkv7.cuh"
 
 namespace rwkv_ffi {
 namespace {
 
-struct Rwkv7Args {
-  const void *r, *w, *k, *v, *a, *b;
-  const int* cu;       // [N + 1] or null (then sequence n is tokens [n T, (n + 1) T))
-  const int* rows;     // step: state row of each sequence, or null (row n)
-  int64_t pool_rows;   // step: slots in the pool
-  const float* h_in;   // [rows, H, K, V]
-  float* h_out;        // may alias h_in (step)
-  float* ckpt;         // [slots, H, K, V] or null
-  void* o;
-  int64_t H, V, length, total;
-  float scale;
-};
-
-// Shared-memory layout of one staged step: rs, ew, k, a, b (K each), then v (V).
-template <int K, typename T>
-__global__ void rwkv7_forward_kernel(Rwkv7Args p) {
-  const int64_t hd = blockIdx.x, n = blockIdx.y;
-  const int j = threadIdx.x, V = p.V;
-  const Range seq = sequence(p.cu, n, p.length, p.total);
-  if (p.rows && outside_pool(p.rows, n, p.pool_rows, seq, (T*)p.o, p.H, hd, V, j)) return;
-  const int64_t row = p.rows ? p.rows[n] : n;
-  extern __shared__ float sm[];
-  const int stride = 5 * K + V;
-  float s[K];
-#pragma unroll
-  for (int i = 0; i < K; ++i) s[i] = p.h_in[((row * p.H + hd) * K + i) * V + j];
-  const T *r = (const T*)p.r, *w = (const T*)p.w, *k = (const T*)p.k, *v = (const T*)p.v;
-  const T *a = (const T*)p.a, *b = (const T*)p.b;
-  for (int64_t c0 = seq.start; c0 < seq.end; c0 += kChunk) {
-    const int len = (int)lmin(kChunk, seq.end - c0);
-    if (p.ckpt) {
-      const int64_t slot = first_slot(n, seq.start) + (c0 - seq.start) / kChunk;
-#pragma unroll
-      for (int i = 0; i < K; ++i) p.ckpt[((slot * p.H + hd) * K + i) * V + j] = s[i];
-    }
-    __syncthreads();
-    for (int idx = j; idx < len * K; idx += V) {
-      const int t = idx / K, i = idx % K;
-      const int64_t src = ((c0 + t) * p.H + hd) * K + i;
-      float* x = sm + t * stride;
-      x[i] = to_f(r[src]) * p.scale;
-      x[K + i] = expf(to_f(w[src]));
-      x[2 * K + i] = to_f(k[src]);
-      x[3 * K + i] = to_f(a[src]);
-      x[4 * K + i] = to_f(b[src]);
-    }
-    for (int idx = j; idx < len * V; idx += V) {
-      const int t = idx / V, jj = idx % V;
-      sm[t * stride + 5 * K + jj] = to_f(v[((c0 + t) * p.H + hd) * V + jj]);
-    }
-    __syncthreads();
-    for (int t = 0; t < len; ++t) {
-      const float* x = sm + t * stride;
-      float sa = 0.f;
-#pragma unroll
-      for (int i = 0; i < K; ++i) sa += x[3 * K + i] * s[i];
-      const float vj = x[5 * K + j];
-      float out = 0.f;
-#pragma unroll
-      for (int i = 0; i < K; ++i) {
-        s[i] = s[i] * x[K + i] + x[4 * K + i] * sa + x[2 * K + i] * vj;
-        out += x[i] * s[i];
-      }
-      ((T*)p.o)[((c0 + t) * p.H + hd) * V + j] = from_f<T>(out);
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < K; ++i) p.h_out[((row * p.H + hd) * K + i) * V + j] = s[i];
-}
-
-struct Rwkv7BackArgs {
-  const void *r, *w, *k, *v, *a, *b, *d_o;
-  const int* cu;
-  const float *dh_final, *ckpt;
-  void *dr, *dw, *dk, *dv, *da, *db;
-  float* dh0;
-  int64_t H, V, total;
-  float scale;
-};
-
-// Shared memory: staged steps (rs, ew, k, a, b: K each; v, do: V each), then 5 x warps x K sums.
-template <int K, typename T>
-__global__ void rwkv7_backward_kernel(Rwkv7BackArgs p) {
-  const int64_t hd = blockIdx.x, n = blockIdx.y;
-  const int j = threadIdx.x, V = p.V, warps = V / 32, lane = j & 31;
-  const Range seq = sequence(p.cu, n, 0, p.total);
-  extern __shared__ float sm[];
-  const int stride = 5 * K + 2 * V;
-  float* red = sm + kChunk * stride;
-  const int64_t base = (n * p.H + hd) * K;
-  float G[K];
-#pragma unroll
-  for (int i = 0; i < K; ++i) G[i] = p.dh_final[(base + i) * V + j];
-  const T *r = (const T*)p.r, *w = (const T*)p.w, *k = (const T*)p.k, *v = (const T*)p.v;
-  const T *a = (const T*)p.a, *b = (const T*)p.b, *d_o = (const T*)p.d_o;
-  T* outs[5] = {(T*)p.dk, (T*)p.db, (T*)p.dw, (T*)p.da, (T*)p.dr};
-  const int64_t n_chunks = (seq.end - seq.start + kChunk - 1) / kChunk;
-  for (int64_t c = n_chunks - 1; c >= 0; --c) {
-    const int64_t c0 = seq.start + c * kChunk;
-    const int len = (int)lmin(kChunk, seq.end - c0);
-    const float* ck = p.ckpt + ((first_slot(n, seq.start) + c) * p.H + hd) * K * V;
-    __syncthreads();
-    for (int idx = j; idx < len * K; idx += V) {
-      const int t = idx / K, i = idx % K;
-      const int64_t src = ((c0 + t) * p.H + hd) * K + i;
-      float* x = sm + t * stride;
-      x[i] = to_f(r[src]) * p.scale;
-      x[K + i] = expf(to_f(w[src]));
-      x[2 * K + i] = to_f(k[src]);
-      x[3 * K + i] = to_f(a[src]);
-      x[4 * K + i] = to_f(b[src]);
-    }
-    for (int idx = j; idx < len * V; idx += V) {
-      const int t = idx / V, jj = idx % V;
-      const int64_t src = ((c0 + t) * p.H + hd) * V + jj;
-      sm[t * stride + 5 * K + jj] = to_f(v[src]);
-      sm[t * stride + 5 * K + V + jj] = to_f(d_o[src]);
-    }
-    __syncthreads();
-    for (int t = len - 1; t >= 0; --t) {
-      // h_{t-1}: the checkpoint advanced by the t earlier steps of the chunk.
-      float h[K];
-#pragma unroll
-      for (int i = 0; i < K; ++i) h[i] = ck[i * V + j];
-      for (int u = 0; u < t; ++u) {
-        const float* x = sm + u * stride;
-        float sa = 0.f;
-#pragma unroll
-        for (int i = 0; i < K; ++i) sa += x[3 * K + i] * h[i];
-        const float vj = x[5 * K + j];
-#pragma unroll
-        for (int i = 0; i < K; ++i) h[i] = h[i] * x[K + i] + x[4 * K + i] * sa + x[2 * K + i] * vj;
-      }
-      const float* x = sm + t * stride;
-      const float vj = x[5 * K + j], dj = x[5 * K + V + j];
-      float sa = 0.f, dsa = 0.f, dv = 0.f;
-#pragma unroll
-      for (int i = 0; i < K; ++i) sa += x[3 * K + i] * h[i];
-#pragma unroll
-      for (int i = 0; i < K; ++i) {
-        G[i] += x[i] * dj;  // the read of o_t
-        dsa += x[4 * K + i] * G[i];
-        dv += x[2 * K + i] * G[i];
-      }
-      const int64_t tok = c0 + t;
-      ((T*)p.dv)[(tok * p.H + hd) * V + j] = from_f<T>(dv);
-      float part[K];
-#pragma unroll
-      for (int q = 0; q < 5; ++q) {
-#pragma unroll
-        for (int i = 0; i < K; ++i) {
-          const float ew = x[K + i];
-          part[i] = q == 0 ? G[i] * vj
-                  : q == 1 ? G[i] * sa
-                  : q == 2 ? G[i] * h[i]
-                  : q == 3 ? h[i] * dsa
-                           : (ew * h[i] + x[4 * K + i] * sa + x[2 * K + i] * vj) * dj;
-        }
-        warp_transpose_reduce<K>(part, lane);
-        store_warp_sums<K>(part, red + q * warps * K, j);
-      }
-#pragma unroll
-      for (int i = 0; i < K; ++i) G[i] = x[K + i] * G[i] + x[3 * K + i] * dsa;
-      __syncthreads();
-      for (int idx = j; idx < 5 * K; idx += V) {
-        const int q = idx / K, i = idx % K;
-        float s = sum_warps(red + q * warps * K, warps, K, i);
-        if (q == 2) s *= x[K + i];
-        if (q == 4) s *= p.scale;
-        outs[q][(tok * p.H + hd) * K + i] = from_f<T>(s);
-      }
-      __syncthreads();
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < K; ++i) p.dh0[(base + i) * V + j] = G[i];
-}
-
 ffi::Error rwkv7_forward(cudaStream_t stream, Buffers ins, const SeqShape& s, const int* cu,
                          const int* rows, int64_t pool_rows, const float* h_in, float* h_out,
                          float* ckpt, void* o, int64_t n_seq, float scale) {
-  Rwkv7Args p{ins[0].untyped_data(), ins[1].untyped_data(), ins[2].untyped_data(),
-              ins[3].untyped_data(), ins[4].untyped_data(), ins[5].untyped_data(),
-              cu, rows, pool_rows, h_in, h_out, ckpt, o, s.H, s.V, s.T, s.B * s.T, scale};
-  return dispatch_cuda(ins[0].element_type(), [&](auto t) {
+  Rwkv7Args p{{cu, rows, pool_rows, h_in, h_out, ckpt, o, s.H, s.V, s.T, s.B * s.T, scale},
+              ins[0].untyped_data(), ins[1].untyped_data(), ins[2].untyped_data(),
+              ins[3].untyped_data(), ins[4].untyped_data(), ins[5].untyped_data()};
+  return dispatch_type_and_head_size(ins[0].element_type(), s.K, [&](auto t, auto kc) {
     using T = decltype(t);
-    return dispatch_head_size(s.K, [&](auto kc) {
-      constexpr int K = decltype(kc)::value;
-      const size_t shared = sizeof(float) * kChunk * (5 * K + s.V);
-      return launch(rwkv7_forward_kernel<K, T>, dim3(s.H, n_seq), s.V, shared, stream, p);
-    });
+    constexpr int K = decltype(kc)::value;
+    return launch(rwkv7_forward_kernel<K, T>, dim3(s.H, n_seq), s.V,
+                  rwkv7_forward_shared_bytes<K>(s.V), stream, p);
   });
 }
 
@@ -239,18 +53,17 @@ ffi::Error Rwkv7BackwardCuda(cudaStream_t stream, ffi::AnyBuffer r, ffi::AnyBuff
   if (c.ok()) check_backward(c, d_o, dh_final, ckpt, cu, grads, 6, 3, *dh0, r.element_type(), s);
   check_cuda(c, s);
   if (!c.ok()) return c.error("rwkv7 backward");
-  Rwkv7BackArgs p{r.untyped_data(), w.untyped_data(), k.untyped_data(), v.untyped_data(),
-                  a.untyped_data(), b.untyped_data(), d_o.untyped_data(), cu.typed_data(),
-                  dh_final.typed_data<float>(), ckpt.typed_data<float>(), dr->untyped_data(),
+  Rwkv7BackArgs p{{cu.typed_data(), dh_final.typed_data<float>(), ckpt.typed_data<float>(),
+                   dh0->typed_data<float>(), s.H, s.V, s.B * s.T, scale},
+                  r.untyped_data(), w.untyped_data(), k.untyped_data(), v.untyped_data(),
+                  a.untyped_data(), b.untyped_data(), d_o.untyped_data(), dr->untyped_data(),
                   dw->untyped_data(), dk->untyped_data(), dv->untyped_data(), da->untyped_data(),
-                  db->untyped_data(), dh0->typed_data<float>(), s.H, s.V, s.B * s.T, scale};
-  return dispatch_cuda(r.element_type(), [&](auto t) {
+                  db->untyped_data()};
+  return dispatch_type_and_head_size(r.element_type(), s.K, [&](auto t, auto kc) {
     using T = decltype(t);
-    return dispatch_head_size(s.K, [&](auto kc) {
-      constexpr int K = decltype(kc)::value;
-      const size_t shared = sizeof(float) * (kChunk * (5 * K + 2 * s.V) + 5 * (s.V / 32) * K);
-      return launch(rwkv7_backward_kernel<K, T>, dim3(s.H, s.N), s.V, shared, stream, p);
-    });
+    constexpr int K = decltype(kc)::value;
+    return launch(rwkv7_backward_kernel<K, T>, dim3(s.H, s.N), s.V,
+                  rwkv7_backward_shared_bytes<K>(s.V), stream, p);
   });
 }
 

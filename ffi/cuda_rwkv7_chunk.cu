@@ -12,6 +12,7 @@
 // bfloat16 operands, float32 accumulation) for 16-bit inputs, and as float32 products for
 // float32 inputs. Everything with a [C, C] matrix (the A matrices, (I - A_ab)^-1, their
 // gradients) and every factor stays float32.
+#include "cuda_util.cuh"
 #include "cuda_rwkv7_chunk.cuh"
 
 namespace rwkv_ffi {

@@ -6,9 +6,7 @@
 
 #include <algorithm>
 
-#ifndef RWKV_JAX_CUDA_EMULATION  // tests/cuda_emulation brings its host stand-in
-#include "cuda_util.cuh"
-#endif
+#include "cuda_device.cuh"
 #include "rwkv7_chunk_math.h"
 
 namespace rwkv_ffi {

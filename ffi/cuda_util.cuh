@@ -1,85 +1,16 @@
-// Shared by the CUDA kernels of the ffi backend (cuda_rwkv7.cu, cuda_rwkv6.cu, cuda_rwkv4.cu):
-// element conversions, sequence ranges, warp reductions, dtype/head-size dispatch and launching.
-// Each op family compiles on its own, so a multi-core build compiles them side by side.
+// Shared by the CUDA handlers of the ffi backend (cuda_rwkv7.cu, cuda_rwkv6.cu, cuda_rwkv4.cu,
+// cuda_rwkv7_chunk.cu): dtype/head-size dispatch, the CUDA shape checks and launching; the
+// kernels' device helpers are in cuda_device.cuh. Each op family compiles on its own, so a
+// multi-core build compiles them side by side.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "checks.h"
+#include "cuda_device.cuh"
 #include "handlers.h"
 
 namespace rwkv_ffi {
-
-template <typename T> __device__ __forceinline__ float to_f(T x);
-template <> __device__ __forceinline__ float to_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <> __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
-
-__host__ __device__ __forceinline__ int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
-__host__ __device__ __forceinline__ int64_t lmax(int64_t a, int64_t b) { return a > b ? a : b; }
-
-// Token range of sequence n of the grid's gridDim.y sequences. cu_seqlens are not checked on the
-// host here (that would need a device-to-host copy); the ops layer never passes invalid ones, and
-// for any others the ranges are clamped into [0, total], the first starts at 0, the last ends at
-// total and no range ends before it starts. Valid offsets are unchanged; invalid ones give
-// overlapping ranges (garbage) but never an access outside the buffers or an unwritten output.
-struct Range {
-  int64_t start, end;
-};
-__device__ __forceinline__ Range sequence(const int* cu, int64_t n, int64_t length, int64_t total) {
-  if (!cu) return {n * length, (n + 1) * length};
-  const int64_t s = n == 0 ? 0 : lmin(lmax(cu[n], 0), total);
-  return {s, n == gridDim.y - 1 ? total : lmin(lmax(cu[n + 1], s), total)};
-}
-
-// Step rows: a state index outside the pool (the ops layer's sentinel for an invalid row) gets
-// NaN outputs (column j of tokens [seq.start, seq.end)) and leaves the pool untouched.
-template <typename T>
-__device__ __forceinline__ bool outside_pool(const int* rows, int64_t n, int64_t pool_rows,
-                                             Range seq, T* o, int64_t H, int64_t hd, int V, int j) {
-  const int64_t row = rows[n];
-  if (row >= 0 && row < pool_rows) return false;
-  const T nan = from_f<T>(__int_as_float(0x7fc00000));
-  for (int64_t t = seq.start; t < seq.end; ++t) o[(t * H + hd) * V + j] = nan;
-  return true;
-}
-
-// Sums x[0..K) over the 32 lanes of a warp; afterwards lane l holds the sums of elements
-// [l * K/32, (l + 1) * K/32) in x[0..K/32).
-template <int K>
-__device__ __forceinline__ void warp_transpose_reduce(float (&x)[K], int lane) {
-#pragma unroll
-  for (int level = 0; level < 5; ++level) {
-    const int offset = 16 >> level, half = K >> (level + 1);
-    const bool upper = lane & offset;
-#pragma unroll
-    for (int i = 0; i < half; ++i) {
-      const float keep = upper ? x[i + half] : x[i];
-      const float send = upper ? x[i] : x[i + half];
-      x[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
-    }
-  }
-}
-
-// Stores a warp's K partial sums (after warp_transpose_reduce) into red[warp][K].
-template <int K>
-__device__ __forceinline__ void store_warp_sums(const float (&x)[K], float* red, int j) {
-  const int lane = j & 31, warp = j >> 5;
-#pragma unroll
-  for (int i = 0; i < K / 32; ++i) red[warp * K + lane * (K / 32) + i] = x[i];
-}
-
-__device__ __forceinline__ float sum_warps(const float* red, int warps, int K, int i) {
-  float s = 0.f;
-  for (int w = 0; w < warps; ++w) s += red[w * K + i];
-  return s;
-}
 
 template <typename Body> ffi::Error dispatch_cuda(ffi::DataType dtype, Body&& body) {
   switch (dtype) {
@@ -96,6 +27,14 @@ template <typename Body> ffi::Error dispatch_head_size(int64_t K, Body&& body) {
     case 128: return body(std::integral_constant<int, 128>{});
     default: return ffi::Error::InvalidArgument("the CUDA kernels support K in {64, 128}");
   }
+}
+
+// body(T{}, std::integral_constant<int, K>{}) for the inputs' element type T and head size K.
+template <typename Body> ffi::Error dispatch_type_and_head_size(ffi::DataType dtype, int64_t K,
+                                                                Body&& body) {
+  return dispatch_cuda(dtype, [&](auto t) {
+    return dispatch_head_size(K, [&](auto k) { return body(t, k); });
+  });
 }
 
 // The CUDA kernels run one thread per value column: V must be whole warps, at most 1024.

@@ -4,12 +4,7 @@
 // reads float32 files r w k v a b do ([B, T, H, D]), h0 dh ([N, H, D, D]) and int32 cu ([N + 1])
 // from DIR and writes float32 files out_o, out_h, out_dh0 and out_d{r,w,k,v,a,b} there. DTYPE
 // (f32, bf16, f16) is the kernels' input type; inputs are rounded to it.
-#include "cuda_util.cuh"
-
-#include <cstdio>
-#include <string>
-#include <thread>
-#include <vector>
+#include "driver.h"
 
 namespace rwkv_ffi {
 namespace {
@@ -23,53 +18,9 @@ using namespace rwkv_ffi;
 
 namespace {
 
-template <typename T> std::vector<T> read_as(const std::string& path, size_t n) {
-  std::vector<float> f(n);
-  FILE* fp = fopen(path.c_str(), "rb");
-  if (!fp || fread(f.data(), 4, n, fp) != n) {
-    fprintf(stderr, "cannot read %zu floats from %s\n", n, path.c_str());
-    exit(1);
-  }
-  fclose(fp);
-  std::vector<T> out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = from_f<T>(f[i]);
-  return out;
-}
-
-template <typename T> void write_from(const std::string& path, const T* x, size_t n) {
-  std::vector<float> f(n);
-  for (size_t i = 0; i < n; ++i) f[i] = to_f<T>(x[i]);
-  FILE* fp = fopen(path.c_str(), "wb");
-  fwrite(f.data(), 4, n, fp);
-  fclose(fp);
-}
-
-// The grid (H, N), one block after another, each as kThreads host threads.
-template <typename Kernel> void run_grid(Kernel kernel, const ChunkArgs& p, unsigned H, unsigned N,
-                                         size_t shared) {
-  if (shared > sizeof(sm)) {
-    fprintf(stderr, "shared memory %zu > %zu\n", shared, sizeof(sm));
-    exit(1);
-  }
-  gridDim = {H, N, 1};
-  for (unsigned y = 0; y < N; ++y)
-    for (unsigned x = 0; x < H; ++x) {
-      std::fill(sm, sm + sizeof(sm), char(0x7f));  // no value survives from the last block
-      std::barrier<> block(kThreads);
-      std::vector<std::barrier<>*> warps;
-      for (int w = 0; w < kThreads / 32; ++w) warps.push_back(new std::barrier<>(32));
-      emu_block_barrier = &block;
-      for (int w = 0; w < kThreads / 32; ++w) emu_warp_barrier[w] = warps[w];
-      std::vector<std::thread> threads;
-      for (unsigned t = 0; t < kThreads; ++t)
-        threads.emplace_back([&, t] {
-          threadIdx = {t, 1, 1};
-          blockIdx = {x, y, 1};
-          kernel(p);
-        });
-      for (auto& t : threads) t.join();
-      for (auto* w : warps) delete w;
-    }
+template <typename Kernel> void run_chunked(Kernel kernel, const ChunkArgs& p, unsigned H,
+                                            unsigned N, size_t shared) {
+  run_grid(kernel, p, H, N, kThreads, shared, sm, sizeof(sm));
 }
 
 template <int D, typename T> int run(const std::string& dir, int B, int length, int H, int N) {
@@ -78,10 +29,7 @@ template <int D, typename T> int run(const std::string& dir, int B, int length, 
   std::vector<std::vector<T>> in;
   for (int i = 0; i < 7; ++i) in.push_back(read_as<T>(dir + "/" + names[i], tokens));
   auto h0 = read_as<float>(dir + "/h0", states), dh = read_as<float>(dir + "/dh", states);
-  std::vector<int> cu(N + 1);
-  FILE* fp = fopen((dir + "/cu").c_str(), "rb");
-  if (!fp || fread(cu.data(), 4, N + 1, fp) != size_t(N + 1)) return 1;
-  fclose(fp);
+  auto cu = read_raw<int>(dir + "/cu", N + 1);
   const int64_t total = int64_t(B) * length;
   std::vector<float> ckpt(checkpoint_slots(N, total) * H * D * D, 0.f), h_final(states), dh0(states);
   std::vector<T> o(tokens);
@@ -90,24 +38,17 @@ template <int D, typename T> int run(const std::string& dir, int B, int length, 
                           in[5].data(), nullptr, cu.data(), h0.data(), h_final.data(), ckpt.data(),
                           o.data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, H, total,
                           1.0f};
-  run_grid(rwkv7_chunk_forward_kernel<D, T>, forward, H, N, Layout<D, T, false>::bytes);
+  run_chunked(rwkv7_chunk_forward_kernel<D, T>, forward, H, N, Layout<D, T, false>::bytes);
   const ChunkArgs backward{in[0].data(), in[1].data(), in[2].data(), in[3].data(), in[4].data(),
                            in[5].data(), in[6].data(), cu.data(), dh.data(), dh0.data(),
                            ckpt.data(), nullptr, g[0].data(), g[1].data(), g[2].data(),
                            g[3].data(), g[4].data(), g[5].data(), H, total, 1.0f};
-  run_grid(rwkv7_chunk_backward_kernel<D, T>, backward, H, N, Layout<D, T, true>::bytes);
+  run_chunked(rwkv7_chunk_backward_kernel<D, T>, backward, H, N, Layout<D, T, true>::bytes);
   write_from(dir + "/out_o", o.data(), tokens);
   write_from(dir + "/out_h", h_final.data(), states);
   write_from(dir + "/out_dh0", dh0.data(), states);
   for (int i = 0; i < 6; ++i) write_from(dir + "/out_d" + names[i], g[i].data(), tokens);
   return 0;
-}
-
-template <int D> int run_dtype(const std::string& dtype, const std::string& dir, int B, int T, int H, int N) {
-  if (dtype == "f32") return run<D, float>(dir, B, T, H, N);
-  if (dtype == "bf16") return run<D, __nv_bfloat16>(dir, B, T, H, N);
-  if (dtype == "f16") return run<D, __half>(dir, B, T, H, N);
-  return 2;
 }
 
 }  // namespace
@@ -119,7 +60,7 @@ int main(int argc, char** argv) {
   }
   const int D = atoi(argv[1]), B = atoi(argv[4]), T = atoi(argv[5]), H = atoi(argv[6]),
             N = atoi(argv[7]);
-  if (D == 64) return run_dtype<64>(argv[2], argv[3], B, T, H, N);
-  if (D == 128) return run_dtype<128>(argv[2], argv[3], B, T, H, N);
-  return 2;
+  return dispatch_head_size_and_dtype(D, argv[2], [&](auto k, auto t) {
+    return run<decltype(k)::value, decltype(t)>(argv[3], B, T, H, N);
+  });
 }

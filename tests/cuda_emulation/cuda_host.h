@@ -1,7 +1,8 @@
-// A host stand-in for what ffi/cuda_rwkv7_chunk.cuh takes from CUDA and ffi/cuda_util.cuh, so that
-// the kernels' own source runs on the CPU (tests/test_cuda_emulation.py): one block at a time, a
-// std::thread per CUDA thread, std::barrier for __syncthreads, shared memory a global array,
-// bfloat16 rounded to nearest even as on the GPU.
+// A host stand-in for what the CUDA kernels take from CUDA itself, so that their own source
+// (ffi/cuda_rwkv7_chunk.cuh, ffi/cuda_rwkv7.cuh, ffi/cuda_rwkv6.cuh and their device helpers in
+// ffi/cuda_device.cuh) runs on the CPU (tests/test_cuda_emulation.py): one block at a time, a
+// std::thread per CUDA thread, std::barrier for __syncthreads and for the warp shuffles, shared
+// memory a global array, bfloat16 rounded to nearest even as on the GPU.
 #pragma once
 #define RWKV_JAX_CUDA_EMULATION
 #include <atomic>
@@ -11,7 +12,6 @@
 #include <cstring>
 #include <type_traits>
 #include <algorithm>
-#include "common.h"
 #define __global__
 #define __device__
 #define __host__
@@ -45,6 +45,7 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
   emu_warp_barrier[warp]->arrive_and_wait();
   return r;
 }
+inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
 struct __nv_bfloat16 { uint16_t bits; };
 using __half = _Float16;
 inline float __bfloat162float(__nv_bfloat16 x) { uint32_t u = uint32_t(x.bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
@@ -53,23 +54,5 @@ inline __nv_bfloat16 __float2bfloat16(float x) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return {uint16_t((u >> 16) | 0x40)};
   u += 0x7fffu + ((u >> 16) & 1u); return {uint16_t(u >> 16)};
 }
-inline float to_float_emu(float x) { return x; }
-inline float to_float_emu(__nv_bfloat16 x) { return __bfloat162float(x); }
-namespace rwkv_ffi {
-template <typename T> inline float to_f(T x);
-template <> inline float to_f<float>(float x) { return x; }
-template <> inline float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <> inline float to_f<__half>(__half x) { return float(x); }
-template <typename T> inline T from_f(float x);
-template <> inline float from_f<float>(float x) { return x; }
-template <> inline __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <> inline __half from_f<__half>(float x) { return __half(x); }
-inline int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
-inline int64_t lmax(int64_t a, int64_t b) { return a > b ? a : b; }
-struct Range { int64_t start, end; };
-inline Range sequence(const int* cu, int64_t n, int64_t length, int64_t total) {
-  if (!cu) return {n * length, (n + 1) * length};
-  const int64_t s = n == 0 ? 0 : lmin(lmax(cu[n], 0), total);
-  return {s, n == gridDim.y - 1 ? total : lmin(lmax(cu[n + 1], s), total)};
-}
-}
+inline float __half2float(__half x) { return float(x); }
+inline __half __float2half(float x) { return __half(x); }
