@@ -26,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -120,11 +121,19 @@ def time_jobs(jobs, reps, median_seconds):
         print(json.dumps(row), flush=True)   # one line each: a run cut short keeps them
 
 
-def run_tree(tree, names, reps, smoke, timeout):
+def worker_process(tree, names, reps, smoke, serve=False):
+    """The command and environment of a worker timing ``names`` on ``tree``'s package."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [os.path.abspath(tree), os.environ.get("PYTHONPATH")])))
+    if serve:
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # the GPU is shared
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--reps", str(reps),
-               "--cases", *names] + (["--smoke"] if smoke else [])
+               "--cases", *names] + (["--smoke"] if smoke else []) + (["--serve"] if serve else [])
+    return command, env
+
+
+def run_tree(tree, names, reps, smoke, timeout):
+    command, env = worker_process(tree, names, reps, smoke)
     print(f"== {tree}", flush=True)
     try:
         proc = subprocess.run(command, env=env, cwd=tree, stdout=subprocess.PIPE, text=True,
@@ -146,15 +155,10 @@ def run_tree(tree, names, reps, smoke, timeout):
 def run_parallel(trees, names, reps, smoke, timeout):
     """One serving worker per (tree, case), compiling at once; then timed one at a time, each
     case in two rounds of opposite tree order. Returns each tree's rows per round."""
-    import time
     workers = {}
     for tree in trees:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            filter(None, [os.path.abspath(tree), os.environ.get("PYTHONPATH")])))
         for name in names:
-            command = [sys.executable, os.path.abspath(__file__), "--worker", "--serve",
-                       "--reps", str(reps), "--cases", name] + (["--smoke"] if smoke else [])
-            env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # the GPU is shared
+            command, env = worker_process(tree, [name], reps, smoke, serve=True)
             workers[tree, name] = subprocess.Popen(command, env=env, cwd=tree, text=True,
                                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     start = time.monotonic()
@@ -219,7 +223,7 @@ def main(argv=None):
 
 def print_table(old, new):
     """``old``: the old tree's rows per round; ``new``: the new tree's figure per row."""
-    print(f"\n| case | old ms | new ms | new / old |\n|---|---|---|---|")
+    print("\n| case | old ms | new ms | new / old |\n|---|---|---|---|")
     for row in sorted(r for r in new if any(r in o for o in old)):
         before = statistics.median(o[row] for o in old if row in o)
         print(f"| {row} | {before:.3f} | {new[row]:.3f} | {new[row] / before:.3f} |")
