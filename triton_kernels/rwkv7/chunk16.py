@@ -79,6 +79,36 @@ def _tame_chunks(q, k, a, b, w, C: tl.constexpr, PRECISION: tl.constexpr):
             tl.where(strict, tl.dot(a_f, b_f, input_precision=PRECISION), 0.0))
 
 
+@triton.jit
+def _matrices_over_key_parts(r_ptr, w_ptr, k_ptr, a_ptr, b_ptr, row_bases, rows_in, scale,
+                             K: tl.constexpr, BK: tl.constexpr, KI: tl.constexpr,
+                             C: tl.constexpr, LEVELS: tl.constexpr, FLOOR: tl.constexpr,
+                             PRECISION: tl.constexpr, TAME: tl.constexpr):
+    """A_qk, A_qb, A_ak, A_ab summed over the K columns KI at a time (fewer registers), from
+    rows at ``row_bases`` ([C, 1], or [G, C, 1] for G tame chunks): ``_tame_chunks`` or, for
+    the exact path, ``_in_chunk``."""
+    for part in tl.static_range(BK // KI):
+        k_cols = part * KI + tl.arange(0, KI)
+        if K % KI == 0:
+            k_in = rows_in
+        else:
+            k_in = rows_in & (k_cols < K)
+        q = rows(r_ptr, row_bases, k_cols, k_in) * scale
+        k = rows(k_ptr, row_bases, k_cols, k_in)
+        a = rows(a_ptr, row_bases, k_cols, k_in)
+        b = rows(b_ptr, row_bases, k_cols, k_in)
+        w = _log_decays(w_ptr, row_bases, k_cols, k_in, FLOOR)
+        if TAME:
+            p_qk, p_qb, p_ak, p_ab = _tame_chunks(q, k, a, b, w, C, PRECISION)
+        else:
+            p_qk, p_qb, p_ak, p_ab = _in_chunk(q, k, a, b, w, C, LEVELS, PRECISION)
+        if part == 0:
+            A_qk, A_qb, A_ak, A_ab = p_qk, p_qb, p_ak, p_ab
+        else:
+            A_qk, A_qb, A_ak, A_ab = A_qk + p_qk, A_qb + p_qb, A_ak + p_ak, A_ab + p_ab
+    return A_qk, A_qb, A_ak, A_ab
+
+
 # A chunk's [C, C] matrices in the in-chunk buffer [chunk slots, HEADS, 4, C, C] (float32), in
 # this order: the state-gradient pass reads the first two, the forward all four.
 INVERSE, A_QB, A_AK, A_QK = (tl.constexpr(i) for i in range(4))
@@ -141,26 +171,9 @@ def rwkv7_tame_in_chunk_kernel(
                                    TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
     row = first[:, None] + tl.arange(0, C)[None, :]
     rows_in = (used[:, None] & (row < end[:, None]))[:, :, None]
-    k_base = ((row * HEADS + head) * K)[:, :, None]
-    A_qk = tl.zeros([GROUP, C, C], tl.float32)
-    A_qb = tl.zeros([GROUP, C, C], tl.float32)
-    A_ak = tl.zeros([GROUP, C, C], tl.float32)
-    A_ab = tl.zeros([GROUP, C, C], tl.float32)
-    for part in tl.static_range(BK // KI):
-        k_cols = part * KI + tl.arange(0, KI)
-        if K % KI == 0:
-            k_in = rows_in
-        else:
-            k_in = rows_in & (k_cols < K)[None, None, :]
-        k_cols = k_cols[None, None, :]
-        A_qk_part, A_qb_part, A_ak_part, A_ab_part = _tame_chunks(
-            rows(r_ptr, k_base, k_cols, k_in) * scale, rows(k_ptr, k_base, k_cols, k_in),
-            rows(a_ptr, k_base, k_cols, k_in), rows(b_ptr, k_base, k_cols, k_in),
-            _log_decays(w_ptr, k_base, k_cols, k_in, FLOOR), C, PRECISION)
-        A_qk += A_qk_part
-        A_qb += A_qb_part
-        A_ak += A_ak_part
-        A_ab += A_ab_part
+    A_qk, A_qb, A_ak, A_ab = _matrices_over_key_parts(
+        r_ptr, w_ptr, k_ptr, a_ptr, b_ptr, ((row * HEADS + head) * K)[:, :, None], rows_in,
+        scale, K, BK, KI, C, 0, FLOOR, PRECISION, True)
     _store_matrices(matrices_ptr, slot, used, head, A_qk, A_qb, A_ak, A_ab, HEADS, C,
                     INVERSE_PRECISION)
 
@@ -181,27 +194,10 @@ def rwkv7_in_chunk_kernel(
     used, first, end = _one_chunk(slot, cu_ptr, chunk_index_ptr, chunk_sequence_ptr, C,
                                   TOTAL_ROWS, SEQUENCES, CHUNK_SLOTS)
     steps = tl.arange(0, C)
-    rows_in = (first + steps < end)[:, None]
-    k_base = (first * HEADS + head) * K
-    A_qk = tl.zeros([C, C], tl.float32)
-    A_qb = tl.zeros([C, C], tl.float32)
-    A_ak = tl.zeros([C, C], tl.float32)
-    A_ab = tl.zeros([C, C], tl.float32)
-    for part in tl.static_range(BK // KI):
-        k_cols = part * KI + tl.arange(0, KI)
-        if K % KI == 0:
-            k_in = rows_in
-        else:
-            k_in = rows_in & (k_cols < K)[None, :]
-        k_tile = steps[:, None] * (HEADS * K) + k_cols[None, :]
-        A_qk_part, A_qb_part, A_ak_part, A_ab_part = _in_chunk(
-            rows(r_ptr, k_base, k_tile, k_in) * scale, rows(k_ptr, k_base, k_tile, k_in),
-            rows(a_ptr, k_base, k_tile, k_in), rows(b_ptr, k_base, k_tile, k_in),
-            _log_decays(w_ptr, k_base, k_tile, k_in, FLOOR), C, LEVELS, PRECISION)
-        A_qk += A_qk_part
-        A_qb += A_qb_part
-        A_ak += A_ak_part
-        A_ab += A_ab_part
+    A_qk, A_qb, A_ak, A_ab = _matrices_over_key_parts(
+        r_ptr, w_ptr, k_ptr, a_ptr, b_ptr,
+        ((first * HEADS + head) * K + steps * (HEADS * K))[:, None], (first + steps < end)[:, None],
+        scale, K, BK, KI, C, LEVELS, FLOOR, PRECISION, False)
     _store_matrices(matrices_ptr, slot, used, head, A_qk, A_qb, A_ak, A_ab, HEADS, C,
                     INVERSE_PRECISION)
 
