@@ -37,6 +37,7 @@ inline int __syncthreads_and(int pred) {
   __syncthreads();
   return r;
 }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp_barrier[threadIdx.x / 32]->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int off) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   emu_shfl[threadIdx.x] = v;
