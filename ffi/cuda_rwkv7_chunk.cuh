@@ -44,52 +44,104 @@ constexpr Warps kAllWarps{0, kWarps};
 template <typename T> struct SameAs { using type = T; };
 template <typename T> using Same = typename SameAs<T>::type;
 
-// C (+)= A B (+ A2 B2), A [M, KD] (A_COL: element (m, k) at A[k * lda + m], else
-// A[m * lda + k]), B [KD, N] (B_COL: element (k, n) at B[n * ldb + k], else B[k * ldb + n]),
-// A2 and B2 (may be null) laid out as A and B, C [M, N] float32 row-major. On tensor cores:
-// bfloat16 operands, or TF32 ones read from float32 tiles; one 16 x 16 tile of C per warp of
-// `by` at a time, after.tile(m0, n0) once the warp has stored it (the tile is the warp's alone).
-template <int M, int N, int KD, bool A_COL, bool B_COL, bool ACC, typename Elem, typename After>
-__device__ void mma_tiles(const Elem* A, int lda, const Elem* B, int ldb, const Same<Elem>* A2,
-                          const Same<Elem>* B2, float* Cm, int ldc, Warps by, const After& after) {
-  using namespace nvcuda;
-  using ALayout = typename std::conditional<A_COL, wmma::col_major, wmma::row_major>::type;
-  using BLayout = typename std::conditional<B_COL, wmma::col_major, wmma::row_major>::type;
-  constexpr bool kTf32 = std::is_same<Elem, float>::value;
-  constexpr int KS = kTf32 ? 8 : 16;
-  using Frag = typename std::conditional<kTf32, wmma::precision::tf32, Elem>::type;
+// wmma operand loads from shared memory. nvcc emits the generic-address form of wmma.load for
+// the A and B operands even from a shared array (a load that waits like a global one); these
+// name the shared state space. The host emulation has only the generic ones.
+#ifdef RWKV_JAX_CUDA_EMULATION
+template <typename Frag, typename P>
+__device__ __forceinline__ void load_shared(Frag& f, const P* p, unsigned ld) {
+  nvcuda::wmma::load_matrix_sync(f, p, ld);
+}
+#else
+#define RWKV_SHARED_LOAD(USE, LAYOUT, K, TYPE, PTX)                                            \
+  __device__ __forceinline__ void load_shared(                                               \
+      nvcuda::wmma::fragment<nvcuda::wmma::USE, 16, 16, K, TYPE, nvcuda::wmma::LAYOUT>& f,   \
+      const void* p, unsigned ld) {                                                          \
+    uint32_t* r = reinterpret_cast<uint32_t*>(&f.x[0]);                                      \
+    asm volatile(PTX " {%0, %1, %2, %3}, [%4], %5;"                                          \
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])                            \
+                 : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(ld)                       \
+                 : "memory");                                                                \
+  }
+RWKV_SHARED_LOAD(matrix_a, row_major, 16, __nv_bfloat16, "wmma.load.a.sync.aligned.row.m16n16k16.shared.bf16")
+RWKV_SHARED_LOAD(matrix_a, col_major, 16, __nv_bfloat16, "wmma.load.a.sync.aligned.col.m16n16k16.shared.bf16")
+RWKV_SHARED_LOAD(matrix_b, row_major, 16, __nv_bfloat16, "wmma.load.b.sync.aligned.row.m16n16k16.shared.bf16")
+RWKV_SHARED_LOAD(matrix_b, col_major, 16, __nv_bfloat16, "wmma.load.b.sync.aligned.col.m16n16k16.shared.bf16")
+RWKV_SHARED_LOAD(matrix_a, row_major, 8, nvcuda::wmma::precision::tf32, "wmma.load.a.sync.aligned.row.m16n16k8.shared.tf32")
+RWKV_SHARED_LOAD(matrix_a, col_major, 8, nvcuda::wmma::precision::tf32, "wmma.load.a.sync.aligned.col.m16n16k8.shared.tf32")
+RWKV_SHARED_LOAD(matrix_b, row_major, 8, nvcuda::wmma::precision::tf32, "wmma.load.b.sync.aligned.row.m16n16k8.shared.tf32")
+RWKV_SHARED_LOAD(matrix_b, col_major, 8, nvcuda::wmma::precision::tf32, "wmma.load.b.sync.aligned.col.m16n16k8.shared.tf32")
+#undef RWKV_SHARED_LOAD
+#endif
+
+// Runs body(m0, n0) for each 16 x 16 tile of an [M, N] result, one tile per warp of `by` at a
+// time (each tile the warp's alone).
+template <int M, int N, typename Body> __device__ void for_tiles(Warps by, const Body& body) {
   const int warp = threadIdx.x / 32 - by.first;
   if (warp < 0 || warp >= by.count) return;
-  for (int tile = warp; tile < (M / 16) * (N / 16); tile += by.count) {
-    const int m0 = (tile / (N / 16)) * 16, n0 = (tile % (N / 16)) * 16;
-    wmma::fragment<wmma::accumulator, 16, 16, KS, float> acc;
-    if (ACC)
-      wmma::load_matrix_sync(acc, Cm + m0 * ldc + n0, ldc, wmma::mem_row_major);
-    else
-      wmma::fill_fragment(acc, 0.f);
-    for (int term = 0; term < (A2 ? 2 : 1); ++term) {
-      const Elem *a = term ? A2 : A, *b = term ? B2 : B;
-#pragma unroll
-      for (int k0 = 0; k0 < KD; k0 += KS) {
-        wmma::fragment<wmma::matrix_a, 16, 16, KS, Frag, ALayout> fa;
-        wmma::fragment<wmma::matrix_b, 16, 16, KS, Frag, BLayout> fb;
-        wmma::load_matrix_sync(fa, A_COL ? a + k0 * lda + m0 : a + m0 * lda + k0, lda);
-        wmma::load_matrix_sync(fb, B_COL ? b + n0 * ldb + k0 : b + k0 * ldb + n0, ldb);
-        if constexpr (kTf32) {
-          for (int e = 0; e < fa.num_elements; ++e) fa.x[e] = wmma::__float_to_tf32(fa.x[e]);
-          for (int e = 0; e < fb.num_elements; ++e) fb.x[e] = wmma::__float_to_tf32(fb.x[e]);
-        }
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
-    }
-    wmma::store_matrix_sync(Cm + m0 * ldc + n0, acc, ldc, wmma::mem_row_major);
-    after.tile(m0, n0);
+  for (int tile = warp; tile < (M / 16) * (N / 16); tile += by.count)
+    body((tile / (N / 16)) * 16, (tile % (N / 16)) * 16);
+}
+
+// One warp's 16 x 16 tile of float32 sums of products on tensor cores: bfloat16 operands
+// (Elem = __nv_bfloat16, steps of 16), or TF32 ones read from float32 tiles (Elem = float, steps
+// of 8). Operands live in shared memory.
+template <typename Elem> struct Tile {
+  static constexpr bool kTf32 = std::is_same<Elem, float>::value;
+  static constexpr int KS = kTf32 ? 8 : 16;
+  using Frag = typename std::conditional<kTf32, nvcuda::wmma::precision::tf32, Elem>::type;
+  nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, KS, float> acc;
+
+  __device__ void zero() { nvcuda::wmma::fill_fragment(acc, 0.f); }
+  __device__ void load(const float* c, int ldc) {
+    nvcuda::wmma::load_matrix_sync(acc, c, ldc, nvcuda::wmma::mem_row_major);
   }
+  __device__ void store(float* c, int ldc) const {
+    nvcuda::wmma::store_matrix_sync(c, acc, ldc, nvcuda::wmma::mem_row_major);
+  }
+  // += rows [m0, m0 + 16) of A [M, KD] times columns [n0, n0 + 16) of B [KD, N]; A_COL: A's
+  // element (m, k) at A[k * lda + m], else A[m * lda + k]; B_COL: B's (k, n) at B[n * ldb + k],
+  // else B[k * ldb + n].
+  template <int KD, bool A_COL, bool B_COL>
+  __device__ void add(const Elem* A, int lda, const Elem* B, int ldb, int m0, int n0) {
+    using namespace nvcuda;
+    using ALayout = typename std::conditional<A_COL, wmma::col_major, wmma::row_major>::type;
+    using BLayout = typename std::conditional<B_COL, wmma::col_major, wmma::row_major>::type;
+#pragma unroll
+    for (int k0 = 0; k0 < KD; k0 += KS) {
+      wmma::fragment<wmma::matrix_a, 16, 16, KS, Frag, ALayout> fa;
+      wmma::fragment<wmma::matrix_b, 16, 16, KS, Frag, BLayout> fb;
+      load_shared(fa, A_COL ? A + k0 * lda + m0 : A + m0 * lda + k0, lda);
+      load_shared(fb, B_COL ? B + n0 * ldb + k0 : B + k0 * ldb + n0, ldb);
+      if constexpr (kTf32) {
+        for (int e = 0; e < fa.num_elements; ++e) fa.x[e] = wmma::__float_to_tf32(fa.x[e]);
+        for (int e = 0; e < fb.num_elements; ++e) fb.x[e] = wmma::__float_to_tf32(fb.x[e]);
+      }
+      wmma::mma_sync(acc, fa, fb, acc);
+    }
+  }
+};
+
+// C (+)= A B (+ A2 B2 when TWO), C [M, N] float32 row-major, on tensor cores (Tile), one tile
+// per warp of `by` at a time; after.tile(m0, n0) once the warp has stored it.
+template <int M, int N, int KD, bool A_COL, bool B_COL, bool ACC, bool TWO, typename Elem,
+          typename After>
+__device__ void mma_tiles(const Elem* A, int lda, const Elem* B, int ldb, const Same<Elem>* A2,
+                          const Same<Elem>* B2, float* Cm, int ldc, Warps by, const After& after) {
+  for_tiles<M, N>(by, [&](int m0, int n0) {
+    Tile<Elem> t;
+    if (ACC) t.load(Cm + m0 * ldc + n0, ldc);
+    else t.zero();
+    t.template add<KD, A_COL, B_COL>(A, lda, B, ldb, m0, n0);
+    if (TWO) t.template add<KD, A_COL, B_COL>(A2, lda, B2, ldb, m0, n0);
+    t.store(Cm + m0 * ldc + n0, ldc);
+    after.tile(m0, n0);
+  });
 }
 
 // The same product in float32 on CUDA cores (float32 inputs: their contract), one element of C
 // per thread of `by` at a time, after.element(m, n, value) once it is stored.
-template <int M, int N, int KD, bool A_COL, bool B_COL, bool ACC, typename After>
+template <int M, int N, int KD, bool A_COL, bool B_COL, bool ACC, bool TWO, typename After>
 __device__ void fma_elements(const float* A, int lda, const float* B, int ldb, const float* A2,
                              const float* B2, float* Cm, int ldc, Warps by, const After& after) {
   const int me = threadIdx.x - by.first * 32;
@@ -97,7 +149,7 @@ __device__ void fma_elements(const float* A, int lda, const float* B, int ldb, c
   for (int idx = me; idx < M * N; idx += by.count * 32) {
     const int m = idx / N, n = idx % N;
     float acc = ACC ? Cm[m * ldc + n] : 0.f;
-    for (int term = 0; term < (A2 ? 2 : 1); ++term) {
+    for (int term = 0; term < (TWO ? 2 : 1); ++term) {
       const float *a = term ? A2 : A, *b = term ? B2 : B;
 #pragma unroll 8
       for (int k = 0; k < KD; ++k)
@@ -114,15 +166,15 @@ struct NoEpilogue {
 };
 
 // The products with the state: tensor cores for bfloat16 operands, CUDA cores for float32 ones.
-template <int M, int N, int KD, bool A_COL, bool B_COL, bool ACC, typename Op,
-          typename After = NoEpilogue>
+template <int M, int N, int KD, bool A_COL, bool B_COL, bool ACC, bool TWO = false,
+          typename Op, typename After = NoEpilogue>
 __device__ void gemm(const Op* A, int lda, const Op* B, int ldb, float* Cm, int ldc,
                      Warps by = kAllWarps, const Same<Op>* A2 = nullptr, const Same<Op>* B2 = nullptr,
                      const After& after = {}) {
   if constexpr (std::is_same<Op, float>::value)
-    fma_elements<M, N, KD, A_COL, B_COL, ACC>(A, lda, B, ldb, A2, B2, Cm, ldc, by, after);
+    fma_elements<M, N, KD, A_COL, B_COL, ACC, TWO>(A, lda, B, ldb, A2, B2, Cm, ldc, by, after);
   else
-    mma_tiles<M, N, KD, A_COL, B_COL, ACC>(A, lda, B, ldb, A2, B2, Cm, ldc, by, after);
+    mma_tiles<M, N, KD, A_COL, B_COL, ACC, TWO>(A, lda, B, ldb, A2, B2, Cm, ldc, by, after);
 }
 
 // Pair p of the lower triangle (row-major order): t, i with i <= t.
@@ -140,8 +192,8 @@ __device__ __forceinline__ void pair(int p, int& t, int& i) {
 template <int D, typename T, bool BACKWARD> struct Layout {
   using Op = typename OperandOf<T>::type;
   static constexpr bool kCopies = !std::is_same<Op, float>::value;  // operand copies of states
-  // Tensor cores for the in-chunk matrices of tame chunks (TF32; 16-bit inputs only).
-  static constexpr bool kTensorInChunk = kCopies;
+  // Tensor cores for every product of 16-bit inputs (float32 ones keep CUDA cores).
+  static constexpr bool kTensor = kCopies;
   // bfloat16 inputs are their own operand tiles (V, dO).
   static constexpr bool kInputsAreOperands = std::is_same<T, Op>::value;
   static constexpr bool kGradientOnChip = gradient_on_chip<D>();
@@ -151,9 +203,12 @@ template <int D, typename T, bool BACKWARD> struct Layout {
   static constexpr size_t tile_f = align(sizeof(float) * C * ld<D>());
   static constexpr size_t state_f = align(sizeof(float) * D * ld<D>());
   static constexpr size_t state_op = align(sizeof(Op) * D * ld<D>());
-  // The [C, C] matrices (the backward's four gradients too), e^g, dg and the tame flag.
+  // The [C, C] matrices (the backward's four gradients too), e^g, dg and the tame flag; then
+  // the bfloat16 halves of A_qk, A_ak (and the backward's A_qb).
   static constexpr int n_mat = BACKWARD ? 9 : 5;
-  static constexpr size_t small = align(sizeof(float) * (n_mat * C * C + 2 * D) + 16);
+  static constexpr int n_split = kTensor ? (BACKWARD ? 3 : 2) : 0;
+  static constexpr size_t small_f = align(sizeof(float) * (n_mat * C * C + 2 * D) + 16);
+  static constexpr size_t small = small_f + n_split * 2 * C * C * sizeof(__nv_bfloat16);
   // Inputs r, w, k, v, a, b (+ dO). Operands q~, a~, k^, b^, U (+ dX), then V (+ dO) unless
   // the inputs serve. Float32: U and four scratch tiles (+ dX).
   static constexpr int n_in = BACKWARD ? 7 : 6;
@@ -168,7 +223,7 @@ template <int D, typename T, bool BACKWARD> struct Layout {
   static constexpr size_t bytes = n_in * tile_in + n_op * tile_op + n_f * tile_f + states + small;
   // The factored tiles of the backward's key-side step borrow k^ and b^ (free by then) as one
   // float32 tile.
-  static_assert(!kTensorInChunk || 2 * tile_op == tile_f, "k^ and b^ make one float32 tile");
+  static_assert(!kTensor || 2 * tile_op == tile_f, "k^ and b^ make one float32 tile");
 };
 
 struct ChunkArgs {
@@ -270,6 +325,12 @@ template <int D, typename T, bool BACKWARD> struct Block {
     return sm + Lay::n_in * Lay::tile_in + Lay::n_op * Lay::tile_op + Lay::n_f * Lay::tile_f +
            Lay::small;
   }
+  // The bfloat16 halves (hi + lo: 16 bits of mantissa together) of A_qk (0), A_ak (1), A_qb (2).
+  __device__ __nv_bfloat16* hi(int q) const {
+    return reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<char*>(mat(0)) + Lay::small_f) +
+           2 * q * C * C;
+  }
+  __device__ __nv_bfloat16* lo(int q) const { return hi(q) + C * C; }
   __device__ float& Aqk(int t, int i) const { return mat(0)[t * C + i]; }
   __device__ float& Aqb(int t, int i) const { return mat(1)[t * C + i]; }
   __device__ float& Aak(int t, int i) const { return mat(2)[t * C + i]; }
@@ -342,19 +403,36 @@ template <int D, typename T, bool BACKWARD> struct Block {
     __syncthreads();
   }
 
-  // A_qk, A_qb (i <= t), A_ak, A_ab (i < t); entries past those are never read. A tame
-  // chunk's are products of its factored tiles (TF32 tensor cores, warps 0..3); any other
-  // chunk's factors each from its own sum. Not synchronised.
+  // Entry e of in-chunk matrix q (A_qk, A_qb, A_ak, A_ab) made ready for tensor cores: 0 past
+  // its triangle (i <= t; i < t for A_ak) and the bfloat16 halves written. A_ab is read by the
+  // inverse alone, below the diagonal.
+  __device__ void finish_entry(int q, int e) const {
+    if (q == 3) return;
+    const int t = e / C, i = e % C, half = q == 0 ? 0 : q == 2 ? 1 : BACKWARD ? 2 : -1;
+    const float v = (q == 2 ? i < t : i <= t) ? mat(q)[e] : 0.f;
+    mat(q)[e] = v;
+    if (half >= 0) {
+      const __nv_bfloat16 h = __float2bfloat16(v);
+      hi(half)[e] = h;
+      const float rest = v - __bfloat162float(h);  // NaN where v is infinite: then 0
+      lo(half)[e] = __float2bfloat16(rest == rest ? rest : 0.f);
+    }
+  }
+
+  // A_qk, A_qb (i <= t), A_ak, A_ab (i < t). A tame chunk's are products of its factored tiles
+  // (TF32 tensor cores, warps 0..3); any other chunk's factors each from its own sum. With
+  // tensor cores, every entry is then finished (finish_entry). Not synchronised.
   __device__ void in_chunk_matrices() {
     const bool tame = *tame_flag();
-    if constexpr (Lay::kTensorInChunk) {
+    if constexpr (Lay::kTensor) {
       if (tame) {
         const int warp = threadIdx.x / 32;
         if (warp < 4) {
           const float* rows = f(warp < 2 ? 1 : 2);         // q or a
           const float* cols = f(warp % 2 == 0 ? 3 : 4);    // k or b
-          mma_tiles<C, C, D, false, true, false>(rows, L, cols, L, nullptr, nullptr, mat(warp),
-                                                 C, Warps{warp, 1}, NoEpilogue{});
+          mma_tiles<C, C, D, false, true, false, false>(rows, L, cols, L, nullptr, nullptr,
+                                                        mat(warp), C, Warps{warp, 1},
+                                                        Finished{this, warp});
         }
         return;
       }
@@ -391,7 +469,21 @@ template <int D, typename T, bool BACKWARD> struct Block {
         Aqb(t, i) = sb;
       }
     }
+    if constexpr (Lay::kTensor) {
+      __syncthreads();
+      for (int idx = threadIdx.x; idx < 4 * C * C; idx += kThreads) finish_entry(idx / (C * C), idx % (C * C));
+    }
   }
+
+  // After a warp stores its tile of in-chunk matrix q: finish_entry on each entry.
+  struct Finished {
+    const Block* blk;
+    int q;
+    __device__ void tile(int, int) const {
+      __syncwarp();
+      for (int e = threadIdx.x % 32; e < C * C; e += 32) blk->finish_entry(q, e);
+    }
+  };
 
   // (I - A_ab)^-1 by forward substitution on the calling warp: lane j < C keeps column j in
   // registers. Not synchronised.
@@ -430,6 +522,32 @@ template <int D, typename T, bool BACKWARD> struct Block {
     }
   }
 };
+
+// A warp's [16, 16] tile (columns n0..) of a float32 [C, L] tile, as operands into `dst`.
+template <int D, typename Op> __device__ void copy_tile(const float* src, Op* dst, int n0) {
+  __syncwarp();
+  for (int e = threadIdx.x % 32; e < 256; e += 32) {
+    const int at = (e / 16) * ld<D>() + n0 + e % 16;
+    dst[at] = to_op<Op>(src[at]);
+  }
+}
+
+// Rows t < len of a warp's [16, 16] tile (columns n0..) of a float32 [C, L] tile, to tokens
+// [c0, c0 + len) of head hd of out [tokens, H, D] (16-bit: two lanes per row, 16 bytes each).
+template <int D, typename T>
+__device__ void store_tile_rows(const float* tile, int n0, int len, T* out, int64_t c0,
+                                int64_t H, int64_t hd) {
+  static_assert(sizeof(T) == 2, "16-bit outputs");
+  __syncwarp();
+  const int lane = threadIdx.x % 32, t = lane / 2, col = n0 + (lane % 2) * 8;
+  if (t < len) {
+    Vec16 v;
+    T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) e[k] = from_f<T>(tile[t * ld<D>() + col + k]);
+    *reinterpret_cast<Vec16*>(out + ((c0 + t) * H + hd) * D + col) = v;
+  }
+}
 
 // Once a tile (or element) of a float32 state [D, ld] is final: its operand copy (if any) and
 // its float32 checkpoint slot [D, D] (if any).
@@ -490,30 +608,62 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_forward_kernel(ChunkArgs
     blk.operands();
     blk.in_chunk_matrices();
     __syncthreads();
+    T* o = static_cast<T*>(p.o);
     if (threadIdx.x < 32) {
       blk.inverse();
+    } else if constexpr (Lay::kTensor) {
+      // q~H + A_qk V into qh and X = a~H + A_ak V into x: [2C, D] tiles on the other warps.
+      for_tiles<2 * C, D>(Warps{1, kWarps - 1}, [&](int m0, int n0) {
+        const int which = m0 / C;  // 0: the rows q, 1: the rows a
+        Tile<Op> acc;
+        acc.zero();
+        acc.template add<D, false, false>(blk.op(which), L, S_op, L, 0, n0);
+        acc.template add<C, false, false>(blk.hi(which), C, blk.v_op(), L, 0, n0);
+        acc.template add<C, false, false>(blk.lo(which), C, blk.v_op(), L, 0, n0);
+        acc.store((which ? x : qh) + n0, L);
+      });
     } else {  // q~H, a~H on the other warps
       gemm<C, D, D, false, false, false>(blk.op(0), L, S_op, L, qh, L, Warps{1, kWarps - 1});
       gemm<C, D, D, false, false, false>(blk.op(1), L, S_op, L, x, L, Warps{1, kWarps - 1});
     }
     __syncthreads();
-    blk.values_x(x);
-    __syncthreads();
-    blk.values_u(x);
+    // U = (I - A_ab)^-1 X into u and its operand copy.
+    if constexpr (Lay::kTensor) {
+      for_tiles<C, D>(kAllWarps, [&](int, int n0) {
+        Tile<float> acc;
+        acc.zero();
+        acc.template add<C, false, false>(blk.mat(4), C, x, L, 0, n0);
+        acc.store(u + n0, L);
+        copy_tile<D>(u, blk.op(4), n0);
+      });
+    } else {
+      blk.values_x(x);
+      __syncthreads();
+      blk.values_u(x);
+    }
     __syncthreads();
     // O = q~H + A_qk V + A_qb U; H *= e^g
-    T* o = static_cast<T*>(p.o);
-    for (int idx = threadIdx.x; idx < len * D; idx += kThreads) {
-      const int t = idx / D, j = idx % D;
-      float s = qh[t * L + j];
-      for (int i = 0; i <= t; ++i) s += blk.Aqk(t, i) * blk.v_(i, j) + blk.Aqb(t, i) * u[i * L + j];
-      o[((c0 + t) * p.H + hd) * D + j] = from_f<T>(s);
+    if constexpr (Lay::kTensor) {
+      for_tiles<C, D>(kAllWarps, [&](int, int n0) {
+        Tile<float> acc;
+        acc.load(qh + n0, L);
+        acc.template add<C, false, false>(blk.mat(1), C, u, L, 0, n0);
+        acc.store(qh + n0, L);
+        store_tile_rows<D>(qh, n0, len, o, c0, p.H, hd);
+      });
+    } else {
+      for (int idx = threadIdx.x; idx < len * D; idx += kThreads) {
+        const int t = idx / D, j = idx % D;
+        float s = qh[t * L + j];
+        for (int i = 0; i <= t; ++i) s += blk.Aqk(t, i) * blk.v_(i, j) + blk.Aqb(t, i) * u[i * L + j];
+        o[((c0 + t) * p.H + hd) * D + j] = from_f<T>(s);
+      }
     }
     for (int idx = threadIdx.x; idx < D * D; idx += kThreads) S[(idx / D) * L + idx % D] *= blk.eg()[idx / D];
     __syncthreads();
     // H' = e^g H + k^^T V + b^^T U, and its operand copy and checkpoint as each tile is done.
     float* slot = p.ckpt && ci + 1 < n_chunks ? slot_of(ci + 1) : nullptr;
-    gemm<D, D, C, true, false, true>(blk.op(2), L, blk.v_op(), L, S, L, kAllWarps, blk.op(3),
+    gemm<D, D, C, true, false, true, true>(blk.op(2), L, blk.v_op(), L, S, L, kAllWarps, blk.op(3),
                                      blk.op(4), StateCopies<D, Op>{S, L, Lay::kCopies ? S_op : nullptr, slot});
   }
   __syncthreads();
@@ -608,6 +758,25 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
     __syncthreads();
     if (warp == 0) {
       blk.inverse();
+    } else if constexpr (Lay::kTensor) {
+      // X = a~H + A_ak V (s0), k^ dH' (s1), dU = b^ dH' + A_qb^T dO (s2): [3C, D] tiles.
+      for_tiles<3 * C, D>(Warps{1, kWarps - 1}, [&](int m0, int n0) {
+        const int which = m0 / C;
+        Tile<Op> acc;
+        acc.zero();
+        if (which == 0) {
+          acc.template add<D, false, false>(at, L, H_op, ldH, 0, n0);
+          acc.template add<C, false, false>(blk.hi(1), C, vb, L, 0, n0);
+          acc.template add<C, false, false>(blk.lo(1), C, vb, L, 0, n0);
+        } else {
+          acc.template add<D, false, false>(which == 1 ? kh : bh, L, G_op, ldG_op, 0, n0);
+          if (which == 2) {
+            acc.template add<C, true, false>(blk.hi(2), C, dob, L, 0, n0);
+            acc.template add<C, true, false>(blk.lo(2), C, dob, L, 0, n0);
+          }
+        }
+        acc.store((which == 0 ? s0 : which == 1 ? s1 : s2) + n0, L);
+      });
     } else {  // a~H, k^ dH', b^ dH' on the other warps
       constexpr Warps others{1, kWarps - 1};
       gemm<C, D, D, false, false, false>(at, L, H_op, ldH, s0, L, others);
@@ -615,42 +784,75 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
       gemm<C, D, D, false, false, false>(bh, L, G_op, ldG_op, s2, L, others);
     }
     __syncthreads();
-    // X = a~H + A_ak V; dU = A_qb^T dO + b^ dH' (in place of b^ dH'); one element per thread.
-    blk.values_x(s0);
-    for (int idx = j; idx < C * D; idx += kThreads) {
-      const int i = idx / D, column = idx % D;
-      float s = s2[i * L + column];
-      for (int t = i; t < C; ++t) s += blk.Aqb(t, i) * to_f(blk.in(6)[t * L + column]);
-      s2[i * L + column] = s;
-    }
-    __syncthreads();
-    // U = (I - A_ab)^-1 X, dX = (I - A_ab)^-T dU.
-    blk.values_u(s0);
-    for (int idx = j; idx < C * D; idx += kThreads) {
-      const int i = idx / D, column = idx % D;
-      float s = 0.f;
-      for (int t = i; t < C; ++t) s += blk.Tm(t, i) * s2[t * L + column];
-      dx[i * L + column] = s;
-      dxb[i * L + column] = to_op<Op>(s);
+    if constexpr (Lay::kTensor) {
+      // U = (I - A_ab)^-1 X into u and ub, dX = (I - A_ab)^-T dU into dx and dxb (TF32).
+      for_tiles<2 * C, D>(kAllWarps, [&](int m0, int n0) {
+        Tile<float> acc;
+        acc.zero();
+        if (m0 == 0) {
+          acc.template add<C, false, false>(blk.mat(4), C, s0, L, 0, n0);
+          acc.store(u + n0, L);
+          copy_tile<D>(u, ub, n0);
+        } else {
+          acc.template add<C, true, false>(blk.mat(4), C, s2, L, 0, n0);
+          acc.store(dx + n0, L);
+          copy_tile<D>(dx, dxb, n0);
+        }
+      });
+    } else {
+      // X = a~H + A_ak V; dU = A_qb^T dO + b^ dH' (in place of b^ dH'); one element per thread.
+      blk.values_x(s0);
+      for (int idx = j; idx < C * D; idx += kThreads) {
+        const int i = idx / D, column = idx % D;
+        float s = s2[i * L + column];
+        for (int t = i; t < C; ++t) s += blk.Aqb(t, i) * to_f(blk.in(6)[t * L + column]);
+        s2[i * L + column] = s;
+      }
+      __syncthreads();
+      // U = (I - A_ab)^-1 X, dX = (I - A_ab)^-T dU.
+      blk.values_u(s0);
+      for (int idx = j; idx < C * D; idx += kThreads) {
+        const int i = idx / D, column = idx % D;
+        float s = 0.f;
+        for (int t = i; t < C; ++t) s += blk.Tm(t, i) * s2[t * L + column];
+        dx[i * L + column] = s;
+        dxb[i * L + column] = to_op<Op>(s);
+      }
     }
     __syncthreads();
     // dV = A_qk^T dO + A_ak^T dX + k^ dH', and the gradients of the in-chunk matrices:
     // dA_qk = dO V^T, dA_qb = dO U^T, dA_ak = dX V^T, dA_ab = dX U^T (lower parts).
-    for (int idx = j; idx < len * D; idx += kThreads) {
-      const int i = idx / D, column = idx % D;
-      float s = s1[i * L + column];
-      for (int t = i; t < C; ++t) {
-        s += blk.Aqk(t, i) * to_f(blk.in(6)[t * L + column]);
-        if (t > i) s += blk.Aak(t, i) * dx[t * L + column];
+    if constexpr (Lay::kTensor) {
+      if (warp < 4) {
+        mma_tiles<C, C, D, false, true, false, false>(warp < 2 ? dob : dxb, L, warp % 2 ? ub : vb, L,
+                                                      nullptr, nullptr, blk.mat(5 + warp), C,
+                                                      Warps{warp, 1}, LowerOnly{blk.mat(5 + warp), warp >= 2});
+      } else {
+        for_tiles<C, D>(Warps{4, kWarps - 4}, [&](int, int n0) {
+          Tile<Op> in_bf16;
+          in_bf16.load(s1 + n0, L);
+          in_bf16.template add<C, true, false>(blk.hi(0), C, dob, L, 0, n0);
+          in_bf16.template add<C, true, false>(blk.lo(0), C, dob, L, 0, n0);
+          in_bf16.store(s1 + n0, L);
+          __syncwarp();
+          Tile<float> in_tf32;
+          in_tf32.load(s1 + n0, L);
+          in_tf32.template add<C, true, false>(blk.mat(2), C, dx, L, 0, n0);
+          in_tf32.store(s1 + n0, L);
+          store_tile_rows<D>(s1, n0, len, gv, c0, p.H, hd);
+        });
       }
-      gv[((c0 + i) * p.H + hd) * D + column] = from_f<T>(s);
-    }
-    if constexpr (Lay::kTensorInChunk) {
-      if (warp < 4)
-        mma_tiles<C, C, D, false, true, false>(warp < 2 ? dob : dxb, L, warp % 2 ? ub : vb, L,
-                                               nullptr, nullptr, blk.mat(5 + warp), C,
-                                               Warps{warp, 1}, LowerOnly{blk.mat(5 + warp), warp >= 2});
-    } else {  // each pair (t, i) by two threads: rows dO (dA_qk, dA_qb), rows dX (dA_ak, dA_ab)
+    } else {
+      for (int idx = j; idx < len * D; idx += kThreads) {
+        const int i = idx / D, column = idx % D;
+        float s = s1[i * L + column];
+        for (int t = i; t < C; ++t) {
+          s += blk.Aqk(t, i) * to_f(blk.in(6)[t * L + column]);
+          if (t > i) s += blk.Aak(t, i) * dx[t * L + column];
+        }
+        gv[((c0 + i) * p.H + hd) * D + column] = from_f<T>(s);
+      }
+      // Each pair (t, i) by two threads: rows dO (dA_qk, dA_qb), rows dX (dA_ak, dA_ab).
       for (int idx = j; idx < 2 * kPairs; idx += kThreads) {
         int t, i;
         pair(idx % kPairs, t, i);
@@ -713,7 +915,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
     __syncthreads();
     // The key-side gradients through the in-chunk factors.
     bool factored = false;  // whether s2, s3 still lack their factor e^(m - gi) (tame products)
-    if constexpr (Lay::kTensorInChunk) {
+    if constexpr (Lay::kTensor) {
       if (tame) {
         factored = true;
         // With the factored tiles (F = e^(gi_t - m) e^(m - gi_i)): dq += e^(gi_t - m)
@@ -732,9 +934,9 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
           s1[e] *= expf(m - ge);
         }
         __syncthreads();
-        mma_tiles<C, D, C, false, false, true>(blk.mat(5), C, k_f, L, blk.mat(6), b_f, s0, L,
+        mma_tiles<C, D, C, false, false, true, true>(blk.mat(5), C, k_f, L, blk.mat(6), b_f, s0, L,
                                                Warps{0, kWarps / 2}, NoEpilogue{});
-        mma_tiles<C, D, C, false, false, true>(blk.mat(7), C, k_f, L, blk.mat(8), b_f, s1, L,
+        mma_tiles<C, D, C, false, false, true, true>(blk.mat(7), C, k_f, L, blk.mat(8), b_f, s1, L,
                                                Warps{kWarps / 2, kWarps / 2}, NoEpilogue{});
         __syncthreads();
         float *q_f = k_f, *a_f = b_f;
@@ -750,9 +952,9 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
           s3[e] *= row;
         }
         __syncthreads();
-        mma_tiles<C, D, C, true, false, true>(blk.mat(5), C, q_f, L, blk.mat(7), a_f, s2, L,
+        mma_tiles<C, D, C, true, false, true, true>(blk.mat(5), C, q_f, L, blk.mat(7), a_f, s2, L,
                                               Warps{0, kWarps / 2}, NoEpilogue{});
-        mma_tiles<C, D, C, true, false, true>(blk.mat(6), C, q_f, L, blk.mat(8), a_f, s3, L,
+        mma_tiles<C, D, C, true, false, true, true>(blk.mat(6), C, q_f, L, blk.mat(8), a_f, s3, L,
                                               Warps{kWarps / 2, kWarps / 2}, NoEpilogue{});
         __syncthreads();
       }
@@ -834,7 +1036,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
       }
     }
     // dH = e^g dH' + q~^T dO + a~^T dX, and its operand copy as each tile is done.
-    gemm<D, D, C, true, false, true>(qt, L, dob, L, G, ldG, kAllWarps, at, dxb,
+    gemm<D, D, C, true, false, true, true>(qt, L, dob, L, G, ldG, kAllWarps, at, dxb,
                                      StateCopies<D, Op>{G, ldG, Lay::kCopies ? G_op_copy : nullptr,
                                                         nullptr});
   }
