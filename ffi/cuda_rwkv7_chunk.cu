@@ -7,11 +7,14 @@
 // start (float32 checkpoint slots, common.h); the backward walks the chunks in reverse, computing
 // every gradient of a chunk from its saved state and the state gradient at its end.
 //
-// The products with the state, [C, K] x [K, V] and [K, C] x [C, V] (q~ H, a~ H, the state
-// update, dO H^T, V dH'^T, the state gradient's update...), run on tensor cores (nvcuda::wmma,
-// bfloat16 operands, float32 accumulation) for 16-bit inputs, and as float32 products for
-// float32 inputs. Everything with a [C, C] matrix (the A matrices, (I - A_ab)^-1, their
-// gradients) and every factor stays float32.
+// For 16-bit inputs every product runs on tensor cores (nvcuda::wmma, float32 sums): those with
+// the state ([C, K] x [K, V], [K, C] x [C, V]: q~ H, the state update, dO H^T...) and the in-chunk
+// matrices' gradients on bfloat16 operands; the in-chunk matrices of a tame chunk, its key-side
+// gradients through the factors and the products with float32 intermediates ((I - A_ab)^-1 X,
+// A_qb U, A_ak^T dX) on TF32 operands; the float32 in-chunk matrices against the 16-bit inputs
+// (A_qk V, A_ak V, A_qb^T dO, A_qk^T dO) as two bfloat16 halves (16 bits of mantissa together).
+// The factors, the inverse's substitution and the state stay float32. Float32 inputs keep
+// float32 products on CUDA cores.
 #include "cuda_util.cuh"
 #include "cuda_rwkv7_chunk.cuh"
 
