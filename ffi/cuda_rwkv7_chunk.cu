@@ -36,6 +36,13 @@ ffi::Error launch_chunked(cudaStream_t stream, ffi::DataType dtype, const SeqSha
     using T = decltype(t);
     return dispatch_head_size(s.K, [&](auto kc) -> ffi::Error {
       constexpr int D = decltype(kc)::value;
+      // The kernels move rows of 16 bytes (inputs, outputs and gradients).
+      const void* const rows[] = {args.r, args.w,  args.k,  args.v,  args.a,  args.b, args.d_o,
+                                  args.o, args.dr, args.dw, args.dk, args.dv, args.da, args.db};
+      for (const void* ptr : rows)
+        if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
+          return ffi::Error::InvalidArgument(
+              "rwkv7 chunked kernels: a buffer is not 16-byte aligned (XLA aligns its buffers)");
       const size_t shared = Layout<D, T, BACKWARD>::bytes;
       if ((int64_t)shared > max_shared_bytes())
         return ffi::Error::InvalidArgument(

@@ -348,7 +348,7 @@ template <int D, typename T, bool BACKWARD> struct Block {
   __device__ float a_(int t, int j) const { return to_f(in(4)[t * L + j]); }
   __device__ float b_(int t, int j) const { return to_f(in(5)[t * L + j]); }
 
-  // Prefetched inputs into their tiles (and the operand copies of V and dO if they need any).
+  // Prefetched inputs into their tiles.
   template <typename P> __device__ void store(const P& next) const {
     next.store([this](int q) { return in(q); });
   }
