@@ -16,7 +16,8 @@
 // The factors, the inverse's substitution and the state stay float32. Float32 inputs keep
 // float32 products on CUDA cores.
 #include "cuda_util.cuh"
-#include "cuda_rwkv7_chunk.cuh"
+#include "cuda_rwkv7_chunk_backward.cuh"
+#include "cuda_rwkv7_chunk_forward.cuh"
 
 namespace rwkv_ffi {
 

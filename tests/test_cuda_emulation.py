@@ -3,7 +3,7 @@ std::thread per CUDA thread, barriers for __syncthreads and warp shuffles, wmma 
 with bfloat16 operands), with the real device helpers of ffi/cuda_device.cuh, against the float64
 reference:
 
-- the chunked RWKV-7 pair (ffi/cuda_rwkv7_chunk.cuh): output, final state and every gradient,
+- the chunked RWKV-7 pair (ffi/cuda_rwkv7_chunk*.cuh): output, final state and every gradient,
   initial state included, for every log decay in [-inf, 0], ragged last chunks, packed sequences
   with empty segments, K = 64 and 128, float32 / bfloat16 / float16;
 - the sequential RWKV-7 and RWKV-6 kernels (ffi/cuda_rwkv7.cuh, ffi/cuda_rwkv6.cuh): the same

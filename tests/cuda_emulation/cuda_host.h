@@ -1,5 +1,5 @@
 // A host stand-in for what the CUDA kernels take from CUDA itself, so that their own source
-// (ffi/cuda_rwkv7_chunk.cuh, ffi/cuda_rwkv7.cuh, ffi/cuda_rwkv6.cuh and their device helpers in
+// (ffi/cuda_rwkv7_chunk*.cuh, ffi/cuda_rwkv7.cuh, ffi/cuda_rwkv6.cuh and their device helpers in
 // ffi/cuda_device.cuh) runs on the CPU (tests/test_cuda_emulation.py): one block at a time, a
 // std::thread per CUDA thread, std::barrier for __syncthreads and for the warp shuffles, shared
 // memory a global array, bfloat16 rounded to nearest even as on the GPU.

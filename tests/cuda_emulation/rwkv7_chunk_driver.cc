@@ -1,4 +1,4 @@
-// Runs the chunked RWKV-7 CUDA kernels (ffi/cuda_rwkv7_chunk.cuh, the GPU's own source) on the
+// Runs the chunked RWKV-7 CUDA kernels (ffi/cuda_rwkv7_chunk*.cuh, the GPU's own source) on the
 // host through the stand-ins of this folder: forward with checkpoints, then backward.
 //   rwkv7_chunk_driver D DTYPE DIR B T H N
 // reads float32 files r w k v a b do ([B, T, H, D]), h0 dh ([N, H, D, D]) and int32 cu ([N + 1])
@@ -12,7 +12,8 @@ alignas(128) char sm[256 * 1024];  // the kernels' `extern __shared__ char sm[]`
 }  // namespace
 }  // namespace rwkv_ffi
 
-#include "cuda_rwkv7_chunk.cuh"
+#include "cuda_rwkv7_chunk_backward.cuh"
+#include "cuda_rwkv7_chunk_forward.cuh"
 
 using namespace rwkv_ffi;
 

@@ -1,0 +1,385 @@
+// The chunked RWKV-7 backward kernel (see cuda_rwkv7_chunk.cu and cuda_rwkv7_chunk.cuh).
+#pragma once
+
+#include "cuda_rwkv7_chunk.cuh"
+
+namespace rwkv_ffi {
+namespace {
+
+// After a warp stores its tile of a [C, C] matrix gradient: the entries above the diagonal (and
+// on it, STRICT) set to 0, as the key-side products read whole tiles.
+struct LowerOnly {
+  float* m;
+  bool strict;
+  __device__ void tile(int, int) const {
+    __syncwarp();
+    for (int e = threadIdx.x % 32; e < C * C; e += 32)
+      if (e % C > e / C || (strict && e % C == e / C)) m[e] = 0.f;
+  }
+  __device__ void element(int, int, float) const {}
+};
+
+template <int D, typename T>
+__global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArgs p) {
+  using Blk = Block<D, T, true>;
+  using Lay = typename Blk::Lay;
+  using Op = typename Blk::Op;
+  constexpr int L = Blk::L;
+  extern __shared__ __align__(128) char sm[];
+  Blk blk(sm, p.scale);
+  const int64_t hd = blockIdx.x, n = blockIdx.y;
+  const Range seq = sequence(p.cu, n, 0, p.total);
+  const int64_t base = (n * p.H + hd) * D * D;
+  // The state gradient G (dL/dH' of the chunk being processed): on chip, or in its dh0 slot.
+  float* G;
+  int ldG;
+  if constexpr (Lay::kGradientOnChip) {
+    G = reinterpret_cast<float*>(blk.states() + (Lay::kCopies ? 2 * Lay::state_op : 0));
+    ldG = L;
+  } else {
+    G = p.h_out + base;
+    ldG = D;
+  }
+  Op *H_op_copy = reinterpret_cast<Op*>(blk.states()),
+     *G_op_copy = reinterpret_cast<Op*>(blk.states() + Lay::state_op);
+  float *u = blk.f(0), *dx = blk.f(5);
+  float *s0 = blk.f(1), *s1 = blk.f(2), *s2 = blk.f(3), *s3 = blk.f(4);
+  Op *qt = blk.op(0), *at = blk.op(1), *kh = blk.op(2), *bh = blk.op(3), *ub = blk.op(4),
+     *dxb = blk.op(5), *vb = blk.v_op(), *dob = blk.do_op();
+  T *gr = static_cast<T*>(p.dr), *gw = static_cast<T*>(p.dw), *gk = static_cast<T*>(p.dk),
+    *gv = static_cast<T*>(p.dv), *ga = static_cast<T*>(p.da), *gb = static_cast<T*>(p.db);
+  const int j = threadIdx.x, warp = threadIdx.x / 32;
+
+  for (int idx = j; idx < D * D; idx += kThreads) {
+    const float g = p.h_in[base + idx];
+    G[(idx / D) * ldG + idx % D] = g;
+    if constexpr (Lay::kCopies) G_op_copy[(idx / D) * L + idx % D] = to_op<Op>(g);
+  }
+  const int64_t n_chunks = (seq.end - seq.start + C - 1) / C;
+  Prefetch<D, T, 7> next;
+  if (n_chunks > 0) {
+    const int64_t last = seq.start + (n_chunks - 1) * C;
+    next.load(p, last, (int)(seq.end - last), hd);
+  }
+  for (int64_t ci = n_chunks - 1; ci >= 0; --ci) {
+    const int64_t c0 = seq.start + ci * C;
+    const int len = (int)lmin(C, seq.end - c0);
+    const float* Hs = p.ckpt + ((first_slot(n, seq.start) + ci) * p.H + hd) * D * D;
+    const Op *H_op, *G_op;
+    int ldH, ldG_op;
+    __syncthreads();
+    blk.store(next);
+    if (ci > 0) next.load(p, c0 - C, C, hd);
+    if constexpr (Lay::kCopies) {
+      for (int idx = j * 4; idx < D * D; idx += kThreads * 4) {
+        const Floats4 h = *reinterpret_cast<const Floats4*>(Hs + idx);
+        Op* row = H_op_copy + (idx / D) * L + idx % D;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) row[e] = to_op<Op>(h.x[e]);
+      }
+      H_op = H_op_copy;
+      G_op = G_op_copy;
+      ldH = L;
+      ldG_op = L;
+    } else {
+      H_op = Hs;
+      G_op = G;
+      ldH = D;
+      ldG_op = ldG;
+    }
+    __syncthreads();
+    blk.operands();
+    const bool tame = *blk.tame_flag();
+    blk.in_chunk_matrices();
+    __syncthreads();
+    if (warp == 0) {
+      blk.inverse();
+    } else if constexpr (Lay::kTensor) {
+      // X = a~H + A_ak V (s0), k^ dH' (s1), dU = b^ dH' + A_qb^T dO (s2): [3C, D] tiles.
+      for_tiles<3 * C, D>(Warps{1, kWarps - 1}, [&](int m0, int n0) {
+        const int which = m0 / C;
+        Tile<Op> acc;
+        acc.zero();
+        if (which == 0) {
+          acc.template add<D, false, false>(at, L, H_op, ldH, 0, n0);
+          acc.template add<C, false, false>(blk.hi(1), C, vb, L, 0, n0);
+          acc.template add<C, false, false>(blk.lo(1), C, vb, L, 0, n0);
+        } else {
+          acc.template add<D, false, false>(which == 1 ? kh : bh, L, G_op, ldG_op, 0, n0);
+          if (which == 2) {
+            acc.template add<C, true, false>(blk.hi(2), C, dob, L, 0, n0);
+            acc.template add<C, true, false>(blk.lo(2), C, dob, L, 0, n0);
+          }
+        }
+        acc.store((which == 0 ? s0 : which == 1 ? s1 : s2) + n0, L);
+      });
+    } else {  // a~H, k^ dH', b^ dH' on the other warps
+      constexpr Warps others{1, kWarps - 1};
+      gemm<C, D, D, false, false, false>(at, L, H_op, ldH, s0, L, others);
+      gemm<C, D, D, false, false, false>(kh, L, G_op, ldG_op, s1, L, others);
+      gemm<C, D, D, false, false, false>(bh, L, G_op, ldG_op, s2, L, others);
+    }
+    __syncthreads();
+    if constexpr (Lay::kTensor) {
+      // U = (I - A_ab)^-1 X into u and ub, dX = (I - A_ab)^-T dU into dx and dxb (TF32).
+      for_tiles<2 * C, D>(kAllWarps, [&](int m0, int n0) {
+        Tile<float> acc;
+        acc.zero();
+        if (m0 == 0) {
+          acc.template add<C, false, false>(blk.mat(4), C, s0, L, 0, n0);
+          acc.store(u + n0, L);
+          copy_tile<D>(u, ub, n0);
+        } else {
+          acc.template add<C, true, false>(blk.mat(4), C, s2, L, 0, n0);
+          acc.store(dx + n0, L);
+          copy_tile<D>(dx, dxb, n0);
+        }
+      });
+    } else {
+      // X = a~H + A_ak V; dU = A_qb^T dO + b^ dH' (in place of b^ dH'); one element per thread.
+      blk.values_x(s0);
+      for (int idx = j; idx < C * D; idx += kThreads) {
+        const int i = idx / D, column = idx % D;
+        float s = s2[i * L + column];
+        for (int t = i; t < C; ++t) s += blk.Aqb(t, i) * to_f(blk.in(6)[t * L + column]);
+        s2[i * L + column] = s;
+      }
+      __syncthreads();
+      // U = (I - A_ab)^-1 X, dX = (I - A_ab)^-T dU.
+      blk.values_u(s0);
+      for (int idx = j; idx < C * D; idx += kThreads) {
+        const int i = idx / D, column = idx % D;
+        float s = 0.f;
+        for (int t = i; t < C; ++t) s += blk.Tm(t, i) * s2[t * L + column];
+        dx[i * L + column] = s;
+        dxb[i * L + column] = to_op<Op>(s);
+      }
+    }
+    __syncthreads();
+    // dV = A_qk^T dO + A_ak^T dX + k^ dH', and the gradients of the in-chunk matrices:
+    // dA_qk = dO V^T, dA_qb = dO U^T, dA_ak = dX V^T, dA_ab = dX U^T (lower parts).
+    if constexpr (Lay::kTensor) {
+      if (warp < 4) {
+        mma_tiles<C, C, D, false, true, false, false>(warp < 2 ? dob : dxb, L, warp % 2 ? ub : vb, L,
+                                                      nullptr, nullptr, blk.mat(5 + warp), C,
+                                                      Warps{warp, 1}, LowerOnly{blk.mat(5 + warp), warp >= 2});
+      } else {
+        for_tiles<C, D>(Warps{4, kWarps - 4}, [&](int, int n0) {
+          Tile<Op> in_bf16;
+          in_bf16.load(s1 + n0, L);
+          in_bf16.template add<C, true, false>(blk.hi(0), C, dob, L, 0, n0);
+          in_bf16.template add<C, true, false>(blk.lo(0), C, dob, L, 0, n0);
+          in_bf16.store(s1 + n0, L);
+          __syncwarp();
+          Tile<float> in_tf32;
+          in_tf32.load(s1 + n0, L);
+          in_tf32.template add<C, true, false>(blk.mat(2), C, dx, L, 0, n0);
+          in_tf32.store(s1 + n0, L);
+          store_tile_rows<D>(s1, n0, len, gv, c0, p.H, hd);
+        });
+      }
+    } else {
+      for (int idx = j; idx < len * D; idx += kThreads) {
+        const int i = idx / D, column = idx % D;
+        float s = s1[i * L + column];
+        for (int t = i; t < C; ++t) {
+          s += blk.Aqk(t, i) * to_f(blk.in(6)[t * L + column]);
+          if (t > i) s += blk.Aak(t, i) * dx[t * L + column];
+        }
+        gv[((c0 + i) * p.H + hd) * D + column] = from_f<T>(s);
+      }
+      // Each pair (t, i) by two threads: rows dO (dA_qk, dA_qb), rows dX (dA_ak, dA_ab).
+      for (int idx = j; idx < 2 * kPairs; idx += kThreads) {
+        int t, i;
+        pair(idx % kPairs, t, i);
+        const bool rows_x = idx >= kPairs;
+        float sv = 0.f, su = 0.f;
+        for (int x = 0; x < D; ++x) {
+          const float rx = rows_x ? dx[t * L + x] : to_f(blk.in(6)[t * L + x]);
+          sv += rx * blk.v_(i, x);
+          su += rx * u[i * L + x];
+        }
+        if (rows_x) {
+          blk.dAak(t, i) = sv;
+          blk.dAab(t, i) = su;
+        } else {
+          blk.dAqk(t, i) = sv;
+          blk.dAqb(t, i) = su;
+        }
+      }
+    }
+    __syncthreads();
+    // Against the state: dq~ = dO H^T, da~ = dX H^T, dk^ = V dH'^T, db^ = U dH'^T.
+    gemm<C, D, D, false, true, false>(dob, L, H_op, ldH, s0, L);
+    gemm<C, D, D, false, true, false>(dxb, L, H_op, ldH, s1, L);
+    gemm<C, D, D, false, true, false>(vb, L, G_op, ldG_op, s2, L);
+    gemm<C, D, D, false, true, false>(ub, L, G_op, ldG_op, s3, L);
+    // e^g rowsum(H * dH'): a warp per row.
+    for (int row = warp; row < D; row += kWarps) {
+      float s = 0.f;
+      for (int x = j % 32; x < D; x += 32) s += Hs[row * D + x] * G[row * ldG + x];
+#pragma unroll
+      for (int off = 16; off; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      if (j % 32 == 0) blk.dg()[row] = blk.eg()[row] * s;
+    }
+    __syncthreads();
+    // The terms against the state through their factors, column by column (dq~ e^gi,
+    // da~ e^ge, dk^ e^(g - gi), db^ e^(g - gi) in place in s0..s3; gi into the dX tile, free
+    // now; dg); meanwhile dH' *= e^g on every thread (dH = e^g dH' + ... below).
+    if (j < D) {
+      float run = 0.f;
+#pragma unroll
+      for (int t = 0; t < C; ++t) {
+        s1[t * L + j] *= expf(run);
+        run += blk.w_(t, j);
+        s0[t * L + j] *= expf(run);
+        dx[t * L + j] = run;
+      }
+      float dg = blk.dg()[j], back = 0.f;
+#pragma unroll
+      for (int t = C - 1; t >= 0; --t) {
+        const float e = expf(back);
+        const float dk_h = s2[t * L + j] * e, db_h = s3[t * L + j] * e;
+        s2[t * L + j] = dk_h;
+        s3[t * L + j] = db_h;
+        dg += blk.k_(t, j) * dk_h + blk.b_(t, j) * db_h;
+        back += blk.w_(t, j);
+      }
+      blk.dg()[j] = dg;
+    }
+    for (int idx = j; idx < D * D; idx += kThreads) G[(idx / D) * ldG + idx % D] *= blk.eg()[idx / D];
+    __syncthreads();
+    // The key-side gradients through the in-chunk factors.
+    bool factored = false;  // whether s2, s3 still lack their factor e^(m - gi) (tame products)
+    if constexpr (Lay::kTensor) {
+      if (tame) {
+        factored = true;
+        // With the factored tiles (F = e^(gi_t - m) e^(m - gi_i)): dq += e^(gi_t - m)
+        // (dA_qk k_f + dA_qb b_f), da += e^(ge_t - m) (dA_ak k_f + dA_ab b_f), then dk, db +=
+        // e^(m - gi_i) (dA_qk^T q_f + dA_ak^T a_f, dA_qb^T q_f + dA_ab^T a_f): each sum taken
+        // in the frame of its factor (divided out first, multiplied back after).
+        float* k_f = u;  // U is spent
+        float* b_f = blk.spent_kb();
+        for (int idx = j; idx < C * D; idx += kThreads) {
+          const int t = idx / D, x = idx % D, e = t * L + x;
+          const float m = dx[kMiddle * L + x], gi = dx[e], ge = t ? dx[e - L] : 0.f;
+          const float col = expf(m - gi);
+          k_f[e] = blk.k_(t, x) * col;
+          b_f[e] = blk.b_(t, x) * col;
+          s0[e] *= col;
+          s1[e] *= expf(m - ge);
+        }
+        __syncthreads();
+        mma_tiles<C, D, C, false, false, true, true>(blk.mat(5), C, k_f, L, blk.mat(6), b_f, s0, L,
+                                               Warps{0, kWarps / 2}, NoEpilogue{});
+        mma_tiles<C, D, C, false, false, true, true>(blk.mat(7), C, k_f, L, blk.mat(8), b_f, s1, L,
+                                               Warps{kWarps / 2, kWarps / 2}, NoEpilogue{});
+        __syncthreads();
+        float *q_f = k_f, *a_f = b_f;
+        for (int idx = j; idx < C * D; idx += kThreads) {
+          const int t = idx / D, x = idx % D, e = t * L + x;
+          const float m = dx[kMiddle * L + x], gi = dx[e], ge = t ? dx[e - L] : 0.f;
+          const float row = expf(gi - m), row_e = expf(ge - m);
+          s0[e] *= row;
+          s1[e] *= row_e;
+          q_f[e] = blk.q_(t, x) * row;
+          a_f[e] = blk.a_(t, x) * row_e;
+          s2[e] *= row;
+          s3[e] *= row;
+        }
+        __syncthreads();
+        mma_tiles<C, D, C, true, false, true, true>(blk.mat(5), C, q_f, L, blk.mat(7), a_f, s2, L,
+                                              Warps{0, kWarps / 2}, NoEpilogue{});
+        mma_tiles<C, D, C, true, false, true, true>(blk.mat(6), C, q_f, L, blk.mat(8), a_f, s3, L,
+                                              Warps{kWarps / 2, kWarps / 2}, NoEpilogue{});
+        __syncthreads();
+      }
+    }
+    if (!factored) {
+      // kParts threads per column share its pairs (t, i) by i; then the parts' sums of dq
+      // and da, one part after another (the same order every run).
+      constexpr int kParts = kThreads / D;
+      const int column = j % D, part = j / D;
+      const float m = dx[kMiddle * L + column];
+      float row[C], g_q[C], g_a[C];
+#pragma unroll
+      for (int t = 0; t < C; ++t) {
+        row[t] = expf(dx[t * L + column] - m);
+        g_q[t] = 0.f;
+        g_a[t] = 0.f;
+      }
+#pragma unroll 1
+      for (int i = part; i < C; i += kParts) {
+        const float ki = blk.k_(i, column), bi = blk.b_(i, column);
+        const float col = expf(m - dx[i * L + column]);
+        float F = 1.f, E = 0.f, sum = 0.f, dki = 0.f, dbi = 0.f;
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+          if (t < i) continue;
+          if (t > i) {
+            E = F;  // E(t, i) = F(t - 1, i)
+            sum += blk.w_(t, column);
+            F = tame ? row[t] * col : expf(sum);
+          } else if (tame) {
+            F = row[t] * col;
+          }
+          const float q_t = blk.q_(t, column), qk = blk.dAqk(t, i), qb = blk.dAqb(t, i);
+          g_q[t] += (qk * ki + qb * bi) * F;
+          dki += qk * q_t * F;
+          dbi += qb * q_t * F;
+          if (t > i) {
+            const float a_t = blk.a_(t, column), ak = blk.dAak(t, i), ab = blk.dAab(t, i);
+            g_a[t] += (ak * ki + ab * bi) * E;
+            dki += ak * a_t * E;
+            dbi += ab * a_t * E;
+          }
+        }
+        s2[i * L + column] += dki;  // each i belongs to one thread of the column
+        s3[i * L + column] += dbi;
+      }
+      for (int q = 0; q < kParts; ++q) {
+        if (part == q) {
+#pragma unroll
+          for (int t = 0; t < C; ++t) {
+            s0[t * L + column] += g_q[t];
+            s1[t * L + column] += g_a[t];
+          }
+        }
+        __syncthreads();
+      }
+    }
+    if (j < D) {
+      // dw_s = sum_{t >= s} (dgi_t + dge_t) - dge_s + dg; 0 where the log decay was raised.
+      const float dg = blk.dg()[j], m = dx[kMiddle * L + j];
+      float acc = 0.f;
+#pragma unroll
+      for (int t = C - 1; t >= 0; --t) {
+        const float back = factored ? expf(m - dx[t * L + j]) : 1.f;
+        const float g_q = s0[t * L + j], g_a = s1[t * L + j];
+        const float g_k = s2[t * L + j] * back, g_b = s3[t * L + j] * back;
+        const float dgi = blk.q_(t, j) * g_q - blk.k_(t, j) * g_k - blk.b_(t, j) * g_b;
+        const float dge = blk.a_(t, j) * g_a;
+        acc += dgi + dge;
+        if (t < len) {
+          const int64_t out = ((c0 + t) * p.H + hd) * D + j;
+          const float w_raw = to_f(blk.in(1)[t * L + j]);
+          gw[out] = from_f<T>(w_raw < kFloor ? 0.f : acc - dge + dg);
+          gr[out] = from_f<T>(g_q * p.scale);
+          gk[out] = from_f<T>(g_k);
+          ga[out] = from_f<T>(g_a);
+          gb[out] = from_f<T>(g_b);
+        }
+      }
+    }
+    // dH = e^g dH' + q~^T dO + a~^T dX, and its operand copy as each tile is done.
+    gemm<D, D, C, true, false, true, true>(qt, L, dob, L, G, ldG, kAllWarps, at, dxb,
+                                     StateCopies<D, Op>{G, ldG, Lay::kCopies ? G_op_copy : nullptr,
+                                                        nullptr});
+  }
+  __syncthreads();
+  if constexpr (Lay::kGradientOnChip)
+    for (int idx = j; idx < D * D; idx += kThreads) p.h_out[base + idx] = G[(idx / D) * ldG + idx % D];
+}
+
+}  // namespace
+}  // namespace rwkv_ffi
