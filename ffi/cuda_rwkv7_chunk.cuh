@@ -41,8 +41,8 @@ constexpr Warps kAllWarps{0, kWarps};
 template <int M, int N, int KD, bool A_COL, bool B_COL, bool ACC, bool TWO = false,
           typename Op, typename After = NoEpilogue>
 __device__ void gemm(const Op* A, int lda, const Op* B, int ldb, float* Cm, int ldc,
-                     Warps by = kAllWarps, const Same<Op>* A2 = nullptr, const Same<Op>* B2 = nullptr,
-                     const After& after = {}) {
+                     Warps by = kAllWarps, const Same<Op>* A2 = nullptr,
+                     const Same<Op>* B2 = nullptr, const After& after = {}) {
   if constexpr (std::is_same<Op, float>::value)
     fma_elements<M, N, KD, A_COL, B_COL, ACC, TWO>(A, lda, B, ldb, A2, B2, Cm, ldc, by, after);
   else
@@ -343,7 +343,8 @@ template <int D, typename T, bool BACKWARD> struct Block {
     }
     if constexpr (Lay::kTensor) {
       __syncthreads();
-      for (int idx = threadIdx.x; idx < 4 * C * C; idx += kThreads) finish_entry(idx / (C * C), idx % (C * C));
+      for (int idx = threadIdx.x; idx < 4 * C * C; idx += kThreads)
+        finish_entry(idx / (C * C), idx % (C * C));
     }
   }
 
@@ -368,12 +369,13 @@ template <int D, typename T, bool BACKWARD> struct Block {
       float s = t == j ? 1.f : 0.f;
 #pragma unroll
       for (int x = 0; x < t; ++x) s += Aab(t, x) * col[x];
-      col[t] = t < j ? 0.f : s;  // a select: no 0 * (an entry above the diagonal)
+      col[t] = t < j ? 0.f : s;  // 0 above the diagonal even where a row holds NaN or inf
       Tm(t, j) = col[t];
     }
   }
 
-  // X = a~H + A_ak V in place of a~H in `x` [C, L]. Not synchronised.
+  // X = a~H + A_ak V in place of a~H in `x` [C, L] (float32 inputs; 16-bit ones take tensor
+  // cores in the kernels). Not synchronised.
   __device__ void values_x(float* x) const {
     for (int idx = threadIdx.x; idx < C * D; idx += kThreads) {
       const int t = idx / D, j = idx % D;
@@ -383,7 +385,7 @@ template <int D, typename T, bool BACKWARD> struct Block {
     }
   }
 
-  // U = (I - A_ab)^-1 X into f(0) and op(4). Not synchronised.
+  // U = (I - A_ab)^-1 X into f(0) and op(4) (float32 inputs, as values_x). Not synchronised.
   __device__ void values_u(const float* x) const {
     for (int idx = threadIdx.x; idx < C * D; idx += kThreads) {
       const int t = idx / D, j = idx % D;

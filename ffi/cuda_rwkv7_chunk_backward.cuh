@@ -160,9 +160,10 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
     // dA_qk = dO V^T, dA_qb = dO U^T, dA_ak = dX V^T, dA_ab = dX U^T (lower parts).
     if constexpr (Lay::kTensor) {
       if (warp < 4) {
-        mma_tiles<C, C, D, false, true, false, false>(warp < 2 ? dob : dxb, L, warp % 2 ? ub : vb, L,
-                                                      nullptr, nullptr, blk.mat(5 + warp), C,
-                                                      Warps{warp, 1}, LowerOnly{blk.mat(5 + warp), warp >= 2});
+        float* dA = blk.mat(5 + warp);  // rows dO (warps 0, 1) or dX, against V or U
+        mma_tiles<C, C, D, false, true, false, false>(warp < 2 ? dob : dxb, L, warp % 2 ? ub : vb,
+                                                      L, nullptr, nullptr, dA, C, Warps{warp, 1},
+                                                      LowerOnly{dA, warp >= 2});
       } else {
         for_tiles<C, D>(Warps{4, kWarps - 4}, [&](int, int n0) {
           Tile<Op> in_bf16;
@@ -372,9 +373,8 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
       }
     }
     // dH = e^g dH' + q~^T dO + a~^T dX, and its operand copy as each tile is done.
-    gemm<D, D, C, true, false, true, true>(qt, L, dob, L, G, ldG, kAllWarps, at, dxb,
-                                     StateCopies<D, Op>{G, ldG, Lay::kCopies ? G_op_copy : nullptr,
-                                                        nullptr});
+    const StateCopies<D, Op> g_copy{G, ldG, Lay::kCopies ? G_op_copy : nullptr, nullptr};
+    gemm<D, D, C, true, false, true, true>(qt, L, dob, L, G, ldG, kAllWarps, at, dxb, g_copy);
   }
   __syncthreads();
   if constexpr (Lay::kGradientOnChip)

@@ -100,8 +100,9 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_forward_kernel(ChunkArgs
     __syncthreads();
     // H' = e^g H + k^^T V + b^^T U, and its operand copy and checkpoint as each tile is done.
     float* slot = p.ckpt && ci + 1 < n_chunks ? slot_of(ci + 1) : nullptr;
+    const StateCopies<D, Op> s_copy{S, L, Lay::kCopies ? S_op : nullptr, slot};
     gemm<D, D, C, true, false, true, true>(blk.op(2), L, blk.v_op(), L, S, L, kAllWarps, blk.op(3),
-                                     blk.op(4), StateCopies<D, Op>{S, L, Lay::kCopies ? S_op : nullptr, slot});
+                                           blk.op(4), s_copy);
   }
   __syncthreads();
   for (int idx = threadIdx.x; idx < D * D; idx += kThreads) p.h_out[base + idx] = S[(idx / D) * L + idx % D];
