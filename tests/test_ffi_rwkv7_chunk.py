@@ -1,12 +1,15 @@
 """The ffi backend's chunked rwkv7 kernels (16-token chunks, the WY form; ffi/rwkv7_chunk_math.h)
 against the float64 reference: output, final state and every gradient (initial state included)
 for every log decay in [-inf, 0] (tame chunks, exact chunks and both in one sequence), ragged
-last chunks, T = 1, packed sequences with empty segments, K = V = 64 and 128, 16-bit inputs.
+last chunks, T = 1, packed sequences with empty segments, K = V = 64 and 128, 16-bit inputs,
+head_first layouts and rwkv_jax.shard.
 
 Here they run on the CPU twin (ffi/cpu_rwkv7_chunk.cc), which the CPU does not take by default
 (the fixture below selects it); where a GPU is the default device, on the CUDA kernels
 (ffi/cuda_rwkv7_chunk.cu).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,7 @@ import numpy as np
 import pytest
 
 import reference
+import rwkv_jax
 from rwkv_jax import backends
 from rwkv_jax.backends import ffi
 from test_ffi import FORWARD_TOL, GRADIENT_TOL, call, draw, rel, value_and_grads
@@ -162,3 +166,35 @@ def test_vmap_and_jit_match_a_loop():
         assert rel(mapped[0][i], value) <= FORWARD_TOL
         for name in x:
             assert rel(mapped[1][name][i], grads[name]) <= GRADIENT_TOL, name
+
+
+def test_head_first_and_sharded_over_every_axis():
+    """head_first inputs, and rwkv_jax.shard over batch, heads and the sequence (a (2, 2, 2) mesh
+    of the simulated devices), run the chunked kernels and give one device's native results,
+    output, final state and every gradient."""
+    x, rng = draw("rwkv7", seed=23, batch=2, steps=24, heads=2, key=64)
+    cotangents = (jnp.asarray(rng.standard_normal(x["v"].shape), jnp.float32),
+                  jnp.asarray(rng.standard_normal(x["initial_state"].shape), jnp.float32))
+    out, state, grads = value_and_grads("rwkv7", x, cotangents, "native")
+
+    def assert_matches(got_out, got_state, got_grads):
+        assert rel(got_out, out) <= FORWARD_TOL and rel(got_state, state) <= FORWARD_TOL
+        for name in x:
+            assert rel(got_grads[name], grads[name]) <= GRADIENT_TOL, name
+
+    swap = lambda a: jnp.swapaxes(a, 1, 2)
+    x_first = {n: a if n == "initial_state" else swap(a) for n, a in x.items()}
+    jaxpr = jax.make_jaxpr(lambda x: call("rwkv7", x, "ffi", head_first=True))(x_first)
+    assert "rwkv_jax_rwkv7_chunk_fwd" in str(jaxpr)
+    f_out, f_state, f_grads = value_and_grads(
+        "rwkv7", x_first, (swap(cotangents[0]), cotangents[1]), "ffi", head_first=True)
+    assert_matches(swap(f_out), f_state,
+                   {n: g if n == "initial_state" else swap(g) for n, g in f_grads.items()})
+
+    mesh = jax.make_mesh((2, 2, 2), ("data", "heads", "seq"))
+    sharded = rwkv_jax.shard(functools.partial(rwkv_jax.rwkv7, backend="ffi"), mesh,
+                             batch_axis="data", head_axis="heads", seq_axis="seq")
+    run = lambda x: sharded(*(x[n] for n in "rwkvab"), initial_state=x["initial_state"])
+    assert "rwkv_jax_rwkv7_chunk_fwd" in str(jax.make_jaxpr(run)(x))
+    (s_out, s_state), pullback = jax.vjp(jax.jit(run), x)
+    assert_matches(s_out, s_state, pullback(cotangents)[0])
