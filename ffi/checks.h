@@ -101,6 +101,23 @@ inline Checks check_rwkv7(Buffers ins, SeqShape& s) {
   return check_tokens(ins, 6, names, 3, s);
 }
 
+// An rwkv7 training forward's and backward's checks (each platform's own come after).
+inline Checks check_rwkv7_forward(Buffers ins, ffi::AnyBuffer h0, ffi::Buffer<ffi::S32> cu,
+                                  ffi::AnyBuffer o, ffi::AnyBuffer h_final, ffi::AnyBuffer ckpt,
+                                  SeqShape& s) {
+  Checks c = check_rwkv7(ins, s);
+  if (c.ok()) check_forward(c, h0, cu, o, h_final, ckpt, ins[0].element_type(), s);
+  return c;
+}
+inline Checks check_rwkv7_backward(Buffers ins, ffi::AnyBuffer d_o, ffi::AnyBuffer dh_final,
+                                   ffi::AnyBuffer ckpt, ffi::Buffer<ffi::S32> cu, Buffers grads,
+                                   ffi::AnyBuffer dh0, SeqShape& s) {
+  Checks c = check_rwkv7(ins, s);
+  if (c.ok())
+    check_backward(c, d_o, dh_final, ckpt, cu, grads, 6, 3, dh0, ins[0].element_type(), s);
+  return c;
+}
+
 inline Checks check_rwkv6(Buffers ins, ffi::AnyBuffer u, SeqShape& s) {
   static const char* const names[4] = {"r", "k", "v", "w"};
   Checks c = check_tokens(ins, 4, names, 2, s);

@@ -292,8 +292,7 @@ ffi::Error Rwkv7ForwardCpu(ffi::AnyBuffer r, ffi::AnyBuffer w, ffi::AnyBuffer k,
                            ffi::Result<ffi::AnyBuffer> h_final, ffi::Result<ffi::AnyBuffer> ckpt) {
   const ffi::AnyBuffer ins[6] = {r, w, k, v, a, b};
   SeqShape s;
-  Checks c = check_rwkv7(ins, s);
-  if (c.ok()) check_forward(c, h0, cu, *o, *h_final, *ckpt, r.element_type(), s);
+  Checks c = check_rwkv7_forward(ins, h0, cu, *o, *h_final, *ckpt, s);
   check_cpu(c, s, cu);
   if (!c.ok()) return c.error("rwkv7 forward");
   return dispatch_float(r.element_type(), "rwkv7 forward", [&]<typename T>() {
@@ -312,8 +311,7 @@ ffi::Error Rwkv7BackwardCpu(ffi::AnyBuffer r, ffi::AnyBuffer w, ffi::AnyBuffer k
   ffi::Result<ffi::AnyBuffer> grads[6] = {dr, dw, dk, dv, da, db};
   const ffi::AnyBuffer grad_bufs[6] = {*dr, *dw, *dk, *dv, *da, *db};
   SeqShape s;
-  Checks c = check_rwkv7(ins, s);
-  if (c.ok()) check_backward(c, d_o, dh_final, ckpt, cu, grad_bufs, 6, 3, *dh0, r.element_type(), s);
+  Checks c = check_rwkv7_backward(ins, d_o, dh_final, ckpt, cu, grad_bufs, *dh0, s);
   check_cpu(c, s, cu);
   if (!c.ok()) return c.error("rwkv7 backward");
   return dispatch_float(r.element_type(), "rwkv7 backward", [&]<typename T>() {

@@ -29,8 +29,7 @@ ffi::Error Rwkv7ForwardCuda(cudaStream_t stream, ffi::AnyBuffer r, ffi::AnyBuffe
                             ffi::Result<ffi::AnyBuffer> h_final, ffi::Result<ffi::AnyBuffer> ckpt) {
   const ffi::AnyBuffer ins[6] = {r, w, k, v, a, b};
   SeqShape s;
-  Checks c = check_rwkv7(ins, s);
-  if (c.ok()) check_forward(c, h0, cu, *o, *h_final, *ckpt, r.element_type(), s);
+  Checks c = check_rwkv7_forward(ins, h0, cu, *o, *h_final, *ckpt, s);
   check_cuda(c, s);
   if (!c.ok()) return c.error("rwkv7 forward");
   return rwkv7_forward(stream, ins, s, cu.typed_data(), nullptr, 0, h0.typed_data<float>(),
@@ -49,8 +48,7 @@ ffi::Error Rwkv7BackwardCuda(cudaStream_t stream, ffi::AnyBuffer r, ffi::AnyBuff
   const ffi::AnyBuffer ins[6] = {r, w, k, v, a, b};
   const ffi::AnyBuffer grads[6] = {*dr, *dw, *dk, *dv, *da, *db};
   SeqShape s;
-  Checks c = check_rwkv7(ins, s);
-  if (c.ok()) check_backward(c, d_o, dh_final, ckpt, cu, grads, 6, 3, *dh0, r.element_type(), s);
+  Checks c = check_rwkv7_backward(ins, d_o, dh_final, ckpt, cu, grads, *dh0, s);
   check_cuda(c, s);
   if (!c.ok()) return c.error("rwkv7 backward");
   Rwkv7BackArgs p{{cu.typed_data(), dh_final.typed_data<float>(), ckpt.typed_data<float>(),

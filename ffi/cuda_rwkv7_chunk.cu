@@ -30,6 +30,13 @@ template <int D, typename T> constexpr size_t shared_bytes() {
   return std::max(Layout<D, T, false>::bytes, Layout<D, T, true>::bytes);
 }
 
+// The CUDA checks, and K == V (the kernels' tiles are square).
+void check_chunked(Checks& c, const SeqShape& s) {
+  check_cuda(c, s);
+  c.require(s.K == s.V, "the chunked kernels need K == V, got K=" + std::to_string(s.K) +
+                            ", V=" + std::to_string(s.V));
+}
+
 template <bool BACKWARD>
 ffi::Error launch_chunked(cudaStream_t stream, ffi::DataType dtype, const SeqShape& s,
                           const ChunkArgs& args) {
@@ -82,11 +89,8 @@ ffi::Error Rwkv7ChunkForwardCuda(cudaStream_t stream, ffi::AnyBuffer r, ffi::Any
                                  ffi::Result<ffi::AnyBuffer> ckpt) {
   const ffi::AnyBuffer ins[6] = {r, w, k, v, a, b};
   SeqShape s;
-  Checks c = check_rwkv7(ins, s);
-  if (c.ok()) check_forward(c, h0, cu, *o, *h_final, *ckpt, r.element_type(), s);
-  check_cuda(c, s);
-  c.require(s.K == s.V, "the chunked kernels need K == V, got K=" + std::to_string(s.K) +
-                            ", V=" + std::to_string(s.V));
+  Checks c = check_rwkv7_forward(ins, h0, cu, *o, *h_final, *ckpt, s);
+  check_chunked(c, s);
   if (!c.ok()) return c.error("rwkv7 chunked forward");
   ChunkArgs p{r.untyped_data(), w.untyped_data(), k.untyped_data(), v.untyped_data(),
               a.untyped_data(), b.untyped_data(), nullptr, cu.typed_data(),
@@ -107,11 +111,8 @@ ffi::Error Rwkv7ChunkBackwardCuda(cudaStream_t stream, ffi::AnyBuffer r, ffi::An
   const ffi::AnyBuffer ins[6] = {r, w, k, v, a, b};
   const ffi::AnyBuffer grads[6] = {*dr, *dw, *dk, *dv, *da, *db};
   SeqShape s;
-  Checks c = check_rwkv7(ins, s);
-  if (c.ok()) check_backward(c, d_o, dh_final, ckpt, cu, grads, 6, 3, *dh0, r.element_type(), s);
-  check_cuda(c, s);
-  c.require(s.K == s.V, "the chunked kernels need K == V, got K=" + std::to_string(s.K) +
-                            ", V=" + std::to_string(s.V));
+  Checks c = check_rwkv7_backward(ins, d_o, dh_final, ckpt, cu, grads, *dh0, s);
+  check_chunked(c, s);
   if (!c.ok()) return c.error("rwkv7 chunked backward");
   ChunkArgs p{r.untyped_data(), w.untyped_data(), k.untyped_data(), v.untyped_data(),
               a.untyped_data(), b.untyped_data(), d_o.untyped_data(), cu.typed_data(),
