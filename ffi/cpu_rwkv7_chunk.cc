@@ -14,6 +14,32 @@ namespace {
 
 constexpr int64_t C = kChunk;
 
+// sx = sum_kk row x F and sy = sum_kk row y F: two entries of the in-chunk matrices (row q or a;
+// x, y: k and b of the column's token; F its factors).
+inline void factored_dots(const float* row, const float* x, const float* y, const float* F,
+                          int64_t K, float& sx, float& sy) {
+  float dx = 0.f, dy = 0.f;
+#pragma omp simd reduction(+ : dx, dy)
+  for (int64_t kk = 0; kk < K; ++kk) {
+    dx += row[kk] * x[kk] * F[kk];
+    dy += row[kk] * y[kk] * F[kk];
+  }
+  sx = dx;
+  sy = dy;
+}
+
+// The gradients of factored_dots from those of sx and sy (dx, dy), added into g_row, g_x, g_y.
+inline void factored_dots_backward(float dx, float dy, const float* row, const float* x,
+                                   const float* y, const float* F, int64_t K, float* g_row,
+                                   float* g_x, float* g_y) {
+#pragma omp simd
+  for (int64_t kk = 0; kk < K; ++kk) {
+    g_row[kk] += (dx * x[kk] + dy * y[kk]) * F[kk];
+    g_x[kk] += dx * row[kk] * F[kk];
+    g_y[kk] += dy * row[kk] * F[kk];
+  }
+}
+
 // One chunk of one head: its inputs (padded to C rows), decays, factors and in-chunk matrices.
 struct Chunk {
   int64_t K, V;
@@ -114,26 +140,10 @@ struct Chunk {
     std::fill(Aab.begin(), Aab.end(), 0.f);
     for (int64_t t = 0; t < C; ++t)
       for (int64_t i = 0; i <= t; ++i) {
-        const float *F_ti = f(t, i), *qt = &q[t * K], *ki = &k[i * K], *bi = &b[i * K];
-        float sqk = 0.f, sqb = 0.f;
-#pragma omp simd reduction(+ : sqk, sqb)
-        for (int64_t kk = 0; kk < K; ++kk) {
-          sqk += qt[kk] * ki[kk] * F_ti[kk];
-          sqb += qt[kk] * bi[kk] * F_ti[kk];
-        }
-        Aqk[t * C + i] = sqk;
-        Aqb[t * C + i] = sqb;
-        if (i < t) {  // E(t, i) = e^(ge_t - gi_i) = F(t - 1, i)
-          const float *E_ti = f(t - 1, i), *at = &a[t * K];
-          float sak = 0.f, sab = 0.f;
-#pragma omp simd reduction(+ : sak, sab)
-          for (int64_t kk = 0; kk < K; ++kk) {
-            sak += at[kk] * ki[kk] * E_ti[kk];
-            sab += at[kk] * bi[kk] * E_ti[kk];
-          }
-          Aak[t * C + i] = sak;
-          Aab[t * C + i] = sab;
-        }
+        const float *ki = &k[i * K], *bi = &b[i * K];
+        factored_dots(&q[t * K], ki, bi, f(t, i), K, Aqk[t * C + i], Aqb[t * C + i]);
+        if (i < t)  // E(t, i) = e^(ge_t - gi_i) = F(t - 1, i)
+          factored_dots(&a[t * K], ki, bi, f(t - 1, i), K, Aak[t * C + i], Aab[t * C + i]);
       }
     // (I - A_ab)^-1 by forward substitution: unit lower triangular.
     std::fill(Tm.begin(), Tm.end(), 0.f);
@@ -277,26 +287,12 @@ void backward_chunk(const Chunk& c, const float* Hs, const float* dO, float* G, 
   // Through the in-chunk factors.
   for (int64_t t = 0; t < C; ++t)
     for (int64_t i = 0; i <= t; ++i) {
-      const float* F_ti = c.f(t, i);
-      const float qk = dAqk[t * C + i], qb = dAqb[t * C + i];
-#pragma omp simd
-      for (int64_t kk = 0; kk < K; ++kk) {
-        const float F = F_ti[kk];
-        g_q[t * K + kk] += (qk * c.k[i * K + kk] + qb * c.b[i * K + kk]) * F;
-        g_k[i * K + kk] += qk * c.q[t * K + kk] * F;
-        g_b[i * K + kk] += qb * c.q[t * K + kk] * F;
-      }
-      if (i < t) {
-        const float* E_ti = c.f(t - 1, i);
-        const float ak = dAak[t * C + i], ab = dAab[t * C + i];
-#pragma omp simd
-        for (int64_t kk = 0; kk < K; ++kk) {
-          const float E = E_ti[kk];
-          g_a[t * K + kk] += (ak * c.k[i * K + kk] + ab * c.b[i * K + kk]) * E;
-          g_k[i * K + kk] += ak * c.a[t * K + kk] * E;
-          g_b[i * K + kk] += ab * c.a[t * K + kk] * E;
-        }
-      }
+      const float *ki = &c.k[i * K], *bi = &c.b[i * K];
+      factored_dots_backward(dAqk[t * C + i], dAqb[t * C + i], &c.q[t * K], ki, bi, c.f(t, i), K,
+                             &g_q[t * K], &g_k[i * K], &g_b[i * K]);
+      if (i < t)
+        factored_dots_backward(dAak[t * C + i], dAab[t * C + i], &c.a[t * K], ki, bi,
+                               c.f(t - 1, i), K, &g_a[t * K], &g_k[i * K], &g_b[i * K]);
     }
   // dw_s = sum_{t >= s} (dgi_t + dge_t) - dge_s + dg; 0 where the log decay was raised.
   for (int64_t x = 0; x < C * K; ++x) {
