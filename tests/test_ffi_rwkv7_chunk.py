@@ -20,7 +20,8 @@ import reference
 import rwkv_jax
 from rwkv_jax import backends
 from rwkv_jax.backends import ffi
-from test_ffi import FORWARD_TOL, GRADIENT_TOL, call, draw, rel, value_and_grads
+from test_ffi import (FORWARD_TOL, GRADIENT_TOL, assert_vmap_and_jit_match_a_loop, call, draw,
+                      rel, value_and_grads)
 
 pytestmark = pytest.mark.skipif(backends.unavailable_reason("ffi", backends.platform()) is not None,
                                 reason="the ffi extension is not built")
@@ -153,19 +154,7 @@ def test_step_backward_through_the_chunked_kernels():
 
 
 def test_vmap_and_jit_match_a_loop():
-    x, _ = draw("rwkv7", seed=19, batch=1, steps=19, heads=1, key=64)
-    stacked = {n: jnp.stack([a, a[::-1] * 0.5]) for n, a in x.items()}
-
-    def run(arrays):
-        out, state = call("rwkv7", arrays, "ffi")
-        return jnp.sum(out ** 2) + jnp.sum(state * state[..., ::-1])
-
-    mapped = jax.jit(jax.vmap(jax.value_and_grad(run)))(stacked)
-    for i in range(2):
-        value, grads = jax.value_and_grad(run)({n: a[i] for n, a in stacked.items()})
-        assert rel(mapped[0][i], value) <= FORWARD_TOL
-        for name in x:
-            assert rel(mapped[1][name][i], grads[name]) <= GRADIENT_TOL, name
+    assert_vmap_and_jit_match_a_loop(draw("rwkv7", seed=19, batch=1, steps=19, heads=1, key=64)[0])
 
 
 def test_head_first_and_sharded_over_every_axis():
