@@ -1,6 +1,6 @@
 """The GPU scripts' log: every line is printed and, once ``open_log`` has named a file, written
-there too (flushed, so a run cut short keeps what it printed). Also their plain timing and their
-per-kernel profile."""
+there too (flushed, so a run cut short keeps what it printed). Also their plain timing, their
+peak-memory measures and their per-kernel profile."""
 
 import statistics
 import time
@@ -28,6 +28,31 @@ def relative_error(x, ref):
     if not np.all(np.isfinite(x)):
         return float("inf")
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def jax_peak_bytes(fn, *args):
+    """Arguments + outputs + temporaries of the compiled program (what it holds at its peak)."""
+    stats = fn.lower(*args).compile().memory_analysis()
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+            + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def torch_peak_bytes(fns, leaves, held):
+    """Each of ``fns``' peak memory on the torch allocator, plus the tensors ``held`` (inputs
+    and cotangents), the leaves' gradients cleared before each call."""
+    import torch
+    held_bytes = sum(t.numel() * t.element_size() for t in held)
+    peaks = []
+    for fn in fns:
+        for t in leaves:
+            t.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base + held_bytes)
+    return peaks
 
 
 def median_seconds(fn, *args, reps=20):

@@ -35,8 +35,9 @@ import torch  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import reference  # noqa: E402
-from _log import log, open_log, profile_kernels  # noqa: E402  (benchmarks/_log.py)
-from gpu_rwkv7 import jax_peak_bytes, time_jax, torch_peak_bytes, within  # noqa: E402
+from _log import (jax_peak_bytes, log, open_log, profile_kernels,  # noqa: E402
+                  torch_peak_bytes)  # (benchmarks/_log.py)
+from gpu_rwkv7 import time_jax, within  # noqa: E402
 from reference import relative_error  # noqa: E402
 
 import rwkv_jax  # noqa: E402

@@ -36,7 +36,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import reference  # noqa: E402
-from _log import log, open_log, profile_kernels  # noqa: E402  (benchmarks/_log.py)
+from _log import (jax_peak_bytes, log, open_log, profile_kernels,  # noqa: E402
+                  torch_peak_bytes)  # (benchmarks/_log.py)
 from reference import relative_error  # noqa: E402
 
 import rwkv_jax  # noqa: E402
@@ -192,13 +193,6 @@ def time_jax(fn, *args, reps=7, min_seconds=0.2):
     return statistics.median(times) * 1e3
 
 
-def jax_peak_bytes(fn, *args):
-    """Arguments + outputs + temporaries of the compiled program (what it holds at its peak)."""
-    stats = fn.lower(*args).compile().memory_analysis()
-    return (stats.argument_size_in_bytes + stats.output_size_in_bytes
-            + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
-
-
 def bench_jax(label, x_jax, d_out, d_state, ref, backend="triton", config=None,
               cu_seqlens=None):
     """One rwkv_jax backend: times, peak memory, errors; for triton also the forward that
@@ -236,23 +230,6 @@ def bench_jax(label, x_jax, d_out, d_state, ref, backend="triton", config=None,
     finally:
         CONFIG_OVERRIDES.pop((size, size), None)
     return row
-
-
-def torch_peak_bytes(fns, leaves, held):
-    """Each of ``fns``' peak memory on the torch allocator, plus the tensors ``held`` (inputs
-    and cotangents), the leaves' gradients cleared before each call."""
-    held_bytes = sum(t.numel() * t.element_size() for t in held)
-    peaks = []
-    for fn in fns:
-        for t in leaves:
-            t.grad = None
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated() - base + held_bytes)
-    return peaks
 
 
 def bench_fla(label, x, d_out, d_state, ref, cu_seqlens=None, **options):

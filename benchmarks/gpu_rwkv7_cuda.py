@@ -44,7 +44,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 import reference  # noqa: E402
-from _log import log, median_seconds, open_log, profile_kernels, relative_error as rel  # noqa: E402
+from _log import (jax_peak_bytes, log, median_seconds, open_log, profile_kernels,  # noqa: E402
+                  relative_error as rel, torch_peak_bytes)
 
 import rwkv_jax  # noqa: E402
 from rwkv_jax.backends import ffi as ffi_backend  # noqa: E402
@@ -127,12 +128,6 @@ def correctness(smoke):
 
 def time_jax(fn, *args, reps=15):
     return 1e3 * median_seconds(fn, *args, reps=reps)
-
-
-def jax_peak_bytes(fn, *args):
-    stats = fn.lower(*args).compile().memory_analysis()
-    return (stats.argument_size_in_bytes + stats.output_size_in_bytes
-            + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
 
 
 def make_inputs(batch, steps, heads, key, seed=0):
@@ -244,15 +239,7 @@ def bench_fla(shape, x, d_out, d_state, cu_seqlens=None, ref=None):
     forward_ms = triton.testing.do_bench(forward, warmup=50, rep=300, return_mode="median")
     both_ms = triton.testing.do_bench(forward_backward, warmup=50, rep=500, grad_to_none=fresh,
                                       return_mode="median")
-    for t in fresh:
-        t.grad = None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    forward_backward()
-    torch.cuda.synchronize()
-    held = sum(t.numel() * t.element_size() for t in [*fresh, t_do, t_ds])
-    peak = torch.cuda.max_memory_allocated() - base + held
+    (peak,) = torch_peak_bytes((forward_backward,), fresh, [*fresh, t_do, t_ds])
     record(shape, "fla fastest", forward_ms, both_ms, peak, errors, note=str(sorted(options)))
 
 
