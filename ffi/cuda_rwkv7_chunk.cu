@@ -1,7 +1,7 @@
 // RWKV-7 training in chunks of kChunk (16) tokens on the GPU: the arithmetic of
 // rwkv7_chunk_math.h, step for step as the CPU twin (cpu_rwkv7_chunk.cc) does it.
 //
-// One thread block (kThreads threads) per (head, sequence) walks the sequence's chunks with the
+// One thread block (kThreads<D> threads) per (head, sequence) walks the sequence's chunks with the
 // float32 state on chip (shared memory; the backward's state gradient at K = 128 lives in its
 // own float32 output slot, dh0, which stays in L2). The forward saves the state at every chunk's
 // start (float32 checkpoint slots, common.h); the backward walks the chunks in reverse, computing
@@ -58,9 +58,9 @@ ffi::Error launch_chunked(cudaStream_t stream, ffi::DataType dtype, const SeqSha
             " bytes of shared memory per block, this GPU has " +
             std::to_string(max_shared_bytes()));
       if constexpr (BACKWARD)
-        return launch(rwkv7_chunk_backward_kernel<D, T>, dim3(s.H, s.N), kThreads, shared, stream, args);
+        return launch(rwkv7_chunk_backward_kernel<D, T>, dim3(s.H, s.N), kThreads<D>, shared, stream, args);
       else
-        return launch(rwkv7_chunk_forward_kernel<D, T>, dim3(s.H, s.N), kThreads, shared, stream, args);
+        return launch(rwkv7_chunk_forward_kernel<D, T>, dim3(s.H, s.N), kThreads<D>, shared, stream, args);
     });
   });
 }

@@ -14,8 +14,10 @@ namespace rwkv_ffi {
 namespace {
 
 constexpr int C = kChunk;
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+// Threads per block: 256, and 512 at K = 128, where shared memory holds one block per
+// multiprocessor and more warps hide more latency.
+template <int D> constexpr int kThreads = D >= 128 ? 512 : 256;
+template <int D> constexpr int kWarps = kThreads<D> / 32;
 constexpr int kPairs = C * (C + 1) / 2;  // (t, i) with i <= t
 
 // Whether the backward's state gradient stays in shared memory (else in its dh0 slot).
@@ -35,13 +37,13 @@ template <> __device__ __forceinline__ __nv_bfloat16 to_op<__nv_bfloat16>(float 
   return __float2bfloat16(x);
 }
 
-constexpr Warps kAllWarps{0, kWarps};
+template <int D> constexpr Warps kAllWarps{0, kWarps<D>};
 
 // The products with the state: tensor cores for bfloat16 operands, CUDA cores for float32 ones.
 template <int M, int N, int KD, bool A_COL, bool B_COL, bool ACC, bool TWO = false,
           typename Op, typename After = NoEpilogue>
 __device__ void gemm(const Op* A, int lda, const Op* B, int ldb, float* Cm, int ldc,
-                     Warps by = kAllWarps, const Same<Op>* A2 = nullptr,
+                     Warps by, const Same<Op>* A2 = nullptr,
                      const Same<Op>* B2 = nullptr, const After& after = {}) {
   if constexpr (std::is_same<Op, float>::value)
     fma_elements<M, N, KD, A_COL, B_COL, ACC, TWO>(A, lda, B, ldb, A2, B2, Cm, ldc, by, after);
@@ -123,7 +125,7 @@ struct alignas(16) Floats4 {
 template <int D, typename T, int N_IN> struct Prefetch {
   static constexpr int kPer = 16 / sizeof(T);
   static constexpr int kVecs = C * D / kPer;  // per tile
-  static constexpr int kCount = (N_IN * kVecs + kThreads - 1) / kThreads;
+  static constexpr int kCount = (N_IN * kVecs + kThreads<D> - 1) / kThreads<D>;
   Vec16 v[kCount];
 
   __device__ static const T* source(const ChunkArgs& p, int q) {
@@ -135,7 +137,7 @@ template <int D, typename T, int N_IN> struct Prefetch {
   __device__ void load(const ChunkArgs& p, int64_t c0, int len, int64_t hd) {
 #pragma unroll
     for (int n = 0; n < kCount; ++n) {
-      const int g = threadIdx.x + n * kThreads, q = g / kVecs, e = (g % kVecs) * kPer;
+      const int g = threadIdx.x + n * kThreads<D>, q = g / kVecs, e = (g % kVecs) * kPer;
       const int t = e / D, j = e % D;
       if (g < N_IN * kVecs && t < len)
         v[n] = *reinterpret_cast<const Vec16*>(source(p, q) + ((c0 + t) * p.H + hd) * D + j);
@@ -146,7 +148,7 @@ template <int D, typename T, int N_IN> struct Prefetch {
   template <typename Tile> __device__ void store(Tile tile) const {
 #pragma unroll
     for (int n = 0; n < kCount; ++n) {
-      const int g = threadIdx.x + n * kThreads, q = g / kVecs, e = (g % kVecs) * kPer;
+      const int g = threadIdx.x + n * kThreads<D>, q = g / kVecs, e = (g % kVecs) * kPer;
       if (g < N_IN * kVecs)
         *reinterpret_cast<Vec16*>(tile(q) + (e / D) * ld<D>() + e % D) = v[n];
     }
@@ -247,7 +249,7 @@ template <int D, typename T, bool BACKWARD> struct Block {
     // The operands and, on the tame path, the factored tiles referenced to the middle
     // (F = e^(gi_t - m) e^(m - gi_i), E(t, i) = F(t - 1, i)); one element per thread.
     float *qm = f(1), *am = f(2), *km = f(3), *bm = f(4);
-    for (int idx = j; idx < C * D; idx += kThreads) {
+    for (int idx = j; idx < C * D; idx += kThreads<D>) {
       const int t = idx / D, x = idx % D, e = t * L + x;
       const float g_t = gi[e], ge = t ? gi[e - L] : 0.f;
       // g - gi_t: a difference within kTameSum in a tame chunk (precise); else summed from the
@@ -311,7 +313,7 @@ template <int D, typename T, bool BACKWARD> struct Block {
     }
     float *qm = f(1), *am = f(2), *km = f(3), *bm = f(4);
     // Each pair (t, i) by two threads: the rows q (A_qk, A_qb) and the rows a (A_ak, A_ab).
-    for (int idx = threadIdx.x; idx < 2 * kPairs; idx += kThreads) {
+    for (int idx = threadIdx.x; idx < 2 * kPairs; idx += kThreads<D>) {
       int t, i;
       pair(idx % kPairs, t, i);
       const bool rows_a = idx >= kPairs;
@@ -343,7 +345,7 @@ template <int D, typename T, bool BACKWARD> struct Block {
     }
     if constexpr (Lay::kTensor) {
       __syncthreads();
-      for (int idx = threadIdx.x; idx < 4 * C * C; idx += kThreads)
+      for (int idx = threadIdx.x; idx < 4 * C * C; idx += kThreads<D>)
         finish_entry(idx / (C * C), idx % (C * C));
     }
   }
@@ -377,7 +379,7 @@ template <int D, typename T, bool BACKWARD> struct Block {
   // X = a~H + A_ak V in place of a~H in `x` [C, L] (float32 inputs; 16-bit ones take tensor
   // cores in the kernels). Not synchronised.
   __device__ void values_x(float* x) const {
-    for (int idx = threadIdx.x; idx < C * D; idx += kThreads) {
+    for (int idx = threadIdx.x; idx < C * D; idx += kThreads<D>) {
       const int t = idx / D, j = idx % D;
       float s = x[t * L + j];
       for (int i = 0; i < t; ++i) s += Aak(t, i) * v_(i, j);
@@ -387,7 +389,7 @@ template <int D, typename T, bool BACKWARD> struct Block {
 
   // U = (I - A_ab)^-1 X into f(0) and op(4) (float32 inputs, as values_x). Not synchronised.
   __device__ void values_u(const float* x) const {
-    for (int idx = threadIdx.x; idx < C * D; idx += kThreads) {
+    for (int idx = threadIdx.x; idx < C * D; idx += kThreads<D>) {
       const int t = idx / D, j = idx % D;
       float s = 0.f;
       for (int i = 0; i <= t; ++i) s += Tm(t, i) * x[i * L + j];

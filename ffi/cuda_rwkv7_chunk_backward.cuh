@@ -20,7 +20,7 @@ struct LowerOnly {
 };
 
 template <int D, typename T>
-__global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArgs p) {
+__global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(ChunkArgs p) {
   using Blk = Block<D, T, true>;
   using Lay = typename Blk::Lay;
   using Op = typename Blk::Op;
@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
     *gv = static_cast<T*>(p.dv), *ga = static_cast<T*>(p.da), *gb = static_cast<T*>(p.db);
   const int j = threadIdx.x, warp = threadIdx.x / 32;
 
-  for (int idx = j; idx < D * D; idx += kThreads) {
+  for (int idx = j; idx < D * D; idx += kThreads<D>) {
     const float g = p.h_in[base + idx];
     G[(idx / D) * ldG + idx % D] = g;
     if constexpr (Lay::kCopies) G_op_copy[(idx / D) * L + idx % D] = to_op<Op>(g);
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
     blk.store(next);
     if (ci > 0) next.load(p, c0 - C, C, hd);
     if constexpr (Lay::kCopies) {
-      for (int idx = j * 4; idx < D * D; idx += kThreads * 4) {
+      for (int idx = j * 4; idx < D * D; idx += kThreads<D> * 4) {
         const Floats4 h = *reinterpret_cast<const Floats4*>(Hs + idx);
         Op* row = H_op_copy + (idx / D) * L + idx % D;
 #pragma unroll
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
       blk.inverse();
     } else if constexpr (Lay::kTensor) {
       // X = a~H + A_ak V (s0), k^ dH' (s1), dU = b^ dH' + A_qb^T dO (s2): [3C, D] tiles.
-      for_tiles<3 * C, D>(Warps{1, kWarps - 1}, [&](int m0, int n0) {
+      for_tiles<3 * C, D>(Warps{1, kWarps<D> - 1}, [&](int m0, int n0) {
         const int which = m0 / C;
         Tile<Op> acc;
         acc.zero();
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
         acc.store((which == 0 ? s0 : which == 1 ? s1 : s2) + n0, L);
       });
     } else {  // a~H, k^ dH', b^ dH' on the other warps
-      constexpr Warps others{1, kWarps - 1};
+      constexpr Warps others{1, kWarps<D> - 1};
       gemm<C, D, D, false, false, false>(at, L, H_op, ldH, s0, L, others);
       gemm<C, D, D, false, false, false>(kh, L, G_op, ldG_op, s1, L, others);
       gemm<C, D, D, false, false, false>(bh, L, G_op, ldG_op, s2, L, others);
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
     __syncthreads();
     if constexpr (Lay::kTensor) {
       // U = (I - A_ab)^-1 X into u and ub, dX = (I - A_ab)^-T dU into dx and dxb (TF32).
-      for_tiles<2 * C, D>(kAllWarps, [&](int m0, int n0) {
+      for_tiles<2 * C, D>(kAllWarps<D>, [&](int m0, int n0) {
         Tile<float> acc;
         acc.zero();
         if (m0 == 0) {
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
     } else {
       // X = a~H + A_ak V; dU = A_qb^T dO + b^ dH' (in place of b^ dH'); one element per thread.
       blk.values_x(s0);
-      for (int idx = j; idx < C * D; idx += kThreads) {
+      for (int idx = j; idx < C * D; idx += kThreads<D>) {
         const int i = idx / D, column = idx % D;
         float s = s2[i * L + column];
         for (int t = i; t < C; ++t) s += blk.Aqb(t, i) * to_f(blk.in(6)[t * L + column]);
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
       __syncthreads();
       // U = (I - A_ab)^-1 X, dX = (I - A_ab)^-T dU.
       blk.values_u(s0);
-      for (int idx = j; idx < C * D; idx += kThreads) {
+      for (int idx = j; idx < C * D; idx += kThreads<D>) {
         const int i = idx / D, column = idx % D;
         float s = 0.f;
         for (int t = i; t < C; ++t) s += blk.Tm(t, i) * s2[t * L + column];
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
                                                       L, nullptr, nullptr, dA, C, Warps{warp, 1},
                                                       LowerOnly{dA, warp >= 2});
       } else {
-        for_tiles<C, D>(Warps{4, kWarps - 4}, [&](int, int n0) {
+        for_tiles<C, D>(Warps{4, kWarps<D> - 4}, [&](int, int n0) {
           Tile<Op> in_bf16;
           in_bf16.load(s1 + n0, L);
           in_bf16.template add<C, true, false>(blk.hi(0), C, dob, L, 0, n0);
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
         });
       }
     } else {
-      for (int idx = j; idx < len * D; idx += kThreads) {
+      for (int idx = j; idx < len * D; idx += kThreads<D>) {
         const int i = idx / D, column = idx % D;
         float s = s1[i * L + column];
         for (int t = i; t < C; ++t) {
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
         gv[((c0 + i) * p.H + hd) * D + column] = from_f<T>(s);
       }
       // Each pair (t, i) by two threads: rows dO (dA_qk, dA_qb), rows dX (dA_ak, dA_ab).
-      for (int idx = j; idx < 2 * kPairs; idx += kThreads) {
+      for (int idx = j; idx < 2 * kPairs; idx += kThreads<D>) {
         int t, i;
         pair(idx % kPairs, t, i);
         const bool rows_x = idx >= kPairs;
@@ -211,12 +211,12 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
     }
     __syncthreads();
     // Against the state: dq~ = dO H^T, da~ = dX H^T, dk^ = V dH'^T, db^ = U dH'^T.
-    gemm<C, D, D, false, true, false>(dob, L, H_op, ldH, s0, L);
-    gemm<C, D, D, false, true, false>(dxb, L, H_op, ldH, s1, L);
-    gemm<C, D, D, false, true, false>(vb, L, G_op, ldG_op, s2, L);
-    gemm<C, D, D, false, true, false>(ub, L, G_op, ldG_op, s3, L);
+    gemm<C, D, D, false, true, false>(dob, L, H_op, ldH, s0, L, kAllWarps<D>);
+    gemm<C, D, D, false, true, false>(dxb, L, H_op, ldH, s1, L, kAllWarps<D>);
+    gemm<C, D, D, false, true, false>(vb, L, G_op, ldG_op, s2, L, kAllWarps<D>);
+    gemm<C, D, D, false, true, false>(ub, L, G_op, ldG_op, s3, L, kAllWarps<D>);
     // e^g rowsum(H * dH'): a warp per row.
-    for (int row = warp; row < D; row += kWarps) {
+    for (int row = warp; row < D; row += kWarps<D>) {
       float s = 0.f;
       for (int x = j % 32; x < D; x += 32) s += Hs[row * D + x] * G[row * ldG + x];
 #pragma unroll
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
       }
       blk.dg()[j] = dg;
     }
-    for (int idx = j; idx < D * D; idx += kThreads) G[(idx / D) * ldG + idx % D] *= blk.eg()[idx / D];
+    for (int idx = j; idx < D * D; idx += kThreads<D>) G[(idx / D) * ldG + idx % D] *= blk.eg()[idx / D];
     __syncthreads();
     // The key-side gradients through the in-chunk factors.
     bool factored = false;  // whether s2, s3 still lack their factor e^(m - gi) (tame products)
@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
         // in the frame of its factor (divided out first, multiplied back after).
         float* k_f = u;  // U is spent
         float* b_f = blk.spent_kb();
-        for (int idx = j; idx < C * D; idx += kThreads) {
+        for (int idx = j; idx < C * D; idx += kThreads<D>) {
           const int t = idx / D, x = idx % D, e = t * L + x;
           const float m = dx[kMiddle * L + x], gi = dx[e], ge = t ? dx[e - L] : 0.f;
           const float col = expf(m - gi);
@@ -272,12 +272,12 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
         }
         __syncthreads();
         mma_tiles<C, D, C, false, false, true, true>(blk.mat(5), C, k_f, L, blk.mat(6), b_f, s0, L,
-                                               Warps{0, kWarps / 2}, NoEpilogue{});
+                                               Warps{0, kWarps<D> / 2}, NoEpilogue{});
         mma_tiles<C, D, C, false, false, true, true>(blk.mat(7), C, k_f, L, blk.mat(8), b_f, s1, L,
-                                               Warps{kWarps / 2, kWarps / 2}, NoEpilogue{});
+                                               Warps{kWarps<D> / 2, kWarps<D> / 2}, NoEpilogue{});
         __syncthreads();
         float *q_f = k_f, *a_f = b_f;
-        for (int idx = j; idx < C * D; idx += kThreads) {
+        for (int idx = j; idx < C * D; idx += kThreads<D>) {
           const int t = idx / D, x = idx % D, e = t * L + x;
           const float m = dx[kMiddle * L + x], gi = dx[e], ge = t ? dx[e - L] : 0.f;
           const float row = expf(gi - m), row_e = expf(ge - m);
@@ -290,16 +290,16 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
         }
         __syncthreads();
         mma_tiles<C, D, C, true, false, true, true>(blk.mat(5), C, q_f, L, blk.mat(7), a_f, s2, L,
-                                              Warps{0, kWarps / 2}, NoEpilogue{});
+                                              Warps{0, kWarps<D> / 2}, NoEpilogue{});
         mma_tiles<C, D, C, true, false, true, true>(blk.mat(6), C, q_f, L, blk.mat(8), a_f, s3, L,
-                                              Warps{kWarps / 2, kWarps / 2}, NoEpilogue{});
+                                              Warps{kWarps<D> / 2, kWarps<D> / 2}, NoEpilogue{});
         __syncthreads();
       }
     }
     if (!factored) {
       // kParts threads per column share its pairs (t, i) by i; then the parts' sums of dq
       // and da, one part after another (the same order every run).
-      constexpr int kParts = kThreads / D;
+      constexpr int kParts = kThreads<D> / D;
       const int column = j % D, part = j / D;
       const float m = dx[kMiddle * L + column];
       float row[C], g_q[C], g_a[C];
@@ -374,11 +374,11 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_backward_kernel(ChunkArg
     }
     // dH = e^g dH' + q~^T dO + a~^T dX, and its operand copy as each tile is done.
     const StateCopies<D, Op> g_copy{G, ldG, Lay::kCopies ? G_op_copy : nullptr, nullptr};
-    gemm<D, D, C, true, false, true, true>(qt, L, dob, L, G, ldG, kAllWarps, at, dxb, g_copy);
+    gemm<D, D, C, true, false, true, true>(qt, L, dob, L, G, ldG, kAllWarps<D>, at, dxb, g_copy);
   }
   __syncthreads();
   if constexpr (Lay::kGradientOnChip)
-    for (int idx = j; idx < D * D; idx += kThreads) p.h_out[base + idx] = G[(idx / D) * ldG + idx % D];
+    for (int idx = j; idx < D * D; idx += kThreads<D>) p.h_out[base + idx] = G[(idx / D) * ldG + idx % D];
 }
 
 }  // namespace

@@ -7,7 +7,7 @@ namespace rwkv_ffi {
 namespace {
 
 template <int D, typename T>
-__global__ void __launch_bounds__(kThreads) rwkv7_chunk_forward_kernel(ChunkArgs p) {
+__global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_forward_kernel(ChunkArgs p) {
   using Blk = Block<D, T, false>;
   using Lay = typename Blk::Lay;
   using Op = typename Blk::Op;
@@ -27,7 +27,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_forward_kernel(ChunkArgs
   auto slot_of = [&](int64_t ci) {
     return p.ckpt + ((first_slot(n, seq.start) + ci) * p.H + hd) * D * D;
   };
-  for (int idx = threadIdx.x; idx < D * D; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < D * D; idx += kThreads<D>) {
     const float h = p.h_in[base + idx];
     S[(idx / D) * L + idx % D] = h;
     if constexpr (Lay::kCopies) S_op[(idx / D) * L + idx % D] = to_op<Op>(h);
@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_forward_kernel(ChunkArgs
       blk.inverse();
     } else if constexpr (Lay::kTensor) {
       // q~H + A_qk V into qh and X = a~H + A_ak V into x: [2C, D] tiles on the other warps.
-      for_tiles<2 * C, D>(Warps{1, kWarps - 1}, [&](int m0, int n0) {
+      for_tiles<2 * C, D>(Warps{1, kWarps<D> - 1}, [&](int m0, int n0) {
         const int which = m0 / C;  // 0: the rows q, 1: the rows a
         Tile<Op> acc;
         acc.zero();
@@ -60,13 +60,13 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_forward_kernel(ChunkArgs
         acc.store((which ? x : qh) + n0, L);
       });
     } else {  // q~H, a~H on the other warps
-      gemm<C, D, D, false, false, false>(blk.op(0), L, S_op, L, qh, L, Warps{1, kWarps - 1});
-      gemm<C, D, D, false, false, false>(blk.op(1), L, S_op, L, x, L, Warps{1, kWarps - 1});
+      gemm<C, D, D, false, false, false>(blk.op(0), L, S_op, L, qh, L, Warps{1, kWarps<D> - 1});
+      gemm<C, D, D, false, false, false>(blk.op(1), L, S_op, L, x, L, Warps{1, kWarps<D> - 1});
     }
     __syncthreads();
     // U = (I - A_ab)^-1 X into u and its operand copy.
     if constexpr (Lay::kTensor) {
-      for_tiles<C, D>(kAllWarps, [&](int, int n0) {
+      for_tiles<C, D>(kAllWarps<D>, [&](int, int n0) {
         Tile<float> acc;
         acc.zero();
         acc.template add<C, false, false>(blk.mat(4), C, x, L, 0, n0);
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_forward_kernel(ChunkArgs
     __syncthreads();
     // O = q~H + A_qk V + A_qb U; H *= e^g
     if constexpr (Lay::kTensor) {
-      for_tiles<C, D>(kAllWarps, [&](int, int n0) {
+      for_tiles<C, D>(kAllWarps<D>, [&](int, int n0) {
         Tile<float> acc;
         acc.load(qh + n0, L);
         acc.template add<C, false, false>(blk.mat(1), C, u, L, 0, n0);
@@ -89,23 +89,23 @@ __global__ void __launch_bounds__(kThreads) rwkv7_chunk_forward_kernel(ChunkArgs
         store_tile_rows<D>(qh, n0, len, o, c0, p.H, hd);
       });
     } else {
-      for (int idx = threadIdx.x; idx < len * D; idx += kThreads) {
+      for (int idx = threadIdx.x; idx < len * D; idx += kThreads<D>) {
         const int t = idx / D, j = idx % D;
         float s = qh[t * L + j];
         for (int i = 0; i <= t; ++i) s += blk.Aqk(t, i) * blk.v_(i, j) + blk.Aqb(t, i) * u[i * L + j];
         o[((c0 + t) * p.H + hd) * D + j] = from_f<T>(s);
       }
     }
-    for (int idx = threadIdx.x; idx < D * D; idx += kThreads) S[(idx / D) * L + idx % D] *= blk.eg()[idx / D];
+    for (int idx = threadIdx.x; idx < D * D; idx += kThreads<D>) S[(idx / D) * L + idx % D] *= blk.eg()[idx / D];
     __syncthreads();
     // H' = e^g H + k^^T V + b^^T U, and its operand copy and checkpoint as each tile is done.
     float* slot = p.ckpt && ci + 1 < n_chunks ? slot_of(ci + 1) : nullptr;
     const StateCopies<D, Op> s_copy{S, L, Lay::kCopies ? S_op : nullptr, slot};
-    gemm<D, D, C, true, false, true, true>(blk.op(2), L, blk.v_op(), L, S, L, kAllWarps, blk.op(3),
+    gemm<D, D, C, true, false, true, true>(blk.op(2), L, blk.v_op(), L, S, L, kAllWarps<D>, blk.op(3),
                                            blk.op(4), s_copy);
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < D * D; idx += kThreads) p.h_out[base + idx] = S[(idx / D) * L + idx % D];
+  for (int idx = threadIdx.x; idx < D * D; idx += kThreads<D>) p.h_out[base + idx] = S[(idx / D) * L + idx % D];
 }
 
 }  // namespace

@@ -19,9 +19,9 @@ using namespace rwkv_ffi;
 
 namespace {
 
-template <typename Kernel> void run_chunked(Kernel kernel, const ChunkArgs& p, unsigned H,
-                                            unsigned N, size_t shared) {
-  run_grid(kernel, p, H, N, kThreads, shared, sm, sizeof(sm));
+template <int D, typename Kernel> void run_chunked(Kernel kernel, const ChunkArgs& p, unsigned H,
+                                                   unsigned N, size_t shared) {
+  run_grid(kernel, p, H, N, kThreads<D>, shared, sm, sizeof(sm));
 }
 
 template <int D, typename T> int run(const std::string& dir, int B, int length, int H, int N) {
@@ -39,12 +39,12 @@ template <int D, typename T> int run(const std::string& dir, int B, int length, 
                           in[5].data(), nullptr, cu.data(), h0.data(), h_final.data(), ckpt.data(),
                           o.data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, H, total,
                           1.0f};
-  run_chunked(rwkv7_chunk_forward_kernel<D, T>, forward, H, N, Layout<D, T, false>::bytes);
+  run_chunked<D>(rwkv7_chunk_forward_kernel<D, T>, forward, H, N, Layout<D, T, false>::bytes);
   const ChunkArgs backward{in[0].data(), in[1].data(), in[2].data(), in[3].data(), in[4].data(),
                            in[5].data(), in[6].data(), cu.data(), dh.data(), dh0.data(),
                            ckpt.data(), nullptr, g[0].data(), g[1].data(), g[2].data(),
                            g[3].data(), g[4].data(), g[5].data(), H, total, 1.0f};
-  run_chunked(rwkv7_chunk_backward_kernel<D, T>, backward, H, N, Layout<D, T, true>::bytes);
+  run_chunked<D>(rwkv7_chunk_backward_kernel<D, T>, backward, H, N, Layout<D, T, true>::bytes);
   write_from(dir + "/out_o", o.data(), tokens);
   write_from(dir + "/out_h", h_final.data(), states);
   write_from(dir + "/out_dh0", dh0.data(), states);
