@@ -399,13 +399,23 @@ template <int D, typename T, bool BACKWARD> struct Block {
   }
 };
 
-// A warp's [16, 16] tile (columns n0..) of a float32 [C, L] tile, as operands into `dst`.
-template <int D, typename Op> __device__ void copy_tile(const float* src, Op* dst, int n0) {
+// A warp's [16, 16] float32 tile at src (row stride lds) as 16-bit operands at dst (row stride
+// ldd): eight elements per lane, 16 bytes at a time.
+template <typename Op>
+__device__ void copy_tile(const float* src, int lds, Op* dst, int ldd) {
+  static_assert(sizeof(Op) == 2, "16-bit operands");
   __syncwarp();
-  for (int e = threadIdx.x % 32; e < 256; e += 32) {
-    const int at = (e / 16) * ld<D>() + n0 + e % 16;
-    dst[at] = to_op<Op>(src[at]);
+  const int lane = threadIdx.x % 32, row = lane / 2, col = (lane % 2) * 8;
+  const Floats4 a = *reinterpret_cast<const Floats4*>(src + row * lds + col);
+  const Floats4 b = *reinterpret_cast<const Floats4*>(src + row * lds + col + 4);
+  Vec16 v;
+  Op* e = reinterpret_cast<Op*>(&v);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    e[k] = to_op<Op>(a.x[k]);
+    e[4 + k] = to_op<Op>(b.x[k]);
   }
+  *reinterpret_cast<Vec16*>(dst + row * ldd + col) = v;
 }
 
 // Rows t < len of a warp's [16, 16] tile (columns n0..) of a float32 [C, L] tile, to tokens

@@ -19,6 +19,45 @@ struct LowerOnly {
   __device__ void element(int, int, float) const {}
 };
 
+// dg = e^g rowsum(H * dH') and dH' *= e^g in place (dH = e^g dH' + ... at the chunk's end): four
+// columns per lane, each warp's rows loaded in batches before any is used (G may be in global
+// memory, where each load waits hundreds of cycles).
+template <int D>
+__device__ void row_sums_and_scale(const float* H, float* G, int ldG, const float* eg, float* dg) {
+  constexpr int kLanes = D / 4;                        // lanes per row
+  constexpr int kRows = 32 / kLanes;                   // rows per warp step
+  constexpr int kSteps = D / (kWarps<D> * kRows);      // steps per warp
+  constexpr int kBatch = kSteps < 4 ? kSteps : 4;
+  static_assert(kSteps % kBatch == 0, "whole batches");
+  const int lane = threadIdx.x % 32, x = (lane % kLanes) * 4;
+  const int first = (threadIdx.x / 32) * kRows + lane / kLanes;
+#pragma unroll 1
+  for (int s0 = 0; s0 < kSteps; s0 += kBatch) {
+    Floats4 h[kBatch], g[kBatch];
+#pragma unroll
+    for (int s = 0; s < kBatch; ++s) {
+      const int row = first + (s0 + s) * kWarps<D> * kRows;
+      h[s] = *reinterpret_cast<const Floats4*>(H + row * D + x);
+      g[s] = *reinterpret_cast<const Floats4*>(G + row * ldG + x);
+    }
+#pragma unroll
+    for (int s = 0; s < kBatch; ++s) {
+      const int row = first + (s0 + s) * kWarps<D> * kRows;
+      const float e = eg[row];
+      float sum = 0.f;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        sum += h[s].x[c] * g[s].x[c];
+        g[s].x[c] *= e;
+      }
+      *reinterpret_cast<Floats4*>(G + row * ldG + x) = g[s];
+#pragma unroll
+      for (int off = kLanes / 2; off; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if (lane % kLanes == 0) dg[row] = e * sum;
+    }
+  }
+}
+
 template <int D, typename T>
 __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(ChunkArgs p) {
   using Blk = Block<D, T, true>;
@@ -70,13 +109,14 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
     __syncthreads();
     blk.store(next);
     if (ci > 0) next.load(p, c0 - C, C, hd);
+    // The checkpoint loaded now and its operand copy written after operands(), which hides the
+    // loads' latency.
+    constexpr int kSavedVecs = Lay::kCopies ? D * D / 4 / kThreads<D> : 1;
+    Floats4 saved[kSavedVecs];
     if constexpr (Lay::kCopies) {
-      for (int idx = j * 4; idx < D * D; idx += kThreads<D> * 4) {
-        const Floats4 h = *reinterpret_cast<const Floats4*>(Hs + idx);
-        Op* row = H_op_copy + (idx / D) * L + idx % D;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) row[e] = to_op<Op>(h.x[e]);
-      }
+      for (int n = 0; n < kSavedVecs; ++n)
+        saved[n] = *reinterpret_cast<const Floats4*>(Hs + (j + n * kThreads<D>) * 4);
       H_op = H_op_copy;
       G_op = G_op_copy;
       ldH = L;
@@ -89,6 +129,15 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
     }
     __syncthreads();
     blk.operands();
+    if constexpr (Lay::kCopies) {
+#pragma unroll
+      for (int n = 0; n < kSavedVecs; ++n) {
+        const int idx = (j + n * kThreads<D>) * 4;
+        Op* row = H_op_copy + (idx / D) * L + idx % D;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) row[e] = to_op<Op>(saved[n].x[e]);
+      }
+    }
     const bool tame = *blk.tame_flag();
     blk.in_chunk_matrices();
     __syncthreads();
@@ -128,11 +177,11 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
         if (m0 == 0) {
           acc.template add<C, false, false>(blk.mat(4), C, s0, L, 0, n0);
           acc.store(u + n0, L);
-          copy_tile<D>(u, ub, n0);
+          copy_tile(u + n0, L, ub + n0, L);
         } else {
           acc.template add<C, true, false>(blk.mat(4), C, s2, L, 0, n0);
           acc.store(dx + n0, L);
-          copy_tile<D>(dx, dxb, n0);
+          copy_tile(dx + n0, L, dxb + n0, L);
         }
       });
     } else {
@@ -215,18 +264,13 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
     gemm<C, D, D, false, true, false>(dxb, L, H_op, ldH, s1, L, kAllWarps<D>);
     gemm<C, D, D, false, true, false>(vb, L, G_op, ldG_op, s2, L, kAllWarps<D>);
     gemm<C, D, D, false, true, false>(ub, L, G_op, ldG_op, s3, L, kAllWarps<D>);
-    // e^g rowsum(H * dH'): a warp per row.
-    for (int row = warp; row < D; row += kWarps<D>) {
-      float s = 0.f;
-      for (int x = j % 32; x < D; x += 32) s += Hs[row * D + x] * G[row * ldG + x];
-#pragma unroll
-      for (int off = 16; off; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      if (j % 32 == 0) blk.dg()[row] = blk.eg()[row] * s;
-    }
+    // Float32 inputs read dH' itself above (no operand copy): done before it is scaled.
+    if constexpr (!Lay::kCopies) __syncthreads();
+    row_sums_and_scale<D>(Hs, G, ldG, blk.eg(), blk.dg());
     __syncthreads();
     // The terms against the state through their factors, column by column (dq~ e^gi,
     // da~ e^ge, dk^ e^(g - gi), db^ e^(g - gi) in place in s0..s3; gi into the dX tile, free
-    // now; dg); meanwhile dH' *= e^g on every thread (dH = e^g dH' + ... below).
+    // now; dg).
     if (j < D) {
       float run = 0.f;
 #pragma unroll
@@ -248,7 +292,6 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
       }
       blk.dg()[j] = dg;
     }
-    for (int idx = j; idx < D * D; idx += kThreads<D>) G[(idx / D) * ldG + idx % D] *= blk.eg()[idx / D];
     __syncthreads();
     // The key-side gradients through the in-chunk factors.
     bool factored = false;  // whether s2, s3 still lack their factor e^(m - gi) (tame products)
@@ -372,9 +415,26 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
         }
       }
     }
-    // dH = e^g dH' + q~^T dO + a~^T dX, and its operand copy as each tile is done.
-    const StateCopies<D, Op> g_copy{G, ldG, Lay::kCopies ? G_op_copy : nullptr, nullptr};
-    gemm<D, D, C, true, false, true, true>(qt, L, dob, L, G, ldG, kAllWarps<D>, at, dxb, g_copy);
+    // dH = e^g dH' + q~^T dO + a~^T dX (dH' scaled above). With tensor cores each warp's tile
+    // also goes to a staging tile of its own (in U's and k^ b^'s places, spent) for its operand
+    // copy, which then never reads G back (in global memory at K = 128).
+    if constexpr (Lay::kTensor) {
+      constexpr int kHalf = kWarps<D> / 2;
+      static_assert(kHalf * 256 <= C * L, "a staging tile per warp");
+      float* stage = warp < kHalf ? u + warp * 256 : blk.spent_kb() + (warp - kHalf) * 256;
+      for_tiles<D, D>(kAllWarps<D>, [&](int m0, int n0) {
+        Tile<Op> acc;
+        acc.load(G + m0 * ldG + n0, ldG);
+        acc.template add<C, true, false>(qt, L, dob, L, m0, n0);
+        acc.template add<C, true, false>(at, L, dxb, L, m0, n0);
+        acc.store(G + m0 * ldG + n0, ldG);
+        acc.store(stage, 16);
+        copy_tile(stage, 16, G_op_copy + m0 * L + n0, L);
+        __syncwarp();
+      });
+    } else {
+      gemm<D, D, C, true, false, true, true>(qt, L, dob, L, G, ldG, kAllWarps<D>, at, dxb);
+    }
   }
   __syncthreads();
   if constexpr (Lay::kGradientOnChip)

@@ -7,7 +7,7 @@ namespace rwkv_ffi {
 namespace {
 
 template <int D, typename T>
-__global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_forward_kernel(ChunkArgs p) {
+__global__ void __launch_bounds__(kThreads<D>, 1) rwkv7_chunk_forward_kernel(ChunkArgs p) {
   using Blk = Block<D, T, false>;
   using Lay = typename Blk::Lay;
   using Op = typename Blk::Op;
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_forward_kernel(ChunkA
         acc.zero();
         acc.template add<C, false, false>(blk.mat(4), C, x, L, 0, n0);
         acc.store(u + n0, L);
-        copy_tile<D>(u, blk.op(4), n0);
+        copy_tile(u + n0, L, blk.op(4) + n0, L);
       });
     } else {
       blk.values_x(x);
