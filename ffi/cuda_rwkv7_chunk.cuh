@@ -84,11 +84,11 @@ template <int D, typename T, bool BACKWARD> struct Layout {
   static constexpr size_t small_f = align(sizeof(float) * (n_mat * C * C + 2 * D) + 16);
   static constexpr size_t small = small_f + n_split * 2 * C * C * sizeof(__nv_bfloat16);
   // Inputs r, w, k, v, a, b (+ dO). Operands q~, a~, k^, b^, U (+ dX), then V (+ dO) unless
-  // the inputs serve. Float32: U and four scratch tiles (+ dX).
+  // the inputs serve. Float32: U and four scratch tiles (+ dX and the cumulative log decays).
   static constexpr int n_in = BACKWARD ? 7 : 6;
   static constexpr int n_op_own = BACKWARD ? 6 : 5;
   static constexpr int n_op = n_op_own + (kInputsAreOperands ? 0 : BACKWARD ? 2 : 1);
-  static constexpr int n_f = BACKWARD ? 6 : 5;
+  static constexpr int n_f = BACKWARD ? 7 : 5;
   // Forward: the state and its operand copy. Backward: the saved state's operand copy, the
   // state gradient's (when copies) and the state gradient itself when it stays on chip.
   static constexpr size_t states =
@@ -182,7 +182,7 @@ template <int D, typename T, bool BACKWARD> struct Block {
   }
   // k^ and b^ as one float32 tile (the backward's key-side step, once both are spent).
   __device__ float* spent_kb() const { return reinterpret_cast<float*>(op(2)); }
-  // U, scratch 0..3 (, dX).
+  // U, scratch 0..3 (, dX, gi).
   __device__ float* f(int q) const {
     return reinterpret_cast<float*>(sm + Lay::n_in * Lay::tile_in + Lay::n_op * Lay::tile_op +
                                     q * Lay::tile_f);
@@ -227,13 +227,16 @@ template <int D, typename T, bool BACKWARD> struct Block {
     next.store([this](int q) { return in(q); });
   }
 
+  // The cumulative log decays gi of each column: the forward's in the U tile (free until
+  // values_u), the backward's in a tile of their own, read until the chunk's end.
+  __device__ float* gi() const { return BACKWARD ? f(6) : f(0); }
+
   // The decays, the operand tiles q~, a~, k^, b^ (and V, dO unless the inputs serve), e^g and,
   // for a tame chunk, its factored tiles q, a, k, b (f(1..4)). Ends synchronised.
   __device__ void operands() {
     const int j = threadIdx.x;
-    // The cumulative log decays gi of each column (into the U tile, free until values_u) and
-    // e^g. Tame: every column's total >= -kTameSum (a NaN total makes the chunk exact).
-    float* gi = f(0);
+    // gi and e^g. Tame: every column's total >= -kTameSum (a NaN total makes the chunk exact).
+    float* gi = this->gi();
     bool tame_col = true;
     if (j < D) {
       float run = 0.f;

@@ -88,6 +88,14 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
   T *gr = static_cast<T*>(p.dr), *gw = static_cast<T*>(p.dw), *gk = static_cast<T*>(p.dk),
     *gv = static_cast<T*>(p.dv), *ga = static_cast<T*>(p.da), *gb = static_cast<T*>(p.db);
   const int j = threadIdx.x, warp = threadIdx.x / 32;
+  // The column-wise steps: kParts threads per column, each over kRows rows.
+  constexpr int kParts = kThreads<D> / D, kRows = C / kParts;
+  static_assert(2 * kParts <= C, "dg_parts and dw_parts in the dX tile");
+  const int column = j % D, part = j / D;
+  // The cumulative log decays (operands()); the parts' sums of dg and of dw's terms in rows of
+  // the dX tile (free from the column-wise steps on).
+  const float* gi = blk.gi();
+  float *dg_parts = blk.f(5), *dw_parts = blk.f(5) + kParts * L;
 
   for (int idx = j; idx < D * D; idx += kThreads<D>) {
     const float g = p.h_in[base + idx];
@@ -268,29 +276,28 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
     if constexpr (!Lay::kCopies) __syncthreads();
     row_sums_and_scale<D>(Hs, G, ldG, blk.eg(), blk.dg());
     __syncthreads();
-    // The terms against the state through their factors, column by column (dq~ e^gi,
-    // da~ e^ge, dk^ e^(g - gi), db^ e^(g - gi) in place in s0..s3; gi into the dX tile, free
-    // now; dg).
-    if (j < D) {
-      float run = 0.f;
+    // The terms against the state through their factors (dq~ e^gi, da~ e^ge, dk^ e^(g - gi),
+    // db^ e^(g - gi) in place in s0..s3), each thread over rows part, part + kParts, ..., and
+    // its share of dg (sum over t of k dk^ + b db^) into dg_parts.
+    {
+      float dg_part = 0.f;
 #pragma unroll
-      for (int t = 0; t < C; ++t) {
-        s1[t * L + j] *= expf(run);
-        run += blk.w_(t, j);
-        s0[t * L + j] *= expf(run);
-        dx[t * L + j] = run;
+      for (int t = part; t < C; t += kParts) {
+        const int e = t * L + column;
+        const float g_t = gi[e], ge = t ? gi[e - L] : 0.f;
+        // g - gi_t: precise as a difference in a tame chunk; else summed from the chunk's end.
+        float to_end = 0.f;
+        if (tame) to_end = gi[(C - 1) * L + column] - g_t;
+        else for (int s = C - 1; s > t; --s) to_end += blk.w_(s, column);
+        const float back = expf(to_end);
+        s0[e] *= expf(g_t);
+        s1[e] *= expf(ge);
+        const float dk_h = s2[e] * back, db_h = s3[e] * back;
+        s2[e] = dk_h;
+        s3[e] = db_h;
+        dg_part += blk.k_(t, column) * dk_h + blk.b_(t, column) * db_h;
       }
-      float dg = blk.dg()[j], back = 0.f;
-#pragma unroll
-      for (int t = C - 1; t >= 0; --t) {
-        const float e = expf(back);
-        const float dk_h = s2[t * L + j] * e, db_h = s3[t * L + j] * e;
-        s2[t * L + j] = dk_h;
-        s3[t * L + j] = db_h;
-        dg += blk.k_(t, j) * dk_h + blk.b_(t, j) * db_h;
-        back += blk.w_(t, j);
-      }
-      blk.dg()[j] = dg;
+      dg_parts[part * L + column] = dg_part;
     }
     __syncthreads();
     // The key-side gradients through the in-chunk factors.
@@ -306,8 +313,8 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
         float* b_f = blk.spent_kb();
         for (int idx = j; idx < C * D; idx += kThreads<D>) {
           const int t = idx / D, x = idx % D, e = t * L + x;
-          const float m = dx[kMiddle * L + x], gi = dx[e], ge = t ? dx[e - L] : 0.f;
-          const float col = expf(m - gi);
+          const float m = gi[kMiddle * L + x], g_t = gi[e], ge = t ? gi[e - L] : 0.f;
+          const float col = expf(m - g_t);
           k_f[e] = blk.k_(t, x) * col;
           b_f[e] = blk.b_(t, x) * col;
           s0[e] *= col;
@@ -322,8 +329,8 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
         float *q_f = k_f, *a_f = b_f;
         for (int idx = j; idx < C * D; idx += kThreads<D>) {
           const int t = idx / D, x = idx % D, e = t * L + x;
-          const float m = dx[kMiddle * L + x], gi = dx[e], ge = t ? dx[e - L] : 0.f;
-          const float row = expf(gi - m), row_e = expf(ge - m);
+          const float m = gi[kMiddle * L + x], g_t = gi[e], ge = t ? gi[e - L] : 0.f;
+          const float row = expf(g_t - m), row_e = expf(ge - m);
           s0[e] *= row;
           s1[e] *= row_e;
           q_f[e] = blk.q_(t, x) * row;
@@ -342,20 +349,18 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
     if (!factored) {
       // kParts threads per column share its pairs (t, i) by i; then the parts' sums of dq
       // and da, one part after another (the same order every run).
-      constexpr int kParts = kThreads<D> / D;
-      const int column = j % D, part = j / D;
-      const float m = dx[kMiddle * L + column];
+      const float m = gi[kMiddle * L + column];
       float row[C], g_q[C], g_a[C];
 #pragma unroll
       for (int t = 0; t < C; ++t) {
-        row[t] = expf(dx[t * L + column] - m);
+        row[t] = expf(gi[t * L + column] - m);
         g_q[t] = 0.f;
         g_a[t] = 0.f;
       }
 #pragma unroll 1
       for (int i = part; i < C; i += kParts) {
         const float ki = blk.k_(i, column), bi = blk.b_(i, column);
-        const float col = expf(m - dx[i * L + column]);
+        const float col = expf(m - gi[i * L + column]);
         float F = 1.f, E = 0.f, sum = 0.f, dki = 0.f, dbi = 0.f;
 #pragma unroll
         for (int t = 0; t < C; ++t) {
@@ -392,28 +397,34 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
         __syncthreads();
       }
     }
-    if (j < D) {
-      // dw_s = sum_{t >= s} (dgi_t + dge_t) - dge_s + dg; 0 where the log decay was raised.
-      const float dg = blk.dg()[j], m = dx[kMiddle * L + j];
-      float acc = 0.f;
+    // The gradients of r, k, a, b, and dw_s = sum_{t >= s} (dgi_t + dge_t) - dge_s + dg (0 where
+    // the log decay was raised): each thread over kRows consecutive rows of a column; first the
+    // row terms (into s0 and s1, whose values they replace) and their sum (into dw_parts), then,
+    // once every part's sum is there, dw.
+    const int t0 = part * kRows;
+    {
+      const float m = gi[kMiddle * L + column];
+      float sum = 0.f;
 #pragma unroll
-      for (int t = C - 1; t >= 0; --t) {
-        const float back = factored ? expf(m - dx[t * L + j]) : 1.f;
-        const float g_q = s0[t * L + j], g_a = s1[t * L + j];
-        const float g_k = s2[t * L + j] * back, g_b = s3[t * L + j] * back;
-        const float dgi = blk.q_(t, j) * g_q - blk.k_(t, j) * g_k - blk.b_(t, j) * g_b;
-        const float dge = blk.a_(t, j) * g_a;
-        acc += dgi + dge;
+      for (int r = kRows - 1; r >= 0; --r) {
+        const int t = t0 + r, e = t * L + column;
+        const float back = factored ? expf(m - gi[e]) : 1.f;
+        const float g_q = s0[e], g_a = s1[e], g_k = s2[e] * back, g_b = s3[e] * back;
+        const float dge = blk.a_(t, column) * g_a;
+        const float term =
+            blk.q_(t, column) * g_q - blk.k_(t, column) * g_k - blk.b_(t, column) * g_b + dge;
+        s0[e] = term;
+        s1[e] = dge;
+        sum += term;
         if (t < len) {
-          const int64_t out = ((c0 + t) * p.H + hd) * D + j;
-          const float w_raw = to_f(blk.in(1)[t * L + j]);
-          gw[out] = from_f<T>(w_raw < kFloor ? 0.f : acc - dge + dg);
+          const int64_t out = ((c0 + t) * p.H + hd) * D + column;
           gr[out] = from_f<T>(g_q * p.scale);
           gk[out] = from_f<T>(g_k);
           ga[out] = from_f<T>(g_a);
           gb[out] = from_f<T>(g_b);
         }
       }
+      dw_parts[part * L + column] = sum;
     }
     // dH = e^g dH' + q~^T dO + a~^T dX (dH' scaled above). With tensor cores each warp's tile
     // also goes to a staging tile of its own (in U's and k^ b^'s places, spent) for its operand
@@ -434,6 +445,21 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
       });
     } else {
       gemm<D, D, C, true, false, true, true>(qt, L, dob, L, G, ldG, kAllWarps<D>, at, dxb);
+    }
+    __syncthreads();
+    {
+      float dg = blk.dg()[column], acc = 0.f;
+      for (int q = 0; q < kParts; ++q) dg += dg_parts[q * L + column];
+      for (int q = kParts - 1; q > part; --q) acc += dw_parts[q * L + column];
+#pragma unroll
+      for (int r = kRows - 1; r >= 0; --r) {
+        const int t = t0 + r, e = t * L + column;
+        acc += s0[e];
+        if (t < len) {
+          const float w_raw = to_f(blk.in(1)[e]);
+          gw[((c0 + t) * p.H + hd) * D + column] = from_f<T>(w_raw < kFloor ? 0.f : acc - s1[e] + dg);
+        }
+      }
     }
   }
   __syncthreads();
