@@ -232,8 +232,9 @@ template <int D, typename T, bool BACKWARD> struct Block {
   __device__ float* gi() const { return BACKWARD ? f(6) : f(0); }
 
   // The decays, the operand tiles q~, a~, k^, b^ (and V, dO unless the inputs serve), e^g and,
-  // for a tame chunk, its factored tiles q, a, k, b (f(1..4)). Ends synchronised.
-  __device__ void operands() {
+  // for a tame chunk, its factored tiles q, a, k, b (f(1..4)); then the caller's `extra` stores.
+  // Ends synchronised.
+  template <typename Extra> __device__ void operands(const Extra& extra) {
     const int j = threadIdx.x;
     // gi and e^g. Tame: every column's total >= -kTameSum (a NaN total makes the chunk exact).
     float* gi = this->gi();
@@ -277,6 +278,7 @@ template <int D, typename T, bool BACKWARD> struct Block {
         bm[e] = b_(t, x) * col;
       }
     }
+    extra();
     __syncthreads();
   }
 
@@ -296,21 +298,25 @@ template <int D, typename T, bool BACKWARD> struct Block {
     }
   }
 
-  // A_qk, A_qb (i <= t), A_ak, A_ab (i < t). A tame chunk's are products of its factored tiles
-  // (TF32 tensor cores, warps 0..3); any other chunk's factors each from its own sum. With
-  // tensor cores, every entry is then finished (finish_entry). Not synchronised.
+  // A tame chunk's in-chunk matrix q (A_qk, A_qb, A_ak, A_ab) on the calling warp (q's own), a
+  // product of its factored tiles on TF32 tensor cores, each entry then finished. Not
+  // synchronised.
+  __device__ void tame_matrix(int q) const {
+    const float* rows = f(q < 2 ? 1 : 2);       // q or a
+    const float* cols = f(q % 2 == 0 ? 3 : 4);  // k or b
+    mma_tiles<C, C, D, false, true, false, false>(rows, L, cols, L, nullptr, nullptr, mat(q), C,
+                                                  Warps{q, 1}, Finished{this, q});
+  }
+
+  // A_qk, A_qb (i <= t), A_ak, A_ab (i < t). A tame chunk's on tensor cores (tame_matrix, warps
+  // 0..3); any other chunk's factors each from its own sum. With tensor cores, every entry is
+  // then finished (finish_entry). Not synchronised.
   __device__ void in_chunk_matrices() {
     const bool tame = *tame_flag();
     if constexpr (Lay::kTensor) {
       if (tame) {
         const int warp = threadIdx.x / 32;
-        if (warp < 4) {
-          const float* rows = f(warp < 2 ? 1 : 2);         // q or a
-          const float* cols = f(warp % 2 == 0 ? 3 : 4);    // k or b
-          mma_tiles<C, C, D, false, true, false, false>(rows, L, cols, L, nullptr, nullptr,
-                                                        mat(warp), C, Warps{warp, 1},
-                                                        Finished{this, warp});
-        }
+        if (warp < 4) tame_matrix(warp);
         return;
       }
     }

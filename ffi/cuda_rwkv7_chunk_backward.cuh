@@ -117,8 +117,8 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
     __syncthreads();
     blk.store(next);
     if (ci > 0) next.load(p, c0 - C, C, hd);
-    // The checkpoint loaded now and its operand copy written after operands(), which hides the
-    // loads' latency.
+    // The checkpoint loaded now and its operand copy written at the end of operands(), which
+    // hides the loads' latency.
     constexpr int kSavedVecs = Lay::kCopies ? D * D / 4 / kThreads<D> : 1;
     Floats4 saved[kSavedVecs];
     if constexpr (Lay::kCopies) {
@@ -136,63 +136,82 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
       ldG_op = ldG;
     }
     __syncthreads();
-    blk.operands();
-    if constexpr (Lay::kCopies) {
+    blk.operands([&] {
+      if constexpr (Lay::kCopies) {
 #pragma unroll
-      for (int n = 0; n < kSavedVecs; ++n) {
-        const int idx = (j + n * kThreads<D>) * 4;
-        Op* row = H_op_copy + (idx / D) * L + idx % D;
+        for (int n = 0; n < kSavedVecs; ++n) {
+          const int idx = (j + n * kThreads<D>) * 4;
+          Op* row = H_op_copy + (idx / D) * L + idx % D;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) row[e] = to_op<Op>(saved[n].x[e]);
-      }
-    }
-    const bool tame = *blk.tame_flag();
-    blk.in_chunk_matrices();
-    __syncthreads();
-    if (warp == 0) {
-      blk.inverse();
-    } else if constexpr (Lay::kTensor) {
-      // X = a~H + A_ak V (s0), k^ dH' (s1), dU = b^ dH' + A_qb^T dO (s2): [3C, D] tiles.
-      for_tiles<3 * C, D>(Warps{1, kWarps<D> - 1}, [&](int m0, int n0) {
-        const int which = m0 / C;
-        Tile<Op> acc;
-        acc.zero();
-        if (which == 0) {
-          acc.template add<D, false, false>(at, L, H_op, ldH, 0, n0);
-          acc.template add<C, false, false>(blk.hi(1), C, vb, L, 0, n0);
-          acc.template add<C, false, false>(blk.lo(1), C, vb, L, 0, n0);
-        } else {
-          acc.template add<D, false, false>(which == 1 ? kh : bh, L, G_op, ldG_op, 0, n0);
-          if (which == 2) {
-            acc.template add<C, true, false>(blk.hi(2), C, dob, L, 0, n0);
-            acc.template add<C, true, false>(blk.lo(2), C, dob, L, 0, n0);
-          }
+          for (int e = 0; e < 4; ++e) row[e] = to_op<Op>(saved[n].x[e]);
         }
-        acc.store((which == 0 ? s0 : which == 1 ? s1 : s2) + n0, L);
-      });
-    } else {  // a~H, k^ dH', b^ dH' on the other warps
-      constexpr Warps others{1, kWarps<D> - 1};
-      gemm<C, D, D, false, false, false>(at, L, H_op, ldH, s0, L, others);
-      gemm<C, D, D, false, false, false>(kh, L, G_op, ldG_op, s1, L, others);
-      gemm<C, D, D, false, false, false>(bh, L, G_op, ldG_op, s2, L, others);
-    }
-    __syncthreads();
+      }
+    });
+    const bool tame = *blk.tame_flag();
     if constexpr (Lay::kTensor) {
-      // U = (I - A_ab)^-1 X into u and ub, dX = (I - A_ab)^-T dU into dx and dxb (TF32).
+      // The in-chunk matrices and the inverse beside the products with the states, a~H (into
+      // u) and b^ dH' (into dx; the factored tiles s0..s3 are being read): a tame chunk's
+      // matrices take a warp each (warps 0..3, the inverse on warp 3 once A_ab is done), any
+      // other chunk's every thread first.
+      const auto state_products = [&](Warps by) {
+        for_tiles<2 * C, D>(by, [&](int m0, int n0) {
+          Tile<Op> acc;
+          acc.zero();
+          if (m0 == 0) acc.template add<D, false, false>(at, L, H_op, ldH, 0, n0);
+          else acc.template add<D, false, false>(bh, L, G_op, ldG_op, 0, n0);
+          acc.store((m0 == 0 ? u : dx) + n0, L);
+        });
+      };
+      if (tame) {
+        if (warp < 4) {
+          blk.tame_matrix(warp);
+          if (warp == 3) blk.inverse();
+        } else {
+          state_products(Warps{4, kWarps<D> - 4});
+        }
+      } else {
+        blk.in_chunk_matrices();
+        __syncthreads();
+        if (warp == 0) blk.inverse();
+        else state_products(Warps{1, kWarps<D> - 1});
+      }
+      __syncthreads();
+      // Column tile by column tile on one warp each, in place: X = a~H + A_ak V, then
+      // U = (I - A_ab)^-1 X (and ub); dU = b^ dH' + A_qb^T dO, then dX = (I - A_ab)^-T dU (and
+      // dxb).
       for_tiles<2 * C, D>(kAllWarps<D>, [&](int m0, int n0) {
+        const bool rows_u = m0 == 0;
+        float* x = (rows_u ? u : dx) + n0;
+        Tile<Op> sum;
+        sum.load(x, L);
+        if (rows_u) {
+          sum.template add<C, false, false>(blk.hi(1), C, vb, L, 0, n0);
+          sum.template add<C, false, false>(blk.lo(1), C, vb, L, 0, n0);
+        } else {
+          sum.template add<C, true, false>(blk.hi(2), C, dob, L, 0, n0);
+          sum.template add<C, true, false>(blk.lo(2), C, dob, L, 0, n0);
+        }
+        sum.store(x, L);
+        __syncwarp();
         Tile<float> acc;
         acc.zero();
-        if (m0 == 0) {
-          acc.template add<C, false, false>(blk.mat(4), C, s0, L, 0, n0);
-          acc.store(u + n0, L);
-          copy_tile(u + n0, L, ub + n0, L);
-        } else {
-          acc.template add<C, true, false>(blk.mat(4), C, s2, L, 0, n0);
-          acc.store(dx + n0, L);
-          copy_tile(dx + n0, L, dxb + n0, L);
-        }
+        if (rows_u) acc.template add<C, false, false>(blk.mat(4), C, u, L, 0, n0);
+        else acc.template add<C, true, false>(blk.mat(4), C, dx, L, 0, n0);
+        acc.store(x, L);
+        copy_tile(x, L, (rows_u ? ub : dxb) + n0, L);
       });
     } else {
+      blk.in_chunk_matrices();
+      __syncthreads();
+      if (warp == 0) {
+        blk.inverse();
+      } else {  // a~H, k^ dH', b^ dH' on the other warps
+        constexpr Warps others{1, kWarps<D> - 1};
+        gemm<C, D, D, false, false, false>(at, L, H_op, ldH, s0, L, others);
+        gemm<C, D, D, false, false, false>(kh, L, G_op, ldG_op, s1, L, others);
+        gemm<C, D, D, false, false, false>(bh, L, G_op, ldG_op, s2, L, others);
+      }
+      __syncthreads();
       // X = a~H + A_ak V; dU = A_qb^T dO + b^ dH' (in place of b^ dH'); one element per thread.
       blk.values_x(s0);
       for (int idx = j; idx < C * D; idx += kThreads<D>) {
@@ -222,9 +241,11 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
                                                       L, nullptr, nullptr, dA, C, Warps{warp, 1},
                                                       LowerOnly{dA, warp >= 2});
       } else {
+        // dV's bfloat16 products (k^ dH' among them), then its TF32 one.
         for_tiles<C, D>(Warps{4, kWarps<D> - 4}, [&](int, int n0) {
           Tile<Op> in_bf16;
-          in_bf16.load(s1 + n0, L);
+          in_bf16.zero();
+          in_bf16.template add<D, false, false>(kh, L, G_op, ldG_op, 0, n0);
           in_bf16.template add<C, true, false>(blk.hi(0), C, dob, L, 0, n0);
           in_bf16.template add<C, true, false>(blk.lo(0), C, dob, L, 0, n0);
           in_bf16.store(s1 + n0, L);

@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kThreads<D>, 1) rwkv7_chunk_forward_kernel(Chu
     blk.store(next);
     if (ci + 1 < n_chunks) next.load(p, c0 + C, (int)lmin(C, seq.end - c0 - C), hd);
     __syncthreads();
-    blk.operands();
+    blk.operands([] {});
     blk.in_chunk_matrices();
     __syncthreads();
     T* o = static_cast<T*>(p.o);
