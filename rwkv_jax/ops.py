@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks as checks
-from .backends import resolve
+from .backends import differentiated, resolve
 
 _TIME_MAJOR = ("B", "T", "H")
 _HEAD_MAJOR = ("B", "H", "T")
@@ -136,7 +136,10 @@ def _sequence(op, named, scale, initial_state, output_final_state, cu_seqlens, h
     dtype = _sequence_dtype({n: arrays[n] for n in named})
     initial_state, cu_seqlens, offsets_ok = _state_and_segments(initial_state, cu_seqlens, sizes,
                                                                 batch, total)
-    name, fn = resolve(op, backend, dtype=dtype)
+    shape = dict(sequence_heads=sizes["N"][0] * sizes["H"][0], key=sizes["K"][0],
+                 value=sizes["V"][0], dtype=dtype,
+                 differentiated=any(differentiated(x) for x in (*arrays.values(), initial_state)))
+    name, fn = resolve(op, backend, dtype=dtype, shape=shape)
     arrays = {n: (_to_bthk(x, head_first) if n in named else x) for n, x in arrays.items()}
     o, h = fn(**arrays, scale=scale, initial_state=_in_state_dtype(initial_state, dtype),
               output_final_state=output_final_state, cu_seqlens=cu_seqlens, **options)

@@ -311,6 +311,9 @@ def _sequence_parallel(spec, base, options, arrays, axis, devices):
     start = jnp.zeros((batch, heads, keys, arrays["v"].shape[-1]), dtype)
     if h0 is not None:   # only the block that comes first in the recurrence starts from h0
         start = jnp.where(lax.axis_index(axis) == order[0], h0.astype(dtype), start)
+    # One backend for every pass of the blocks: the default per shape class (SHAPE_DEFAULTS)
+    # would otherwise let the op and the state-only passes differ.
+    options = {**options, "backend": backends.resolve(spec.name, options.get("backend"))[0]}
     run = functools.partial(base, **{**options, "head_first": False, "output_final_state": True})
     o, h_out = _one_pass_block(spec, run, tuple(options.items()), axis, tuple(order))(arrays, start)
     return o, lax.all_gather(h_out, axis)[order[-1]]

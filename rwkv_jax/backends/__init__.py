@@ -11,8 +11,9 @@ Which backend runs an op (``resolve``):
 2. else a preference from the environment, ``RWKV_JAX_BACKEND`` (or ``KERNEL_TYPE``, rwkv_ops'
    variable, where ``cuda`` means ``ffi``): that backend for every op it implements and can run
    here, the default for the others;
-3. else the default: the first backend of ``DEFAULTS[(op, platform)]`` (fastest measured first)
-   that can run here.
+3. else the default: the backend ``SHAPE_DEFAULTS[(op, platform)]`` names for the call's shape
+   class, if any and if it can run here; else the first backend of ``DEFAULTS[(op, platform)]``
+   (fastest measured first) that can run here.
 For float64 inputs (``dtype``) only the backends that compute in float64 count: an explicit
 other one is a TypeError naming those that do, and the preference and default skip the others.
 """
@@ -28,6 +29,11 @@ from typing import Callable, Optional
 import jax
 from jax.interpreters import ad
 from jax.interpreters import partial_eval as pe
+
+try:  # reverse mode's tracer under direct linearization (newer JAX)
+    from jax._src.interpreters.ad import LinearizeTracer as _LinearizeTracer
+except ImportError:
+    _LinearizeTracer = ()
 
 OPS = ("rwkv7", "rwkv6", "rwkv4", "gated_linear_attention", "rwkv7_step", "rwkv6_step")
 
@@ -108,6 +114,42 @@ DEFAULTS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
 }
 # Platforms without an entry (TPU): the portable backends, unmeasured.
 FALLBACK_ORDER = ("native", "chunked")
+
+# rwkv7's chunked CUDA kernels (the ffi backend on the GPU, K = V in its chunked head sizes)
+# train faster than triton from this many sequence-heads (sequences x heads) on: one thread block
+# each, so fewer leave multiprocessors idle.
+CHUNKED_CUDA_MIN_SEQUENCE_HEADS = 256
+
+
+def chunked_cuda_trains_faster(shape: dict) -> bool:
+    """Whether an rwkv7 call of this shape class (``ops.py``'s ``shape``) is one where the chunked
+    CUDA kernels beat triton: differentiated (training), 16-bit inputs, K = V in (64, 128) and
+    at least CHUNKED_CUDA_MIN_SEQUENCE_HEADS sequence-heads."""
+    return (shape["differentiated"]
+            and jax.numpy.dtype(shape["dtype"]) in (jax.numpy.bfloat16, jax.numpy.float16)
+            and shape["key"] == shape["value"] and shape["key"] in (64, 128)
+            and shape["sequence_heads"] >= CHUNKED_CUDA_MIN_SEQUENCE_HEADS)
+
+
+def _rwkv7_gpu_by_shape(shape: dict) -> Optional[str]:
+    if not chunked_cuda_trains_faster(shape) or not _runs("ffi", "rwkv7", "gpu"):
+        return None
+    ffi = importlib.import_module(_BACKENDS["ffi"].module)
+    chunked = ffi.rwkv7_kernel(shape["key"], shape["value"], shape["dtype"], "gpu") == "rwkv7_chunk"
+    return "ffi" if chunked else None  # (the chunked kernels' tiles fit this GPU's shared memory)
+
+
+# Shape classes whose default is another backend than DEFAULTS' first: (op, platform) -> (rule,
+# measurement); rule(shape) names that backend for a call's shape (a dict from ops.py:
+# sequence_heads, key, value, dtype, differentiated), or None for DEFAULTS' order.
+SHAPE_DEFAULTS: dict[tuple[str, str], tuple[Callable[[dict], Optional[str]], str]] = {
+    ("rwkv7", "gpu"): (_rwkv7_gpu_by_shape,
+        "H100, one run, bf16 fwd+bwd (fwd): B=8 T=4096 H=64 K=64 ffi 11.84 ms (4.13), triton "
+        "15.77 (3.81), fla 15.95; B=8 T=4096 H=32 K=128 ffi 18.03 (5.61), triton 18.95 (5.91); "
+        "16 packed sequences of 32768 tokens, H=64 K=64 ffi 15.02 (5.43), triton 16.50 (4.29); "
+        "B=1 T=65536 H=32 (32 sequence-heads) ffi 70.7 (25.7), triton 21.0 (8.04). Calls that "
+        "are not differentiated keep triton (its forward is faster at K=64 and packed)"),
+}
 
 
 def default_order(op: str, where: str) -> tuple[str, ...]:
@@ -193,10 +235,12 @@ def preference() -> Optional[str]:
     return None
 
 
-def resolve(op: str, backend: Optional[str], dtype=None) -> tuple[str, Callable]:
+def resolve(op: str, backend: Optional[str], dtype=None,
+            shape: Optional[dict] = None) -> tuple[str, Callable]:
     """The (name, function) that runs ``op`` on inputs of ``dtype`` (None: any): the explicit
     ``backend`` (strict), else the environment's preference where it runs ``op`` here, else the
-    per-op default; for float64 inputs only backends that compute in float64."""
+    default, per shape class where ``shape`` is given (SHAPE_DEFAULTS) and per op; for float64
+    inputs only backends that compute in float64."""
     where = platform()
     wide = dtype is not None and jax.numpy.dtype(dtype) == jax.numpy.float64
     fits = lambda name: _runs(name, op, where) and (not wide or computes_float64(name))
@@ -204,6 +248,10 @@ def resolve(op: str, backend: Optional[str], dtype=None) -> tuple[str, Callable]
         preferred = preference()
         if preferred is not None and fits(preferred):
             return preferred, _function(preferred, op)
+        by_shape = SHAPE_DEFAULTS.get((op, where))
+        first = None if by_shape is None or shape is None or wide else by_shape[0](shape)
+        if first is not None and fits(first):
+            return first, _function(first, op)
         # (float64: any backend that computes it, where the default order has none)
         for name in (*default_order(op, where), *(_BACKENDS if wide else ())):
             if name in _BACKENDS and fits(name):
@@ -237,6 +285,17 @@ def _forward_mode(x) -> bool:
     a partial-evaluation tracer is reverse mode (jax.grad without direct linearization)."""
     while isinstance(x, jax.core.Tracer):
         if isinstance(x, ad.JVPTracer) and not isinstance(x.tangent, pe.JaxprTracer):
+            return True
+        x = getattr(x, "primal", getattr(x, "val", None))
+    return False
+
+
+def differentiated(x) -> bool:
+    """Whether reverse-mode AD (jax.grad, jax.vjp) is differentiating ``x``: a linearize tracer,
+    or a JVP tracer whose tangent is a partial-evaluation tracer, in its chain of tracers."""
+    while isinstance(x, jax.core.Tracer):
+        if isinstance(x, _LinearizeTracer) or (isinstance(x, ad.JVPTracer)
+                                               and isinstance(x.tangent, pe.JaxprTracer)):
             return True
         x = getattr(x, "primal", getattr(x, "val", None))
     return False
