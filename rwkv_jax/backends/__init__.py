@@ -75,9 +75,9 @@ LOG_DECAY_FLOOR = -128.0
 # Adding a backend to an op is a one-line edit of its entry.
 DEFAULTS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("rwkv7", "gpu"): (("triton", "ffi", "native", "chunked"),
-        "H100 B=8 T=4096 H=64 K=64 bf16 fwd+bwd: triton 14.63 ms, ffi 110.9, "
-        "native 466; at B=8 T=1024 H=32 (main job, 5 repeats) fwd: triton 0.84 ms, ffi 2.58, "
-        "chunked 6.72, native 11.46"),
+        "H100 B=8 T=4096 H=64 K=64 bf16 fwd+bwd: triton 14.63 ms, ffi 110.9 (its sequential "
+        "kernels; the chunked ones by shape class: SHAPE_DEFAULTS), native 466; at B=8 T=1024 "
+        "H=32 (main job, 5 repeats) fwd: triton 0.84 ms, ffi 2.58, chunked 6.72, native 11.46"),
     ("rwkv7", "cpu"): (("ffi", "native", "chunked"),
         "2-core CPU B=4 T=1024 H=8 K=64 f32 fwd / fwd+bwd: ffi 24.1 / 131 ms, native 80.7 / 664, "
         "chunked 250 / 1259"),
@@ -144,7 +144,7 @@ def _rwkv7_gpu_by_shape(shape: dict) -> Optional[str]:
 # sequence_heads, key, value, dtype, differentiated), or None for DEFAULTS' order.
 SHAPE_DEFAULTS: dict[tuple[str, str], tuple[Callable[[dict], Optional[str]], str]] = {
     ("rwkv7", "gpu"): (_rwkv7_gpu_by_shape,
-        "H100, one run, bf16 fwd+bwd (fwd): B=8 T=4096 H=64 K=64 ffi 11.84 ms (4.13), triton "
+        "H100, one machine, bf16 fwd+bwd (fwd): B=8 T=4096 H=64 K=64 ffi 11.84 ms (4.13), triton "
         "15.77 (3.81), fla 15.95; B=8 T=4096 H=32 K=128 ffi 18.03 (5.61), triton 18.95 (5.91); "
         "16 packed sequences of 32768 tokens, H=64 K=64 ffi 15.02 (5.43), triton 16.50 (4.29); "
         "B=1 T=65536 H=32 (32 sequence-heads) ffi 70.7 (25.7), triton 21.0 (8.04). Calls that "
