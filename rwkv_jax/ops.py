@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks as checks
-from .backends import differentiated, resolve
+from .backends import resolve
 
 _TIME_MAJOR = ("B", "T", "H")
 _HEAD_MAJOR = ("B", "H", "T")
@@ -137,8 +137,7 @@ def _sequence(op, named, scale, initial_state, output_final_state, cu_seqlens, h
     initial_state, cu_seqlens, offsets_ok = _state_and_segments(initial_state, cu_seqlens, sizes,
                                                                 batch, total)
     shape = dict(sequence_heads=sizes["N"][0] * sizes["H"][0], key=sizes["K"][0],
-                 value=sizes["V"][0], dtype=dtype,
-                 differentiated=any(differentiated(x) for x in (*arrays.values(), initial_state)))
+                 value=sizes["V"][0], dtype=dtype)
     name, fn = resolve(op, backend, dtype=dtype, shape=shape)
     arrays = {n: (_to_bthk(x, head_first) if n in named else x) for n, x in arrays.items()}
     o, h = fn(**arrays, scale=scale, initial_state=_in_state_dtype(initial_state, dtype),

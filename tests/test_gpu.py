@@ -24,13 +24,13 @@ def test_kernels_compiled_and_defaults_measured():
         assert backends.unavailable_reason(name, "gpu") is None, name
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "Triton kernels would be interpreted"
     assert backends.resolve("rwkv7", None)[0] == "triton"
-    # Per shape class (SHAPE_DEFAULTS): training at many sequence-heads takes the chunked CUDA
-    # kernels; few sequence-heads, or no gradient, keep triton.
-    training = dict(sequence_heads=512, key=64, value=64, dtype="bfloat16", differentiated=True)
+    # Per shape class (SHAPE_DEFAULTS): many sequence-heads with 16-bit inputs take the chunked
+    # CUDA kernels; few sequence-heads, or float32 inputs, keep triton.
+    training = dict(sequence_heads=512, key=64, value=64, dtype="bfloat16")
     assert backends.resolve("rwkv7", None, shape=training)[0] == "ffi"
     assert backends.resolve("rwkv7", None, shape=dict(training, key=128, value=128))[0] == "ffi"
     assert backends.resolve("rwkv7", None, shape=dict(training, sequence_heads=32))[0] == "triton"
-    assert backends.resolve("rwkv7", None, shape=dict(training, differentiated=False))[0] == "triton"
+    assert backends.resolve("rwkv7", None, shape=dict(training, dtype="float32"))[0] == "triton"
     assert backends.resolve("rwkv6", None)[0] == "triton"
     assert backends.resolve("gated_linear_attention", None)[0] == "triton"
     assert backends.resolve("rwkv6_step", None)[0] == "ffi"

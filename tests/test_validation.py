@@ -1,7 +1,6 @@
 """Bad input raises ValueError/TypeError naming the argument and what it got, before any
 kernel runs; a backend that cannot run says why."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -258,24 +257,23 @@ def test_step_takes_a_numpy_pool(backend, op):
     np.testing.assert_array_equal(np.asarray(pool_np), np.asarray(new_pool))
 
 
-TRAINING_SHAPE = dict(sequence_heads=512, key=64, value=64, dtype=jnp.bfloat16,
-                      differentiated=True)
+TRAINING_SHAPE = dict(sequence_heads=512, key=64, value=64, dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("change,faster", [
     ({}, True), (dict(key=128, value=128, sequence_heads=256), True),
-    (dict(dtype=jnp.float16), True), (dict(differentiated=False), False),
-    (dict(dtype=jnp.float32), False), (dict(sequence_heads=255), False),
+    (dict(dtype=jnp.float16), True), (dict(dtype=jnp.float32), False),
+    (dict(sequence_heads=255), False),
     (dict(key=32, value=32), False), (dict(value=32), False)])
 def test_chunked_cuda_shape_class(change, faster):
     """rwkv7's GPU default per shape class (SHAPE_DEFAULTS): the chunked CUDA kernels where they
-    were measured faster than triton, training at many sequence-heads with 16-bit inputs."""
+    were measured to train faster than triton, at many sequence-heads with 16-bit inputs."""
     assert backends.chunked_cuda_trains_faster({**TRAINING_SHAPE, **change}) is faster
 
 
 def test_calls_report_their_shape_class(monkeypatch):
-    """ops.py hands resolve the call's sequence-heads, head sizes, dtype and whether reverse-mode
-    AD differentiates it; on the CPU the shape class changes no default."""
+    """ops.py hands resolve the call's sequence-heads (segments when packed), head sizes and
+    dtype; on the CPU the shape class changes no default."""
     seen = []
 
     def spy(op, backend, dtype=None, shape=None):
@@ -283,15 +281,12 @@ def test_calls_report_their_shape_class(monkeypatch):
         return backends.resolve(op, backend, dtype=dtype, shape=shape)
 
     monkeypatch.setattr(rwkv_jax.ops, "resolve", spy)
-    x = rwkv7_args()
-    loss = lambda x: rwkv_jax.rwkv7(**x)[0].sum()
-    loss(x)
-    jax.jit(loss)(x)
-    jax.grad(loss)(x)
-    jax.jit(jax.grad(loss))(x)
-    jax.vjp(loss, x)
-    assert [s["differentiated"] for s in seen] == [False, False, True, True, True]
-    assert seen[0] == dict(sequence_heads=B * H, key=K, value=K, dtype=jnp.float32,
-                           differentiated=False)
+    call_rwkv7()
+    call_rwkv7(cu_seqlens=jnp.asarray([0, 2, 2, 5, 10]), r=_normal(1, 2 * T, H, K),
+               w=-jnp.abs(_normal(1, 2 * T, H, K)), k=_normal(1, 2 * T, H, K),
+               v=_normal(1, 2 * T, H, 3, seed=1), a=_normal(1, 2 * T, H, K),
+               b=_normal(1, 2 * T, H, K))
+    assert seen == [dict(sequence_heads=B * H, key=K, value=K, dtype=jnp.float32),
+                    dict(sequence_heads=4 * H, key=K, value=3, dtype=jnp.float32)]
     default = backends.resolve("rwkv7", None)[0]
     assert backends.resolve("rwkv7", None, shape=TRAINING_SHAPE)[0] == default

@@ -30,10 +30,6 @@ import jax
 from jax.interpreters import ad
 from jax.interpreters import partial_eval as pe
 
-try:  # reverse mode's tracer under direct linearization (newer JAX)
-    from jax._src.interpreters.ad import LinearizeTracer as _LinearizeTracer
-except ImportError:
-    _LinearizeTracer = ()
 
 OPS = ("rwkv7", "rwkv6", "rwkv4", "gated_linear_attention", "rwkv7_step", "rwkv6_step")
 
@@ -123,10 +119,9 @@ CHUNKED_CUDA_MIN_SEQUENCE_HEADS = 256
 
 def chunked_cuda_trains_faster(shape: dict) -> bool:
     """Whether an rwkv7 call of this shape class (``ops.py``'s ``shape``) is one where the chunked
-    CUDA kernels beat triton: differentiated (training), 16-bit inputs, K = V in (64, 128) and
-    at least CHUNKED_CUDA_MIN_SEQUENCE_HEADS sequence-heads."""
-    return (shape["differentiated"]
-            and jax.numpy.dtype(shape["dtype"]) in (jax.numpy.bfloat16, jax.numpy.float16)
+    CUDA kernels train faster than triton: 16-bit inputs, K = V in (64, 128) and at least
+    CHUNKED_CUDA_MIN_SEQUENCE_HEADS sequence-heads."""
+    return (jax.numpy.dtype(shape["dtype"]) in (jax.numpy.bfloat16, jax.numpy.float16)
             and shape["key"] == shape["value"] and shape["key"] in (64, 128)
             and shape["sequence_heads"] >= CHUNKED_CUDA_MIN_SEQUENCE_HEADS)
 
@@ -141,14 +136,15 @@ def _rwkv7_gpu_by_shape(shape: dict) -> Optional[str]:
 
 # Shape classes whose default is another backend than DEFAULTS' first: (op, platform) -> (rule,
 # measurement); rule(shape) names that backend for a call's shape (a dict from ops.py:
-# sequence_heads, key, value, dtype, differentiated), or None for DEFAULTS' order.
+# sequence_heads, key, value, dtype), or None for DEFAULTS' order.
 SHAPE_DEFAULTS: dict[tuple[str, str], tuple[Callable[[dict], Optional[str]], str]] = {
     ("rwkv7", "gpu"): (_rwkv7_gpu_by_shape,
         "H100, one machine, bf16 fwd+bwd (fwd): B=8 T=4096 H=64 K=64 ffi 11.84 ms (4.13), triton "
         "15.77 (3.81), fla 15.95; B=8 T=4096 H=32 K=128 ffi 18.03 (5.61), triton 18.95 (5.91); "
         "16 packed sequences of 32768 tokens, H=64 K=64 ffi 15.02 (5.43), triton 16.50 (4.29); "
-        "B=1 T=65536 H=32 (32 sequence-heads) ffi 70.7 (25.7), triton 21.0 (8.04). Calls that "
-        "are not differentiated keep triton (its forward is faster at K=64 and packed)"),
+        "B=1 T=65536 H=32 (32 sequence-heads) ffi 70.7 (25.7), triton 21.0 (8.04). Defaults "
+        "optimise forward+backward: a forward alone is 8% slower than triton's at K=64 and 27% "
+        "packed"),
 }
 
 
@@ -285,17 +281,6 @@ def _forward_mode(x) -> bool:
     a partial-evaluation tracer is reverse mode (jax.grad without direct linearization)."""
     while isinstance(x, jax.core.Tracer):
         if isinstance(x, ad.JVPTracer) and not isinstance(x.tangent, pe.JaxprTracer):
-            return True
-        x = getattr(x, "primal", getattr(x, "val", None))
-    return False
-
-
-def differentiated(x) -> bool:
-    """Whether reverse-mode AD (jax.grad, jax.vjp) is differentiating ``x``: a linearize tracer,
-    or a JVP tracer whose tangent is a partial-evaluation tracer, in its chain of tracers."""
-    while isinstance(x, jax.core.Tracer):
-        if isinstance(x, _LinearizeTracer) or (isinstance(x, ad.JVPTracer)
-                                               and isinstance(x.tangent, pe.JaxprTracer)):
             return True
         x = getattr(x, "primal", getattr(x, "val", None))
     return False
