@@ -157,12 +157,9 @@ def test_vmap_and_jit_match_a_loop():
     assert_vmap_and_jit_match_a_loop(draw("rwkv7", seed=19, batch=1, steps=19, heads=1, key=64)[0])
 
 
-def test_head_first_and_sharded_over_every_axis():
-    """head_first inputs, and rwkv_jax.shard over batch, heads and the sequence (a (2, 2, 2) mesh
-    of the simulated devices), run the chunked kernels and give one device's native results,
-    output, final state and every gradient."""
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (the CPU suite simulates them)")
+def _native_results_and_check():
+    """Inputs, cotangents, and a check that results (output, final state, every gradient) match
+    one device's native run on them."""
     x, rng = draw("rwkv7", seed=23, batch=2, steps=24, heads=2, key=64)
     cotangents = (jnp.asarray(rng.standard_normal(x["v"].shape), jnp.float32),
                   jnp.asarray(rng.standard_normal(x["initial_state"].shape), jnp.float32))
@@ -173,6 +170,12 @@ def test_head_first_and_sharded_over_every_axis():
         for name in x:
             assert rel(got_grads[name], grads[name]) <= GRADIENT_TOL, name
 
+    return x, cotangents, assert_matches
+
+
+def test_head_first():
+    """head_first inputs run the chunked kernels and give the native results."""
+    x, cotangents, assert_matches = _native_results_and_check()
     swap = lambda a: jnp.swapaxes(a, 1, 2)
     x_first = {n: a if n == "initial_state" else swap(a) for n, a in x.items()}
     jaxpr = jax.make_jaxpr(lambda x: call("rwkv7", x, "ffi", head_first=True))(x_first)
@@ -182,6 +185,13 @@ def test_head_first_and_sharded_over_every_axis():
     assert_matches(swap(f_out), f_state,
                    {n: g if n == "initial_state" else swap(g) for n, g in f_grads.items()})
 
+
+def test_sharded_over_every_axis():
+    """rwkv_jax.shard over batch, heads and the sequence (a (2, 2, 2) mesh of the simulated
+    devices) runs the chunked kernels and gives one device's native results."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (the CPU suite simulates them)")
+    x, cotangents, assert_matches = _native_results_and_check()
     mesh = jax.make_mesh((2, 2, 2), ("data", "heads", "seq"))
     sharded = rwkv_jax.shard(functools.partial(rwkv_jax.rwkv7, backend="ffi"), mesh,
                              batch_axis="data", head_axis="heads", seq_axis="seq")

@@ -30,7 +30,6 @@ import jax
 from jax.interpreters import ad
 from jax.interpreters import partial_eval as pe
 
-
 OPS = ("rwkv7", "rwkv6", "rwkv4", "gated_linear_attention", "rwkv7_step", "rwkv6_step")
 
 
