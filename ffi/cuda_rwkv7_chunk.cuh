@@ -408,23 +408,59 @@ template <int D, typename T, bool BACKWARD> struct Block {
   }
 };
 
+// A lane's eight entries of a warp's [16, 16] tile: row lane / 2, columns (lane % 2) * 8 on, moved
+// 16 bytes at a time.
+struct TileRow {
+  Floats4 x[2];
+  __device__ static int row() { return threadIdx.x % 32 / 2; }
+  __device__ static int col() { return threadIdx.x % 2 * 8; }
+  __device__ float& operator[](int e) { return x[e / 4].x[e % 4]; }
+  __device__ float operator[](int e) const { return x[e / 4].x[e % 4]; }
+  __device__ void load(const float* tile, int ld) {
+    const float* p = tile + row() * ld + col();
+    x[0] = *reinterpret_cast<const Floats4*>(p);
+    x[1] = *reinterpret_cast<const Floats4*>(p + 4);
+  }
+  __device__ void store(float* tile, int ld) const {
+    float* p = tile + row() * ld + col();
+    *reinterpret_cast<Floats4*>(p) = x[0];
+    *reinterpret_cast<Floats4*>(p + 4) = x[1];
+  }
+  // As 16-bit operands.
+  template <typename Op> __device__ void store_op(Op* tile, int ld) const {
+    static_assert(sizeof(Op) == 2, "16-bit operands");
+    Vec16 v;
+    Op* e = reinterpret_cast<Op*>(&v);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) e[k] = to_op<Op>((*this)[k]);
+    *reinterpret_cast<Vec16*>(tile + row() * ld + col()) = v;
+  }
+};
+
 // A warp's [16, 16] float32 tile at src (row stride lds) as 16-bit operands at dst (row stride
-// ldd): eight elements per lane, 16 bytes at a time.
+// ldd).
 template <typename Op>
 __device__ void copy_tile(const float* src, int lds, Op* dst, int ldd) {
-  static_assert(sizeof(Op) == 2, "16-bit operands");
   __syncwarp();
-  const int lane = threadIdx.x % 32, row = lane / 2, col = (lane % 2) * 8;
-  const Floats4 a = *reinterpret_cast<const Floats4*>(src + row * lds + col);
-  const Floats4 b = *reinterpret_cast<const Floats4*>(src + row * lds + col + 4);
-  Vec16 v;
-  Op* e = reinterpret_cast<Op*>(&v);
+  TileRow t;
+  t.load(src, lds);
+  t.store_op(dst, ldd);
+}
+
+// A state's update on a warp's [16, 16] tile (rows m0..): H' = e^g H + the products in `acc`,
+// staged through the warp's own [16, 16] `stage`. `h` holds the lane's entries of H, loaded by
+// the caller before the products (H may be in global memory), and on return those of H'.
+template <typename Op>
+__device__ void scale_and_add(TileRow& h, const Tile<Op>& acc, float* stage, const float* eg,
+                              int m0) {
+  acc.store(stage, 16);
+  __syncwarp();
+  TileRow sum;
+  sum.load(stage, 16);
+  const float e = eg[m0 + TileRow::row()];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    e[k] = to_op<Op>(a.x[k]);
-    e[4 + k] = to_op<Op>(b.x[k]);
-  }
-  *reinterpret_cast<Vec16*>(dst + row * ldd + col) = v;
+  for (int k = 0; k < 8; ++k) h[k] = e * h[k] + sum[k];
+  __syncwarp();  // the stage is free for the warp's next tile
 }
 
 // Rows t < len of a warp's [16, 16] tile (columns n0..) of a float32 [C, L] tile, to tokens
@@ -444,23 +480,12 @@ __device__ void store_tile_rows(const float* tile, int n0, int len, T* out, int6
   }
 }
 
-// Once a tile (or element) of a float32 state [D, ld] is final: its operand copy (if any) and
-// its float32 checkpoint slot [D, D] (if any).
-template <int D, typename Op> struct StateCopies {
-  const float* state;
-  int ld_state;
-  Op* copy;
+// Once an element of a float32 state [D, ld] is final (float32 inputs): its float32 checkpoint
+// slot [D, D] (if any).
+template <int D> struct Checkpoint {
   float* slot;
   __device__ void element(int m, int n, float h) const {
-    if (copy) copy[m * ld<D>() + n] = to_op<Op>(h);
     if (slot) slot[m * D + n] = h;
-  }
-  __device__ void tile(int m0, int n0) const {
-    __syncwarp();
-    for (int e = threadIdx.x % 32; e < 256; e += 32) {
-      const int m = m0 + e / 16, n = n0 + e % 16;
-      element(m, n, state[m * ld_state + n]);
-    }
   }
 };
 

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kThreads<D>, 1) rwkv7_chunk_forward_kernel(Chu
       blk.values_u(x);
     }
     __syncthreads();
-    // O = q~H + A_qk V + A_qb U; H *= e^g
+    // O = q~H + A_qk V + A_qb U
     if constexpr (Lay::kTensor) {
       for_tiles<C, D>(kAllWarps<D>, [&](int, int n0) {
         Tile<float> acc;
@@ -96,13 +96,31 @@ __global__ void __launch_bounds__(kThreads<D>, 1) rwkv7_chunk_forward_kernel(Chu
         o[((c0 + t) * p.H + hd) * D + j] = from_f<T>(s);
       }
     }
-    for (int idx = threadIdx.x; idx < D * D; idx += kThreads<D>) S[(idx / D) * L + idx % D] *= blk.eg()[idx / D];
-    __syncthreads();
     // H' = e^g H + k^^T V + b^^T U, and its operand copy and checkpoint as each tile is done.
     float* slot = p.ckpt && ci + 1 < n_chunks ? slot_of(ci + 1) : nullptr;
-    const StateCopies<D, Op> s_copy{S, L, Lay::kCopies ? S_op : nullptr, slot};
-    gemm<D, D, C, true, false, true, true>(blk.op(2), L, blk.v_op(), L, S, L, kAllWarps<D>, blk.op(3),
-                                           blk.op(4), s_copy);
+    if constexpr (Lay::kTensor) {
+      // Each warp's products staged in f(3..4) (the factored tiles, spent); the state read
+      // here alone, each lane its own entries.
+      static_assert(kWarps<D> * 256 <= 2 * C * L, "a staging tile per warp");
+      float* stage = blk.f(3) + threadIdx.x / 32 * 256;
+      for_tiles<D, D>(kAllWarps<D>, [&](int m0, int n0) {
+        TileRow h;
+        h.load(S + m0 * L + n0, L);
+        Tile<Op> acc;
+        acc.zero();
+        acc.template add<C, true, false>(blk.op(2), L, blk.v_op(), L, m0, n0);
+        acc.template add<C, true, false>(blk.op(3), L, blk.op(4), L, m0, n0);
+        scale_and_add(h, acc, stage, blk.eg(), m0);
+        h.store(S + m0 * L + n0, L);
+        h.store_op(S_op + m0 * L + n0, L);
+        if (slot) h.store(slot + m0 * D + n0, D);
+      });
+    } else {
+      for (int idx = threadIdx.x; idx < D * D; idx += kThreads<D>) S[(idx / D) * L + idx % D] *= blk.eg()[idx / D];
+      __syncthreads();
+      gemm<D, D, C, true, false, true, true>(blk.op(2), L, blk.v_op(), L, S, L, kAllWarps<D>,
+                                             blk.op(3), blk.op(4), Checkpoint<D>{slot});
+    }
   }
   __syncthreads();
   for (int idx = threadIdx.x; idx < D * D; idx += kThreads<D>) p.h_out[base + idx] = S[(idx / D) * L + idx % D];
