@@ -447,22 +447,6 @@ __device__ void copy_tile(const float* src, int lds, Op* dst, int ldd) {
   t.store_op(dst, ldd);
 }
 
-// A state's update on a warp's [16, 16] tile (rows m0..): H' = e^g H + the products in `acc`,
-// staged through the warp's own [16, 16] `stage`. `h` holds the lane's entries of H, loaded by
-// the caller before the products (H may be in global memory), and on return those of H'.
-template <typename Op>
-__device__ void scale_and_add(TileRow& h, const Tile<Op>& acc, float* stage, const float* eg,
-                              int m0) {
-  acc.store(stage, 16);
-  __syncwarp();
-  TileRow sum;
-  sum.load(stage, 16);
-  const float e = eg[m0 + TileRow::row()];
-#pragma unroll
-  for (int k = 0; k < 8; ++k) h[k] = e * h[k] + sum[k];
-  __syncwarp();  // the stage is free for the warp's next tile
-}
-
 // Rows t < len of a warp's [16, 16] tile (columns n0..) of a float32 [C, L] tile, to tokens
 // [c0, c0 + len) of head hd of out [tokens, H, D] (16-bit: two lanes per row, 16 bytes each).
 template <int D, typename T>

@@ -99,18 +99,24 @@ __global__ void __launch_bounds__(kThreads<D>, 1) rwkv7_chunk_forward_kernel(Chu
     // H' = e^g H + k^^T V + b^^T U, and its operand copy and checkpoint as each tile is done.
     float* slot = p.ckpt && ci + 1 < n_chunks ? slot_of(ci + 1) : nullptr;
     if constexpr (Lay::kTensor) {
-      // Each warp's products staged in f(3..4) (the factored tiles, spent); the state read
-      // here alone, each lane its own entries.
+      // Each warp's products staged in f(3..4) (the factored tiles, spent), then each lane's
+      // entries of the state scaled, summed and written with their copies: no pass of its own.
       static_assert(kWarps<D> * 256 <= 2 * C * L, "a staging tile per warp");
       float* stage = blk.f(3) + threadIdx.x / 32 * 256;
       for_tiles<D, D>(kAllWarps<D>, [&](int m0, int n0) {
-        TileRow h;
+        TileRow h, sum;
         h.load(S + m0 * L + n0, L);
         Tile<Op> acc;
         acc.zero();
         acc.template add<C, true, false>(blk.op(2), L, blk.v_op(), L, m0, n0);
         acc.template add<C, true, false>(blk.op(3), L, blk.op(4), L, m0, n0);
-        scale_and_add(h, acc, stage, blk.eg(), m0);
+        acc.store(stage, 16);
+        __syncwarp();
+        sum.load(stage, 16);
+        const float e = blk.eg()[m0 + TileRow::row()];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) h[k] = e * h[k] + sum[k];
+        __syncwarp();  // the stage is free for the warp's next tile
         h.store(S + m0 * L + n0, L);
         h.store_op(S_op + m0 * L + n0, L);
         if (slot) h.store(slot + m0 * D + n0, D);
