@@ -40,6 +40,20 @@ inline void check_f32(Checks& c, const char* name, ffi::AnyBuffer x,
   c.require(x.element_type() == ffi::DataType::F32, std::string(name) + " must be float32");
 }
 
+// The chunked RWKV-7 kernels' checkpoints: bfloat16 for 16-bit inputs (their backward reads the
+// saved state as a bfloat16 operand), float32 for float32 inputs. Every other kernel's: float32.
+inline ffi::DataType chunk_checkpoint_dtype(ffi::DataType inputs) {
+  return inputs == ffi::DataType::F32 ? ffi::DataType::F32 : ffi::DataType::BF16;
+}
+
+inline void check_checkpoints(Checks& c, ffi::AnyBuffer ckpt, std::initializer_list<int64_t> dims,
+                              ffi::DataType dtype) {
+  c.shape("checkpoints", ckpt.dimensions(), dims);
+  c.require(ckpt.element_type() == dtype,
+            std::string("checkpoints must be ") +
+                (dtype == ffi::DataType::F32 ? "float32" : "bfloat16"));
+}
+
 inline void check_segments_shape(Checks& c, ffi::Buffer<ffi::S32> cu, SeqShape& s) {
   c.require(cu.dimensions().size() == 1 && cu.dimensions()[0] >= 2,
             "cu_seqlens must be [N + 1] with N >= 1");
@@ -49,7 +63,8 @@ inline void check_segments_shape(Checks& c, ffi::Buffer<ffi::S32> cu, SeqShape& 
 // Training forward: initial state [N, H, K, V] -> o, final state, checkpoints.
 inline void check_forward(Checks& c, ffi::AnyBuffer h0, ffi::Buffer<ffi::S32> cu,
                           ffi::AnyBuffer o, ffi::AnyBuffer h_final, ffi::AnyBuffer ckpt,
-                          ffi::DataType dtype, SeqShape& s) {
+                          ffi::DataType dtype, SeqShape& s,
+                          ffi::DataType ckpt_dtype = ffi::DataType::F32) {
   check_segments_shape(c, cu, s);
   if (!c.ok()) return;
   check_f32(c, "initial state", h0, {s.N, s.H, s.K, s.V});
@@ -58,25 +73,26 @@ inline void check_forward(Checks& c, ffi::AnyBuffer h0, ffi::Buffer<ffi::S32> cu
   check_f32(c, "final state", h_final, {s.N, s.H, s.K, s.V});
   // Zero checkpoint rows: a forward without a backward saves none.
   const bool none = ckpt.dimensions().size() == 4 && ckpt.dimensions()[0] == 0;
-  check_f32(c, "checkpoints", ckpt, {none ? 0 : checkpoint_slots(s.N, s.B * s.T), s.H, s.K, s.V});
+  check_checkpoints(c, ckpt, {none ? 0 : checkpoint_slots(s.N, s.B * s.T), s.H, s.K, s.V},
+                    ckpt_dtype);
 }
 
 // The checkpoints of a forward, or null when it saves none.
-inline float* checkpoint_data(ffi::AnyBuffer ckpt) {
-  return ckpt.dimensions()[0] == 0 ? nullptr : static_cast<float*>(ckpt.untyped_data());
+template <typename T = float> T* checkpoint_data(ffi::AnyBuffer ckpt) {
+  return ckpt.dimensions()[0] == 0 ? nullptr : static_cast<T*>(ckpt.untyped_data());
 }
 
 // Training backward: d_o, d(final state), checkpoints -> per-token gradients, d(initial state).
 inline void check_backward(Checks& c, ffi::AnyBuffer d_o, ffi::AnyBuffer dh_final,
                            ffi::AnyBuffer ckpt, ffi::Buffer<ffi::S32> cu, Buffers grads,
                            int count, int v_index, ffi::AnyBuffer dh0, ffi::DataType dtype,
-                           SeqShape& s) {
+                           SeqShape& s, ffi::DataType ckpt_dtype = ffi::DataType::F32) {
   check_segments_shape(c, cu, s);
   if (!c.ok()) return;
   c.shape("d_o", d_o.dimensions(), {s.B, s.T, s.H, s.V});
   c.require(d_o.element_type() == dtype, "d_o must have the inputs' dtype");
   check_f32(c, "final state cotangent", dh_final, {s.N, s.H, s.K, s.V});
-  check_f32(c, "checkpoints", ckpt, {checkpoint_slots(s.N, s.B * s.T), s.H, s.K, s.V});
+  check_checkpoints(c, ckpt, {checkpoint_slots(s.N, s.B * s.T), s.H, s.K, s.V}, ckpt_dtype);
   check_f32(c, "initial state gradient", dh0, {s.N, s.H, s.K, s.V});
   for (int i = 0; i < count; ++i) {
     c.shape("gradient", grads[i].dimensions(), {s.B, s.T, s.H, i == v_index ? s.V : s.K});
@@ -101,20 +117,26 @@ inline Checks check_rwkv7(Buffers ins, SeqShape& s) {
   return check_tokens(ins, 6, names, 3, s);
 }
 
-// An rwkv7 training forward's and backward's checks (each platform's own come after).
+// An rwkv7 training forward's and backward's checks (each platform's own come after); CHUNKED:
+// the chunked kernels', whose checkpoints have chunk_checkpoint_dtype.
 inline Checks check_rwkv7_forward(Buffers ins, ffi::AnyBuffer h0, ffi::Buffer<ffi::S32> cu,
                                   ffi::AnyBuffer o, ffi::AnyBuffer h_final, ffi::AnyBuffer ckpt,
-                                  SeqShape& s) {
+                                  SeqShape& s, bool chunked = false) {
   Checks c = check_rwkv7(ins, s);
-  if (c.ok()) check_forward(c, h0, cu, o, h_final, ckpt, ins[0].element_type(), s);
+  const ffi::DataType dtype = ins[0].element_type();
+  if (c.ok())
+    check_forward(c, h0, cu, o, h_final, ckpt, dtype, s,
+                  chunked ? chunk_checkpoint_dtype(dtype) : ffi::DataType::F32);
   return c;
 }
 inline Checks check_rwkv7_backward(Buffers ins, ffi::AnyBuffer d_o, ffi::AnyBuffer dh_final,
                                    ffi::AnyBuffer ckpt, ffi::Buffer<ffi::S32> cu, Buffers grads,
-                                   ffi::AnyBuffer dh0, SeqShape& s) {
+                                   ffi::AnyBuffer dh0, SeqShape& s, bool chunked = false) {
   Checks c = check_rwkv7(ins, s);
+  const ffi::DataType dtype = ins[0].element_type();
   if (c.ok())
-    check_backward(c, d_o, dh_final, ckpt, cu, grads, 6, 3, dh0, ins[0].element_type(), s);
+    check_backward(c, d_o, dh_final, ckpt, cu, grads, 6, 3, dh0, dtype, s,
+                   chunked ? chunk_checkpoint_dtype(dtype) : ffi::DataType::F32);
   return c;
 }
 

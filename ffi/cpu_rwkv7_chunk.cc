@@ -1,9 +1,9 @@
 // RWKV-7 training in chunks of kChunk tokens on the CPU: the twin of the chunked CUDA kernels
 // (cuda_rwkv7_chunk.cu), the same arithmetic in float32 (rwkv7_chunk_math.h), so that CI tests
 // it. One task per (sequence, head) walks its chunks with the float32 state; the forward saves
-// the state at every chunk's start (the checkpoint slots of common.h), the backward walks the
-// chunks in reverse from those states, computing every gradient of a chunk from its saved state
-// and the state gradient at its end.
+// the state at every chunk's start (the checkpoint slots of common.h; bfloat16 for 16-bit inputs,
+// as the CUDA kernels save it), the backward walks the chunks in reverse from those states,
+// computing every gradient of a chunk from its saved state and the state gradient at its end.
 #include "checks.h"
 #include "cpu_util.h"
 #include "handlers.h"
@@ -13,6 +13,9 @@ namespace rwkv_ffi {
 namespace {
 
 constexpr int64_t C = kChunk;
+
+// The type of the checkpoints (checks.h's chunk_checkpoint_dtype): bfloat16 for 16-bit inputs.
+template <typename T> using Saved = std::conditional_t<std::is_same_v<T, float>, float, bf16>;
 
 // sx = sum_kk row x F and sy = sum_kk row y F: two entries of the in-chunk matrices (row q or a;
 // x, y: k and b of the column's token; F its factors).
@@ -207,18 +210,18 @@ ffi::Error forward(const ffi::AnyBuffer* ins, ffi::AnyBuffer h0, ffi::Buffer<ffi
   const T* in[6];
   for (int i = 0; i < 6; ++i) in[i] = ptr<T>(ins[i]);
   const int32_t* seg = cu.typed_data();
-  float* cp = checkpoint_data(*ckpt);
+  Saved<T>* cp = checkpoint_data<Saved<T>>(*ckpt);
   T* op = ptr<T>(*o);
   parallel_for(N * H, (B * T_ / N) * kv * 8, [&](int64_t task) {
     const int64_t n = task / H, hd = task % H, start = seg[n], end = seg[n + 1];
     float* Hs = h_final->typed_data<float>() + (n * H + hd) * kv;
     std::memcpy(Hs, h0.typed_data<float>() + (n * H + hd) * kv, sizeof(float) * kv);
-    float* slots = cp ? cp + (first_slot(n, start) * H + hd) * kv : nullptr;
+    Saved<T>* slots = cp ? cp + (first_slot(n, start) * H + hd) * kv : nullptr;
     Chunk c(K, V);
     std::vector<float> O(C * V), U(C * V);
     for (int64_t c0 = start, ci = 0; c0 < end; c0 += C, ++ci) {
       const int64_t c1 = std::min(c0 + C, end);
-      if (slots) std::memcpy(slots + ci * H * kv, Hs, sizeof(float) * kv);
+      if (slots) store(Hs, slots + ci * H * kv, kv);
       c.load_tokens<T>(in, c0, c1, hd, H, scale);
       forward_chunk(c, Hs, O.data(), U.data());
       for (int64_t t = 0; t < c1 - c0; ++t) store(&O[t * V], op + ((c0 + t) * H + hd) * V, V);
@@ -338,17 +341,18 @@ ffi::Error backward(const ffi::AnyBuffer* ins, ffi::AnyBuffer d_o, ffi::AnyBuffe
     const int64_t n = task / H, hd = task % H, start = seg[n], end = seg[n + 1];
     float* G = dh0->typed_data<float>() + (n * H + hd) * kv;
     std::memcpy(G, dh_final.typed_data<float>() + (n * H + hd) * kv, sizeof(float) * kv);
-    const float* slots = ckpt.typed_data<float>() + (first_slot(n, start) * H + hd) * kv;
+    const Saved<T>* slots = ptr<Saved<T>>(ckpt) + (first_slot(n, start) * H + hd) * kv;
     Chunk c(K, V);
-    std::vector<float> dO(C * V), gq(C * K), gw(C * K), gk(C * K), gv(C * V), ga(C * K),
-        gb(C * K);
+    std::vector<float> Hs(kv), dO(C * V), gq(C * K), gw(C * K), gk(C * K), gv(C * V),
+        ga(C * K), gb(C * K);
     const int64_t n_chunks = (end - start + C - 1) / C;
     for (int64_t ci = n_chunks - 1; ci >= 0; --ci) {
       const int64_t c0 = start + ci * C, c1 = std::min(c0 + C, end);
       c.load_tokens<T>(in, c0, c1, hd, H, scale);
       std::fill(dO.begin(), dO.end(), 0.f);
       for (int64_t t = 0; t < c1 - c0; ++t) load(dop + ((c0 + t) * H + hd) * V, &dO[t * V], V);
-      backward_chunk(c, slots + ci * H * kv, dO.data(), G, gq.data(), gw.data(), gk.data(),
+      load(slots + ci * H * kv, Hs.data(), kv);
+      backward_chunk(c, Hs.data(), dO.data(), G, gq.data(), gw.data(), gk.data(),
                      gv.data(), ga.data(), gb.data());
       for (int64_t t = 0; t < c1 - c0; ++t) {
         const int64_t ok = ((c0 + t) * H + hd) * K;
@@ -378,7 +382,7 @@ ffi::Error Rwkv7ChunkForwardCpu(ffi::AnyBuffer r, ffi::AnyBuffer w, ffi::AnyBuff
                                 ffi::Result<ffi::AnyBuffer> ckpt) {
   const ffi::AnyBuffer ins[6] = {r, w, k, v, a, b};
   SeqShape s;
-  Checks c = check_rwkv7_forward(ins, h0, cu, *o, *h_final, *ckpt, s);
+  Checks c = check_rwkv7_forward(ins, h0, cu, *o, *h_final, *ckpt, s, /*chunked=*/true);
   check_cpu(c, s, cu);
   if (!c.ok()) return c.error("rwkv7 chunked forward");
   return dispatch_float(r.element_type(), "rwkv7 chunked forward", [&]<typename T>() {
@@ -398,7 +402,7 @@ ffi::Error Rwkv7ChunkBackwardCpu(ffi::AnyBuffer r, ffi::AnyBuffer w, ffi::AnyBuf
   ffi::Result<ffi::AnyBuffer> grads[6] = {dr, dw, dk, dv, da, db};
   const ffi::AnyBuffer grad_bufs[6] = {*dr, *dw, *dk, *dv, *da, *db};
   SeqShape s;
-  Checks c = check_rwkv7_backward(ins, d_o, dh_final, ckpt, cu, grad_bufs, *dh0, s);
+  Checks c = check_rwkv7_backward(ins, d_o, dh_final, ckpt, cu, grad_bufs, *dh0, s, /*chunked=*/true);
   check_cpu(c, s, cu);
   if (!c.ok()) return c.error("rwkv7 chunked backward");
   return dispatch_float(r.element_type(), "rwkv7 chunked backward", [&]<typename T>() {

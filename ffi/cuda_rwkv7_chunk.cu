@@ -4,8 +4,9 @@
 // One thread block (kThreads<D> threads) per (head, sequence) walks the sequence's chunks with the
 // float32 state on chip (shared memory; the backward's state gradient at K = 128 lives in its
 // own float32 output slot, dh0, which stays in L2). The forward saves the state at every chunk's
-// start (float32 checkpoint slots, common.h); the backward walks the chunks in reverse, computing
-// every gradient of a chunk from its saved state and the state gradient at its end.
+// start (checkpoint slots, common.h; bfloat16 for 16-bit inputs, the operand the backward's
+// products take); the backward walks the chunks in reverse, computing every gradient of a chunk
+// from its saved state and the state gradient at its end.
 //
 // For 16-bit inputs every product runs on tensor cores (nvcuda::wmma, float32 sums): those with
 // the state ([C, K] x [K, V], [K, C] x [C, V]: q~ H, the state update, dO H^T...) and the in-chunk
@@ -89,12 +90,12 @@ ffi::Error Rwkv7ChunkForwardCuda(cudaStream_t stream, ffi::AnyBuffer r, ffi::Any
                                  ffi::Result<ffi::AnyBuffer> ckpt) {
   const ffi::AnyBuffer ins[6] = {r, w, k, v, a, b};
   SeqShape s;
-  Checks c = check_rwkv7_forward(ins, h0, cu, *o, *h_final, *ckpt, s);
+  Checks c = check_rwkv7_forward(ins, h0, cu, *o, *h_final, *ckpt, s, /*chunked=*/true);
   check_chunked(c, s);
   if (!c.ok()) return c.error("rwkv7 chunked forward");
   ChunkArgs p{r.untyped_data(), w.untyped_data(), k.untyped_data(), v.untyped_data(),
               a.untyped_data(), b.untyped_data(), nullptr, cu.typed_data(),
-              h0.typed_data<float>(), h_final->typed_data<float>(), checkpoint_data(*ckpt),
+              h0.typed_data<float>(), h_final->typed_data<float>(), checkpoint_data<void>(*ckpt),
               o->untyped_data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
               s.H, s.B * s.T, scale};
   return launch_chunked<false>(stream, r.element_type(), s, p);
@@ -111,12 +112,12 @@ ffi::Error Rwkv7ChunkBackwardCuda(cudaStream_t stream, ffi::AnyBuffer r, ffi::An
   const ffi::AnyBuffer ins[6] = {r, w, k, v, a, b};
   const ffi::AnyBuffer grads[6] = {*dr, *dw, *dk, *dv, *da, *db};
   SeqShape s;
-  Checks c = check_rwkv7_backward(ins, d_o, dh_final, ckpt, cu, grads, *dh0, s);
+  Checks c = check_rwkv7_backward(ins, d_o, dh_final, ckpt, cu, grads, *dh0, s, /*chunked=*/true);
   check_chunked(c, s);
   if (!c.ok()) return c.error("rwkv7 chunked backward");
   ChunkArgs p{r.untyped_data(), w.untyped_data(), k.untyped_data(), v.untyped_data(),
               a.untyped_data(), b.untyped_data(), d_o.untyped_data(), cu.typed_data(),
-              dh_final.typed_data<float>(), dh0->typed_data<float>(), ckpt.typed_data<float>(),
+              dh_final.typed_data<float>(), dh0->typed_data<float>(), ckpt.untyped_data(),
               nullptr, dr->untyped_data(), dw->untyped_data(), dk->untyped_data(),
               dv->untyped_data(), da->untyped_data(), db->untyped_data(), s.H, s.B * s.T, scale};
   return launch_chunked<true>(stream, r.element_type(), s, p);

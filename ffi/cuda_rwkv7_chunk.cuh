@@ -105,7 +105,9 @@ struct ChunkArgs {
   const int* cu;
   const float* h_in;   // forward: initial state; backward: d(final state)
   float* h_out;        // forward: final state; backward: d(initial state)
-  float* ckpt;         // [slots, H, D, D]; the forward's may be null (no backward follows)
+  // [slots, H, D, D] of the operand type (checkpoint_slot); the forward's may be null (no
+  // backward follows).
+  void* ckpt;
   void* o;             // forward: o
   void *dr, *dw, *dk, *dv, *da, *db;
   int64_t H, total;
@@ -454,7 +456,7 @@ __device__ void store_tile_rows(const float* tile, int n0, int len, T* out, int6
                                 int64_t H, int64_t hd) {
   static_assert(sizeof(T) == 2, "16-bit outputs");
   __syncwarp();
-  const int lane = threadIdx.x % 32, t = lane / 2, col = n0 + (lane % 2) * 8;
+  const int t = TileRow::row(), col = n0 + TileRow::col();
   if (t < len) {
     Vec16 v;
     T* e = reinterpret_cast<T*>(&v);
@@ -462,6 +464,15 @@ __device__ void store_tile_rows(const float* tile, int n0, int len, T* out, int6
     for (int k = 0; k < 8; ++k) e[k] = from_f<T>(tile[t * ld<D>() + col + k]);
     *reinterpret_cast<Vec16*>(out + ((c0 + t) * H + hd) * D + col) = v;
   }
+}
+
+// Chunk ci's slot of the state saved at each chunk's start, in the operand type: bfloat16 for
+// 16-bit inputs (the backward reads it as its products' operand and in dg's row sums), float32
+// for float32 inputs.
+template <typename Op, int D>
+__device__ Op* checkpoint_slot(const ChunkArgs& p, int64_t n, int64_t seq_start, int64_t ci,
+                               int64_t hd) {
+  return static_cast<Op*>(p.ckpt) + ((first_slot(n, seq_start) + ci) * p.H + hd) * D * D;
 }
 
 // Once an element of a float32 state [D, ld] is final (float32 inputs): its float32 checkpoint

@@ -19,11 +19,24 @@ struct LowerOnly {
   __device__ void element(int, int, float) const {}
 };
 
+// Four consecutive entries of a row as float32.
+__device__ __forceinline__ Floats4 load4(const float* x) {
+  return *reinterpret_cast<const Floats4*>(x);
+}
+__device__ __forceinline__ Floats4 load4(const __nv_bfloat16* x) {
+  struct alignas(8) Four {
+    __nv_bfloat16 x[4];
+  };
+  const Four v = *reinterpret_cast<const Four*>(x);
+  return Floats4{{to_f(v.x[0]), to_f(v.x[1]), to_f(v.x[2]), to_f(v.x[3])}};
+}
+
 // dg = e^g rowsum(H * dH') and dH' *= e^g in place (dH = e^g dH' + ... at the chunk's end): four
 // columns per lane, each warp's rows loaded in batches before any is used (G may be in global
-// memory, where each load waits hundreds of cycles).
-template <int D>
-__device__ void row_sums_and_scale(const float* H, float* G, int ldG, const float* eg, float* dg) {
+// memory, where each load waits hundreds of cycles). H is the saved state as the products read it.
+template <int D, typename Op>
+__device__ void row_sums_and_scale(const Op* H, int ldH, float* G, int ldG, const float* eg,
+                                   float* dg) {
   constexpr int kLanes = D / 4;                        // lanes per row
   constexpr int kRows = 32 / kLanes;                   // rows per warp step
   constexpr int kSteps = D / (kWarps<D> * kRows);      // steps per warp
@@ -37,8 +50,8 @@ __device__ void row_sums_and_scale(const float* H, float* G, int ldG, const floa
 #pragma unroll
     for (int s = 0; s < kBatch; ++s) {
       const int row = first + (s0 + s) * kWarps<D> * kRows;
-      h[s] = *reinterpret_cast<const Floats4*>(H + row * D + x);
-      g[s] = *reinterpret_cast<const Floats4*>(G + row * ldG + x);
+      h[s] = load4(H + row * ldH + x);
+      g[s] = load4(G + row * ldG + x);
     }
 #pragma unroll
     for (int s = 0; s < kBatch; ++s) {
@@ -111,20 +124,21 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
   for (int64_t ci = n_chunks - 1; ci >= 0; --ci) {
     const int64_t c0 = seq.start + ci * C;
     const int len = (int)lmin(C, seq.end - c0);
-    const float* Hs = p.ckpt + ((first_slot(n, seq.start) + ci) * p.H + hd) * D * D;
+    const Op* Hs = checkpoint_slot<Op, D>(p, n, seq.start, ci, hd);
     const Op *H_op, *G_op;
     int ldH, ldG_op;
     __syncthreads();
     blk.store(next);
     if (ci > 0) next.load(p, c0 - C, C, hd);
-    // The checkpoint loaded now and its operand copy written at the end of operands(), which
-    // hides the loads' latency.
-    constexpr int kSavedVecs = Lay::kCopies ? D * D / 4 / kThreads<D> : 1;
-    Floats4 saved[kSavedVecs];
+    // The checkpoint (already an operand) loaded now and copied on chip at the end of
+    // operands(), which hides the loads' latency.
+    constexpr int kPerVec = 16 / sizeof(Op);
+    constexpr int kSavedVecs = Lay::kCopies ? D * D / kPerVec / kThreads<D> : 1;
+    Vec16 saved[kSavedVecs];
     if constexpr (Lay::kCopies) {
 #pragma unroll
       for (int n = 0; n < kSavedVecs; ++n)
-        saved[n] = *reinterpret_cast<const Floats4*>(Hs + (j + n * kThreads<D>) * 4);
+        saved[n] = *reinterpret_cast<const Vec16*>(Hs + (j + n * kThreads<D>) * kPerVec);
       H_op = H_op_copy;
       G_op = G_op_copy;
       ldH = L;
@@ -140,10 +154,8 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
       if constexpr (Lay::kCopies) {
 #pragma unroll
         for (int n = 0; n < kSavedVecs; ++n) {
-          const int idx = (j + n * kThreads<D>) * 4;
-          Op* row = H_op_copy + (idx / D) * L + idx % D;
-#pragma unroll
-          for (int e = 0; e < 4; ++e) row[e] = to_op<Op>(saved[n].x[e]);
+          const int idx = (j + n * kThreads<D>) * kPerVec;
+          *reinterpret_cast<Vec16*>(H_op_copy + (idx / D) * L + idx % D) = saved[n];
         }
       }
     });
@@ -295,7 +307,7 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
     gemm<C, D, D, false, true, false>(ub, L, G_op, ldG_op, s3, L, kAllWarps<D>);
     // Float32 inputs read dH' itself above (no operand copy): done before it is scaled.
     if constexpr (!Lay::kCopies) __syncthreads();
-    row_sums_and_scale<D>(Hs, G, ldG, blk.eg(), blk.dg());
+    row_sums_and_scale<D>(H_op, ldH, G, ldG, blk.eg(), blk.dg());
     __syncthreads();
     // The terms against the state through their factors (dq~ e^gi, da~ e^ge, dk^ e^(g - gi),
     // db^ e^(g - gi) in place in s0..s3), each thread over rows part, part + kParts, ..., and

@@ -24,14 +24,12 @@ __global__ void __launch_bounds__(kThreads<D>, 1) rwkv7_chunk_forward_kernel(Chu
   const Range seq = sequence(p.cu, n, 0, p.total);
   const int64_t base = (n * p.H + hd) * D * D;
   const int64_t n_chunks = (seq.end - seq.start + C - 1) / C;
-  auto slot_of = [&](int64_t ci) {
-    return p.ckpt + ((first_slot(n, seq.start) + ci) * p.H + hd) * D * D;
-  };
+  auto slot_of = [&](int64_t ci) { return checkpoint_slot<Op, D>(p, n, seq.start, ci, hd); };
   for (int idx = threadIdx.x; idx < D * D; idx += kThreads<D>) {
     const float h = p.h_in[base + idx];
     S[(idx / D) * L + idx % D] = h;
     if constexpr (Lay::kCopies) S_op[(idx / D) * L + idx % D] = to_op<Op>(h);
-    if (p.ckpt && n_chunks > 0) slot_of(0)[idx] = h;
+    if (p.ckpt && n_chunks > 0) slot_of(0)[idx] = to_op<Op>(h);
   }
   Prefetch<D, T, 6> next;
   if (n_chunks > 0) next.load(p, seq.start, (int)lmin(C, seq.end - seq.start), hd);
@@ -97,7 +95,7 @@ __global__ void __launch_bounds__(kThreads<D>, 1) rwkv7_chunk_forward_kernel(Chu
       }
     }
     // H' = e^g H + k^^T V + b^^T U, and its operand copy and checkpoint as each tile is done.
-    float* slot = p.ckpt && ci + 1 < n_chunks ? slot_of(ci + 1) : nullptr;
+    Op* slot = p.ckpt && ci + 1 < n_chunks ? slot_of(ci + 1) : nullptr;
     if constexpr (Lay::kTensor) {
       // Each warp's products staged in f(3..4) (the factored tiles, spent), then each lane's
       // entries of the state scaled, summed and written with their copies: no pass of its own.
@@ -119,7 +117,7 @@ __global__ void __launch_bounds__(kThreads<D>, 1) rwkv7_chunk_forward_kernel(Chu
         __syncwarp();  // the stage is free for the warp's next tile
         h.store(S + m0 * L + n0, L);
         h.store_op(S_op + m0 * L + n0, L);
-        if (slot) h.store(slot + m0 * D + n0, D);
+        if (slot) h.store_op(slot + m0 * D + n0, D);
       });
     } else {
       for (int idx = threadIdx.x; idx < D * D; idx += kThreads<D>) S[(idx / D) * L + idx % D] *= blk.eg()[idx / D];

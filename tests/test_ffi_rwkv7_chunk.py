@@ -128,6 +128,29 @@ def test_half_precision_inputs(dtype):
     check_against_reference(x, rng, tol=(1e-2, 1e-2))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_checkpoint_dtype(dtype):
+    """The chunked forward saves each chunk's start state in bfloat16 for 16-bit inputs (the
+    operand the backward's products take) and in float32 for float32 inputs; the first slot is
+    the initial state, rounded so. The kernels reject any other checkpoint dtype."""
+    x, _ = draw("rwkv7", seed=21, dtype=dtype, batch=1, steps=20, heads=1, key=64)
+    saved = jnp.bfloat16 if dtype != jnp.float32 else jnp.float32
+    h0 = jnp.asarray(np.random.default_rng(21).standard_normal((1, 1, 64, 64)), jnp.float32)
+    cu = jnp.array([0, 20], jnp.int32)
+    inputs = tuple(x[n] for n in "rwkvab")
+    _, _, ckpt = ffi._rwkv7_forward("rwkv7_chunk", 1.0, *inputs, h0, cu, save=True)
+    assert ckpt.dtype == saved and ckpt.shape == (1 + 20 // ffi._chunk(), 1, 64, 64)
+    np.testing.assert_array_equal(np.asarray(ckpt[0], np.float32),
+                                  np.asarray(h0[0].astype(saved), np.float32))
+    other = jnp.float32 if saved == jnp.bfloat16 else jnp.bfloat16
+    wrong = jax.ffi.ffi_call("rwkv_jax_rwkv7_chunk_fwd", (
+        jax.ShapeDtypeStruct(x["v"].shape, dtype), jax.ShapeDtypeStruct(h0.shape, jnp.float32),
+        jax.ShapeDtypeStruct(ckpt.shape, other)))
+    name = "bfloat16" if saved == jnp.bfloat16 else "float32"
+    with pytest.raises(Exception, match=f"checkpoints must be {name}"):
+        jax.block_until_ready(wrong(*inputs, h0, cu, scale=np.float32(1.0)))
+
+
 def test_nan_in_nan_out():
     """A NaN log decay reaches the outputs of its sequence from its token on (no floor eats it);
     the other sequence stays finite."""

@@ -138,15 +138,15 @@ def _rwkv7_gpu_by_shape(shape: dict) -> Optional[str]:
 # sequence_heads, key, value, dtype), or None for DEFAULTS' order.
 SHAPE_DEFAULTS: dict[tuple[str, str], tuple[Callable[[dict], Optional[str]], str]] = {
     ("rwkv7", "gpu"): (_rwkv7_gpu_by_shape,
-        "H100, one machine, bf16 fwd+bwd (fwd): B=8 T=4096 H=64 K=64 ffi 11.84 ms (4.13), triton "
-        "15.77 (3.81), fla 15.95; B=8 T=4096 H=32 K=128 ffi 18.03 (5.61), triton 18.95 (5.91); "
-        "16 packed sequences of 32768 tokens, H=64 K=64 ffi 15.02 (5.43), triton 16.50 (4.29); "
-        "B=1 T=65536 H=32 (32 sequence-heads) ffi 70.7 (25.7), triton 21.0 (8.04). H200, one "
-        "machine, the forward's later change: K=64 ffi 12.14 (3.93), triton 14.74 (3.67), fla "
-        "13.45; K=128 ffi 18.32 (5.22), triton 17.70 (5.89), fla 15.33; packed ffi 15.70, "
-        "triton 15.67; B=1 T=65536 ffi 70.2, triton 20.5. K=128 and packed are close calls that "
-        "flip between the GPUs; they follow the H100. Defaults optimise forward+backward: a "
-        "forward alone is slower than triton's at K=64 and packed"),
+        "H200, one machine, bf16 fwd+bwd (fwd), the chunked pair with bfloat16 checkpoints: "
+        "B=8 T=4096 H=64 K=64 ffi 11.79 ms (4.02), triton 15.01 (3.93), fla 13.48; B=8 T=4096 "
+        "H=32 K=128 ffi 17.46 (5.34), triton 17.77 (6.02), fla 15.36; 16 packed sequences of "
+        "32768 tokens, H=64 K=64 ffi 15.14 (5.77), triton 15.91 (4.51); B=1 T=65536 H=32 (32 "
+        "sequence-heads) ffi 68.1 (23.9), triton 20.8 (8.04). H100, one machine, float32 "
+        "checkpoints: K=64 ffi 11.84, triton 15.77, fla 15.95; K=128 ffi 18.03, triton 18.95; "
+        "packed ffi 15.02, triton 16.50; B=1 T=65536 ffi 70.7, triton 21.0. K=128 is the close "
+        "call (2% on the H200). Defaults optimise forward+backward: a forward alone is slower "
+        "than triton's at K=64 and packed"),
 }
 
 

@@ -148,10 +148,19 @@ def rwkv7_kernel(k_size, v_size, dtype, platform=None):
     return "rwkv7_chunk"
 
 
+def _rwkv7_checkpoint_dtype(kernel, dtype):
+    """The chunked kernels save the state in bfloat16 for 16-bit inputs (their backward reads it
+    as a bfloat16 operand; ffi/checks.h's chunk_checkpoint_dtype), every other one in float32."""
+    if kernel == "rwkv7_chunk" and jnp.dtype(dtype).itemsize == 2:
+        return jnp.bfloat16
+    return jnp.float32
+
+
 def _rwkv7_forward(kernel, scale, r, w, k, v, a, b, h0, cu, save):
     return _call(f"{kernel}_fwd",
                  (_like(v, v.shape, v.dtype), _like(h0, h0.shape, jnp.float32),
-                  _like(h0, _checkpoint_shape(r, v, h0.shape[0], save), jnp.float32)),
+                  _like(h0, _checkpoint_shape(r, v, h0.shape[0], save),
+                        _rwkv7_checkpoint_dtype(kernel, r.dtype))),
                  r, w, k, v, a, b, h0, cu, scale=scale)
 
 

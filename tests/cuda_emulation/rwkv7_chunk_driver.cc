@@ -32,7 +32,9 @@ template <int D, typename T> int run(const std::string& dir, int B, int length, 
   auto h0 = read_as<float>(dir + "/h0", states), dh = read_as<float>(dir + "/dh", states);
   auto cu = read_raw<int>(dir + "/cu", N + 1);
   const int64_t total = int64_t(B) * length;
-  std::vector<float> ckpt(checkpoint_slots(N, total) * H * D * D, 0.f), h_final(states), dh0(states);
+  using Op = typename OperandOf<T>::type;  // the checkpoints' type
+  std::vector<Op> ckpt(checkpoint_slots(N, total) * H * D * D);
+  std::vector<float> h_final(states), dh0(states);
   std::vector<T> o(tokens);
   std::vector<std::vector<T>> g(6, std::vector<T>(tokens));
   const ChunkArgs forward{in[0].data(), in[1].data(), in[2].data(), in[3].data(), in[4].data(),
