@@ -205,11 +205,15 @@ def _worker(process_id, port, out_dir, backends):
             keep(f"compat/{backend}/rwkv6_op/y", y)
             keep(f"compat/{backend}/rwkv6_op/state", state)
 
-        with case(f"model/{backend}"):   # the model's step mode, state_indices split
+        # The model's step mode, state_indices split, jitted as a server runs it: one program
+        # across the processes (eagerly each of its many small ops is a cross-process program
+        # of its own, and two processes dispatching those asynchronously can hang on gloo).
+        with case(f"model/{backend}"):
             model = RWKV7LM(RWKV7Config(**MODEL), rngs=nnx.Rngs(0))
-            logits, state = model.step(put(_tokens(), line, *rows), model.init_state(POOL),
-                                       state_indices=put(np.int32(INDICES), line, *rows),
-                                       backend=backend)
+            step = nnx.jit(lambda m, tokens, state, indices: m.step(
+                tokens, state, state_indices=indices, backend=backend))
+            logits, state = step(model, put(_tokens(), line, *rows), model.init_state(POOL),
+                                 put(np.int32(INDICES), line, *rows))
             keep(f"model/{backend}/logits", logits)
             keep(f"model/{backend}/wkv", state[-1].att.wkv)
 
