@@ -31,12 +31,6 @@ template <int D> __host__ __device__ constexpr int ld() { return D + 8; }
 template <typename T> struct OperandOf { using type = __nv_bfloat16; };
 template <> struct OperandOf<float> { using type = float; };
 
-template <typename Op> __device__ __forceinline__ Op to_op(float x);
-template <> __device__ __forceinline__ float to_op<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 to_op<__nv_bfloat16>(float x) {
-  return __float2bfloat16(x);
-}
-
 template <int D> constexpr Warps kAllWarps{0, kWarps<D>};
 
 // The products with the state: tensor cores for bfloat16 operands, CUDA cores for float32 ones.
@@ -264,13 +258,13 @@ template <int D, typename T, bool BACKWARD> struct Block {
       if (tame) to_end = gi[(C - 1) * L + x] - g_t;
       else for (int s = C - 1; s > t; --s) to_end += w_(s, x);
       const float f_end = expf(to_end);
-      op(0)[e] = to_op<Op>(q_(t, x) * expf(g_t));
-      op(1)[e] = to_op<Op>(a_(t, x) * expf(ge));
-      op(2)[e] = to_op<Op>(k_(t, x) * f_end);
-      op(3)[e] = to_op<Op>(b_(t, x) * f_end);
+      op(0)[e] = from_f<Op>(q_(t, x) * expf(g_t));
+      op(1)[e] = from_f<Op>(a_(t, x) * expf(ge));
+      op(2)[e] = from_f<Op>(k_(t, x) * f_end);
+      op(3)[e] = from_f<Op>(b_(t, x) * f_end);
       if constexpr (!Lay::kInputsAreOperands) {
-        v_op()[e] = to_op<Op>(v_(t, x));
-        if constexpr (BACKWARD) do_op()[e] = to_op<Op>(to_f(in(6)[e]));
+        v_op()[e] = from_f<Op>(v_(t, x));
+        if constexpr (BACKWARD) do_op()[e] = from_f<Op>(to_f(in(6)[e]));
       }
       if (tame) {
         const float m = gi[kMiddle * L + x], col = expf(m - g_t);
@@ -405,7 +399,7 @@ template <int D, typename T, bool BACKWARD> struct Block {
       float s = 0.f;
       for (int i = 0; i <= t; ++i) s += Tm(t, i) * x[i * L + j];
       f(0)[t * L + j] = s;
-      op(4)[t * L + j] = to_op<Op>(s);
+      op(4)[t * L + j] = from_f<Op>(s);
     }
   }
 };
@@ -434,7 +428,7 @@ struct TileRow {
     Vec16 v;
     Op* e = reinterpret_cast<Op*>(&v);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) e[k] = to_op<Op>((*this)[k]);
+    for (int k = 0; k < 8; ++k) e[k] = from_f<Op>((*this)[k]);
     *reinterpret_cast<Vec16*>(tile + row() * ld + col()) = v;
   }
 };

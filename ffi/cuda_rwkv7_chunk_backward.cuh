@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
   for (int idx = j; idx < D * D; idx += kThreads<D>) {
     const float g = p.h_in[base + idx];
     G[(idx / D) * ldG + idx % D] = g;
-    if constexpr (Lay::kCopies) G_op_copy[(idx / D) * L + idx % D] = to_op<Op>(g);
+    if constexpr (Lay::kCopies) G_op_copy[(idx / D) * L + idx % D] = from_f<Op>(g);
   }
   const int64_t n_chunks = (seq.end - seq.start + C - 1) / C;
   Prefetch<D, T, 7> next;
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kThreads<D>) rwkv7_chunk_backward_kernel(Chunk
         float s = 0.f;
         for (int t = i; t < C; ++t) s += blk.Tm(t, i) * s2[t * L + column];
         dx[i * L + column] = s;
-        dxb[i * L + column] = to_op<Op>(s);
+        dxb[i * L + column] = from_f<Op>(s);
       }
     }
     __syncthreads();

@@ -28,8 +28,8 @@ __global__ void __launch_bounds__(kThreads<D>, 1) rwkv7_chunk_forward_kernel(Chu
   for (int idx = threadIdx.x; idx < D * D; idx += kThreads<D>) {
     const float h = p.h_in[base + idx];
     S[(idx / D) * L + idx % D] = h;
-    if constexpr (Lay::kCopies) S_op[(idx / D) * L + idx % D] = to_op<Op>(h);
-    if (p.ckpt && n_chunks > 0) slot_of(0)[idx] = to_op<Op>(h);
+    if constexpr (Lay::kCopies) S_op[(idx / D) * L + idx % D] = from_f<Op>(h);
+    if (p.ckpt && n_chunks > 0) slot_of(0)[idx] = from_f<Op>(h);
   }
   Prefetch<D, T, 6> next;
   if (n_chunks > 0) next.load(p, seq.start, (int)lmin(C, seq.end - seq.start), hd);
