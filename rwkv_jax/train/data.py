@@ -13,6 +13,7 @@ import os
 import struct
 from typing import NamedTuple, Optional
 
+import jax.numpy as jnp
 import numpy as np
 
 from .._files import write_atomically
@@ -354,9 +355,8 @@ class WindowSampler:
         starts = np.empty(self.rows, np.int64)
         for e in np.unique(epoch):  # a batch spans at most two epochs unless epochs are tiny
             here = epoch == e
-            key = _hash(self.seed, int(e))
-            shift = int(_hash(key, 1)) % (self._max_shift + 1)
-            order = _permutation(slot[here], self.windows_per_epoch, key)
+            shift = _hash(self.seed, int(e), 0) % (self._max_shift + 1)
+            order = _permutation(slot[here], self.windows_per_epoch, _hash(self.seed, int(e), 1))
             starts[here] = shift + order.astype(np.int64) * self.seq_len
         return starts
 
@@ -427,10 +427,10 @@ def pack_rows(batch: Batch):
     ``(tokens [..., 1, R*T], targets [..., 1, R*T], cu_seqlens int32 [..., R*S + 1],
     loss_mask [..., 1, R*T])``: the segments of row ``r`` offset by ``r*T``, padded ones empty.
     """
-    if batch.segment_starts is None:
-        raise ValueError("pack_rows needs a batch with segment_starts (a WindowSampler with "
+    if batch.segment_starts is None or batch.loss_mask is None:
+        raise ValueError("pack_rows needs a batch with segment_starts and loss_mask (a WindowSampler with "
                          "documents=True)")
-    xp = np if isinstance(batch.inputs, np.ndarray) else _jnp()
+    xp = np if isinstance(batch.inputs, np.ndarray) else jnp
     *lead, rows, length = batch.inputs.shape
     if tuple(batch.segment_starts.shape[:-1]) != (*lead, rows):
         raise ValueError(f"segment_starts {tuple(batch.segment_starts.shape)} does not match "
@@ -442,11 +442,6 @@ def pack_rows(batch: Batch):
     flat = [x.reshape(*lead, 1, rows * length)
             for x in (batch.inputs, batch.targets, batch.loss_mask)]
     return flat[0], flat[1], cu_seqlens, flat[2]
-
-
-def _jnp():
-    import jax.numpy as jnp
-    return jnp
 
 
 def _as_int32(windows: np.ndarray, path) -> np.ndarray:
