@@ -156,6 +156,8 @@ def _corrupt_binidx(tmp_path, what):
         idx.write_bytes(binidx_bytes(8, sizes, [0, 6, 10, 10, 30], doc_idx))
     elif what == "gap":
         idx.write_bytes(binidx_bytes(8, sizes, [0, 8, 10, 10, 12], doc_idx))
+    elif what == "first item not at 0":
+        idx.write_bytes(binidx_bytes(8, [3, 2, 0, 1, 3], [2, 8, 12, 12, 14], doc_idx))
     elif what == "longer bin":
         bin_.write_bytes(bin_.read_bytes() + b"\x00\x00")
     elif what == "doc_idx":
@@ -178,6 +180,7 @@ BAD_BINIDX = {
     "size past the end": (ValueError, r"item 4 \(bytes 12 to 22\) runs past the end"),
     "pointer past the end": (ValueError, r"item 4 \(bytes 30 to 38\) runs past the end"),
     "gap": (ValueError, r"item 1 starts at byte 8, not where item 0 ends \(6\)"),
+    "first item not at 0": (ValueError, r"item 0 starts at byte 2, not at byte 0; items must"),
     "longer bin": (ValueError, r"corpus.bin is 22 bytes but its index .*corpus.idx describes 20"),
     "doc_idx": (ValueError, r"the document index must rise from 0 .* got \[0, 4, 1, 5\]"),
     "missing bin": (FileNotFoundError, r"corpus.bin does not exist"),
@@ -221,7 +224,8 @@ def test_malformed_flat_and_npy_files_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"grid.npy is not a readable .npy file"):
         open_tokens(npy)
     npy.write_bytes(npy_bytes("<i4", (3,), struct.pack("<3i", 4, -2, 1)))
-    with pytest.raises(ValueError, match=r"grid.npy holds a negative token id \(-2\) at position 1"):
+    with pytest.raises(ValueError, match=r"grid.npy holds a negative token id \(-2\) at "
+                                         r"position 1"):
         open_tokens(npy).vocab_bound
     with pytest.raises(ValueError, match=r"grid.npy holds a negative token id \(-2\)"):
         WindowSampler(open_tokens(npy), 2, 1, mode="sequential").batch(0)

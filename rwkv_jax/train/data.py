@@ -198,9 +198,10 @@ def _open_binidx(prefix) -> TokenFile:
         raise ValueError(f"{index_path} has index version {version}; only version 1 is known")
     if code not in _BINIDX_CODES:
         what = _BINIDX_OTHER_CODES.get(code)
+        known = ", ".join(f"{c} {t.name}" for c, t in _BINIDX_CODES.items())
         raise TypeError(f"{index_path} has dtype code {code}: "
                         + (f"{what}, not a token id type" if what else "not a known code")
-                        + f" (known: {', '.join(f'{c} {t.name}' for c, t in _BINIDX_CODES.items())})")
+                        + f" (known: {known})")
     dtype = _BINIDX_CODES[code]
     expected = _BINIDX_HEADER.size + 12 * items + 8 * docs
     if index_size != expected:
@@ -238,9 +239,9 @@ def _check_binidx_index(index_path, data_path, data_size, dtype, sizes, pointers
     gap = np.flatnonzero(pointers != contiguous)
     if gap.size:
         i = int(gap[0])
-        raise ValueError(f"{index_path}: item {i} starts at byte {int(pointers[i])}, not where "
-                         f"item {i - 1} ends ({int(contiguous[i])}); items must follow each "
-                         f"other in {data_path}")
+        where = f"where item {i - 1} ends ({int(contiguous[i])})" if i else "at byte 0"
+        raise ValueError(f"{index_path}: item {i} starts at byte {int(pointers[i])}, not "
+                         f"{where}; items must follow each other in {data_path}")
     covered = int(ends[-1]) if ends.size else 0
     if covered != data_size:
         raise ValueError(f"{data_path} is {data_size} bytes but its index {index_path} describes "
@@ -406,8 +407,8 @@ class WindowSampler:
         of processes may differ: the global batch does not depend on it)."""
         mine = self.state()
         if not isinstance(state, dict) or set(state) != set(mine):
-            raise ValueError(f"state must be a dict with keys {sorted(mine)}, got "
-                             f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"state must be a dict with keys {sorted(mine)}, got {got}")
         differ = {k: (int(state[k]), v) for k, v in mine.items()
                   if k != "step" and int(state[k]) != v}
         if differ:
@@ -428,8 +429,8 @@ def pack_rows(batch: Batch):
     loss_mask [..., 1, R*T])``: the segments of row ``r`` offset by ``r*T``, padded ones empty.
     """
     if batch.segment_starts is None or batch.loss_mask is None:
-        raise ValueError("pack_rows needs a batch with segment_starts and loss_mask (a WindowSampler with "
-                         "documents=True)")
+        raise ValueError("pack_rows needs a batch with segment_starts and loss_mask (a "
+                         "WindowSampler with documents=True)")
     xp = np if isinstance(batch.inputs, np.ndarray) else jnp
     *lead, rows, length = batch.inputs.shape
     if tuple(batch.segment_starts.shape[:-1]) != (*lead, rows):
