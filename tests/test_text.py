@@ -1,14 +1,18 @@
 """rwkv_jax.nn.TextGenerator: streamed text, UTF-8 across tokens, stop strings, end of text,
-sample_below from the tokenizer, batched prompts, errors; and the World tokenizer's bytes.
+sample_below from the tokenizer, batched prompts, errors; the Generator's on_tokens hook; the
+World tokenizer's bytes; and examples/generate.py, its front.
 
 A scripted model makes the tokens known in advance: with its blocks' outputs zeroed and one-hot
 embeddings, greedy decoding after token ``t`` gives ``t + 1`` (mod the vocabulary), and a fake
 tokenizer gives each id the bytes the test needs (characters split across tokens)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import official_rwkv7
+from scripts import load_script
 from rwkv_jax import nn as rnn
 
 VOCAB = 50
@@ -159,3 +163,61 @@ def test_world_tokenizer_gives_each_token_its_bytes():
     assert tokenizer.token_bytes(65529) == b" " * 128
     with pytest.raises(ValueError, match="token 0 has no text"):
         tokenizer.token_bytes(0)
+
+
+def test_on_tokens_sees_each_call_and_can_end_a_request(scripted_model):
+    engine = rnn.Generator(scripted_model, max_batch=2, steps_per_call=2)
+    seen = {0: [], 1: [], 2: []}
+
+    def on_tokens(i, tokens, finished):
+        seen[i].append((tokens, finished))
+        return 5 in tokens  # ends request 0 ([2, 3], [4, 5]), not request 1
+
+    result = engine.generate([[1], [20], [30]], max_new_tokens=5, sampling=GREEDY,
+                             on_tokens=on_tokens)
+    assert result.tokens == [[2, 3, 4, 5], [21, 22, 23, 24, 25], [31, 32, 33, 34, 35]]
+    assert result.finish == ["stop", "length", "length"]
+    assert seen[0] == [([2, 3], False), ([4, 5], False)]
+    assert [t for tokens, _ in seen[1] for t in tokens] == [21, 22, 23, 24, 25]
+    assert [done for _, done in seen[1]] == [False] * (len(seen[1]) - 1) + [True]
+    with pytest.raises(TypeError, match="on_tokens must be callable or None, got int"):
+        engine.generate([[1]], max_new_tokens=1, on_tokens=1)
+
+
+def test_generate_example_streams_text_from_a_random_checkpoint(tmp_path, capsys):
+    example = load_script("examples/generate.py")
+    path = tmp_path / "random.npz"
+    result = example.main(["--random-checkpoint", str(path), "--prompt", "Hi", "--max-new-tokens",
+                           "6", "--steps-per-call", "2"])
+    out = capsys.readouterr().out
+    assert result["sample_below"] == 65530  # the head has 65,536 outputs
+    assert all(len(t) <= 6 and max(t, default=0) < 65530 for t in result["tokens"])
+    assert "\nHi" + result["texts"][0] + "\n\nfinish: " in out  # streamed, all of it
+    # "Hi" is one token: nothing to prefill, said so.
+    assert "prefill: none (each prompt's last token goes with the first decode step)" in out
+    assert "decode: " in out and "tokens/s" in out
+    # The checkpoint written by the first run loads on the next: two prompts through its one
+    # lane (the programs compiled for the first run serve it), a stop string.
+    again = example.main(["--checkpoint", str(path), "--prompt", "The capital of France is",
+                          "--prompt", "Hi", "--max-new-tokens", "3", "--steps-per-call", "2",
+                          "--batch-size", "1", "--stop", "\n"])
+    out = capsys.readouterr().out
+    assert len(again["texts"]) == 2 and "[0] The capital of France is\n[1] Hi" in out
+    assert "prefill: 4 tokens in" in out
+
+
+def test_generate_example_says_what_is_wrong_before_anything_else(tmp_path, capsys):
+    example = load_script("examples/generate.py")
+    missing = tmp_path / "rwkv7-g1-0.1b.pth"
+    with pytest.raises(SystemExit) as exit_:
+        example.main(["--checkpoint", str(missing), "--prompt", "Hi"])
+    assert exit_.value.code == 2
+    assert f"--checkpoint {missing}: no such file" in capsys.readouterr().err
+    # --help shows every default; the sampling ones are Sampling's.
+    with pytest.raises(SystemExit):
+        example.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split()).split("options:")[1]
+    for field in dataclasses.fields(rnn.Sampling):
+        flag = "--" + field.name.replace("_", "-")
+        assert f"(default: {field.default})" in help_text.split(f"{flag} {field.name.upper()}")[1]
+    assert "(default: 64)" in help_text and "(default: 32)" in help_text
