@@ -81,8 +81,9 @@ def main(argv=None) -> dict:
     model = load_rwkv7(path, dtype=dtype, param_dtype=dtype)
     print(f"model: {model.config}")
     prompts = args.prompt
-    text = TextGenerator(model, tokenizer=tokenizer, steps_per_call=args.steps_per_call,
-                         max_batch=min(len(prompts), args.batch_size or 16), backend=args.backend)
+    lanes = min(len(prompts), 16 if args.batch_size is None else args.batch_size)
+    text = TextGenerator(model, tokenizer=tokenizer, max_batch=lanes,
+                         steps_per_call=args.steps_per_call, backend=args.backend)
     sampling = Sampling(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Sampling)})
     run = dict(sampling=sampling, stop=args.stop, seed=args.seed)
     started = time.perf_counter()

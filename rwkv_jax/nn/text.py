@@ -135,6 +135,7 @@ class TextGenerator:
 
     ``tokenizer``: by default a :class:`WorldTokenizer`; any object with ``encode(text) ->
     ids``, ``token_bytes(id) -> bytes``, ``vocab_size`` and ``end_of_text`` (an id) will do.
+    Its parts stay reachable as ``tokenizer`` and ``generator``.
     """
 
     def __init__(self, model, *, tokenizer=None, **engine):
