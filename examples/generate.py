@@ -1,4 +1,4 @@
-"""Generate text with an official RWKV-7 checkpoint.
+"""Generate text with an official RWKV-7 checkpoint, streamed as it comes.
 
     python examples/generate.py --checkpoint rwkv7-g1-0.1b.pth --prompt "The capital of France is"
     python examples/generate.py --checkpoint model.pth --prompt "Once" --prompt "A long one" \\
@@ -7,61 +7,28 @@
                              # writes a small random model first (gibberish, for a first try)
 
 Official RWKV-7 weights are published by BlinkDL on Hugging Face (the ``BlinkDL/rwkv7-g1``
-repository: ``rwkv7-g1-0.1b-...pth`` and larger). Loads the checkpoint with
-``rwkv_jax.nn.load_rwkv7`` (.pth needs torch; .safetensors, .npz), tokenizes with the RWKV "World"
-tokenizer of the ``pyrwkv-tokenizer`` package (the vocabulary of the released RWKV-7 models;
-``pip install pyrwkv-tokenizer`` or the ``[tokenizer]`` extra), runs a
-``rwkv_jax.nn.Generator`` and prints each prompt with its continuation, and the prefill and
-decode speeds. Text is decoded from each token's bytes, so a continuation cut inside a
-multi-byte character still prints (with a replacement character).
+repository: ``rwkv7-g1-0.1b-...pth`` and larger). A thin front of ``rwkv_jax.nn.TextGenerator``:
+loads the checkpoint with ``load_rwkv7``, tokenizes with the RWKV "World" tokenizer (the
+``[tokenizer]`` extra), streams each continuation and prints the prefill and decode speeds.
+The sampling defaults are ``rwkv_jax.nn.Sampling``'s (plain sampling at temperature 1); the
+official package's are ``--top-p 0.85 --alpha-frequency 0.2 --alpha-presence 0.2
+--alpha-decay 0.996``.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import codecs
-import sys
+import dataclasses
+import os
 import time
 
+from rwkv_jax.nn import Sampling
 
-def load_tokenizer():
-    try:
-        import pyrwkv_tokenizer
-    except ImportError:
-        sys.exit("examples/generate.py needs the RWKV tokenizer: pip install pyrwkv-tokenizer "
-                 "(or the package's [tokenizer] extra)")
-    return pyrwkv_tokenizer.RWKVTokenizer()
-
-
-class TextStream:
-    """Token ids in, text out as it completes: each token's bytes (read from the tokenizer's
-    vocabulary file) go through an incremental UTF-8 decoder, so a sequence that ends inside a
-    multi-byte character loses nothing (the tokenizer's own ``decode`` raises on it); what is
-    left at the end comes out with replacement characters."""
-
-    def __init__(self, tokenizer):
-        self.token_bytes = _token_bytes(tokenizer.vocab_filepath)
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, token: int) -> str:
-        piece = self.token_bytes[token] if 0 <= token < len(self.token_bytes) else None
-        return self.decoder.decode("\ufffd".encode() if piece is None else piece)
-
-    def flush(self) -> str:
-        return self.decoder.decode(b"", final=True)
-
-
-def _token_bytes(path) -> list:
-    """Index: token id; value: its bytes (None for ids the vocabulary lacks). Each line of the
-    World vocabulary is ``id literal length``, the literal a Python str or bytes."""
-    table: dict[int, bytes] = {}
-    with open(path, encoding="utf-8") as lines:
-        for line in lines:
-            token_id = int(line[:line.index(" ")])
-            literal = ast.literal_eval(line[line.index(" "):line.rindex(" ")].strip())
-            table[token_id] = literal.encode("utf-8") if isinstance(literal, str) else literal
-    return [table.get(i) for i in range(max(table) + 1)]
+SAMPLING_HELP = dict(temperature="0: greedy", top_p="nucleus: keep the most likely tokens up to "
+                     "this probability", top_k="keep the k most likely (0: all)",
+                     alpha_frequency="penalty per earlier occurrence of a token",
+                     alpha_presence="penalty for a token already generated",
+                     alpha_decay="the occurrence counts' decay per token")
 
 
 def write_random_checkpoint(path, vocab_size):
@@ -75,7 +42,8 @@ def write_random_checkpoint(path, vocab_size):
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="official RWKV-7 weights (.pth, .safetensors or "
                         ".npz)")
@@ -83,63 +51,70 @@ def main(argv=None) -> dict:
                         "model to PATH (.npz, .safetensors or .pth) and use it")
     parser.add_argument("--prompt", action="append", required=True,
                         help="text to continue; repeat for several prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default 1.0)")
-    parser.add_argument("--top-p", type=float, default=0.7,
-                        help="nucleus sampling: keep the most likely tokens up to this "
-                        "probability (default 0.7)")
-    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: all)")
-    parser.add_argument("--alpha-frequency", type=float, default=0.0)
-    parser.add_argument("--alpha-presence", type=float, default=0.0)
-    parser.add_argument("--alpha-decay", type=float, default=0.996)
-    parser.add_argument("--batch-size", type=int, help="lanes (default: all prompts, at most 16)")
-    parser.add_argument("--steps-per-call", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt")
+    parser.add_argument("--stop", action="append", default=[],
+                        help="a string that ends the text (not printed); repeatable")
+    for field in dataclasses.fields(Sampling):
+        parser.add_argument("--" + field.name.replace("_", "-"), type=type(field.default),
+                            default=field.default, help=SAMPLING_HELP[field.name])
+    parser.add_argument("--batch-size", type=int,
+                        help="lanes (None: as many as prompts, at most 16)")
+    parser.add_argument("--steps-per-call", type=int, default=32,
+                        help="decode steps per compiled call (text comes out between calls)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 weights and compute")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", help="backend of the step kernels (default: the platform's)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
+    parser.add_argument("--backend", help="step kernels' backend (None: the platform's)")
     args = parser.parse_args(argv)
+    if args.checkpoint and not os.path.isfile(args.checkpoint):
+        parser.error(f"--checkpoint {args.checkpoint}: no such file")
 
     import jax.numpy as jnp
 
-    from rwkv_jax.nn import Generator, Sampling, load_rwkv7
+    from rwkv_jax.nn import TextGenerator, WorldTokenizer, load_rwkv7
 
-    tokenizer = load_tokenizer()
+    tokenizer = WorldTokenizer()
     path = args.checkpoint
     if args.random_checkpoint:
         path = args.random_checkpoint
         write_random_checkpoint(path, vocab_size=65536)
     dtype = jnp.bfloat16 if args.bf16 else jnp.float32
     model = load_rwkv7(path, dtype=dtype, param_dtype=dtype)
-    prompts = [tokenizer.encode(text) for text in args.prompt]
     print(f"model: {model.config}")
-    engine = Generator(model, max_batch=min(len(prompts), args.batch_size or 16),
-                       steps_per_call=args.steps_per_call, backend=args.backend,
-                       # The head may have more outputs than the tokenizer has ids (65536 vs
-                       # 65530).
-                       sample_below=min(tokenizer.vocab_size(), model.config.vocab_size))
-    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        alpha_frequency=args.alpha_frequency,
-                        alpha_presence=args.alpha_presence, alpha_decay=args.alpha_decay)
-    run = lambda count: engine.generate(prompts, max_new_tokens=count, sampling=sampling,
-                                        stop_tokens=[0],  # the tokenizer's end of text
-                                        seed=args.seed)
+    prompts = args.prompt
+    lanes = min(len(prompts), 16 if args.batch_size is None else args.batch_size)
+    text = TextGenerator(model, tokenizer=tokenizer, max_batch=lanes,
+                         steps_per_call=args.steps_per_call, backend=args.backend)
+    sampling = Sampling(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Sampling)})
+    run = dict(sampling=sampling, stop=args.stop, seed=args.seed)
     started = time.perf_counter()
-    run(2)  # compiles the prefill and decode calls for these shapes
+    text.generate(prompts, max_new_tokens=2, **run)  # compiles prefill and decode
     compiled = time.perf_counter() - started
-    result = run(args.max_new_tokens)
 
-    for text, tokens in zip(args.prompt, result.tokens):
-        stream = TextStream(tokenizer)
-        print(f"\n{text}" + "".join(stream.push(t) for t in tokens) + stream.flush())
-    generated = sum(map(len, result.tokens))
-    prefill_rate = result.prefill_tokens / max(result.prefill_seconds, 1e-9)
-    decode_rate = generated / max(result.decode_seconds, 1e-9)
-    print(f"\nprefill: {result.prefill_tokens} prompt tokens in {result.prefill_seconds:.3f} s "
-          f"({prefill_rate:.1f} tokens/s)\ndecode: {generated} tokens for {len(prompts)} "
-          f"prompt(s) in {result.decode_seconds:.3f} s ({decode_rate:.1f} tokens/s, "
-          f"{engine.steps_per_call} steps per call; compiling took {compiled:.1f} s)")
-    return dict(tokens=result.tokens, prefill_tokens_per_s=prefill_rate,
-                decode_tokens_per_s=decode_rate)
+    many = len(prompts) > 1
+    print("".join(f"\n[{i}] {p}" for i, p in enumerate(prompts)) if many else f"\n{prompts[0]}",
+          end="")
+    shown = [None if many else 0]  # the prompt whose text the terminal shows last
+
+    def show(i, piece):
+        if shown[0] != i:
+            print(f"\n[{i}]> ", end="")
+            shown[0] = i
+        print(piece, end="", flush=True)
+
+    result = text.generate(prompts, max_new_tokens=args.max_new_tokens, **run,
+                           on_text=[lambda piece, i=i: show(i, piece) for i in range(len(prompts))])
+    g = result.generation
+    generated = sum(map(len, g.tokens))
+    prefill = (f"{g.prefill_tokens} tokens in {g.prefill_seconds:.3f} s "
+               f"({g.prefill_tokens / max(g.prefill_seconds, 1e-9):.1f} tokens/s)"
+               if g.prefill_tokens else "none")
+    decode_rate = generated / max(g.decode_seconds, 1e-9)
+    print(f"\n\nfinish: {', '.join(result.finish)}\nprefill: {prefill} (each prompt's last "
+          f"token goes with the first decode step)\ndecode: {generated} tokens for {len(prompts)} "
+          f"prompt(s) in {g.decode_seconds:.3f} s ({decode_rate:.1f} tokens/s, "
+          f"{args.steps_per_call} steps per call; compiling took {compiled:.1f} s)")
+    return dict(texts=result.texts, finish=result.finish, tokens=g.tokens,
+                sample_below=text.generator.sample_below, decode_tokens_per_s=decode_rate)
 
 
 if __name__ == "__main__":

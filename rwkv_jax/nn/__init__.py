@@ -10,6 +10,8 @@
 - generation: :class:`Generator` (prefill through the sequence mode with packed prompts,
   many decode steps per compiled call, continuous batching on a donated state pool, the
   official sampler and penalties: :class:`Sampling`) and :func:`generate`, a one-call wrapper;
+- text in, text out: :class:`TextGenerator` (a tokenizer, by default the RWKV "World" one,
+  :class:`WorldTokenizer`, and a Generator; streams text as it completes, stop strings);
 - thin Linen wrappers of the bare operators in :mod:`rwkv_jax.nn.linen`.
 """
 
@@ -28,6 +30,7 @@ from .generate import Generation, Generator, Sampling, generate, sample_logits
 from .loss import chunked_cross_entropy
 from .rwkv6 import RWKV6ChannelMix, RWKV6Config, RWKV6TimeMix
 from .rwkv7 import RWKV7Block, RWKV7ChannelMix, RWKV7Config, RWKV7LM, RWKV7TimeMix
+from .text import TextGeneration, TextGenerator, WorldTokenizer
 
 __all__ = [
     "RWKV7Config", "RWKV7TimeMix", "RWKV7ChannelMix", "RWKV7Block", "RWKV7LM",
@@ -35,5 +38,5 @@ __all__ = [
     "LayerState", "TimeMixState",
     "load_rwkv7", "load_rwkv6_layer", "read_checkpoint", "rwkv7_config", "rwkv7_state_dict",
     "save_rwkv7", "Generator", "Sampling", "generate", "Generation", "sample_logits",
-    "chunked_cross_entropy",
+    "TextGenerator", "TextGeneration", "WorldTokenizer", "chunked_cross_entropy",
 ]

@@ -430,14 +430,21 @@ class Generator:
     # --- the whole loop --------------------------------------------------------------------
 
     def generate(self, prompts, *, max_new_tokens: int, sampling: Sampling = Sampling(),
-                 stop_tokens=(), seed: int = 0) -> Generation:
+                 stop_tokens=(), seed: int = 0, on_tokens=None) -> Generation:
         """Sample up to ``max_new_tokens`` tokens after each prompt (token-id sequences of any
         lengths), ``max_batch`` requests at a time; request ``i``'s random stream is ``(seed,
-        i)``. Generation of a request ends at any of ``stop_tokens`` (not included)."""
+        i)``. Generation of a request ends at any of ``stop_tokens`` (not included).
+
+        ``on_tokens(i, tokens, finished)``, if given, sees each running request's tokens as
+        each decode call ends (the tokens it emitted in that call, whether it finished); a true
+        return ends the request there (finish "stop"), freeing its lane, e.g. when its text
+        reached a stop string."""
         prompts = _check_prompts(prompts, self.vocab)
         max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+        if on_tokens is not None and not callable(on_tokens):
+            raise TypeError(f"on_tokens must be callable or None, got {type(on_tokens).__name__}")
         self.reset(penalties=sampling.penalised, seed=seed, stop_tokens=stop_tokens)
         outputs: list[list[int]] = [[] for _ in prompts]
         finish = [""] * len(prompts)
@@ -475,8 +482,13 @@ class Generator:
             for lane, r in enumerate(serving):
                 if r < 0:
                     continue
-                outputs[r].extend(int(t) for t in tokens[lane] if t >= 0)
-                if not active[lane]:
+                emitted = [int(t) for t in tokens[lane] if t >= 0]
+                outputs[r].extend(emitted)
+                finished = not active[lane]
+                if on_tokens is not None and on_tokens(r, emitted, finished) and not finished:
+                    self.lanes = self.lanes._replace(active=self.lanes.active.at[lane].set(False))
+                    finished = True
+                if finished:
                     finish[r] = "length" if len(outputs[r]) >= max_new_tokens else "stop"
                     serving[lane] = -1
         return Generation(outputs, finish, prefilled, prefill_s, decoded, decode_s, calls)
