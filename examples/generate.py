@@ -8,9 +8,9 @@
 
 Official RWKV-7 weights are published by BlinkDL on Hugging Face (the ``BlinkDL/rwkv7-g1``
 repository: ``rwkv7-g1-0.1b-...pth`` and larger). Loads the checkpoint with
-``rwkv_jax.nn.load_rwkv7`` (.pth needs torch; .safetensors, .npz), tokenizes with the RWKV "World"
-tokenizer of the ``pyrwkv-tokenizer`` package (the vocabulary of the released RWKV-7 models;
-``pip install pyrwkv-tokenizer`` or the ``[tokenizer]`` extra), runs a
+``rwkv_jax.nn.load_rwkv7`` (.pth, read without torch; .safetensors; .npz), tokenizes with the
+RWKV "World" tokenizer of the ``pyrwkv-tokenizer`` package (the vocabulary of the released
+RWKV-7 models; ``pip install pyrwkv-tokenizer`` or the ``[tokenizer]`` extra), runs a
 ``rwkv_jax.nn.Generator`` and prints each prompt with its continuation, and the prefill and
 decode speeds. Text is decoded from each token's bytes, so a continuation cut inside a
 multi-byte character still prints (with a replacement character).
