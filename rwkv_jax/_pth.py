@@ -138,8 +138,8 @@ def _member(archive: zipfile.ZipFile, whole: np.ndarray, name: str, path) -> _Me
     if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1:
         raise ValueError(f"{path}: member {name!r} is compressed or encrypted; torch.save "
                          f"stores every member as it is, and only such members are read")
-    header = bytes(whole[info.header_offset:info.header_offset + _LOCAL_HEADER.size])
-    if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+    header = bytes(whole[max(0, info.header_offset):][:_LOCAL_HEADER.size])
+    if info.header_offset < 0 or len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
         raise ValueError(f"{path}: member {name!r} has no local header at its offset "
                          f"{info.header_offset}")
     name_length, extra_length = _LOCAL_HEADER.unpack(header)[-2:]
