@@ -8,11 +8,11 @@
 
 Official RWKV-7 weights are published by BlinkDL on Hugging Face (the ``BlinkDL/rwkv7-g1``
 repository: ``rwkv7-g1-0.1b-...pth`` and larger). A thin front of ``rwkv_jax.nn.TextGenerator``:
-loads the checkpoint with ``load_rwkv7``, tokenizes with the RWKV "World" tokenizer (the
-``[tokenizer]`` extra), streams each continuation and prints the prefill and decode speeds.
-The sampling defaults are ``rwkv_jax.nn.Sampling``'s (plain sampling at temperature 1); the
-official package's are ``--top-p 0.85 --alpha-frequency 0.2 --alpha-presence 0.2
---alpha-decay 0.996``.
+loads the checkpoint with ``load_rwkv7`` (.pth, read without torch; .safetensors; .npz),
+tokenizes with the RWKV "World" tokenizer (the ``[tokenizer]`` extra), streams each
+continuation and prints the prefill and decode speeds. The sampling defaults are
+``rwkv_jax.nn.Sampling``'s (plain sampling at temperature 1); the official package's are
+``--top-p 0.85 --alpha-frequency 0.2 --alpha-presence 0.2 --alpha-decay 0.996``.
 """
 
 from __future__ import annotations

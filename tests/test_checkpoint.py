@@ -2,7 +2,6 @@
 and a crafted file is refused by its names and shapes before any array is read (rwkv_jax.nn
 checkpoint.py). Round trips and the official layout are in test_nn.py."""
 
-import importlib.util
 import json
 import pathlib
 import re
@@ -15,12 +14,10 @@ import numpy as np
 import pytest
 
 import official_rwkv7
+import pth_files
 from rwkv_jax import nn as rnn
 
-# .pth files go through torch, which only one of CI's two legs installs (the `torch` extra):
-# their cases run where torch is.
-HAS_TORCH = importlib.util.find_spec("torch") is not None
-SUFFIXES = [".npz", ".safetensors"] + [".pth"] * HAS_TORCH
+SUFFIXES = [".npz", ".safetensors", ".pth"]
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +85,7 @@ def test_save_replaces_the_previous_file_whole(tmp_path, suffix, checkpoint):
 LOAD_CRAFTED = """
 import json, resource, sys, time
 import numpy as np
-import importlib.util, safetensors  # imported before any clock starts: the readers import them lazily
-if importlib.util.find_spec("torch"):
-    import torch
+import safetensors  # imported before any clock starts: the reader imports it lazily
 from rwkv_jax import nn as rnn
 used = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (used + (2 << 30), resource.RLIM_INFINITY))
@@ -181,11 +176,18 @@ def _crafted_files(directory, checkpoint) -> dict:
     _add_deflated_zeros(wrong, "blocks.0.ffn.value.weight.npy",
                         _npy_header(np.float32, (32, GIB // 128)), GIB)
     cases["wrong shape"] = (str(wrong), r"blocks\.0\.ffn\.value\.weight must have shape \(32, 128\)")
+    # A .pth whose storage is a deflated member that inflates to 1 GiB: refused unread.
+    deflated = directory / "deflated.pth"
+    storage = pth_files.Storage("0", np.zeros(1, np.float32))
+    pth_files.write(deflated, {"emb.weight": pth_files.Tensor(storage, 0, (GIB // 4,), (1,))}, [])
+    _add_deflated_zeros(deflated, "archive/data/0", b"", GIB)
+    assert deflated.stat().st_size < 4 << 20
+    cases["deflated storage"] = (str(deflated), r"member 'archive/data/0' is compressed")
     return cases
 
 
 CASES = [f"index {index[:9]} {kind}" for index in HUGE_INDICES for kind in ["dict", *SUFFIXES]] \
-    + ["unknown member", "wrong shape"]
+    + ["unknown member", "wrong shape", "deflated storage"]
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +233,7 @@ class _Trap:
         return (pathlib.Path.touch, (pathlib.Path(self.marker),))
 
 
-@pytest.mark.parametrize("suffix", [".npz"] + [".pth"] * HAS_TORCH)
+@pytest.mark.parametrize("suffix", [".npz", ".pth"])
 def test_loading_never_runs_pickled_code(tmp_path, suffix, checkpoint):
     marker = tmp_path / "pickled_code_ran"
     path = tmp_path / f"trap{suffix}"
@@ -240,9 +242,9 @@ def test_loading_never_runs_pickled_code(tmp_path, suffix, checkpoint):
         trap[...] = _Trap(marker)
         np.savez(path, **dict(checkpoint, **{"emb.weight": trap}))
     else:
-        import torch
-        torch.save(dict({n: torch.from_numpy(v) for n, v in checkpoint.items()},
-                        **{"emb.weight": _Trap(marker)}), path)
-    with pytest.raises(Exception):
+        state = pth_files.state_dict(checkpoint)
+        state["emb.weight"] = _Trap(marker)
+        pth_files.write(path, state)
+    with pytest.raises(ValueError):
         rnn.load_rwkv7(path)
     assert not marker.exists()

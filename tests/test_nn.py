@@ -23,11 +23,7 @@ from rwkv_jax.nn import linen
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VOCAB, TOKENS_SHAPE = 50, (2, 9)
-# .pth checkpoints go through torch, which the test set does not install (the `torch` extra
-# does; CI installs it on one of its two legs): their round trips run where torch is, and
-# test_pth_checkpoints_without_torch_say_so runs everywhere.
-HAS_TORCH = importlib.util.find_spec("torch") is not None
-CHECKPOINT_SUFFIXES = [".npz", ".safetensors"] + [".pth"] * HAS_TORCH
+CHECKPOINT_SUFFIXES = [".npz", ".safetensors", ".pth"]
 
 
 def model_tolerance(backend):
@@ -208,28 +204,13 @@ def test_save_rwkv7_errors(tmp_path, model):
         rnn.save_rwkv7({"emb.weight": np.ones((2, 2))}, tmp_path / "model.npz")
 
 
-def test_pth_checkpoints_without_torch_say_so(tmp_path, monkeypatch, model):
-    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` fails, as without torch
-    with pytest.raises(ImportError, match=r"reading .*model\.pth needs torch"):
-        rnn.load_rwkv7(tmp_path / "model.pth")
-    with pytest.raises(ImportError, match=r"writing .*model\.pth needs torch"):
-        rnn.save_rwkv7(model, tmp_path / "model.pth")
-    assert not (tmp_path / "model.pth").exists()
-
-
-@pytest.mark.parametrize("suffix", [".safetensors"] + [".pth"] * HAS_TORCH)
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
 def test_checkpoint_bfloat16_and_flat_vectors(tmp_path, suffix, checkpoint, tokens):
     # bf16 tensors (as released models are) and [C] instead of [1, 1, C] per-channel vectors.
     arrays = {n: (v.reshape(-1) if v.shape[:2] == (1, 1) else v).astype(jnp.bfloat16)
               for n, v in checkpoint.items()}
     path = tmp_path / f"bf16{suffix}"
-    if suffix == ".pth":
-        import torch
-        torch.save({n: torch.from_numpy(v.view(np.int16)).view(torch.bfloat16)
-                    for n, v in arrays.items()}, path)
-    else:
-        from safetensors.numpy import save_file
-        save_file(arrays, str(path))
+    official_rwkv7.write_checkpoint(path, arrays)
     rounded = {n: v.astype(jnp.bfloat16).astype(np.float32) for n, v in checkpoint.items()}
     logits = rnn.load_rwkv7(path)(tokens)
     assert relative_error(logits, official_rwkv7.forward(rounded, tokens)) < 1e-4

@@ -3,8 +3,9 @@
 An official checkpoint is a flat dict with the names of BlinkDL's RWKV-LM (``emb.weight``,
 ``blocks.{i}.att.w1``, ``blocks.{i}.ffn.key.weight``, ``head.weight``, ...): per-channel
 parameters are ``[1, 1, C]``, linear weights ``[out, in]``. :func:`load_rwkv7` reads one (a
-``.pth`` through torch when it is installed, ``.safetensors``, ``.npz``, or a dict of arrays),
-infers the model sizes from the shapes, checks every name and shape, and returns the model;
+``.pth`` as torch.save writes it, read without torch; ``.safetensors``; ``.npz``; or a dict of
+arrays), infers the model sizes from the shapes, checks every name and shape, and returns the
+model;
 :func:`rwkv7_state_dict` gives a model's weights in the official format and :func:`save_rwkv7`
 writes them to a file.
 """
@@ -25,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from .._files import write_atomically
+from .._pth import open_pth, write_pth
 from .rwkv6 import RWKV6ChannelMix, RWKV6Config, RWKV6TimeMix
 from .rwkv7 import RWKV7Config, RWKV7LM
 
@@ -34,7 +36,7 @@ _UNUSED_IN_LAYER0 = ("v0", "v1", "v2")
 
 
 def read_checkpoint(path) -> dict[str, np.ndarray]:
-    """The arrays of a ``.pth``/``.pt`` (needs torch), ``.safetensors`` or ``.npz`` file."""
+    """The arrays of a ``.pth``/``.pt``, ``.safetensors`` or ``.npz`` file."""
     with _open_checkpoint(path) as checkpoint:
         return {name: checkpoint.read(name) for name in checkpoint.names}
 
@@ -61,7 +63,9 @@ def _open_checkpoint(source):
     path = os.fspath(source)
     suffix = os.path.splitext(path)[1].lower()
     if suffix in (".pth", ".pt"):
-        yield _open_torch(path)
+        pth = open_pth(path)   # no torch: rwkv_jax/_pth.py
+        yield _Checkpoint(pth.tensors, lambda name: pth.tensors[name].shape,
+                          lambda name: _to_numpy(pth.read(name)))
     elif suffix == ".safetensors":
         from safetensors import safe_open
         with safe_open(path, framework="flax") as data:   # as JAX arrays: bfloat16 works
@@ -73,27 +77,6 @@ def _open_checkpoint(source):
     else:
         raise ValueError(f"checkpoint path must end in .pth, .pt, .safetensors or .npz, "
                          f"got {path!r}")
-
-
-def _open_torch(path) -> _Checkpoint:
-    try:
-        import torch
-    except ImportError as err:
-        raise ImportError(f"reading {path} needs torch; convert it to .safetensors or .npz "
-                          f"where torch is installed") from err
-    # weights_only: tensors and plain containers, never pickled code. mmap: the names and
-    # shapes come without reading the tensors (files of torch's zip format, the default since
-    # torch 1.6; older ones are read whole).
-    try:
-        tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as err:
-        if "mmap" not in str(err):
-            raise
-        tensors = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(tensors, Mapping):
-        raise ValueError(f"{path} must hold a dict of tensors, got {type(tensors).__name__}")
-    return _Checkpoint(tensors, lambda name: tuple(tensors[name].shape),
-                       lambda name: _to_numpy(tensors[name]))
 
 
 @contextlib.contextmanager
@@ -286,7 +269,7 @@ def _fill(root, layout, checkpoint: _Checkpoint, what, tolerated=(),
 def load_rwkv7(source, *, dtype=jnp.float32, param_dtype=jnp.float32) -> RWKV7LM:
     """An :class:`RWKV7LM` holding the weights of an official RWKV-7 checkpoint.
 
-    ``source``: a path (``.pth``/``.pt`` with torch installed, ``.safetensors``, ``.npz``) or a
+    ``source``: a path (``.pth``/``.pt``, read without torch; ``.safetensors``, ``.npz``) or a
     mapping from official names to arrays. Every expected name must be present with its official
     shape (per-channel ``[1, 1, C]`` parameters may also come flat as ``[C]``); unknown names
     are errors, except ``blocks.0.att.v0/v1/v2``, which layer 0 does not use.
@@ -319,7 +302,8 @@ def rwkv7_state_dict(model: RWKV7LM) -> dict[str, np.ndarray]:
 
 def save_rwkv7(model: RWKV7LM, path) -> None:
     """Write ``model`` as an official RWKV-7 checkpoint (float32) that :func:`load_rwkv7` and
-    the official code read: ``.safetensors``, ``.npz``, or ``.pth``/``.pt`` (needs torch).
+    the official code read: ``.safetensors``, ``.npz``, or ``.pth``/``.pt`` (torch's zip
+    layout, written without torch).
 
     With several processes (``jax.distributed``) every process calls it: parameters split across
     processes are gathered, process 0 alone writes ``path``, and every process returns once the
@@ -355,13 +339,7 @@ def _write_checkpoint(params, path, suffix):
     elif suffix == ".npz":
         write = lambda f: np.savez(f, **params)  # a file object: a name would get ".npz" added
     else:
-        try:
-            import torch
-        except ImportError as err:
-            raise ImportError(f"writing {path} needs torch; write .safetensors or .npz "
-                              f"instead") from err
-        write = lambda f: torch.save({name: torch.from_numpy(value)
-                                      for name, value in params.items()}, f)
+        write = lambda f: write_pth(f, params)
     write_atomically(path, write)
 
 
