@@ -83,7 +83,8 @@ def _dplr_options(safe_gate, chunk_size, disable_recompute, cp_context, lower_bo
     if cp_context is not None:
         raise ValueError(f"cp_context (fla's torch.distributed context parallelism) is not "
                          f"supported here, got {type(cp_context).__name__}; for sequence "
-                         f"parallelism wrap the op with rwkv_jax.shard(..., seq_axis=...)")
+                         f"parallelism wrap the core op (rwkv_jax.rwkv7) with "
+                         f"rwkv_jax.shard(..., seq_axis=...)")
     if lower_bound is not None and checks.scalar("lower_bound", lower_bound) >= 0:
         raise ValueError(f"lower_bound must be negative (w is a log decay < 0), got "
                          f"{lower_bound}")
@@ -107,8 +108,13 @@ def _state_v_first(initial_state, state_v_first, q, v, cu_seqlens, head_first):
     return jnp.swapaxes(initial_state, -1, -2)
 
 
-def _final_state(h, state_v_first):
-    return h if h is None or not state_v_first else jnp.swapaxes(h, -1, -2)
+def _gla(q, k, v, initial_state, state_v_first, cu_seqlens, head_first, **options):
+    """:func:`rwkv_jax.gated_linear_attention` with fla's ``state_v_first`` state layout."""
+    state_v_first = checks.flag("state_v_first", state_v_first)
+    initial_state = _state_v_first(initial_state, state_v_first, q, v, cu_seqlens, head_first)
+    o, h = gated_linear_attention(q, k, v, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                  head_first=head_first, **options)
+    return o, (h if h is None or not state_v_first else jnp.swapaxes(h, -1, -2))
 
 
 def _time_reversed(arrays, cu_seqlens, initial_state, head_first):
@@ -147,7 +153,7 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
     ``o_t = h_t^T (scale r_t)``. ``scale`` 1.0 (None: ``K ** -0.5``); ``initial_state``
     ``[N, H, K, V]``; ``output_final_state`` False. ``safe_gate``, ``chunk_size``,
     ``disable_recompute``, ``lower_bound`` are checked as fla checks them and change nothing
-    (see :func:`_dplr_options`); ``cp_context`` must be None. ``head_first`` (removed in fla)
+    (fla clamps nothing with ``lower_bound`` either); ``cp_context`` must be None. ``head_first`` (removed in fla)
     takes ``[B, H, T, *]`` inputs and outputs; ``backend`` picks the backend.
     Returns ``(o [B, T, H, V], final_state float32 [N, H, K, V] or None)``.
     """
@@ -220,13 +226,9 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     sizes: dict = {}
     checks.shaped("q", q, _lead(head_first) + ("K",), sizes)
     checks.shaped("g", g, _lead(head_first) + ("K",), sizes)  # named as the caller knows it
-    state_v_first = checks.flag("state_v_first", state_v_first)
-    initial_state = _state_v_first(initial_state, state_v_first, q, v, cu_seqlens, head_first)
-    o, h = gated_linear_attention(q, k, v, gk=g, scale=scale, initial_state=initial_state,
-                                  output_final_state=output_final_state,
-                                  cu_seqlens=_offsets(cu_seqlens, cu_seqlens_cpu),
-                                  head_first=head_first, backend=backend)
-    return o, _final_state(h, state_v_first)
+    return _gla(q, k, v, initial_state, state_v_first, _offsets(cu_seqlens, cu_seqlens_cpu),
+                head_first, gk=g, scale=scale, output_final_state=output_final_state,
+                backend=backend)
 
 
 def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=None,
@@ -244,15 +246,10 @@ def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=Non
                              "not both")
         warnings.warn("transpose_state_layout is deprecated (as in fla); use state_v_first",
                       DeprecationWarning, stacklevel=2)
-        state_v_first = transpose_state_layout
-    state_v_first = checks.flag("state_v_first" if transpose_state_layout is None
-                                else "transpose_state_layout", state_v_first)
-    initial_state = _state_v_first(initial_state, state_v_first, q, v, cu_seqlens, head_first)
-    o, h = gated_linear_attention(q, k, v, gk=gk, gv=gv, scale=scale,
-                                  initial_state=initial_state,
-                                  output_final_state=output_final_state, reverse=reverse,
-                                  cu_seqlens=cu_seqlens, head_first=head_first, backend=backend)
-    return o, _final_state(h, state_v_first)
+        state_v_first = checks.flag("transpose_state_layout", transpose_state_layout)
+    return _gla(q, k, v, initial_state, state_v_first, cu_seqlens, head_first, gk=gk, gv=gv,
+                scale=scale, output_final_state=output_final_state, reverse=reverse,
+                backend=backend)
 
 
 def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
@@ -264,11 +261,6 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
     linear attention). ``chunk_size`` (fla's keyword) None or a power of 2, ignored. Defaults
     and ``state_v_first`` as in :func:`chunk_gla`."""
     _chunk_size(chunk_size)
-    state_v_first = checks.flag("state_v_first", state_v_first)
-    initial_state = _state_v_first(initial_state, state_v_first, q, v, cu_seqlens, head_first)
-    o, h = gated_linear_attention(q, k, v, g=g, g_gamma=g_gamma, scale=scale,
-                                  initial_state=initial_state,
-                                  output_final_state=output_final_state,
-                                  cu_seqlens=_offsets(cu_seqlens, cu_seqlens_cpu),
-                                  head_first=head_first, backend=backend)
-    return o, _final_state(h, state_v_first)
+    return _gla(q, k, v, initial_state, state_v_first, _offsets(cu_seqlens, cu_seqlens_cpu),
+                head_first, g=g, g_gamma=g_gamma, scale=scale,
+                output_final_state=output_final_state, backend=backend)

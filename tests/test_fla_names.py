@@ -234,6 +234,25 @@ def test_head_first_takes_and_returns_b_h_t():
     np.testing.assert_allclose(np.asarray(h), np.asarray(flat_h), rtol=1e-6, atol=1e-6)
 
 
+def test_reverse_with_traced_offsets():
+    """Under jit the mirrored offsets of reverse=True are computed on the device: the same
+    results as eager, and offsets that do not reach T make every value NaN (the core op's
+    device-side check), never a wrong finite result."""
+    x = inputs("rwkv6", seed=9)
+    x = {n: a[:1] if n != "u" else a for n, a in x.items()}
+    h0 = jnp.asarray(np.random.default_rng(10).standard_normal((len(CU) - 1, H, K, V)),
+                     jnp.float32)
+    run = jax.jit(lambda cu: fla.fused_recurrent_rwkv6(**x, initial_state=h0, reverse=True,
+                                                        output_final_state=True, cu_seqlens=cu,
+                                                        backend=BACKEND))
+    eager = fla.fused_recurrent_rwkv6(**x, initial_state=h0, reverse=True,
+                                      output_final_state=True, cu_seqlens=CU, backend=BACKEND)
+    for a, b in zip(run(jnp.asarray(CU, jnp.int32)), eager):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    o, h = run(jnp.asarray([0, 4, 4, 8], jnp.int32))
+    assert np.isnan(np.asarray(o)).all() and np.isnan(np.asarray(h)).all()
+
+
 def test_transpose_state_layout_is_the_deprecated_state_v_first():
     x = inputs("gated_linear_attention", ("gk",), seed=6)
     h0 = jnp.asarray(np.random.default_rng(7).standard_normal((B, H, V, K)), jnp.float32)
@@ -303,7 +322,8 @@ def test_fla_only_argument_errors():
     with pytest.raises(ValueError, match="cu_seqlens_cpu was given without cu_seqlens"):
         fla.chunk_rwkv6(**one, cu_seqlens_cpu=CU)
     with pytest.raises(TypeError, match="unexpected keyword argument 'use_exp2'"):
-        fla.chunk_gla(gla["q"], gla["k"], gla["v"], gla["q"], use_exp2=True)  # no silent **kwargs
+        # fla's chunk_simple_gla would swallow it in its **kwargs
+        fla.chunk_simple_gla(gla["q"], gla["k"], gla["v"], gla["g"], use_exp2=True)
 
 
 # ------------------------------------------------------------------------------------------
