@@ -9,7 +9,8 @@ import pytest
 
 import reference
 from conftest import tolerance
-from rwkv_jax import backends, fla, ops
+from rwkv_jax import fla
+from test_compat import chosen_backends  # noqa: F401 (a fixture: records resolved backends)
 
 BACKEND = "native"   # the layer maps conventions; every backend's math is tested elsewhere
 B, T, H, K, V = 2, 9, 2, 4, 6   # V != K, so that a transposed state cannot pass
@@ -329,21 +330,6 @@ def test_fla_only_argument_errors():
 # ------------------------------------------------------------------------------------------
 # The backend: backend= passes through, else the environment's preference.
 # ------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def chosen_backends(monkeypatch):
-    seen = []
-
-    def spy(op, backend, **options):
-        name, fn = backends.resolve(op, backend, **options)
-        seen.append(name)
-        return name, fn
-
-    monkeypatch.setattr(ops, "resolve", spy)
-    monkeypatch.delenv("RWKV_JAX_BACKEND", raising=False)
-    monkeypatch.delenv("KERNEL_TYPE", raising=False)
-    return seen
-
 
 def test_backend_passes_through_and_the_environment_is_honoured(monkeypatch, chosen_backends):
     x = inputs("rwkv6", seed=8)
