@@ -153,8 +153,9 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
     ``o_t = h_t^T (scale r_t)``. ``scale`` 1.0 (None: ``K ** -0.5``); ``initial_state``
     ``[N, H, K, V]``; ``output_final_state`` False. ``safe_gate``, ``chunk_size``,
     ``disable_recompute``, ``lower_bound`` are checked as fla checks them and change nothing
-    (fla clamps nothing with ``lower_bound`` either); ``cp_context`` must be None. ``head_first`` (removed in fla)
-    takes ``[B, H, T, *]`` inputs and outputs; ``backend`` picks the backend.
+    (fla clamps nothing with ``lower_bound`` either); ``cp_context`` must be None.
+    ``head_first`` (removed in fla) takes ``[B, H, T, *]`` inputs and outputs; ``backend``
+    picks the backend.
     Returns ``(o [B, T, H, V], final_state float32 [N, H, K, V] or None)``.
     """
     _dplr_options(safe_gate, chunk_size, disable_recompute, cp_context, lower_bound)

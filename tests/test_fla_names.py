@@ -29,7 +29,8 @@ def _fla_step(kind, x, t, h, scale):
     kv = x["k"][:, t, :, :, None] * x["v"][:, t, :, None, :]
     if kind == "rwkv7":   # S = S * exp(gk) + k v^T + beta (alpha^T S), then o = q S
         alpha_s = np.einsum("bhk,bhkv->bhv", x["a"][:, t], h)
-        h = np.exp(x["w"][:, t])[..., None] * h + kv + x["b"][:, t, :, :, None] * alpha_s[:, :, None]
+        beta_alpha_s = x["b"][:, t, :, :, None] * alpha_s[:, :, None]
+        h = np.exp(x["w"][:, t])[..., None] * h + kv + beta_alpha_s
         return np.einsum("bhk,bhkv->bhv", q, h), h
     if kind == "rwkv6":   # o = q (S + u k v^T), then S = S * exp(w) + k v^T
         o = np.einsum("bhk,bhkv->bhv", q, h + x["u"][None, :, :, None] * kv)
@@ -291,7 +292,8 @@ def test_argument_errors_name_the_argument():
         fla.chunk_gla(q, k, v, g, initial_state=jnp.zeros((B, H, K, V)), state_v_first=True)
     with pytest.raises(ValueError, match=r"initial_state must be \[N, H, K, V\] with N=3"):
         fla.fused_recurrent_rwkv6(**{n: a[:1] if n != "u" else a for n, a in x6.items()},
-                                  reverse=True, cu_seqlens=CU, initial_state=jnp.zeros((2, H, K, V)))
+                                  reverse=True, cu_seqlens=CU,
+                                  initial_state=jnp.zeros((2, H, K, V)))
     with pytest.raises(ValueError, match="batch size must be 1"):
         fla.chunk_simple_gla(q, k, v, g[..., 0], cu_seqlens=CU)
     with pytest.raises(ValueError, match=r"g must be 4-D \[B, T, H, K\]"):
