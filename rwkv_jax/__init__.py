@@ -2,6 +2,7 @@
 
 from .backends import BackendUnavailableError
 from .compat import RWKV6_OP, generalized_delta_rule, get_generalized_delta_rule, rwkv7_op
+from . import fla
 from .ops import gated_linear_attention, rwkv4, rwkv6, rwkv6_step, rwkv7, rwkv7_step
 from .shard import shard
 
