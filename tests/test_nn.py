@@ -64,10 +64,10 @@ def test_rwkv7_lm_matches_official_reference(backend, op, model, tokens, referen
     assert relative_error(logits, reference_logits) < model_tolerance(backend)
 
 
-@pytest.mark.parametrize("op", ["rwkv7_step"])
-def test_rwkv7_step_mode_equals_sequence_mode(backend, op, model, tokens, reference_logits):
-    # Prefill 4 tokens in sequence mode, then one step of 3 tokens and two single-token steps,
-    # on slots 3 and 1 of a pool of 4 whose other slots must stay untouched.
+def check_step_mode_equals_sequence_mode(model, tokens, reference_logits, backend):
+    """Prefill 4 tokens in sequence mode, then one step of 3 tokens and two single-token steps,
+    on slots 3 and 1 of a pool of 4 whose other slots must stay untouched; then token by token
+    from a zero state without state_indices."""
     slots = jnp.array([3, 1])
     prefill, state = model(tokens[:, :4], return_state=True)
     pool = jax.tree.map(lambda p, s: p.at[slots].set(s), model.init_state(4), state)
@@ -84,6 +84,17 @@ def test_rwkv7_step_mode_equals_sequence_mode(backend, op, model, tokens, refere
     _, full_state = model(tokens, return_state=True)
     for got, want in zip(jax.tree.leaves(full_state), jax.tree.leaves(pool)):
         assert relative_error(got, want[slots]) < 1e-5
+
+    state, pieces = model.init_state(tokens.shape[0]), []
+    for t in range(tokens.shape[1]):
+        logits, state = model.step(tokens[:, t:t + 1], state, backend=backend)
+        pieces.append(logits)
+    assert relative_error(jnp.concatenate(pieces, 1), reference_logits) < model_tolerance(backend)
+
+
+@pytest.mark.parametrize("op", ["rwkv7_step"])
+def test_rwkv7_step_mode_equals_sequence_mode(backend, op, model, tokens, reference_logits):
+    check_step_mode_equals_sequence_mode(model, tokens, reference_logits, backend)
 
 
 def test_rwkv7_layers_compose_to_the_lm(model, tokens, reference_logits):
@@ -382,29 +393,7 @@ def test_rwkv6_lm_matches_official_reference(backend, op, rwkv6_model, tokens, r
 @pytest.mark.parametrize("op", ["rwkv6_step"])
 def test_rwkv6_lm_step_mode_equals_sequence_mode(backend, op, rwkv6_model, tokens,
                                                  rwkv6_reference):
-    # As for RWKV-7: 4 tokens in sequence mode, then steps of 3, 1 and 1 tokens on slots 3 and
-    # 1 of a pool of 4 whose other slots stay untouched; and token by token from zeros.
-    model = rwkv6_model
-    slots = jnp.array([3, 1])
-    prefill, state = model(tokens[:, :4], return_state=True)
-    pool = jax.tree.map(lambda p, s: p.at[slots].set(s), model.init_state(4), state)
-    pieces = [prefill]
-    for start, stop in ((4, 7), (7, 8), (8, 9)):
-        logits, pool = model.step(tokens[:, start:stop], pool, state_indices=slots,
-                                  backend=backend)
-        pieces.append(logits)
-    assert relative_error(jnp.concatenate(pieces, 1), rwkv6_reference) < model_tolerance(backend)
-    for leaf in jax.tree.leaves(pool):
-        assert not np.any(leaf[jnp.array([0, 2])])
-    _, full_state = model(tokens, return_state=True)
-    for got, want in zip(jax.tree.leaves(full_state), jax.tree.leaves(pool)):
-        assert relative_error(got, want[slots]) < 1e-5
-
-    state, pieces = model.init_state(2), []
-    for t in range(TOKENS_SHAPE[1]):
-        logits, state = model.step(tokens[:, t:t + 1], state, backend=backend)
-        pieces.append(logits)
-    assert relative_error(jnp.concatenate(pieces, 1), rwkv6_reference) < model_tolerance(backend)
+    check_step_mode_equals_sequence_mode(rwkv6_model, tokens, rwkv6_reference, backend)
 
 
 def test_rwkv6_blocks_compose_to_the_lm(rwkv6_model, tokens, rwkv6_reference):
