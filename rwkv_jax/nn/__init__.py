@@ -37,6 +37,7 @@ __all__ = [
     "RWKV6Config", "RWKV6TimeMix", "RWKV6ChannelMix", "RWKV6Block", "RWKV6LM",
     "LayerState", "TimeMixState",
     "load_rwkv7", "load_rwkv6_layer", "read_checkpoint", "rwkv7_config", "rwkv7_state_dict",
-    "save_rwkv7", "load_rwkv6", "rwkv6_config", "rwkv6_state_dict", "save_rwkv6", "Generator", "Sampling", "generate", "Generation", "sample_logits",
+    "save_rwkv7", "load_rwkv6", "rwkv6_config", "rwkv6_state_dict", "save_rwkv6",
+    "Generator", "Sampling", "generate", "Generation", "sample_logits",
     "chunked_cross_entropy",
 ]

@@ -450,7 +450,7 @@ def _rwkv6_sizes(checkpoint: _Checkpoint, layer_id: int) -> dict:
                 decay_lora=dim(att + "time_decay_w1", 1, "the decay LoRA width"))
 
 
-def _lm6_layout(cfg: RWKV6Config):
+def _rwkv6_lm_layout(cfg: RWKV6Config):
     """The official layout of an RWKV-6 model (see :func:`_lm_layout`)."""
     return _lm_layout(cfg, _rwkv6_layout)
 
@@ -493,7 +493,7 @@ def load_rwkv6(source, *, dtype=jnp.float32, param_dtype=jnp.float32) -> RWKV6LM
         cfg = _rwkv6_config(checkpoint)
         model = nnx.eval_shape(lambda: RWKV6LM(cfg, dtype=dtype, param_dtype=param_dtype,
                                                rngs=nnx.Rngs(0)))
-        _fill(model, _lm6_layout(cfg), checkpoint, f"an RWKV-6 model with {cfg}",
+        _fill(model, _rwkv6_lm_layout(cfg), checkpoint, f"an RWKV-6 model with {cfg}",
               param_dtype=param_dtype)
     return model
 
@@ -501,7 +501,7 @@ def load_rwkv6(source, *, dtype=jnp.float32, param_dtype=jnp.float32) -> RWKV6LM
 def rwkv6_state_dict(model: RWKV6LM) -> dict[str, np.ndarray]:
     """The model's weights under the official RWKV-6 names and shapes (as
     :func:`rwkv7_state_dict`)."""
-    return _state_dict(model, _lm6_layout(model.config))
+    return _state_dict(model, _rwkv6_lm_layout(model.config))
 
 
 def save_rwkv6(model: RWKV6LM, path) -> None:
