@@ -3,9 +3,11 @@ on the same random checkpoint, in one process.
 
     source benchmarks/gpu_env.sh        # on the GPU machine: wheels (rwkv 0.8.32 among them)
     python benchmarks/gpu_generate.py --sizes 0.1b,1.5b --backends ffi,triton,native
+    python benchmarks/gpu_generate.py --arch rwkv6 --sizes 1.5b --parts single,concurrent
 
 Random weights in the official RWKV-7 shapes (0.1B: L=12 C=768; 1.5B: L=24 C=2048; vocab 65536,
-head 64), bfloat16 weights and compute, float32 state pool. Per size and step backend:
+head 64), bfloat16 weights and compute, float32 state pool; ``--arch rwkv6``: an RWKV6LM
+("Finch") of the same shapes (1.5b is Finch 1.6B's). Per size and step backend:
 
 - single stream: one request, 16 prompt tokens, greedy, ``--new-tokens`` decoded; both decode
   loop forms (``early_exit`` while_loop, and the fixed-length loop);
@@ -15,9 +17,13 @@ head 64), bfloat16 weights and compute, float32 state pool. Per size and step ba
   (with and without the output head) on the same tokens;
 - steps per compiled call and calls made: the host sees the lanes once per call
   (``--per-token-calls`` adds a run of one step per call: a host round trip per token);
-- the official package (``RWKV_CUDA_ON=1``, ``RWKV_V7_ON=1``, strategy "cuda fp16", loading the
-  checkpoint written with ``save_rwkv7``): its single-stream tokens/s and the agreement of its
-  last-position logits with ours (relative error, same top-1), on the prompt;
+- the official package (``RWKV_CUDA_ON=1``; ``RWKV_V7_ON=1`` and its ``RWKV_x070`` for RWKV-7,
+  its ``RWKV`` class for RWKV-6; each of ``--official-strategies``, default "cuda fp16" for
+  RWKV-7 and "cuda fp32,cuda fp16" for RWKV-6), loading the checkpoint written by
+  ``torch.save`` of our state dict: its single-stream tokens/s, the agreement of its
+  last-position logits on the prompt with ours (relative error against our bfloat16 model and
+  against a float32 copy of it, same top-1), and whether its first 16 greedy tokens are those
+  of our float32 copy's Generator;
 - ``--breakdown``: the time of one decode step split by part (embedding, per layer:
   projections, LoRAs, the wkv step, norms; output head; sampling), each part a jitted function
   timed alone, summed over layers.
@@ -149,21 +155,23 @@ def breakdown(model, batch, backend):
     return parts
 
 
-def official(path_pth, prompt, new_tokens):
-    """The official package on the same checkpoint: single-stream greedy tokens/s and its
-    logits after the prompt; None (with the reason) where it cannot run."""
+def official(path_pth, prompt, new_tokens, arch, strategy):
+    """The official package on the same checkpoint: single-stream greedy tokens/s, its logits
+    after the prompt and its greedy tokens; None (with the reason) where it cannot run."""
     try:
         import torch
     except ImportError:
         return None, "torch is not installed"
     if not torch.cuda.is_available():
         return None, "torch has no CUDA device here: the official package's CUDA path is skipped"
-    os.environ["RWKV_V7_ON"] = "1"
+    # Read when rwkv.model is first imported: RWKV_V7_ON picks the RWKV-7 code.
+    os.environ["RWKV_V7_ON"] = "1" if arch == "rwkv7" else "0"
     os.environ["RWKV_CUDA_ON"] = "1"
     os.environ.setdefault("RWKV_JIT_ON", "1")
     try:
         from rwkv import model as official_model
-        engine = official_model.RWKV_x070(path_pth[:-len(".pth")], "cuda fp16")
+        build = official_model.RWKV_x070 if arch == "rwkv7" else official_model.RWKV
+        engine = build(path_pth[:-len(".pth")], strategy)
     except Exception as err:  # report it, keep our numbers
         return None, f"the official package failed to load: {type(err).__name__}: {err}"
     with torch.no_grad():
@@ -171,30 +179,95 @@ def official(path_pth, prompt, new_tokens):
         first = logits.float().cpu().numpy()
 
         def decode():
-            out, st = logits, [s.clone() for s in state]
+            out, st, tokens = logits, [s.clone() for s in state], []
             for _ in range(new_tokens):
-                out, st = engine.forward(int(torch.argmax(out)), st)
+                tokens.append(int(torch.argmax(out)))
+                out, st = engine.forward([tokens[-1]], st)
             torch.cuda.synchronize()
+            return tokens
 
         decode()
         start = time.perf_counter()
-        decode()
+        tokens = decode()
         seconds = time.perf_counter() - start
-    return dict(tokens_per_s=new_tokens / seconds, logits=first), None
+    del engine
+    torch.cuda.empty_cache()
+    return dict(tokens_per_s=new_tokens / seconds, logits=first, greedy=tokens), None
+
+
+def relative_error(ours, theirs):
+    return float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
+
+
+def compare_with_official(model, arch, prompt, new_tokens, strategies, greedy_steps=16):
+    """The official package on ``model``'s weights (written with torch.save in the official
+    layout), per strategy: speed, logits against ours (bfloat16 and a float32 copy) and greedy
+    tokens against our float32 copy's Generator."""
+    greedy_steps = min(greedy_steps, new_tokens)
+    state_dict = rnn.rwkv7_state_dict if arch == "rwkv7" else rnn.rwkv6_state_dict
+    load = rnn.load_rwkv7 if arch == "rwkv7" else rnn.load_rwkv6
+    params = state_dict(model)   # float32 copies of the bfloat16 weights: the same values
+    exact = load(params)
+
+    def last_logits(m):
+        graphdef, weights = nnx.split(m)
+        forward = jax.jit(lambda w, t: nnx.merge(graphdef, w)(t))
+        return np.asarray(forward(weights, np.asarray([prompt], np.int32))[0, -1], np.float32)
+
+    ours = dict(bf16=last_logits(model), fp32=last_logits(exact))
+    ours_greedy = rnn.Generator(exact, max_batch=1).generate(
+        [prompt], max_new_tokens=greedy_steps, sampling=rnn.Sampling(temperature=0)).tokens[0]
+    try:
+        import torch
+    except ImportError:
+        log("official rwkv package: skipped (torch is not installed)")
+        return {"skipped": "torch is not installed"}
+    path = os.path.join(tempfile.mkdtemp(), "random.pth")
+    torch.save({name: torch.from_numpy(value) for name, value in params.items()}, path)
+    results = {}
+    for strategy in strategies:
+        try:
+            anchor, reason = official(path, prompt, new_tokens, arch, strategy)
+        except Exception as err:  # keep our numbers
+            anchor, reason = None, f"the official package failed: {type(err).__name__}: {err}"
+        if anchor is None:
+            log(f"official rwkv package ({strategy}): skipped ({reason})")
+            results[strategy] = {"skipped": reason}
+            continue
+        theirs = anchor.pop("logits")
+        greedy = anchor.pop("greedy")[:greedy_steps]
+        for kind, logits in ours.items():
+            anchor[f"logits_relative_error_vs_ours_{kind}"] = relative_error(logits, theirs)
+            anchor[f"same_top1_as_ours_{kind}"] = bool(np.argmax(logits) == np.argmax(theirs))
+        anchor["same_greedy_tokens_as_ours_fp32"] = greedy == ours_greedy
+        anchor["greedy_tokens"], anchor["ours_fp32_greedy_tokens"] = greedy, ours_greedy
+        results[strategy] = anchor
+        log(f"official rwkv 0.8.32 ({strategy}) single stream: {anchor['tokens_per_s']:.1f} "
+            f"tokens/s; logits relative error vs ours fp32 "
+            f"{anchor['logits_relative_error_vs_ours_fp32']:.2e}, vs ours bf16 "
+            f"{anchor['logits_relative_error_vs_ours_bf16']:.2e}; same top-1 (fp32) "
+            f"{anchor['same_top1_as_ours_fp32']}; same {greedy_steps} greedy tokens (fp32) "
+            f"{anchor['same_greedy_tokens_as_ours_fp32']}")
+    return results
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", choices=("rwkv7", "rwkv6"), default="rwkv7",
+                        help="the model: RWKV7LM, or RWKV6LM (Finch)")
     parser.add_argument("--sizes", default=None, help="comma-separated: 0.1b, 1.5b (GPU "
                         "default both), tiny (CPU default)")
     parser.add_argument("--backends", default=None, help="step backends to compare (default: "
-                        "every one that runs rwkv7_step here)")
+                        "every one that runs the arch's step op here)")
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--concurrent", type=int, default=None)
     parser.add_argument("--prompt-tokens", type=int, default=None)
     parser.add_argument("--steps-per-call", type=int, default=64)
     parser.add_argument("--breakdown", action="store_true", help="time one step's parts")
     parser.add_argument("--no-official", action="store_true")
+    parser.add_argument("--official-strategies", default=None, help="comma-separated strategies "
+                        "of the official package (default: 'cuda fp16' for rwkv7, "
+                        "'cuda fp32,cuda fp16' for rwkv6)")
     parser.add_argument("--parts", default="single,concurrent,prefill",
                         help="comma-separated parts to run: single, concurrent, prefill")
     parser.add_argument("--per-token-calls", action="store_true", help="also decode one step "
@@ -203,6 +276,10 @@ def main(argv=None):
     parts = set(args.parts.split(","))
     if not parts or parts - {"single", "concurrent", "prefill"}:
         parser.error(f"--parts takes single, concurrent, prefill; got {args.parts!r}")
+    if args.breakdown and args.arch != "rwkv7":
+        parser.error("--breakdown times RWKV-7's parts only")
+    strategies = (args.official_strategies
+                  or ("cuda fp16" if args.arch == "rwkv7" else "cuda fp32,cuda fp16")).split(",")
 
     gpu = jax.default_backend() == "gpu"
     sizes = (args.sizes or ("0.1b,1.5b" if gpu else "tiny")).split(",")
@@ -212,20 +289,19 @@ def main(argv=None):
     prompt_tokens = args.prompt_tokens or (4096 if gpu else 64)
     where = backends.platform()
     step_backends = (args.backends.split(",") if args.backends else
-                     [b for b in backends.names() if backends.implements(b, "rwkv7_step")
+                     [b for b in backends.names() if backends.implements(b, f"{args.arch}_step")
                       and backends.unavailable_reason(b, where) is None])
     log(f"devices: {jax.devices()}; jax {jax.__version__}; step backends {step_backends}")
     results = {}
     rng = np.random.default_rng(0)
     for size in sizes:
-        model = random_model(size, vocab)
+        model = random_model(size, vocab, arch=args.arch)
         log(f"\n== {size}: {model.config}")
         prompt = rng.integers(1, vocab, 16).tolist()
         out = results[size] = {}
         greedy = rnn.Sampling(temperature=0)
         official_sampling = rnn.Sampling(temperature=1.0, top_p=0.85, alpha_frequency=0.2,
                                          alpha_presence=0.2, alpha_decay=0.996)
-        ours_first = None
         for backend in step_backends:
             row = out[backend] = {}
             forms = [(args.steps_per_call, True), (args.steps_per_call, False)]
@@ -251,40 +327,19 @@ def main(argv=None):
                     f"({row[label]['ms_per_step']:.3f} ms/step)")
             if args.breakdown:
                 for batch in (1, concurrent):
-                    parts = breakdown(model, batch, backend)
-                    row[f"breakdown, batch {batch} (ms)"] = parts
+                    step_parts = breakdown(model, batch, backend)
+                    row[f"breakdown, batch {batch} (ms)"] = step_parts
                     log(f"{backend:7s} one step at batch {batch}: " + ", ".join(
-                        f"{name} {ms:.3f}" for name, ms in parts.items()) + " ms")
+                        f"{name} {ms:.3f}" for name, ms in step_parts.items()) + " ms")
         if "prefill" in parts:
             big = rng.integers(1, vocab, prompt_tokens + 1).tolist()
             out["prefill"] = prefill_rate(model, big, None)
             log(f"prefill of {prompt_tokens} tokens: "
                 + ", ".join(f"{k} {v:.3f}" if "over" in k else f"{k} {v:.0f}"
                             for k, v in out["prefill"].items()))
-        # Our logits after the prompt, for the agreement with the official package.
-        graphdef, params = nnx.split(model)
-        ours_first = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(
-            params, np.asarray([prompt], np.int32))[0, -1], np.float32)
         if not args.no_official:
-            path = os.path.join(tempfile.mkdtemp(), "random.pth")
-            rnn.save_rwkv7(model, path)
-            try:
-                anchor, reason = official(path, prompt, new_tokens)
-            except Exception as err:  # keep our numbers
-                anchor, reason = None, f"the official package failed: {type(err).__name__}: {err}"
-            if anchor is None:
-                log(f"official rwkv package: skipped ({reason})")
-                out["official"] = {"skipped": reason}
-            else:
-                theirs = anchor.pop("logits")
-                anchor["logits_relative_error"] = float(
-                    np.linalg.norm(ours_first - theirs) / np.linalg.norm(theirs))
-                anchor["same_top1"] = bool(np.argmax(ours_first) == np.argmax(theirs))
-                out["official"] = anchor
-                log(f"official rwkv 0.8.32 (cuda fp16) single stream: "
-                    f"{anchor['tokens_per_s']:.1f} tokens/s; logits vs ours (bf16): relative "
-                    f"error {anchor['logits_relative_error']:.2e}, same top-1 "
-                    f"{anchor['same_top1']}")
+            out["official"] = compare_with_official(model, args.arch, prompt, new_tokens,
+                                                    strategies)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "gpu_generate.json"), "w") as f:
             json.dump(results, f, indent=1)

@@ -1,12 +1,14 @@
-"""The official RWKV-6 ("x060") time-mix and channel-mix layers, restated in float64 numpy.
+"""The official RWKV-6 ("x060") model — time-mix, channel-mix and the whole language model —
+restated in float64 numpy.
 
-Written from the published model math (BlinkDL's RWKV-LM, RWKV_Tmix_x060 / RWKV_CMix_x060) on
-a dict of arrays with the official names and shapes; no rwkv_jax inside. The wkv recurrence is
-the official per-head state ``S [K, V]``:
+Written from the published model math (BlinkDL's RWKV-LM, RWKV_Tmix_x060 / RWKV_CMix_x060 and
+the model around them) on a dict of arrays with the official names and shapes; no rwkv_jax
+inside. The wkv recurrence is the official per-head state ``S [K, V]``:
 
     y_t = r_t^T (S + diag(u) k_t v_t^T),    S = diag(exp(-exp(w_t))) S + k_t v_t^T.
 
-``random_layer`` makes official-format weights of one layer at realistic scales.
+``random_layer`` makes official-format weights of one layer at realistic scales,
+``random_checkpoint`` those of a whole model.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ import numpy as np
 
 def _shift(x):
     return np.concatenate([np.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+
+
+def _layer_norm(x, weight, bias, eps=1e-5):
+    mean = x.mean(-1, keepdims=True)
+    var = x.var(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * weight + bias
 
 
 def _sigmoid(x):
@@ -105,3 +113,37 @@ def random_layer(seed=0, *, layer_id=0, n_embd=32, head_size=16, dim_ffn=96, mix
     p[ffn + "receptance.weight"] = normal(c, c, scale=c ** -0.5)
     p[ffn + "value.weight"] = normal(c, f, scale=f ** -0.5)
     return {name: value.astype(dtype) for name, value in p.items()}
+
+
+def forward(params, tokens):
+    """Logits ``[B, T, vocab]`` of the official model on int ``tokens [B, T]`` (float64): the
+    embedding, ``ln0`` on it, per block ``x += att(ln1(x)); x += ffn(ln2(x))``, ``ln_out`` and
+    the head."""
+    p = {name: np.asarray(value, np.float64) for name, value in params.items()}
+    n_layer = 1 + max(int(name.split(".")[1]) for name in p if name.startswith("blocks."))
+    norm = lambda x, name: _layer_norm(x, p[name + ".weight"], p[name + ".bias"])
+    x = norm(p["emb.weight"][np.asarray(tokens)], "blocks.0.ln0")
+    for i in range(n_layer):
+        x = x + time_mix(p, i, norm(x, f"blocks.{i}.ln1"))
+        x = x + channel_mix(p, i, norm(x, f"blocks.{i}.ln2"))
+    return norm(x, "ln_out") @ p["head.weight"].T
+
+
+def random_checkpoint(seed=0, *, vocab_size=50, n_layer=2, n_embd=32, head_size=16, dim_ffn=96,
+                      mix_lora=4, decay_lora=8, dtype=np.float32):
+    """Random official-format weights of a whole RWKV-6 model (the names and shapes of a
+    ``.pth``) at realistic scales."""
+    rng = np.random.default_rng(seed)
+    c = n_embd
+    normal = lambda *shape, scale=1.0, mean=0.0: mean + scale * rng.standard_normal(shape)
+    p = {"emb.weight": normal(vocab_size, c),
+         "ln_out.weight": normal(c, scale=0.1, mean=1.0), "ln_out.bias": normal(c, scale=0.1),
+         "head.weight": normal(vocab_size, c, scale=c ** -0.5)}
+    for i in range(n_layer):
+        for norm in (["ln0"] if i == 0 else []) + ["ln1", "ln2"]:
+            p[f"blocks.{i}.{norm}.weight"] = normal(c, scale=0.1, mean=1.0)
+            p[f"blocks.{i}.{norm}.bias"] = normal(c, scale=0.1)
+        p.update(random_layer(int(rng.integers(2 ** 31)), layer_id=i, n_embd=n_embd,
+                              head_size=head_size, dim_ffn=dim_ffn, mix_lora=mix_lora,
+                              decay_lora=decay_lora, dtype=np.float64))
+    return {name: np.asarray(value).astype(dtype) for name, value in p.items()}

@@ -1,7 +1,7 @@
 """rwkv_jax.nn's generation engine and what it relies on in the model: packed sequence mode
 (cu_seqlens) against each prompt alone, token-id checks, guarded state pools in step mode,
 bfloat16 parameters, the Generator against step-by-step greedy decoding, continuous batching,
-sampling and penalties, seeds and errors."""
+the same engine on RWKV6LM, sampling and penalties, seeds and errors."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import official_rwkv6
 import official_rwkv7
 from reference import relative_error
 from rwkv_jax import nn as rnn
@@ -198,6 +199,57 @@ def test_prefill_states_equal_stepping_token_by_token(model):
                               jax.tree.leaves(pool)):
         assert relative_error(got[0], want[0]) < 1e-5
         np.testing.assert_array_equal(got[1:], old[1:])
+
+
+# --- the engine on RWKV-6 ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rwkv6_model():
+    return rnn.load_rwkv6(official_rwkv6.random_checkpoint(0, vocab_size=VOCAB))
+
+
+def _greedy_by_forward(model, prompts, count):
+    """Greedy decoding by the sequence mode over each whole text so far (the reference): all
+    prompts as rows of one padded batch of fixed length (one compile), the logits read at each
+    row's last real token (the model is causal: the padding after it changes nothing)."""
+    texts = [list(p) for p in prompts]
+    width = max(map(len, texts)) + count
+    for _ in range(count):
+        batch = np.zeros((len(texts), width), np.int32)
+        for row, text in enumerate(texts):
+            batch[row, :len(text)] = text
+        logits = np.asarray(model(batch))
+        for row, text in enumerate(texts):
+            text.append(int(np.argmax(logits[row, len(text) - 1])))
+    return [text[len(p):] for text, p in zip(texts, prompts)]
+
+
+@pytest.mark.parametrize("op", ["rwkv6_step"])
+def test_generator_on_rwkv6_greedy_equals_an_argmax_loop(backend, op, rwkv6_model):
+    # Four prompts of different lengths through two lanes, three steps per call: prefill
+    # through the packed sequence mode, continuous batching on the pool, rwkv6_step decoding.
+    engine = rnn.Generator(rwkv6_model, max_batch=2, steps_per_call=3, backend=backend)
+    result = engine.generate(PROMPTS, max_new_tokens=5, sampling=rnn.Sampling(temperature=0))
+    assert result.tokens == _greedy_by_forward(rwkv6_model, PROMPTS, 5)
+    assert result.finish == ["length"] * 4
+    assert result.prefill_tokens == sum(len(p) - 1 for p in PROMPTS)
+
+
+def test_rwkv6_prefill_states_equal_sequence_mode(rwkv6_model):
+    model = rwkv6_model
+    engine = rnn.Generator(model, max_batch=4)
+    prompts = [PROMPTS[3], PROMPTS[1], PROMPTS[0], PROMPTS[2]]  # 7, 1, 5 and 3 tokens
+    lanes = [2, 0, 3, 1]
+    engine.prefill(lanes, prompts, [0, 1, 2, 3], max_new_tokens=1)
+    for lane, prompt in zip(lanes, prompts):
+        if len(prompt) == 1:  # nothing to prefill: the slot stays zero
+            assert not any(np.any(pool[lane]) for pool in jax.tree.leaves(engine.pool))
+            continue
+        _, want = model(np.asarray([prompt[:-1]], np.int32), return_state=True)
+        for got, w in zip(jax.tree.leaves(engine.pool), jax.tree.leaves(want)):
+            assert relative_error(got[lane], w[0]) < 1e-5
+    last = dict(zip(lanes, (p[-1] for p in prompts)))
+    np.testing.assert_array_equal(engine.lanes.token, [last[lane] for lane in range(4)])
 
 
 def test_continuous_batching_with_stop_tokens_and_an_immediate_stop(model):

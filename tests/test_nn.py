@@ -1,6 +1,6 @@
-"""rwkv_jax.nn: the Flax layers against float64 numpy restatements of the official models
-(tests/official_rwkv7.py, tests/official_rwkv6.py), sequence mode against step mode,
-checkpoint files, errors, the Linen wrappers and the training example."""
+"""rwkv_jax.nn: the Flax layers and language models against float64 numpy restatements of the
+official models (tests/official_rwkv7.py, tests/official_rwkv6.py), sequence mode against step
+mode, checkpoint files, errors, the Linen wrappers and the training example."""
 
 import importlib.util
 import pathlib
@@ -60,10 +60,10 @@ def test_rwkv7_lm_matches_official_reference(backend, op, model, tokens, referen
     assert relative_error(logits, reference_logits) < model_tolerance(backend)
 
 
-@pytest.mark.parametrize("op", ["rwkv7_step"])
-def test_rwkv7_step_mode_equals_sequence_mode(backend, op, model, tokens, reference_logits):
-    # Prefill 4 tokens in sequence mode, then one step of 3 tokens and two single-token steps,
-    # on slots 3 and 1 of a pool of 4 whose other slots must stay untouched.
+def check_step_mode_equals_sequence_mode(model, tokens, reference_logits, backend):
+    """Prefill 4 tokens in sequence mode, then one step of 3 tokens and two single-token steps,
+    on slots 3 and 1 of a pool of 4 whose other slots must stay untouched; then token by token
+    from a zero state without state_indices."""
     slots = jnp.array([3, 1])
     prefill, state = model(tokens[:, :4], return_state=True)
     pool = jax.tree.map(lambda p, s: p.at[slots].set(s), model.init_state(4), state)
@@ -80,6 +80,17 @@ def test_rwkv7_step_mode_equals_sequence_mode(backend, op, model, tokens, refere
     _, full_state = model(tokens, return_state=True)
     for got, want in zip(jax.tree.leaves(full_state), jax.tree.leaves(pool)):
         assert relative_error(got, want[slots]) < 1e-5
+
+    state, pieces = model.init_state(tokens.shape[0]), []
+    for t in range(tokens.shape[1]):
+        logits, state = model.step(tokens[:, t:t + 1], state, backend=backend)
+        pieces.append(logits)
+    assert relative_error(jnp.concatenate(pieces, 1), reference_logits) < model_tolerance(backend)
+
+
+@pytest.mark.parametrize("op", ["rwkv7_step"])
+def test_rwkv7_step_mode_equals_sequence_mode(backend, op, model, tokens, reference_logits):
+    check_step_mode_equals_sequence_mode(model, tokens, reference_logits, backend)
 
 
 def test_rwkv7_layers_compose_to_the_lm(model, tokens, reference_logits):
@@ -334,6 +345,115 @@ def test_rwkv6_fresh_layers_and_errors():
     params["blocks.0.att.time_maa_w2"] = np.ones((4, 4, 32), np.float32)
     with pytest.raises(ValueError, match=r"time_maa_w2 must have shape \(5, 4, 32\)"):
         rnn.load_rwkv6_layer(params, 0)
+
+
+# --- RWKV-6 language model ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rwkv6_checkpoint():
+    return official_rwkv6.random_checkpoint(0, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def rwkv6_model(rwkv6_checkpoint):
+    return rnn.load_rwkv6(rwkv6_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def rwkv6_reference(rwkv6_checkpoint, tokens):
+    return official_rwkv6.forward(rwkv6_checkpoint, tokens)
+
+
+@pytest.mark.parametrize("op", ["rwkv6"])
+def test_rwkv6_lm_matches_official_reference(backend, op, rwkv6_model, tokens, rwkv6_reference):
+    logits = rwkv6_model(tokens, backend=backend)
+    assert logits.shape == TOKENS_SHAPE + (VOCAB,) and logits.dtype == jnp.float32
+    assert relative_error(logits, rwkv6_reference) < model_tolerance(backend)
+
+
+@pytest.mark.parametrize("op", ["rwkv6_step"])
+def test_rwkv6_lm_step_mode_equals_sequence_mode(backend, op, rwkv6_model, tokens,
+                                                 rwkv6_reference):
+    check_step_mode_equals_sequence_mode(rwkv6_model, tokens, rwkv6_reference, backend)
+
+
+def test_rwkv6_blocks_compose_to_the_lm(rwkv6_model, tokens, rwkv6_reference):
+    x = rwkv6_model.emb(tokens)
+    for block in rwkv6_model.blocks:
+        x, _ = block(x)
+    assert relative_error(rwkv6_model.head(rwkv6_model.ln_out(x)), rwkv6_reference) < 1e-4
+
+
+def test_rwkv6_fresh_model_runs_both_modes_and_bfloat16(tokens, rwkv6_checkpoint,
+                                                        rwkv6_reference):
+    cfg = rnn.RWKV6Config(vocab_size=VOCAB, n_embd=32, n_layer=2, head_size=16, mix_lora=4,
+                          decay_lora=8)
+    model = rnn.RWKV6LM(cfg, rngs=nnx.Rngs(0))
+    stepped, _ = model.step(tokens, model.init_state(2))
+    assert relative_error(stepped, model(tokens)) < 1e-5
+    # The official sizes: 7B and 14B (C = 4096) double both LoRA widths.
+    finch_3b = rnn.RWKV6Config(vocab_size=65536, n_embd=2560, n_layer=32)
+    assert (finch_3b.dim_ffn, finch_3b.mix_lora, finch_3b.decay_lora) == (8960, 32, 64)
+    finch_7b = rnn.RWKV6Config(vocab_size=65536, n_embd=4096, n_layer=32)
+    assert (finch_7b.dim_ffn, finch_7b.mix_lora, finch_7b.decay_lora) == (14336, 64, 128)
+    with pytest.raises(ValueError, match=r"needs RWKV6Config\.vocab_size"):
+        rnn.RWKV6LM(rnn.RWKV6Config(n_embd=32, n_layer=1, head_size=16), rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="config must be an RWKV6Config, got RWKV7Config"):
+        rnn.RWKV6LM(rnn.RWKV7Config(vocab_size=5, n_embd=32, n_layer=1, head_size=16),
+                    rngs=nnx.Rngs(0))
+    loaded = rnn.load_rwkv6(rwkv6_checkpoint, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    assert loaded.blocks[1].att.key.kernel[...].dtype == jnp.bfloat16
+    logits = loaded(tokens)
+    assert logits.dtype == jnp.bfloat16 and relative_error(logits, rwkv6_reference) < 5e-2
+
+
+@pytest.mark.parametrize("suffix", CHECKPOINT_SUFFIXES)
+def test_rwkv6_checkpoint_round_trip(tmp_path, suffix, rwkv6_checkpoint, rwkv6_model, tokens):
+    path = tmp_path / f"finch{suffix}"
+    official_rwkv7.write_checkpoint(path, rwkv6_checkpoint)
+    exported = rnn.rwkv6_state_dict(rnn.load_rwkv6(path))
+    assert sorted(exported) == sorted(rwkv6_checkpoint)  # every name, none added
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value, rwkv6_checkpoint[name], err_msg=name)
+    saved = tmp_path / f"saved{suffix}"
+    rnn.save_rwkv6(rwkv6_model, saved)
+    np.testing.assert_array_equal(rnn.load_rwkv6(saved)(tokens), rwkv6_model(tokens))
+    assert rnn.rwkv6_config(saved) == rwkv6_model.config
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p.pop("blocks.1.att.time_maa_g"), r"missing \['blocks\.1\.att\.time_maa_g'\]"),
+    (lambda p: p.update({"blocks.1.att.time_state": np.ones((2, 16, 16), np.float32)}),
+     r"unknown \['blocks\.1\.att\.time_state'\]"),
+    (lambda p: p.update({"blocks.1.att.time_decay_w2": np.ones((8, 31), np.float32)}),
+     r"blocks\.1\.att\.time_decay_w2 must have shape \(8, 32\) \[D_decay=8, C=32\].*"
+     r"got \(8, 31\)"),
+    (lambda p: p.update({"blocks.1.ffn.key.weight": np.ones((64, 32), np.float32)}),
+     r"blocks\.1\.ffn\.key\.weight must have shape \(96, 32\) \[F=96, C=32\]"),
+    (lambda p: p.update({"head.weight": np.ones((49, 32), np.float32)}),
+     r"head\.weight must have shape \(50, 32\) \[vocab=50, C=32\].*got \(49, 32\)"),
+    (lambda p: p.update({"blocks.0.att.time_faaaa": np.ones((4, 16), np.float32)}),
+     r"time_faaaa must be \[H, N\] with H \* N = n_embd = 32, got \(4, 16\)"),
+    (lambda p: p.pop("emb.weight"), r"no 'emb\.weight', needed to infer the vocabulary size"),
+    (lambda p: p.update({"blocks.0.ln0.weight": np.ones(32, np.int32)}),
+     r"blocks\.0\.ln0\.weight must be floating point"),
+    (lambda p: p.update({"blocks.0.att.time_mix_k": p.pop("blocks.0.att.time_maa_x")}),
+     r"an RWKV-5 \(or older\) checkpoint .*time_mix_k.*not RWKV-6: those are not supported"),
+])
+def test_rwkv6_checkpoint_errors_name_the_key(rwkv6_checkpoint, change, message):
+    params = dict(rwkv6_checkpoint)
+    change(params)
+    with pytest.raises((ValueError, TypeError), match=message):
+        rnn.load_rwkv6(params)
+
+
+def test_checkpoint_of_the_other_version_says_which_loader(checkpoint, rwkv6_checkpoint):
+    with pytest.raises(ValueError, match=r"an RWKV-7 checkpoint .*r_k.*load it with load_rwkv7"):
+        rnn.load_rwkv6(checkpoint)
+    with pytest.raises(ValueError, match=r"an RWKV-6 checkpoint .*load it with load_rwkv6"):
+        rnn.load_rwkv7(rwkv6_checkpoint)
+    with pytest.raises(TypeError, match="model must be an RWKV6LM, got RWKV7LM"):
+        rnn.save_rwkv6(rnn.load_rwkv7(checkpoint), "model.npz")
 
 
 # --- Linen wrappers --------------------------------------------------------------------------

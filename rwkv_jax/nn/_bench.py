@@ -1,5 +1,6 @@
-"""Generation speed of :class:`rwkv_jax.nn.Generator` on a random RWKV-7 model in the official
-shapes, shared by ``rwkv-jax bench`` (its generation rows) and ``benchmarks/gpu_generate.py``."""
+"""Generation speed of :class:`rwkv_jax.nn.Generator` on a random RWKV-7 (or RWKV-6) model in the
+official shapes, shared by ``rwkv-jax bench`` (its generation rows) and
+``benchmarks/gpu_generate.py``."""
 
 from __future__ import annotations
 
@@ -12,20 +13,26 @@ import numpy as np
 from flax import nnx
 
 from .generate import Generator, Sampling
+from .rwkv6 import RWKV6Config, RWKV6LM
 from .rwkv7 import RWKV7Config, RWKV7LM
 
-# The official RWKV-7 shapes, and a tiny one for CPU smoke tests.
+# The official RWKV-7 shapes (RWKV-6's 1.6B has the 1.5b one), and a tiny one for CPU smoke
+# tests.
 HEAD_SIZE = 64
 SIZES = {"0.1b": dict(n_layer=12, n_embd=768), "1.5b": dict(n_layer=24, n_embd=2048),
          "tiny": dict(n_layer=2, n_embd=128)}
 
 
-def random_model(size: str, vocab: int, seed: int = 0) -> RWKV7LM:
-    """An RWKV7LM of shape ``SIZES[size]`` with bfloat16 weights and compute whose every matrix
-    is random (the fresh init leaves the output projections and LoRA down-projections at zero,
-    which would make the layers trivial)."""
-    config = RWKV7Config(vocab_size=vocab, head_size=HEAD_SIZE, **SIZES[size])
-    model = RWKV7LM(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
+MODELS = {"rwkv7": (RWKV7Config, RWKV7LM), "rwkv6": (RWKV6Config, RWKV6LM)}
+
+
+def random_model(size: str, vocab: int, seed: int = 0, arch: str = "rwkv7"):
+    """An RWKV7LM (``arch="rwkv6"``: an RWKV6LM) of shape ``SIZES[size]`` with bfloat16 weights
+    and compute whose every matrix is random (the fresh init leaves the output projections and
+    LoRA down-projections at zero, which would make the layers trivial)."""
+    config_type, model_type = MODELS[arch]
+    config = config_type(vocab_size=vocab, head_size=HEAD_SIZE, **SIZES[size])
+    model = model_type(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
     state = nnx.state(model, nnx.Param)
     keys = iter(jax.random.split(jax.random.key(seed + 1), len(jax.tree.leaves(state))))
 

@@ -1,4 +1,4 @@
-"""Official RWKV-7 checkpoints <-> :class:`rwkv_jax.nn.RWKV7LM`.
+"""Official RWKV-7 and RWKV-6 checkpoints <-> :class:`rwkv_jax.nn.RWKV7LM`, :class:`RWKV6LM`.
 
 An official checkpoint is a flat dict with the names of BlinkDL's RWKV-LM (``emb.weight``,
 ``blocks.{i}.att.w1``, ``blocks.{i}.ffn.key.weight``, ``head.weight``, ...): per-channel
@@ -8,6 +8,9 @@ arrays), infers the model sizes from the shapes, checks every name and shape, an
 model;
 :func:`rwkv7_state_dict` gives a model's weights in the official format and :func:`save_rwkv7`
 writes them to a file.
+
+RWKV-6 ("Finch") checkpoints go the same way through :func:`load_rwkv6`,
+:func:`rwkv6_state_dict` and :func:`save_rwkv6` (names ``blocks.{i}.att.time_maa_x``, ...).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from flax import nnx
 
 from .._files import write_atomically
 from .._pth import open_pth, write_pth
-from .rwkv6 import RWKV6ChannelMix, RWKV6Config, RWKV6TimeMix
+from .rwkv6 import RWKV6ChannelMix, RWKV6Config, RWKV6LM, RWKV6TimeMix
 from .rwkv7 import RWKV7Config, RWKV7LM
 
 # The official trainer creates v0/v1/v2 in every layer, but layer 0 never uses them (its value
@@ -131,42 +134,54 @@ def _to_numpy(x):
     return x
 
 
-def _layout(cfg: RWKV7Config) -> dict[str, tuple[tuple, tuple, str]]:
-    """Official name -> (path in the model, official shape with named sizes, kind). ``kind``:
-    "linear" (the model's kernel is the transpose), "channel" ([1, 1, C] stored as [C]) or
-    "same"."""
-    c, f, v = ("C", cfg.n_embd), ("F", cfg.dim_ffn), ("vocab", cfg.vocab_size)
-    h, n = ("H", cfg.n_head), ("N", cfg.head_size)
-    one = ("1", 1)
+def _lm_layout(cfg, layer_layout) -> dict[str, tuple[tuple, tuple, str]]:
+    """Official name -> (path in the model, official shape with named sizes, kind) of a whole
+    language model: the embedding, the output, each block's norms and its layers
+    (``layer_layout(cfg, i)``, paths from the block). ``kind``: "linear" (the model's kernel
+    is the transpose), "channel" ([1, 1, C] stored as [C]) or "same"."""
+    c, v = ("C", cfg.n_embd), ("vocab", cfg.vocab_size)
     layout = {"emb.weight": (("emb", "embedding"), (v, c), "same"),
               "ln_out.weight": (("ln_out", "scale"), (c,), "same"),
               "ln_out.bias": (("ln_out", "bias"), (c,), "same"),
               "head.weight": (("head", "kernel"), (v, c), "linear")}
-    widths = dict(w=("D_decay", cfg.decay_lora), a=("D_a", cfg.a_lora),
-                  v=("D_v", cfg.v_lora), g=("D_gate", cfg.gate_lora))
     for i in range(cfg.n_layer):
         block = ("blocks", i)
         for norm in (["ln0"] if i == 0 else []) + ["ln1", "ln2"]:
             layout[f"blocks.{i}.{norm}.weight"] = (block + (norm, "scale"), (c,), "same")
             layout[f"blocks.{i}.{norm}.bias"] = (block + (norm, "bias"), (c,), "same")
-        att = block + ("att",)
-        channels = ["x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "w0", "a0", "k_k", "k_a"]
-        loras = ["w", "a", "g"] + (["v"] if i > 0 else [])
-        channels += ["v0"] if i > 0 else []
-        for name in channels:
-            layout[f"blocks.{i}.att.{name}"] = (att + (name,), (one, one, c), "channel")
-        for name in loras:
-            layout[f"blocks.{i}.att.{name}1"] = (att + (name + "1",), (c, widths[name]), "same")
-            layout[f"blocks.{i}.att.{name}2"] = (att + (name + "2",), (widths[name], c), "same")
-        layout[f"blocks.{i}.att.r_k"] = (att + ("r_k",), (h, n), "same")
-        for name in ("receptance", "key", "value", "output"):
-            layout[f"blocks.{i}.att.{name}.weight"] = (att + (name, "kernel"), (c, c), "linear")
-        layout[f"blocks.{i}.att.ln_x.weight"] = (att + ("ln_x", "scale"), (c,), "same")
-        layout[f"blocks.{i}.att.ln_x.bias"] = (att + ("ln_x", "bias"), (c,), "same")
-        ffn = block + ("ffn",)
-        layout[f"blocks.{i}.ffn.x_k"] = (ffn + ("x_k",), (one, one, c), "channel")
-        layout[f"blocks.{i}.ffn.key.weight"] = (ffn + ("key", "kernel"), (f, c), "linear")
-        layout[f"blocks.{i}.ffn.value.weight"] = (ffn + ("value", "kernel"), (c, f), "linear")
+        for name, (path, named_shape, kind) in layer_layout(cfg, i).items():
+            layout[name] = (block + path, named_shape, kind)
+    return layout
+
+
+def _layout(cfg: RWKV7Config) -> dict[str, tuple[tuple, tuple, str]]:
+    """The official layout of an RWKV-7 model (see :func:`_lm_layout`)."""
+    return _lm_layout(cfg, _rwkv7_layout)
+
+
+def _rwkv7_layout(cfg: RWKV7Config, i: int):
+    c, f = ("C", cfg.n_embd), ("F", cfg.dim_ffn)
+    h, n = ("H", cfg.n_head), ("N", cfg.head_size)
+    one = ("1", 1)
+    widths = dict(w=("D_decay", cfg.decay_lora), a=("D_a", cfg.a_lora),
+                  v=("D_v", cfg.v_lora), g=("D_gate", cfg.gate_lora))
+    layout = {}
+    channels = ["x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "w0", "a0", "k_k", "k_a"]
+    loras = ["w", "a", "g"] + (["v"] if i > 0 else [])
+    channels += ["v0"] if i > 0 else []
+    for name in channels:
+        layout[f"blocks.{i}.att.{name}"] = (("att", name), (one, one, c), "channel")
+    for name in loras:
+        layout[f"blocks.{i}.att.{name}1"] = (("att", name + "1"), (c, widths[name]), "same")
+        layout[f"blocks.{i}.att.{name}2"] = (("att", name + "2"), (widths[name], c), "same")
+    layout[f"blocks.{i}.att.r_k"] = (("att", "r_k"), (h, n), "same")
+    for name in ("receptance", "key", "value", "output"):
+        layout[f"blocks.{i}.att.{name}.weight"] = (("att", name, "kernel"), (c, c), "linear")
+    layout[f"blocks.{i}.att.ln_x.weight"] = (("att", "ln_x", "scale"), (c,), "same")
+    layout[f"blocks.{i}.att.ln_x.bias"] = (("att", "ln_x", "bias"), (c,), "same")
+    layout[f"blocks.{i}.ffn.x_k"] = (("ffn", "x_k"), (one, one, c), "channel")
+    layout[f"blocks.{i}.ffn.key.weight"] = (("ffn", "key", "kernel"), (f, c), "linear")
+    layout[f"blocks.{i}.ffn.value.weight"] = (("ffn", "value", "kernel"), (c, f), "linear")
     return layout
 
 
@@ -194,7 +209,7 @@ def _layer_count(names) -> int:
     any set of layers is built."""
     found = [(name, m.group(1)) for name in names if (m := re.match(r"blocks\.(\d+)\.", name))]
     if not found:
-        raise ValueError("the checkpoint has no blocks.{i}.* parameters: not an RWKV-7 model")
+        raise ValueError("the checkpoint has no blocks.{i}.* parameters: not an RWKV model")
     for name, index in found:
         if len(index) > len(str(len(names))) or int(index) >= len(names):
             raise ValueError(f"the checkpoint's name {_short(name)!r} gives a layer index beyond "
@@ -217,6 +232,7 @@ def rwkv7_config(params) -> RWKV7Config:
 
 def _rwkv7_config(checkpoint: _Checkpoint) -> RWKV7Config:
     n_layer = _layer_count(checkpoint.names)
+    _check_version(checkpoint, 7)
     value_layer = 1 if n_layer > 1 else 0
     dim = functools.partial(_dim, checkpoint)
     return RWKV7Config(
@@ -290,8 +306,12 @@ def rwkv7_state_dict(model: RWKV7LM) -> dict[str, np.ndarray]:
     C-contiguous and writable (their own memory), so any writer (``safetensors``, ``np.savez``,
     ``torch.from_numpy``) stores them as the official layout. Parameters split across processes
     are gathered, so with those every process must call it (each gets the whole dict)."""
+    return _state_dict(model, _layout(model.config))
+
+
+def _state_dict(model, layout) -> dict[str, np.ndarray]:
     out = {}
-    for name, (path, named_shape, kind) in _layout(model.config).items():
+    for name, (path, named_shape, kind) in layout.items():
         value = _to_numpy(_variable(model, path).get_value()).astype(np.float32, copy=False)
         value = value.T if kind == "linear" else value
         # A transpose is a Fortran-ordered view: writers that take the buffer as it lies in
@@ -308,13 +328,17 @@ def save_rwkv7(model: RWKV7LM, path) -> None:
     With several processes (``jax.distributed``) every process calls it: parameters split across
     processes are gathered, process 0 alone writes ``path``, and every process returns once the
     file is written (or raises if process 0 could not write it)."""
+    _save(model, path, RWKV7LM, rwkv7_state_dict)
+
+
+def _save(model, path, model_type, state_dict) -> None:
     path = os.fspath(path)
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in (".pth", ".pt", ".safetensors", ".npz"):
         raise ValueError(f"path must end in .pth, .pt, .safetensors or .npz, got {path!r}")
-    if not isinstance(model, RWKV7LM):
-        raise TypeError(f"model must be an RWKV7LM, got {type(model).__name__}")
-    params = rwkv7_state_dict(model)
+    if not isinstance(model, model_type):
+        raise TypeError(f"model must be an {model_type.__name__}, got {type(model).__name__}")
+    params = state_dict(model)
     if jax.process_count() == 1:
         _write_checkpoint(params, path, suffix)
         return
@@ -378,25 +402,86 @@ def load_rwkv6_layer(source, layer_id: int, *, dtype=jnp.float32, param_dtype=jn
         prefixes = (f"blocks.{layer_id}.att.", f"blocks.{layer_id}.ffn.")
         checkpoint = _Checkpoint([name for name in whole.names if name.startswith(prefixes)],
                                  whole.shape, whole.read)
-        return _rwkv6_layer(checkpoint, layer_id, prefixes, dtype, param_dtype)
-
-
-def _rwkv6_layer(checkpoint: _Checkpoint, layer_id, prefixes, dtype, param_dtype):
-    att = prefixes[0]
-    dim = functools.partial(_dim, checkpoint)
-    n_head = dim(att + "time_faaaa", 0, "the number of heads ([H, N])")
-    cfg = RWKV6Config(n_embd=dim(att + "time_maa_x", -1, "n_embd"), n_layer=layer_id + 1,
-                      head_size=dim(att + "time_faaaa", 1, "the head size ([H, N])"),
-                      dim_ffn=dim(prefixes[1] + "key.weight", 0, "the channel-mix width"),
-                      mix_lora=dim(att + "time_maa_w2", 1, "the token-shift LoRA width"),
-                      decay_lora=dim(att + "time_decay_w1", 1, "the decay LoRA width"))
-    if cfg.n_head != n_head:
-        raise ValueError(f"{att}time_faaaa must be [H, N] with H * N = n_embd = {cfg.n_embd}, got "
-                         f"{checkpoint.shape(att + 'time_faaaa')}")
-    rngs = nnx.Rngs(0)
-    layers = types.SimpleNamespace(
-        att=RWKV6TimeMix(cfg, layer_id, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
-        ffn=RWKV6ChannelMix(cfg, layer_id, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
-    _fill(layers, _rwkv6_layout(cfg, layer_id), checkpoint,
-          f"RWKV-6 layer {layer_id} with {cfg}", param_dtype=param_dtype)
+        cfg = RWKV6Config(n_layer=layer_id + 1, **_rwkv6_sizes(checkpoint, layer_id))
+        rngs = nnx.Rngs(0)
+        layers = types.SimpleNamespace(
+            att=RWKV6TimeMix(cfg, layer_id, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
+            ffn=RWKV6ChannelMix(cfg, layer_id, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+        _fill(layers, _rwkv6_layout(cfg, layer_id), checkpoint,
+              f"RWKV-6 layer {layer_id} with {cfg}", param_dtype=param_dtype)
     return layers.att, layers.ffn
+
+
+def _rwkv6_sizes(checkpoint: _Checkpoint, layer_id: int) -> dict:
+    """The layer sizes of an RWKV-6 checkpoint, from the shapes of layer ``layer_id``."""
+    att, ffn = f"blocks.{layer_id}.att.", f"blocks.{layer_id}.ffn."
+    dim = functools.partial(_dim, checkpoint)
+    n_embd = dim(att + "time_maa_x", -1, "n_embd")
+    n_head = dim(att + "time_faaaa", 0, "the number of heads ([H, N])")
+    head_size = dim(att + "time_faaaa", 1, "the head size ([H, N])")
+    if n_head * head_size != n_embd:
+        raise ValueError(f"{att}time_faaaa must be [H, N] with H * N = n_embd = {n_embd}, got "
+                         f"{checkpoint.shape(att + 'time_faaaa')}")
+    return dict(n_embd=n_embd, head_size=head_size,
+                dim_ffn=dim(ffn + "key.weight", 0, "the channel-mix width"),
+                mix_lora=dim(att + "time_maa_w2", 1, "the token-shift LoRA width"),
+                decay_lora=dim(att + "time_decay_w1", 1, "the decay LoRA width"))
+
+
+def _rwkv6_lm_layout(cfg: RWKV6Config):
+    """The official layout of an RWKV-6 model (see :func:`_lm_layout`)."""
+    return _lm_layout(cfg, _rwkv6_layout)
+
+
+def rwkv6_config(params) -> RWKV6Config:
+    """The model sizes of an official RWKV-6 checkpoint (a dict of arrays or a file), inferred
+    from its names and shapes."""
+    with _open_checkpoint(params) as checkpoint:
+        return _rwkv6_config(checkpoint)
+
+
+def _rwkv6_config(checkpoint: _Checkpoint) -> RWKV6Config:
+    n_layer = _layer_count(checkpoint.names)
+    _check_version(checkpoint, 6)
+    return RWKV6Config(vocab_size=_dim(checkpoint, "emb.weight", 0, "the vocabulary size"),
+                       n_layer=n_layer, **_rwkv6_sizes(checkpoint, 0))
+
+
+def _check_version(checkpoint: _Checkpoint, version: int):
+    """A clear error for a checkpoint of another RWKV version, told by a name only it has."""
+    marks = {"RWKV-7": ("blocks.0.att.r_k", "load it with load_rwkv7"),
+             "RWKV-6": ("blocks.0.att.time_maa_x", "load it with load_rwkv6"),
+             "RWKV-5 (or older)": ("blocks.0.att.time_mix_k", "those are not supported")}
+    found = [kind for kind, (name, _) in marks.items() if name in checkpoint.names]
+    if found and f"RWKV-{version}" not in found:
+        name, use = marks[found[0]]
+        raise ValueError(f"this is an {found[0]} checkpoint (it has {name!r}), not "
+                         f"RWKV-{version}: {use}")
+
+
+def load_rwkv6(source, *, dtype=jnp.float32, param_dtype=jnp.float32) -> RWKV6LM:
+    """An :class:`RWKV6LM` holding the weights of an official RWKV-6 ("Finch", "x060")
+    checkpoint.
+
+    ``source`` as in :func:`load_rwkv7`. Every expected name must be present with its official
+    shape (per-channel ``[1, 1, C]`` parameters may also come flat as ``[C]``), unknown names
+    are errors; the names and shapes are checked before any array is read.
+    """
+    with _open_checkpoint(source) as checkpoint:
+        cfg = _rwkv6_config(checkpoint)
+        model = nnx.eval_shape(lambda: RWKV6LM(cfg, dtype=dtype, param_dtype=param_dtype,
+                                               rngs=nnx.Rngs(0)))
+        _fill(model, _rwkv6_lm_layout(cfg), checkpoint, f"an RWKV-6 model with {cfg}",
+              param_dtype=param_dtype)
+    return model
+
+
+def rwkv6_state_dict(model: RWKV6LM) -> dict[str, np.ndarray]:
+    """The model's weights under the official RWKV-6 names and shapes (as
+    :func:`rwkv7_state_dict`)."""
+    return _state_dict(model, _rwkv6_lm_layout(model.config))
+
+
+def save_rwkv6(model: RWKV6LM, path) -> None:
+    """Write ``model`` as an official RWKV-6 checkpoint (float32), as :func:`save_rwkv7`."""
+    _save(model, path, RWKV6LM, rwkv6_state_dict)

@@ -1,6 +1,6 @@
-"""Pieces shared by the RWKV-7 and RWKV-6 layers: token shift, the per-head group norm, LoRA
-helpers, state containers, and the two ways of running a layer (whole sequences or steps on a
-state pool)."""
+"""Pieces shared by the RWKV-7 and RWKV-6 models: token shift, the per-head group norm, LoRA
+helpers, state containers, the two ways of running a layer (whole sequences or steps on a
+state pool), and the block and language model that both versions build the same way."""
 
 from __future__ import annotations
 
@@ -21,13 +21,16 @@ class SizesConfig:
     """Shared part of the frozen config dataclasses: fill in the defaults of the fields left
     None, check that every size is a positive int and that heads tile the width."""
 
-    def complete(self, defaults: dict):
+    def complete(self, defaults: dict, optional=()):
+        """``optional``: fields that may stay None."""
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
         kind = type(self).__name__
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if value is None and field.name in optional:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{kind}.{field.name} must be a positive int, got {value!r}")
         if self.n_embd % self.head_size:
@@ -266,3 +269,134 @@ def embed(table, tokens, dtype):
     vocab = table.shape[0]
     rows = jnp.where((tokens >= 0) & (tokens < vocab), tokens, vocab).astype(jnp.int32)
     return table.at[rows].get(mode="fill", fill_value=jnp.nan).astype(dtype)
+
+
+def _norm(config, dtype, param_dtype, rngs):
+    return nnx.LayerNorm(config.n_embd, epsilon=1e-5, dtype=dtype, param_dtype=param_dtype,
+                         rngs=rngs)
+
+
+class BlockBase(nnx.Module):
+    """``x += att(ln1(x)); x += ffn(ln2(x))``, with ``ln0`` applied first in layer 0.
+
+    A version names its layer classes (``time_mix``, ``channel_mix``) and runs its time-mix in
+    :meth:`mix_time`, which passes on a ``carry`` from layer to layer (RWKV-7: the value of
+    layer 0, ``v_first``; RWKV-6: nothing, None)."""
+    time_mix: type
+    channel_mix: type
+
+    def __init__(self, config, layer_id: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.config = config
+        self.ln0 = _norm(config, dtype, param_dtype, rngs) if layer_id == 0 else None
+        self.ln1 = _norm(config, dtype, param_dtype, rngs)
+        self.ln2 = _norm(config, dtype, param_dtype, rngs)
+        self.att = self.time_mix(config, layer_id, dtype=dtype, param_dtype=param_dtype,
+                                 rngs=rngs)
+        self.ffn = self.channel_mix(config, layer_id, dtype=dtype, param_dtype=param_dtype,
+                                    rngs=rngs)
+
+    def mix_time(self, x, carry, state, runner):
+        """``(y, carry, TimeMixState)`` of the time-mix on ``x``."""
+        raise NotImplementedError
+
+    def run(self, x, carry, state, runner):
+        if self.ln0 is not None:
+            x = self.ln0(x)
+        y, carry, att = self.mix_time(self.ln1(x), carry, None if state is None else state.att,
+                                      runner)
+        x = x + y
+        y, ffn_shift = self.ffn.run(self.ln2(x), None if state is None else state.ffn_shift,
+                                    runner)
+        return x + y, carry, LayerState(att, ffn_shift)
+
+
+class LanguageModel(nnx.Module):
+    """An RWKV language model: embedding, ``config.n_layer`` blocks (of the version's ``block``
+    class), ``ln_out`` and the output head.
+
+    ``model(tokens)`` gives logits ``[B, T, vocab]`` (sequence mode); ``model.step(tokens,
+    state)`` advances a generation state made by ``model.init_state(slots)``. Both modes give the
+    same logits on the same tokens.
+    """
+    block: type
+    config_type: type
+
+    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if not isinstance(config, self.config_type):
+            raise TypeError(f"config must be an {self.config_type.__name__}, got "
+                            f"{type(config).__name__}")
+        if getattr(config, "vocab_size", None) is None:
+            raise ValueError(f"a language model needs {type(config).__name__}.vocab_size")
+        self.config = config
+        self.emb = nnx.Embed(config.vocab_size, config.n_embd, dtype=dtype,
+                             param_dtype=param_dtype,
+                             embedding_init=nnx.initializers.uniform(2e-4), rngs=rngs)
+        self.blocks = nnx.List([self.block(config, i, dtype=dtype, param_dtype=param_dtype,
+                                           rngs=rngs) for i in range(config.n_layer)])
+        self.ln_out = _norm(config, dtype, param_dtype, rngs)
+        self.head = nnx.Linear(config.n_embd, config.vocab_size, use_bias=False, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)
+
+    def init_state(self, slots: int) -> tuple[LayerState, ...]:
+        """A zero state: per layer, pools of ``slots`` rows (float32)."""
+        cfg = self.config
+        return tuple(zero_layer_state(slots, cfg.n_embd, cfg.n_head, cfg.head_size)
+                     for _ in range(cfg.n_layer))
+
+    def __call__(self, tokens, state=None, *, return_state=False, backend=None, wkv_op=None,
+                 cu_seqlens=None):
+        """Sequence mode. ``tokens`` int ``[B, T]``; ``state`` None (zeros) or one row per batch
+        row (``init_state(B)`` or a state returned earlier). Returns logits ``[B, T, vocab]``,
+        and the final state too when ``return_state``. ``backend`` picks the kernels;
+        ``wkv_op`` replaces the version's sequence op (:func:`rwkv_jax.rwkv7`,
+        :func:`rwkv_jax.rwkv6`: same signature, e.g. a ``rwkv_jax.shard`` of it).
+        ``cu_seqlens`` (int ``[N + 1]``, B = 1) packs N sequences along T: each starts from its
+        own row of ``state`` (``init_state(N)``), its token shifts and wkv state restart at its
+        first token, and the final state has one row per sequence.
+
+        Token ids must lie in ``[0, vocab)``: known ones are checked (ValueError); traced ones
+        (under ``jax.jit``) cannot be, and an id outside gives NaN logits for its position and
+        the positions after it in its sequence."""
+        x, state = self.hidden(tokens, state, backend=backend, wkv_op=wkv_op,
+                               cu_seqlens=cu_seqlens)
+        logits = self.head(x)
+        return (logits, state) if return_state else logits
+
+    def hidden(self, tokens, state=None, *, backend=None, wkv_op=None, cu_seqlens=None):
+        """The sequence mode up to the output head: ``(ln_out(x) [B, T, C], final state)``, for
+        callers that need logits at a few positions only (prefill)."""
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        return self.run(tokens, state, Sequence(backend, wkv_op, cu_seqlens))
+
+    def step(self, tokens, state, *, state_indices=None, backend=None):
+        """Step mode: feed ``tokens [B, T]`` (T small, usually 1) to the rows ``state_indices``
+        (default ``0..B-1``) of ``state``. Returns ``(logits [B, T, vocab], new state)``;
+        donate ``state`` under ``jax.jit`` so the pools update in place. Token ids as in the
+        sequence mode; an invalid traced ``state_indices`` row reads NaN and writes no slot of
+        any pool."""
+        if state is None:
+            raise ValueError("step needs a state; make one with init_state(slots)")
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        x, state = self.run(tokens, state, Step(tokens.shape[0], state_indices, backend))
+        return self.head(x), state
+
+    def run(self, tokens, state, runner):
+        cfg = self.config
+        if state is not None:
+            if not isinstance(state, (tuple, list)) or len(state) != cfg.n_layer:
+                got = (f"{len(state)} entries" if isinstance(state, (tuple, list))
+                       else type(state).__name__)
+                raise ValueError(f"state must hold one LayerState per layer ({cfg.n_layer}), "
+                                 f"got {got}")
+            for i, layer_state in enumerate(state):
+                check_layer_state(f"state[{i}]", layer_state, cfg.n_embd, cfg.n_head,
+                                  cfg.head_size)
+        x = embed(self.emb.embedding[...], tokens, self.emb.dtype or self.emb.param_dtype)
+        carry = None
+        new_state = []
+        for i, block in enumerate(self.blocks):
+            x, carry, layer_state = block.run(x, carry, None if state is None else state[i],
+                                              runner)
+            new_state.append(layer_state)
+        return self.ln_out(x), tuple(new_state)

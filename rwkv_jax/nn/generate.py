@@ -1,5 +1,5 @@
-"""Text generation with :class:`rwkv_jax.nn.RWKV7LM`: prompts of token ids in, sampled token ids
-out, on a donated float32 state pool with one slot per lane.
+"""Text generation with :class:`rwkv_jax.nn.RWKV7LM` or :class:`rwkv_jax.nn.RWKV6LM`: prompts of
+token ids in, sampled token ids out, on a donated float32 state pool with one slot per lane.
 
 :class:`Generator` is the engine:
 
@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from .. import _checks as checks
-from .rwkv7 import RWKV7LM
+from .common import LanguageModel
 
 
 class Generation(NamedTuple):
@@ -284,8 +284,8 @@ def _bucket(n, smallest=16):
 
 
 class Generator:
-    """A generation engine for an :class:`RWKV7LM`: ``max_batch`` lanes, each with a slot of a
-    float32 state pool (lane i, slot i).
+    """A generation engine for an :class:`RWKV7LM` or :class:`RWKV6LM`: ``max_batch`` lanes,
+    each with a slot of a float32 state pool (lane i, slot i).
 
     ``steps_per_call``: decode steps per compiled call (the host sees the lanes between calls);
     ``backend``: the step kernels' backend (None: the platform's default); ``prefill_backend``:
@@ -304,8 +304,8 @@ class Generator:
     def __init__(self, model, *, max_batch: int = 16, steps_per_call: int = 32, backend=None,
                  prefill_backend=None, sample_below: int | None = None,
                  prefill_tokens: int = 8192, early_exit: bool = True):
-        if not isinstance(model, RWKV7LM):
-            raise TypeError(f"model must be an RWKV7LM, got {type(model).__name__}")
+        if not isinstance(model, LanguageModel):
+            raise TypeError(f"model must be an RWKV7LM or RWKV6LM, got {type(model).__name__}")
         self.model = model
         self.vocab = model.config.vocab_size
         self.max_batch = _positive_int("max_batch", max_batch)
@@ -494,7 +494,7 @@ class Generator:
         return Generation(outputs, finish, prefilled, prefill_s, decoded, decode_s, calls)
 
 
-def generate(model: RWKV7LM, prompts, *, max_new_tokens: int, temperature: float = 1.0,
+def generate(model: LanguageModel, prompts, *, max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, alpha_frequency: float = 0.0,
              alpha_presence: float = 0.0, alpha_decay: float = 1.0, stop_tokens=(),
              batch_size: int | None = None, steps_per_call: int = 32,

@@ -1,6 +1,7 @@
-"""Flax NNX modules for the official RWKV-6 ("x060") layers: time-mix and channel-mix.
+"""Flax NNX modules for the official RWKV-6 ("Finch", "x060") model: time-mix, channel-mix,
+block and language model.
 
-Same two modes as the RWKV-7 layers (:mod:`rwkv_jax.nn.rwkv7`): ``layer(x, state=None,
+Same two modes as the RWKV-7 modules (:mod:`rwkv_jax.nn.rwkv7`): ``layer(x, state=None,
 backend=None, wkv_op=None)`` over whole sequences through :func:`rwkv_jax.rwkv6`, and
 ``layer.step(x, state, state_indices=None, backend=None)`` on state pools through
 :func:`rwkv_jax.rwkv6_step`. Parameters keep the official names (``time_maa_x``,
@@ -18,8 +19,8 @@ import numpy as np
 from flax import nnx
 
 from ..ops import rwkv6, rwkv6_step
-from .common import (ChannelMixBase, GroupNormPerHead, Sequence, SizesConfig, Step,
-                     TimeMixState, channel_ramp, lora, param)
+from .common import (BlockBase, ChannelMixBase, GroupNormPerHead, LanguageModel, LayerState,
+                     Sequence, SizesConfig, Step, TimeMixState, channel_ramp, lora, param)
 
 # The data-dependent token shift makes five mixes, in this order.
 _MIXES = ("w", "k", "v", "r", "g")
@@ -27,17 +28,23 @@ _MIXES = ("w", "k", "v", "r", "g")
 
 @dataclasses.dataclass(frozen=True)
 class RWKV6Config(SizesConfig):
-    """Sizes of RWKV-6 layers; the defaults are the official ones (channel-mix 3.5 C rounded
-    down to a multiple of 32, token-shift LoRA 32, decay LoRA 64)."""
+    """Sizes of an RWKV-6 model; the defaults are the official trainer's (channel-mix 3.5 C
+    rounded down to a multiple of 32; token-shift LoRA 32 and decay LoRA 64, both doubled at
+    C = 4096). ``vocab_size`` may stay None for layers used without :class:`RWKV6LM`. The
+    released Finch models: 1.6B L=24 C=2048, 3B L=32 C=2560, 7B L=32 C=4096, 14B L=61 C=4096,
+    all head size 64 and vocabulary 65536."""
     n_embd: int
     n_layer: int
     head_size: int = 64
     dim_ffn: Optional[int] = None
-    mix_lora: int = 32
-    decay_lora: int = 64
+    mix_lora: Optional[int] = None
+    decay_lora: Optional[int] = None
+    vocab_size: Optional[int] = None
 
     def __post_init__(self):
-        self.complete(dict(dim_ffn=int(self.n_embd * 3.5) // 32 * 32))
+        wide = 2 if self.n_embd == 4096 else 1
+        self.complete(dict(dim_ffn=int(self.n_embd * 3.5) // 32 * 32, mix_lora=32 * wide,
+                           decay_lora=64 * wide), optional=("vocab_size",))
 
 
 def _linear(fan_in, fan_out, dtype, param_dtype, rngs, init=nnx.initializers.lecun_normal()):
@@ -76,10 +83,12 @@ class RWKV6TimeMix(nnx.Module):
         self.output = _linear(c, c, dtype, param_dtype, rngs, nnx.initializers.zeros_init())
         self.ln_x = GroupNormPerHead(c, param_dtype=param_dtype)
 
-    def __call__(self, x, state: Optional[TimeMixState] = None, *, backend=None, wkv_op=None):
-        """Sequence mode: ``x [B, T, C]``, ``state`` None (zeros) or one row per batch row;
-        ``wkv_op`` replaces :func:`rwkv_jax.rwkv6`. Returns ``(y, final TimeMixState)``."""
-        return self.run(x, state, Sequence(backend, wkv_op))
+    def __call__(self, x, state: Optional[TimeMixState] = None, *, backend=None, wkv_op=None,
+                 cu_seqlens=None):
+        """Sequence mode: ``x [B, T, C]``, ``state`` None (zeros) or one row per batch row (per
+        segment with ``cu_seqlens``, which packs sequences along T with B = 1); ``wkv_op``
+        replaces :func:`rwkv_jax.rwkv6`. Returns ``(y, final TimeMixState)``."""
+        return self.run(x, state, Sequence(backend, wkv_op, cu_seqlens))
 
     def step(self, x, state: TimeMixState, *, state_indices=None, backend=None):
         """Step mode on state pools. Returns ``(y, updated TimeMixState)``."""
@@ -136,3 +145,33 @@ class RWKV6ChannelMix(ChannelMixBase):
         xr = x + xx * self.time_maa_r[...].astype(x.dtype)
         kv = self.value(jnp.square(jax.nn.relu(self.key(xk))))
         return jax.nn.sigmoid(self.receptance(xr)) * kv, runner.keep_last(shift, x)
+
+
+class RWKV6Block(BlockBase):
+    """``x += att(ln1(x)); x += ffn(ln2(x))``, with ``ln0`` applied first in layer 0."""
+    time_mix = RWKV6TimeMix
+    channel_mix = RWKV6ChannelMix
+
+    def __call__(self, x, state: Optional[LayerState] = None, *, backend=None, wkv_op=None,
+                 cu_seqlens=None):
+        """Sequence mode; returns ``(x, final LayerState)``."""
+        x, _, state = self.run(x, None, state, Sequence(backend, wkv_op, cu_seqlens))
+        return x, state
+
+    def step(self, x, state: LayerState, *, state_indices=None, backend=None):
+        """Step mode on state pools; returns ``(x, updated LayerState)``."""
+        x, _, state = self.run(x, None, state, Step(x.shape[0], state_indices, backend))
+        return x, state
+
+    def mix_time(self, x, carry, state, runner):
+        y, state = self.att.run(x, state, runner)
+        return y, carry, state
+
+
+class RWKV6LM(LanguageModel):
+    """The RWKV-6 ("Finch") language model: embedding, blocks, ``ln_out`` and the output head,
+    with the modes and state of :class:`rwkv_jax.nn.common.LanguageModel` (sequence mode
+    through :func:`rwkv_jax.rwkv6`, step mode through :func:`rwkv_jax.rwkv6_step`).
+    ``config.vocab_size`` must be set."""
+    block = RWKV6Block
+    config_type = RWKV6Config

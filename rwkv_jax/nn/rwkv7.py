@@ -27,9 +27,8 @@ import numpy as np
 from flax import nnx
 
 from ..ops import rwkv7, rwkv7_step
-from .common import (ChannelMixBase, GroupNormPerHead, LayerState, Sequence, SizesConfig, Step,
-                     TimeMixState, channel_ramp, check_layer_state, check_tokens, embed, lora,
-                     param, zero_layer_state)
+from .common import (BlockBase, ChannelMixBase, GroupNormPerHead, LanguageModel, LayerState,
+                     Sequence, SizesConfig, Step, TimeMixState, channel_ramp, lora, param)
 
 # w = -exp(-0.5) * sigmoid(.) keeps the per-step decay exp(w) in [exp(-0.6065), 1).
 _MAX_LOG_DECAY = math.exp(-0.5)
@@ -183,20 +182,10 @@ class RWKV7ChannelMix(ChannelMixBase):
         return self.value(jnp.square(jax.nn.relu(self.key(xk)))), runner.keep_last(shift, x)
 
 
-class RWKV7Block(nnx.Module):
+class RWKV7Block(BlockBase):
     """``x += att(ln1(x)); x += ffn(ln2(x))``, with ``ln0`` applied first in layer 0."""
-
-    def __init__(self, config: RWKV7Config, layer_id: int, *, dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
-        norm = lambda: nnx.LayerNorm(config.n_embd, epsilon=1e-5, dtype=dtype,
-                                     param_dtype=param_dtype, rngs=rngs)
-        self.config = config
-        self.ln0 = norm() if layer_id == 0 else None
-        self.ln1 = norm()
-        self.ln2 = norm()
-        self.att = RWKV7TimeMix(config, layer_id, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.ffn = RWKV7ChannelMix(config, layer_id, dtype=dtype, param_dtype=param_dtype,
-                                   rngs=rngs)
+    time_mix = RWKV7TimeMix
+    channel_mix = RWKV7ChannelMix
 
     def __call__(self, x, v_first=None, state: Optional[LayerState] = None, *, backend=None,
                  wkv_op=None, cu_seqlens=None):
@@ -207,95 +196,16 @@ class RWKV7Block(nnx.Module):
         """Step mode on state pools; returns ``(x, v_first, updated LayerState)``."""
         return self.run(x, v_first, state, Step(x.shape[0], state_indices, backend))
 
-    def run(self, x, v_first, state, runner):
-        if self.ln0 is not None:
-            x = self.ln0(x)
-        y, v_first, att = self.att.run(self.ln1(x), v_first, None if state is None else state.att,
-                                       runner)
-        x = x + y
-        y, ffn_shift = self.ffn.run(self.ln2(x), None if state is None else state.ffn_shift,
-                                    runner)
-        return x + y, v_first, LayerState(att, ffn_shift)
+    def mix_time(self, x, v_first, state, runner):
+        return self.att.run(x, v_first, state, runner)
 
 
-class RWKV7LM(nnx.Module):
+class RWKV7LM(LanguageModel):
     """A small RWKV-7 language model: embedding, blocks, ``ln_out`` and the output head.
 
     ``model(tokens)`` gives logits ``[B, T, vocab]`` (sequence mode); ``model.step(tokens,
     state)`` advances a generation state made by ``model.init_state(slots)``. Both modes give the
-    same logits on the same tokens.
+    same logits on the same tokens (see :class:`rwkv_jax.nn.common.LanguageModel`).
     """
-
-    def __init__(self, config: RWKV7Config, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
-        self.config = config
-        self.emb = nnx.Embed(config.vocab_size, config.n_embd, dtype=dtype,
-                             param_dtype=param_dtype,
-                             embedding_init=nnx.initializers.uniform(2e-4), rngs=rngs)
-        self.blocks = nnx.List([RWKV7Block(config, i, dtype=dtype, param_dtype=param_dtype,
-                                           rngs=rngs) for i in range(config.n_layer)])
-        self.ln_out = nnx.LayerNorm(config.n_embd, epsilon=1e-5, dtype=dtype,
-                                    param_dtype=param_dtype, rngs=rngs)
-        self.head = nnx.Linear(config.n_embd, config.vocab_size, use_bias=False, dtype=dtype,
-                               param_dtype=param_dtype, rngs=rngs)
-
-    def init_state(self, slots: int) -> tuple[LayerState, ...]:
-        """A zero state: per layer, pools of ``slots`` rows (float32)."""
-        cfg = self.config
-        return tuple(zero_layer_state(slots, cfg.n_embd, cfg.n_head, cfg.head_size)
-                     for _ in range(cfg.n_layer))
-
-    def __call__(self, tokens, state=None, *, return_state=False, backend=None, wkv_op=None,
-                 cu_seqlens=None):
-        """Sequence mode. ``tokens`` int ``[B, T]``; ``state`` None (zeros) or one row per batch
-        row (``init_state(B)`` or a state returned earlier). Returns logits ``[B, T, vocab]``,
-        and the final state too when ``return_state``. ``backend`` / ``wkv_op`` as in
-        :class:`RWKV7TimeMix`. ``cu_seqlens`` (int ``[N + 1]``, B = 1) packs N sequences along
-        T: each starts from its own row of ``state`` (``init_state(N)``), its token shifts and
-        wkv state restart at its first token, and the final state has one row per sequence.
-
-        Token ids must lie in ``[0, vocab)``: known ones are checked (ValueError); traced ones
-        (under ``jax.jit``) cannot be, and an id outside gives NaN logits for its position and
-        the positions after it in its sequence."""
-        x, state = self.hidden(tokens, state, backend=backend, wkv_op=wkv_op,
-                               cu_seqlens=cu_seqlens)
-        logits = self.head(x)
-        return (logits, state) if return_state else logits
-
-    def hidden(self, tokens, state=None, *, backend=None, wkv_op=None, cu_seqlens=None):
-        """The sequence mode up to the output head: ``(ln_out(x) [B, T, C], final state)``, for
-        callers that need logits at a few positions only (prefill)."""
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        return self.run(tokens, state, Sequence(backend, wkv_op, cu_seqlens))
-
-    def step(self, tokens, state, *, state_indices=None, backend=None):
-        """Step mode: feed ``tokens [B, T]`` (T small, usually 1) to the rows ``state_indices``
-        (default ``0..B-1``) of ``state``. Returns ``(logits [B, T, vocab], new state)``;
-        donate ``state`` under ``jax.jit`` so the pools update in place. Token ids as in the
-        sequence mode; an invalid traced ``state_indices`` row reads NaN and writes no slot of
-        any pool."""
-        if state is None:
-            raise ValueError("step needs a state; make one with init_state(slots)")
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        x, state = self.run(tokens, state, Step(tokens.shape[0], state_indices, backend))
-        return self.head(x), state
-
-    def run(self, tokens, state, runner):
-        cfg = self.config
-        if state is not None:
-            if not isinstance(state, (tuple, list)) or len(state) != cfg.n_layer:
-                got = (f"{len(state)} entries" if isinstance(state, (tuple, list))
-                       else type(state).__name__)
-                raise ValueError(f"state must hold one LayerState per layer ({cfg.n_layer}), "
-                                 f"got {got}")
-            for i, layer_state in enumerate(state):
-                check_layer_state(f"state[{i}]", layer_state, cfg.n_embd, cfg.n_head,
-                                  cfg.head_size)
-        x = embed(self.emb.embedding[...], tokens, self.emb.dtype or self.emb.param_dtype)
-        v_first = None
-        new_state = []
-        for i, block in enumerate(self.blocks):
-            x, v_first, layer_state = block.run(x, v_first, None if state is None else state[i],
-                                                runner)
-            new_state.append(layer_state)
-        return self.ln_out(x), tuple(new_state)
+    block = RWKV7Block
+    config_type = RWKV7Config
