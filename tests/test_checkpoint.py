@@ -208,7 +208,7 @@ def test_a_crafted_file_is_refused_quickly_by_its_names_and_shapes(crafted, case
     message, result = crafted[case]
     assert result["error"] == "ValueError", result
     assert re.search(message, result["message"]), result
-    assert result["seconds"] < 0.5, result
+    assert result["seconds"] < 1.0, result
 
 
 def test_the_zip_bomb_is_well_formed(tmp_path):
