@@ -21,13 +21,17 @@ from .. import ops
 from ..shard import shard
 
 
-def make_mesh(config, devices=None) -> jax.sharding.Mesh:
-    """The ``(data, seq)`` mesh of ``config`` over ``devices`` (default: every device)."""
-    devices = jax.devices() if devices is None else list(devices)
+def make_mesh(config) -> jax.sharding.Mesh:
+    """The ``(data, seq)`` mesh of ``config``: every device (``data`` -1), or the first
+    ``data * seq`` devices (in one process; several processes need every device)."""
+    devices = jax.devices()
     data = len(devices) // config.seq if config.data == -1 else config.data
-    if data < 1 or data * config.seq != len(devices):
+    if data < 1 or data * config.seq > len(devices) or (
+            (config.data == -1 or jax.process_count() > 1)
+            and data * config.seq != len(devices)):
         raise ValueError(f"the mesh data={config.data} x seq={config.seq} does not fit the "
-                         f"{len(devices)} devices (data * seq must equal the device count)")
+                         f"{len(devices)} devices")
+    devices = devices[:data * config.seq]
     if config.micro_batch % data:
         raise ValueError(f"micro_batch ({config.micro_batch}) must be a multiple of the mesh's "
                          f"data axis ({data})")

@@ -72,6 +72,10 @@ def _float32(tree):
     return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
 
+def _norm(tree):
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+
+
 def _kernel_outputs(primitive, *args, **params) -> bool:
     return primitive.name in KERNEL_PRIMITIVES
 
@@ -186,7 +190,7 @@ class TrainStep:
         count = inputs.shape[0]
         grads = jax.tree.map(lambda g: g / count, total)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], _float32(params))
-        metrics = dict(loss=loss_sum / count, grad_norm=optax.global_norm(grads),
+        metrics = dict(loss=loss_sum / count, grad_norm=_norm(grads),
                        learning_rate=schedule(self.config)(state["step"]))
         new_state = dict(step=state["step"] + 1, params=optax.apply_updates(params, updates),
                          opt_state=opt_state)
