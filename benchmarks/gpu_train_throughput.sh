@@ -17,7 +17,7 @@ source benchmarks/gpu_env.sh
 for n in "${counts[@]}"; do
     case $mode in
         data) run=(--model 1.5b --devices "$n" --batch $((2 * n)) --seq 4096 --parallel data) ;;
-        seq) run=(--model 0.4b --devices "$n" --batch 1 --seq 65536 --parallel seq --remat) ;;
+        seq) run=(--model 0.4b --devices "$n" --batch 1 --seq 65536 --parallel seq --remat block) ;;
         *) echo "mode must be data or seq, got $mode" >&2; exit 2 ;;
     esac
     echo "== train_throughput.py ${run[*]} $*"

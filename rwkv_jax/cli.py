@@ -37,6 +37,7 @@ from ._bench import (DTYPES, FLA_OPS, PRESETS, STEP_OPS, Case, bind, bytes_moved
                      device_peak_bytes, fla_unavailable_reason, make_case, peak_bandwidth,
                      random_cotangents, time_fla, time_function, vjp_function)
 from .backends import native
+from .train import command as train_command
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "numpy", "triton", "torch", "jax-triton", "flax")
 
@@ -912,7 +913,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Without a subcommand, the main job (about a minute on a CPU): info, check (quick size, "
         "float32), a quick bench of the backends that are performance paths here, and a verdict.")
     parser.add_argument("--version", action="version", version=f"rwkv_jax {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{info,check,bench}")
+    commands = parser.add_subparsers(dest="command", metavar="{info,check,bench,train}")
     commands.add_parser("info", help="versions, devices, backends available here and why not")
 
     def selection(p, *, ops, op_help, backend_default, dtype_default, size_help, quick_help):
@@ -970,6 +971,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-fla", action="store_true",
                        help="on a GPU, do not time fla's kernels beside ours (default: timed "
                             "where fla is installed)")
+    train_command.register(commands)
     return parser
 
 
@@ -982,4 +984,6 @@ def main(argv=None) -> int:
         return cmd_check(args)
     if args.command == "bench":
         return cmd_bench(args)
+    if args.command == "train":
+        return args.handler(args)
     return main_job(parser)

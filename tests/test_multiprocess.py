@@ -31,6 +31,10 @@ MODEL = dict(vocab_size=16, n_embd=32, n_layer=2, head_size=8)
 EXAMPLE_ARGS = ["--steps", "3", "--batch", "2", "--seq-len", "8", "--width", "16", "--layers",
                 "1", "--backend", "native"]
 TIMEOUT_S = 240
+# rwkv_jax.train's recipe: 2 processes x 2 devices as data 2 x seq 2 against one device.
+RECIPE = dict(vocab_size=16, n_layer=2, n_embd=32, head_size=8, seq_len=8, micro_batch=2,
+              accumulation=2, steps=3, warmup_steps=1, compute_dtype="float32",
+              backend="native", eval_every=3, eval_batches=1)
 FAST_BACKENDS = ("native", "ffi")
 
 
@@ -79,6 +83,16 @@ def _mask():
     mask[1, 3:5] = 0
     mask[2, 0] = 0
     return mask
+
+
+def _recipe_corpus(out_dir):
+    path = os.path.join(out_dir, "tokens.npy")
+    if not os.path.exists(path):   # each process writes the same bytes; the last rename wins
+        tokens = np.random.default_rng(5).integers(0, RECIPE["vocab_size"], 400)
+        tmp = f"{path}.{os.getpid()}.npy"
+        np.save(tmp, tokens.astype(np.uint16))
+        os.replace(tmp, path)
+    return path
 
 
 def _tokens():
@@ -227,6 +241,14 @@ def _worker(process_id, port, out_dir, backends):
     with case("example"):   # examples/sharded_training.py's multi-process mode
         results["example/losses"] = np.asarray(
             _example().train(_example().parse_args(EXAMPLE_ARGS)))
+
+    with case("recipe"):   # rwkv_jax.train.train, each process reading its own rows
+        from rwkv_jax.train import TrainConfig, train
+        path = _recipe_corpus(out_dir)
+        records = train(TrainConfig(**RECIPE, train_data=path, eval_data=path, data=2, seq=2,
+                                    checkpoint_dir=os.path.join(out_dir, "recipe")))
+        results["recipe/losses"] = np.asarray([r.get("loss", r.get("eval_loss"))
+                                               for r in records])
 
     with case("checkpoint"):   # a model whose parameters are split across the processes
         model = RWKV7LM(RWKV7Config(**MODEL), rngs=nnx.Rngs(0))
@@ -408,6 +430,17 @@ if __name__ != "__main__":
         got = _case(results, "example")("losses")
         want = _example().main(EXAMPLE_ARGS)   # one process, this test's 8 devices
         np.testing.assert_allclose(got, want, rtol=1e-4)
+
+    def test_training_recipe_across_processes(results, tmp_path):
+        """rwkv_jax.train over two processes (batch over them, time over each one's two
+        devices, parameters and optimizer state split, checkpoints written by both): the
+        losses of one device."""
+        from rwkv_jax.train import TrainConfig, train
+        got = _case(results, "recipe")("losses")
+        path = _recipe_corpus(str(tmp_path))
+        want = [r.get("loss", r.get("eval_loss"))
+                for r in train(TrainConfig(**RECIPE, train_data=path, eval_data=path, data=1))]
+        np.testing.assert_allclose(got, want, rtol=1e-5)
 
     def test_multi_gpu_benchmark_as_two_processes():
         """benchmarks/multi_gpu.py --processes 2: a row from two processes of 1 device each,

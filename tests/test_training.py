@@ -89,11 +89,13 @@ def test_chunked_cross_entropy_errors(change, message):
 @pytest.mark.parametrize("parallel", ["data", "seq"])
 def test_train_throughput_smoke(parallel):
     """benchmarks/train_throughput.py --model tiny on 2 of this process's CPU devices: it trains
-    (the loss falls on its repeated batch) and reports; the breakdown once (sequence)."""
+    (the loss falls on its repeated batch) and reports; the breakdown and gradient accumulation
+    once (sequence)."""
     bench = load_script("benchmarks/train_throughput.py")
     argv = ["--model", "tiny", "--devices", "2", "--batch", "2", "--seq", "16", "--steps", "1",
             "--warmup", "1", "--backend", "native", "--parallel", parallel]
-    result = bench.run(bench.parse_args(argv + (["--breakdown"] if parallel == "seq" else [])))
+    result = bench.run(bench.parse_args(
+        argv + (["--breakdown", "--accumulation", "2"] if parallel == "seq" else [])))
     assert result["devices"] == 2 and result["tokens_per_s"] > 0
     assert result["losses"][-1] < result["losses"][0]
     assert len(result["peak_bytes_per_device"]) == 2

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from .. import _checks as checks
 
 
-def chunked_cross_entropy(x, kernel, labels, *, vocab_chunk=8192):
+def chunked_cross_entropy(x, kernel, labels, *, vocab_chunk=8192, l2wrap=0.0):
     """Mean over tokens of ``logsumexp(l) - l[label]`` for the logits ``l = x @ kernel``.
 
     ``x [..., C]`` (any floating dtype; the products run in it and accumulate in float32, or
@@ -24,6 +24,11 @@ def chunked_cross_entropy(x, kernel, labels, *, vocab_chunk=8192):
     the scan over slices of the vocabulary is rematerialised in the backward, so its memory is
     that of one slice plus three float32 values per token. Batch and sequence shardings of ``x``
     are kept (every slice is a product with the whole of ``x``).
+
+    ``l2wrap`` > 0 adds RWKV-LM's L2-wrap to the gradient, not to the value: at each of the
+    ``n`` tokens the largest logit ``m`` gets ``l2wrap * m / n`` more gradient (RWKV-LM: 1e-4),
+    which keeps the logits from drifting up. It is the gradient of ``l2wrap * mean(m**2) / 2``,
+    added here as that term minus its own value, so the result is still the cross-entropy.
     """
     x = checks.floating("x", x)
     kernel = checks.floating("kernel", kernel)
@@ -34,6 +39,8 @@ def chunked_cross_entropy(x, kernel, labels, *, vocab_chunk=8192):
                          f"labels {tuple(labels.shape)}")
     if isinstance(vocab_chunk, bool) or not isinstance(vocab_chunk, int) or vocab_chunk < 1:
         raise ValueError(f"vocab_chunk must be a positive int, got {vocab_chunk!r}")
+    if isinstance(l2wrap, bool) or not isinstance(l2wrap, (int, float)) or not l2wrap >= 0:
+        raise ValueError(f"l2wrap must be a number >= 0, got {l2wrap!r}")
     channels, vocab = kernel.shape
     values = checks.host_values(labels)
     if values is not None and values.size and (values.min() < 0 or values.max() >= vocab):
@@ -66,4 +73,8 @@ def chunked_cross_entropy(x, kernel, labels, *, vocab_chunk=8192):
     lead = x.shape[:-1]
     start = (jnp.full(lead, -jnp.inf, wide), jnp.zeros(lead, wide), jnp.zeros(lead, wide))
     (top, total, picked), _ = jax.lax.scan(step, start, (kernel, starts))
-    return jnp.mean(top + jnp.log(total) - picked)
+    loss = jnp.mean(top + jnp.log(total) - picked)
+    if l2wrap:
+        wrap = 0.5 * l2wrap * jnp.mean(jnp.square(top))
+        loss = loss + (wrap - jax.lax.stop_gradient(wrap))
+    return loss
