@@ -185,7 +185,7 @@ def sample_logits(logits, keys, temperature, top_p, top_k=0, *, sample_below=Non
 
     if not draw:
         return greedy
-    allowed = valid & (kept() if cut else True) | (ids == greedy[:, None])
+    allowed = ((valid & kept()) if cut else valid) | (ids == greedy[:, None])
     # 1 / temperature is finite (Sampling refuses temperatures below float32's smallest normal
     # number); a product beyond float32's range is infinite but stays inside ``allowed``.
     scaled = logits / jnp.where(sampling, temperature, 1.0)[:, None]
