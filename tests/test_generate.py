@@ -348,7 +348,7 @@ def test_top_k_at_or_beyond_the_vocabulary_cuts_nothing(model):
     sampling = dict(max_new_tokens=5, temperature=1.0, seed=3)
     for top_p in (1.0, 0.9):  # without and with the cut compiled in
         want = rnn.generate(model, PROMPTS[:2], top_p=top_p, top_k=0, **sampling).tokens
-        for top_k in (VOCAB, 2**31, 2**32 + 1):
+        for top_k in (VOCAB, 2**32 + 1):
             assert rnn.generate(model, PROMPTS[:2], top_p=top_p, top_k=top_k,
                                 **sampling).tokens == want
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((64, VOCAB)), jnp.float32)
