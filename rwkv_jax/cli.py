@@ -698,7 +698,7 @@ def plot_bandwidth(results: list[dict], path: str, *, device: str, peak: float |
 
 def _bandwidth_path(path: str) -> str:
     root, ext = os.path.splitext(path)
-    return f"{root}_bandwidth{ext or '.png'}"
+    return f"{root}_bandwidth{ext}"
 
 
 def _bench_sizes(args) -> list[tuple]:
@@ -793,7 +793,7 @@ def cmd_bench(args) -> int:
         from matplotlib.backend_bases import FigureCanvasBase
         formats = FigureCanvasBase.get_supported_filetypes()
         extension = os.path.splitext(args.plot)[1][1:].lower()
-        if extension and extension not in formats:
+        if extension not in formats:
             print(f"rwkv-jax bench: --plot {args.plot!r}: matplotlib writes no "
                   f"'.{extension}' files; use one of .{', .'.join(formats)}", file=sys.stderr)
             return 2
@@ -895,6 +895,12 @@ def _output_path(text: str) -> str:
     return text
 
 
+def _plot_path(text: str) -> str:
+    """``--plot``'s file, named as it will be written: without an extension, ``.png`` added
+    (as matplotlib would add it)."""
+    return _output_path(text if os.path.splitext(text)[1] else text + ".png")
+
+
 def _names(choices):
     """An argparse type for comma-separated names, each from ``choices`` (read when called)."""
     def parse(text: str) -> list[str]:
@@ -932,7 +938,8 @@ def build_parser() -> argparse.ArgumentParser:
               size_help=f"problem size (K == V; default {size(CHECK_SIZE)}); step ops run "
                         f"T={STEP_LENGTH} tokens; if given twice, the last counts",
               quick_help=f"the smaller size {size(QUICK_CHECK_SIZE)}")
-    check.add_argument("--seed", type=int, default=0, help="random inputs' seed")
+    check.add_argument("--seed", type=_at_least(0), default=0,
+                       help="random inputs' seed, an integer >= 0")
 
     bench = commands.add_parser("bench", help="time every op x backend, forward and forward+backward")
     selection(bench, ops=lambda: backends.OPS + (GENERATE,),
@@ -962,9 +969,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop repeating a case after this long (at least 3 calls)")
     bench.add_argument("--json", metavar="OUT.json", type=_output_path,
                        help="write every result as JSON")
-    bench.add_argument("--plot", metavar="OUT.png", type=_output_path,
+    bench.add_argument("--plot", metavar="OUT.png", type=_plot_path,
                        help="plot time against sequence length per op and backend (needs "
-                            "matplotlib); on a GPU also OUT_bandwidth.png, achieved bandwidth "
+                            "matplotlib; OUT without an extension writes OUT.png); on a GPU "
+                            "also OUT_bandwidth.png, achieved bandwidth "
                             "against the device's peak. Without --size/--preset it sweeps T over "
                             + "; ".join(f"{','.join(map(str, v[1]))} on a {k.upper()}"
                                         for k, v in PLOT_SWEEP.items()))

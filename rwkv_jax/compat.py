@@ -14,7 +14,7 @@ from .ops import rwkv6, rwkv7
 
 # rwkv_ops' KERNEL_TYPE names -> our backends.
 _KERNEL_TYPES = {"native": "native", "triton": "triton", "cuda": "ffi"}
-# Backends that run the chunked algorithm (rwkv_ops' ``uses_chunked_kernel``).
+# Backends that run the chunked algorithm (see uses_chunked_kernel).
 _CHUNKED = ("chunked", "triton")
 
 
@@ -116,18 +116,38 @@ def _backend_for(kernel_type):
     return _KERNEL_TYPES[kernel_type]
 
 
+def generalized_delta_rule_inference(r, w, k, v, a, b, output_final_state=True,
+                                     initial_state=None, head_first=False, chunk_size=16,
+                                     mask=None, *, backend=None, head_size=None):
+    """:func:`generalized_delta_rule` with the argument order of rwkv_ops 0.11.3's CUDA
+    inference op, ``output_final_state`` before ``initial_state``: what
+    ``get_generalized_delta_rule(KERNEL_TYPE="cuda")`` returns as its inference op there."""
+    return generalized_delta_rule(r, w, k, v, a, b, initial_state, output_final_state,
+                                  head_first, chunk_size, mask, backend=backend,
+                                  head_size=head_size)
+
+
+def uses_chunked_kernel(KERNEL_TYPE=None) -> bool:
+    """Whether the backend that ``KERNEL_TYPE`` names (None: the default, as in
+    :func:`get_generalized_delta_rule`) runs RWKV-7's chunked algorithm."""
+    backend = _backend_for(KERNEL_TYPE)
+    return (backend if backend is not None else resolve("rwkv7", None)[0]) in _CHUNKED
+
+
 def get_generalized_delta_rule(head_size=None, KERNEL_TYPE=None, chunk_size=16, *,
                                HEAD_SIZE=None):
-    """Returns ``(fn, uses_chunked_kernel)``: ``fn`` is :func:`generalized_delta_rule` bound to the
-    backend that ``KERNEL_TYPE`` ("native", "triton", "cuda" = our "ffi") names, strictly; without
-    it the default (the environment variables ``RWKV_JAX_BACKEND`` / ``KERNEL_TYPE`` as a
-    preference, else the measured per-op default). ``uses_chunked_kernel`` says whether that
-    backend runs the chunked algorithm. (rwkv_ops 0.11.3 returns ``(training_op, inference_op)``
-    instead; here ``fn`` serves both.)
+    """Returns ``(training_op, inference_op)``, as rwkv_ops 0.11.3 does: both are
+    :func:`generalized_delta_rule` bound to the backend that ``KERNEL_TYPE`` ("native",
+    "triton", "cuda" = our "ffi") names, strictly; without it the default (the environment
+    variables ``RWKV_JAX_BACKEND`` / ``KERNEL_TYPE`` as a preference, else the measured per-op
+    default). With ``KERNEL_TYPE="cuda"`` the inference op takes rwkv_ops' CUDA inference order
+    (:func:`generalized_delta_rule_inference`); otherwise it is the training op itself, as in
+    rwkv_ops' native and Pallas paths. Both are differentiable, states value-major ``S[v, k]``.
+    Whether the backend is chunked: :func:`uses_chunked_kernel`.
 
     The head size is ``head_size`` or, in rwkv_ops 0.11.3's spelling, ``HEAD_SIZE`` (64 when
-    neither is given); ``fn`` checks ``K`` against it. ``chunk_size`` is checked and bound to
-    ``fn``, which ignores it (each backend picks its own)."""
+    neither is given); the ops check ``K`` against it. ``chunk_size`` is checked and bound to
+    them, which ignore it (each backend picks its own)."""
     if head_size is not None and HEAD_SIZE is not None:
         raise TypeError(f"pass the head size once, as head_size or as HEAD_SIZE, got "
                         f"head_size={head_size!r} and HEAD_SIZE={HEAD_SIZE!r}")
@@ -136,10 +156,11 @@ def get_generalized_delta_rule(head_size=None, KERNEL_TYPE=None, chunk_size=16, 
                          64 if size is None else size)
     chunk_size = _positive_int("chunk_size", chunk_size)
     backend = _backend_for(KERNEL_TYPE)
-    name = backend if backend is not None else resolve("rwkv7", None)[0]
-    fn = functools.partial(generalized_delta_rule, backend=backend, head_size=size,
-                           chunk_size=chunk_size)
-    return fn, name in _CHUNKED
+    bound = dict(backend=backend, head_size=size, chunk_size=chunk_size)
+    training_op = functools.partial(generalized_delta_rule, **bound)
+    if KERNEL_TYPE == "cuda":
+        return training_op, functools.partial(generalized_delta_rule_inference, **bound)
+    return training_op, training_op
 
 
 def _is_array(x):

@@ -3,8 +3,10 @@ and a crafted file is refused by its names and shapes before any array is read (
 checkpoint.py). Round trips and the official layout are in test_nn.py."""
 
 import json
+import os
 import pathlib
 import re
+import stat
 import subprocess
 import sys
 import zipfile
@@ -248,3 +250,89 @@ def test_loading_never_runs_pickled_code(tmp_path, suffix, checkpoint):
     with pytest.raises(ValueError):
         rnn.load_rwkv7(path)
     assert not marker.exists()
+
+
+# --- file modes, links, damaged files ---------------------------------------------------------
+
+def test_saving_again_keeps_the_file_mode_and_follows_a_link(tmp_path, checkpoint):
+    from rwkv_jax._files import write_atomically
+    model = rnn.load_rwkv7(checkpoint)
+    path = tmp_path / "model.safetensors"
+    old_umask = os.umask(0o027)
+    try:
+        rnn.save_rwkv7(model, path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640  # new: the umask's, as open() gives
+    finally:
+        os.umask(old_umask)
+    path.chmod(0o600)
+    rnn.save_rwkv7(model, path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # kept: weights stay private
+    # Every atomic write (the CLI's --json too) keeps it; a link is followed, and stays a link.
+    target, link = tmp_path / "results.json", tmp_path / "latest.json"
+    target.write_text("old")
+    target.chmod(0o604)
+    link.symlink_to(target.name)
+    write_atomically(os.fsencode(link), lambda f: f.write(b"new"))
+    assert link.is_symlink() and target.read_text() == "new"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o604
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.json", "model.safetensors",
+                                                          "results.json"]
+
+
+def test_damaged_checkpoints_are_value_errors_naming_the_file(tmp_path, checkpoint):
+    model = rnn.load_rwkv7(checkpoint)
+    for suffix in (".safetensors", ".npz"):
+        whole = tmp_path / f"whole{suffix}"
+        rnn.save_rwkv7(model, whole)
+        data = bytearray(whole.read_bytes())
+        truncated = tmp_path / f"truncated{suffix}"
+        truncated.write_bytes(data[:len(data) // 2])
+        cases = [truncated]
+        if suffix == ".npz":
+            # One bit of one member's array flipped: its CRC no longer matches.
+            with zipfile.ZipFile(whole) as archive:
+                info = archive.getinfo("blocks.0.ffn.key.weight.npy")
+            at = info.header_offset + 30 + len(info.filename) + 200  # inside the array's bytes
+            data[at] ^= 0x10
+            flipped = tmp_path / f"flipped{suffix}"
+            flipped.write_bytes(data)
+            cases.append(flipped)
+        for path in cases:
+            with pytest.raises(ValueError, match=re.escape(str(path))):
+                rnn.load_rwkv7(path)
+
+
+def test_non_finite_weights_load_with_a_warning(checkpoint):
+    damaged = dict(checkpoint)
+    damaged["blocks.0.att.w0"] = checkpoint["blocks.0.att.w0"].copy()
+    damaged["blocks.0.att.w0"][..., 3] = np.nan
+    damaged["head.weight"] = np.full_like(checkpoint["head.weight"], np.inf)
+    with pytest.warns(RuntimeWarning, match=r"NaN or inf in 2 tensors: \['head\.weight', "
+                                            r"'blocks\.0\.att\.w0'\]"):
+        model = rnn.load_rwkv7(damaged)
+    assert np.isnan(np.asarray(model.blocks[0].att.w0[...])[3])  # loaded as it is
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rnn.load_rwkv7(checkpoint)  # finite weights: no warning
+
+
+def test_paths_and_layer_ids_are_checked(tmp_path, checkpoint):
+    import official_rwkv6
+    model = rnn.load_rwkv7(checkpoint)
+    rnn.save_rwkv7(model, os.fsencode(tmp_path / "bytes.npz"))  # bytes, as os functions take
+    assert (tmp_path / "bytes.npz").exists()
+    loaded = rnn.load_rwkv7(os.fsencode(tmp_path / "bytes.npz"))
+    np.testing.assert_array_equal(rnn.rwkv7_state_dict(loaded)["head.weight"],
+                                  checkpoint["head.weight"])
+    with pytest.raises(TypeError, match="path must be a str, bytes or os.PathLike file name, "
+                                        "got int 3"):
+        rnn.save_rwkv7(model, 3)
+    params = official_rwkv6.random_layer(0, layer_id=1)
+    for layer_id, error, message in (("1", TypeError, "layer_id must be an int, got str '1'"),
+                                     (True, TypeError, "layer_id must be an int, got bool"),
+                                     (-1, ValueError, "layer_id must be >= 0, got -1")):
+        with pytest.raises(error, match=message):
+            rnn.load_rwkv6_layer(params, layer_id)
+    att, _ = rnn.load_rwkv6_layer(params, np.int64(1))  # numpy ints are ints
+    assert isinstance(att, rnn.RWKV6TimeMix)

@@ -115,9 +115,10 @@ def test_check_refuses_an_unavailable_backend(fake_backend, capsys):
 
 def test_bench_writes_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    # --plot without an extension: OUT.png, and the message names it.
     status = cli.main(["bench", "--size", TINY, "--op", "rwkv7,rwkv4,rwkv7_step", "--backend",
                        "native", "--repeats", "3", "--warmup", "1", "--json", str(out_json),
-                       "--plot", str(out_png)])
+                       "--plot", str(tmp_path / "bench")])
     assert status == 0
     report = json.loads(out_json.read_text())
     assert report["info"]["platform"] == "cpu"
@@ -133,7 +134,9 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
     forward = {r["op"]: r["peak_bytes"] for r in results if r["pass"] == "fwd"}
     assert all(backward[op] > forward[op] for op in forward)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "tokens/s" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "bench.png"]
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and f"wrote {out_png}\n" in out
 
 
 def test_interrupted_bench_keeps_what_it_measured(tmp_path, monkeypatch, capsys):
@@ -337,6 +340,9 @@ def test_bench_plot_without_matplotlib_names_it(monkeypatch, capsys):
     (["bench", "--json", "/nonexistent-dir/out.json"], r"--json: .*does not exist"),
     (["bench", "--plot", "/nonexistent-dir/out.png"], r"--plot: .*does not exist"),
     (["bench", "--json", "."], r"--json: '\.' is a directory"),
+    (["check", "--seed", "-1", "--quick", "--op", "rwkv4"], r"--seed: needs an integer >= 0, "
+                                                            r"got '-1'"),
+    (["check", "--seed", "0.5"], r"--seed: needs an integer >= 0"),
 ])
 def test_bad_command_lines_exit_2_before_any_work(argv, message, monkeypatch, capsys):
     monkeypatch.setattr(cli, "run_bench", _no_work)

@@ -232,39 +232,50 @@ def test_generalized_delta_rule_fully_frozen_row_keeps_its_state_exactly(backend
 @pytest.mark.parametrize("kernel_type, backend, chunked", [
     ("native", "native", False), ("triton", "triton", True), ("cuda", "ffi", False)])
 def test_get_generalized_delta_rule(kernel_type, backend, chunked, chosen_backends):
-    """KERNEL_TYPE binds that backend, strictly (no fallback when it cannot run here)."""
-    fn, uses_chunked_kernel = rwkv_jax.get_generalized_delta_rule(N, KERNEL_TYPE=kernel_type)
-    assert uses_chunked_kernel is chunked
+    """KERNEL_TYPE binds that backend, strictly (no fallback when it cannot run here); the
+    pair is rwkv_ops 0.11.3's (training_op, inference_op), the inference op called as rwkv_ops
+    users call it, positionally in its order (the CUDA one puts output_final_state before
+    initial_state), with a value-major state in and out."""
+    training_op, inference_op = rwkv_jax.get_generalized_delta_rule(N, KERNEL_TYPE=kernel_type)
+    assert rwkv_jax.compat.uses_chunked_kernel(kernel_type) is chunked
     raw, core = raw_rwkv7_inputs(17)
     if backends.unavailable_reason(backend, backends.platform()) is not None:
-        with pytest.raises(backends.BackendUnavailableError, match=repr(backend)):
-            fn(**raw)
+        for op in (training_op, inference_op):
+            with pytest.raises(backends.BackendUnavailableError, match=repr(backend)):
+                op(**raw)
         return
-    o, h = fn(**raw)
-    assert chosen_backends == [backend]
     ref_o, ref_h = reference.forward("rwkv7", core)
+    args = [raw[n] for n in ("r", "w", "k", "v", "a", "b")]
+    state = raw["initial_state"]
+    inference_args = (True, state) if kernel_type == "cuda" else (state, True)
+    for o, h in (training_op(*args, state, True), inference_op(*args, *inference_args)):
+        assert_close(o, ref_o, backend)
+        assert_close(h, value_major(ref_h), backend)
+    assert chosen_backends == [backend, backend]
+    o = inference_op(**dict(raw, output_final_state=False))  # by keyword, o alone
     assert_close(o, ref_o, backend)
-    assert_close(h, value_major(ref_h), backend)
 
 
 def test_get_generalized_delta_rule_follows_the_environment(monkeypatch, chosen_backends):
     monkeypatch.setenv("KERNEL_TYPE", "native")
-    fn, uses_chunked_kernel = rwkv_jax.get_generalized_delta_rule(N)
-    fn(**raw_rwkv7_inputs(18)[0])
-    assert chosen_backends == ["native"] and not uses_chunked_kernel
+    training_op, inference_op = rwkv_jax.get_generalized_delta_rule(N)
+    inference_op(**raw_rwkv7_inputs(18)[0])
+    assert chosen_backends == ["native"] and not rwkv_jax.compat.uses_chunked_kernel()
+    monkeypatch.setenv("KERNEL_TYPE", "triton")
+    assert rwkv_jax.compat.uses_chunked_kernel() is (
+        backends.unavailable_reason("triton", backends.platform()) is None)
 
 
 @pytest.mark.parametrize("spelling", ["head_size", "HEAD_SIZE", "positional"])
 def test_get_generalized_delta_rule_takes_both_spellings(spelling, chosen_backends):
     """rwkv_ops 0.11.3 spells it get_generalized_delta_rule(HEAD_SIZE=64, KERNEL_TYPE=...,
-    chunk_size=16); the README head_size=. Both build the same function (returned with
-    uses_chunked_kernel, not 0.11.3's inference op), which checks K against the head size."""
+    chunk_size=16); the README head_size=. Both build the same pair, whose ops check K
+    against the head size."""
     sizes = {"head_size": dict(head_size=N), "HEAD_SIZE": dict(HEAD_SIZE=N)}.get(spelling, {})
     args = (N,) if spelling == "positional" else ()
-    fn, uses_chunked_kernel = rwkv_jax.get_generalized_delta_rule(*args, **sizes,
-                                                                  KERNEL_TYPE="native",
-                                                                  chunk_size=32)
-    assert uses_chunked_kernel is False
+    fn, inference_op = rwkv_jax.get_generalized_delta_rule(*args, **sizes, KERNEL_TYPE="native",
+                                                           chunk_size=32)
+    assert inference_op is fn  # as rwkv_ops' native path returns it
     raw, core = raw_rwkv7_inputs(21)
     o, h = fn(**raw)
     assert chosen_backends == ["native"]
@@ -342,6 +353,9 @@ def test_defaults_are_per_op_and_cite_measurements():
     for where in ("cpu", "gpu"):  # measured: chunked trains GLA faster than native on both
         order = backends.default_order("gated_linear_attention", where)
         assert order.index("chunked") < order.index("native")
+    # Measured: on a CPU native runs rwkv4 faster than ffi.
+    order = backends.default_order("rwkv4", "cpu")
+    assert order.index("native") < order.index("ffi")
 
 
 def test_each_op_gets_its_own_default(chosen_backends):

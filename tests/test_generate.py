@@ -3,6 +3,8 @@
 bfloat16 parameters, the Generator against step-by-step greedy decoding, continuous batching,
 the same engine on RWKV6LM, sampling and penalties, seeds and errors."""
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ from reference import relative_error
 from rwkv_jax import nn as rnn
 
 VOCAB = 50
+_F32 = np.finfo(np.float32)
 PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 8, 7], [3, 3, 4, 1, 2, 6, 7]]
 
 
@@ -366,3 +369,93 @@ def test_generate_errors_name_the_argument(model):
     result = rnn.generate(model, [[1, 2]], max_new_tokens=np.int64(2), temperature=np.float32(0),
                           top_p=np.float64(0.5), top_k=np.int32(3))
     assert result.tokens == [_greedy_by_steps(model, [1, 2], 2)]
+
+
+def _stopping_greedy_run(model, prompt):
+    """(a stop token that greedy decoding of ``prompt`` reaches within 4 tokens, the tokens
+    before it)."""
+    stop = _greedy_by_steps(model, prompt, 4)[3]
+    return stop, _greedy_by_steps(model, prompt, 4, stop={stop})
+
+
+def test_token_limits_beyond_int32_mean_no_limit(model):
+    # The engine counts in int32: larger limits are clamped to the largest int32, never
+    # wrapped (2**32 + 3 once gave 3 tokens and finish "stop").
+    stop, want = _stopping_greedy_run(model, PROMPTS[0])
+    for limit in (2**31, 2**32 + 3, sys.maxsize):
+        result = rnn.generate(model, [PROMPTS[0]], max_new_tokens=limit, temperature=0,
+                              stop_tokens=[stop])
+        assert result.tokens == [want] and result.finish == ["stop"]
+    cut = rnn.generate(model, [PROMPTS[0]], max_new_tokens=len(want), temperature=0)
+    assert cut.tokens == [want] and cut.finish == ["length"]
+    engine = rnn.Generator(model, max_batch=1)
+    engine.prefill([0], [PROMPTS[0]], [0], max_new_tokens=2**40)
+    assert int(engine.lanes.max_new[0]) == np.iinfo(np.int32).max
+
+
+def test_top_k_at_or_beyond_the_vocabulary_cuts_nothing(model):
+    sampling = dict(max_new_tokens=5, temperature=1.0, seed=3)
+    for top_p in (1.0, 0.9):  # without and with the cut compiled in
+        want = rnn.generate(model, PROMPTS[:2], top_p=top_p, top_k=0, **sampling).tokens
+        for top_k in (VOCAB, 2**32 + 1):
+            assert rnn.generate(model, PROMPTS[:2], top_p=top_p, top_k=top_k,
+                                **sampling).tokens == want
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((64, VOCAB)), jnp.float32)
+    keys = jax.random.split(jax.random.key(1), 64)
+    want = rnn.sample_logits(logits, keys, 1.0, 1.0, 0)
+    np.testing.assert_array_equal(rnn.sample_logits(logits, keys, 1.0, 1.0, 2**32 + 1), want)
+
+
+def test_masked_ids_never_come_out_at_float32_edges(model):
+    vocab, rows, below, top_k = 24, 256, 4, 2
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    # Masked ids with the most tempting logits a float32 holds, and NaN.
+    logits[:, below:] = rng.choice([np.inf, 1e38, np.nan, -np.inf], (rows, vocab - below))
+    logits[:3, 1] = [np.inf, -np.inf, np.nan]  # an allowed id at the edges too
+    top2 = np.argsort(-np.nan_to_num(logits[:, :below], nan=-np.inf, posinf=3.4e38), axis=1)
+    keys = jax.random.split(jax.random.key(0), rows)
+    for temperature in (1e38, _F32.max, _F32.tiny, 1e-30, 1.0):
+        drawn = np.asarray(rnn.sample_logits(jnp.asarray(logits), keys, temperature, 1.0, top_k,
+                                             sample_below=below))
+        assert np.all(drawn < below), temperature
+        rest = slice(3, None)  # rows without an infinite or NaN allowed logit
+        assert np.all((drawn[rest] == top2[rest, 0]) | (drawn[rest] == top2[rest, 1]))
+        nucleus = np.asarray(rnn.sample_logits(jnp.asarray(logits), keys, temperature, 0.5,
+                                               sample_below=below))
+        assert np.all(nucleus < below)
+    greedy = np.asarray(rnn.sample_logits(jnp.asarray(logits), keys, 0.0, 1.0,
+                                          sample_below=below, draw=False))
+    assert np.all(greedy < below)
+    # The engine: huge temperatures and penalties of both signs keep to sample_below.
+    for extreme in (dict(temperature=1e38, top_k=top_k),
+                    dict(temperature=1.0, alpha_presence=3e38, alpha_frequency=-3e38),
+                    dict(temperature=0.0, alpha_presence=-3e38, alpha_frequency=3e38)):
+        result = rnn.generate(model, PROMPTS[:2], max_new_tokens=6, sample_below=below,
+                              **extreme)
+        assert all(0 <= t < below for tokens in result.tokens for t in tokens), extreme
+    # Values a float32 sampler cannot use are refused.
+    for bad, message in ((dict(temperature=1e39), "temperature must be finite in float32"),
+                         (dict(temperature=1e-40), "temperature must be 0 .greedy. or >="),
+                         (dict(alpha_presence=-1e39), "alpha_presence must be finite in float32"),
+                         (dict(alpha_frequency=float("inf")), "alpha_frequency must be finite")):
+        with pytest.raises(ValueError, match=message):
+            rnn.Sampling(**bad)
+
+
+def test_entry_points_taking_a_sampling_refuse_anything_else(model):
+    engine = rnn.Generator(model, max_batch=1)
+    for call in (lambda: engine.prefill([0], [[1, 2]], [0], max_new_tokens=2, sampling=None),
+                 lambda: engine.generate([[1, 2]], max_new_tokens=2, sampling=dict(top_k=2))):
+        with pytest.raises(TypeError, match="sampling must be a Sampling, got"):
+            call()
+
+
+def test_one_stop_token_in_a_0d_array_is_one_id(model):
+    stop, want = _stopping_greedy_run(model, PROMPTS[0])
+    for one in (np.array(stop), jnp.asarray(stop), np.int32(stop), stop):
+        result = rnn.generate(model, [PROMPTS[0]], max_new_tokens=8, temperature=0,
+                              stop_tokens=one)
+        assert result.tokens == [want] and result.finish == ["stop"]
+    with pytest.raises(TypeError, match="stop_tokens must hold int token ids"):
+        rnn.generate(model, [PROMPTS[0]], max_new_tokens=2, stop_tokens=np.array(1.5))

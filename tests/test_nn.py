@@ -163,6 +163,23 @@ def test_rwkv7_fresh_model_runs_both_modes(tokens):
     assert relative_error(stepped, logits) < 1e-5
 
 
+def test_an_empty_batch_gives_empty_results(model, rwkv6_layer):
+    logits = model(jnp.zeros((0, 3), jnp.int32))
+    assert logits.shape == (0, 3, VOCAB)
+    pool = jax.tree.map(lambda x: x + 1.5, model.init_state(2))
+    stepped, after = model.step(jnp.zeros((0, 1), jnp.int32), pool)
+    assert stepped.shape == (0, 1, VOCAB)
+    for got, was in zip(jax.tree.leaves(after), jax.tree.leaves(pool)):
+        np.testing.assert_array_equal(got, was)  # no slot served: the pool is unchanged
+    att, ffn = rnn.load_rwkv6_layer(rwkv6_layer[0], 1)
+    y, state = att(jnp.zeros((0, 3, 32)))
+    assert y.shape == (0, 3, 32) and state.wkv.shape == (0, 2, 16, 16)
+    y, _ = att.step(jnp.zeros((0, 1, 32)), rnn.TimeMixState(jnp.ones((2, 32)),
+                                                            jnp.ones((2, 2, 16, 16))))
+    assert y.shape == (0, 1, 32)
+    assert ffn(jnp.zeros((0, 3, 32)))[0].shape == (0, 3, 32)
+
+
 # --- checkpoints -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("suffix", CHECKPOINT_SUFFIXES)

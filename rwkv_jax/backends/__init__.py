@@ -93,9 +93,10 @@ DEFAULTS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
         "(22 vs 191 ms at B=1 T=1024)"),
     ("rwkv4", "gpu"): (("ffi", "native"),
         "H100 B=8 T=1024 C=2048 bf16 fwd (main job, 5 repeats): ffi 0.91 ms, native 18.4"),
-    ("rwkv4", "cpu"): (("ffi", "native"),
-        "2-core CPU (loaded) B=2 T=1024 C=256 f32 fwd / fwd+bwd: ffi 34.4 / 94.3 ms, native "
-        "34.4 / 88.3 (a tie); ffi's peak memory 6.4 MB vs 10.2"),
+    ("rwkv4", "cpu"): (("native", "ffi"),
+        "2-core CPU (loaded), 2026-12-02, f32 fwd / fwd+bwd, medians of 3 runs at B=2 T=1024 "
+        "C=256: native 4.5 / 20.4 ms, ffi 12.8 / 30.4; of 5 at B=4 T=2048 C=512: native "
+        "59.3 / 273.5, ffi 101.1 / 290.1; ffi's peak memory about half"),
     ("rwkv7_step", "gpu"): (("ffi", "native"),
         "H100 T=1 H=32 K=64 decode step in a jitted loop: ffi 15-108 us for B=1-256 "
         "(fla 35-114); native not timed"),

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import os
 import re
 import types
+import warnings
 import zipfile
+import zlib
 from typing import Mapping
 
 import jax
@@ -60,18 +63,19 @@ def _open_checkpoint(source):
         yield _Checkpoint(source, lambda name: tuple(np.shape(source[name])),
                           lambda name: _to_numpy(source[name]))
         return
-    if not isinstance(source, (str, os.PathLike)):
+    if not isinstance(source, (str, bytes, os.PathLike)):
         raise TypeError(f"source must be a checkpoint path or a dict of arrays, got "
                         f"{type(source).__name__}")
-    path = os.fspath(source)
+    path = os.fsdecode(source)
     suffix = os.path.splitext(path)[1].lower()
     if suffix in (".pth", ".pt"):
         pth = open_pth(path)   # no torch: rwkv_jax/_pth.py
         yield _Checkpoint(pth.tensors, lambda name: pth.tensors[name].shape,
                           lambda name: _to_numpy(pth.read(name)))
     elif suffix == ".safetensors":
-        from safetensors import safe_open
-        with safe_open(path, framework="flax") as data:   # as JAX arrays: bfloat16 works
+        from safetensors import SafetensorError, safe_open
+        with _damage_named(path, SafetensorError), safe_open(path, framework="flax") as data:
+            # As JAX arrays: bfloat16 works.
             yield _Checkpoint(data.keys(), lambda name: tuple(data.get_slice(name).get_shape()),
                               lambda name: _to_numpy(data.get_tensor(name)))
     elif suffix == ".npz":
@@ -80,6 +84,17 @@ def _open_checkpoint(source):
     else:
         raise ValueError(f"checkpoint path must end in .pth, .pt, .safetensors or .npz, "
                          f"got {path!r}")
+
+
+@contextlib.contextmanager
+def _damage_named(path, *errors):
+    """The reader's own ``errors`` (a truncated file, a bad checksum) as a ValueError that names
+    ``path``, as every other unreadable file gives."""
+    try:
+        yield
+    except errors as err:
+        raise ValueError(f"{path} cannot be read (a damaged or truncated file?): "
+                         f"{type(err).__name__}: {err}") from err
 
 
 @contextlib.contextmanager
@@ -105,15 +120,18 @@ def _open_npz(path):
                 return np.lib.format.read_array_header_2_0(member)
             return None
 
+        damaged = functools.partial(_damage_named, path, zipfile.BadZipFile, zlib.error,
+                                    EOFError)
+
         def shape(name):
-            with archive.open(members[name]) as member:
+            with damaged(), archive.open(members[name]) as member:
                 found = header(member)
             return tuple(found[0]) if found else read(name).shape
 
         def read(name):
             if not members[name].filename.endswith(".npy"):
                 raise ValueError(f"{path}: member {members[name].filename!r} is not a .npy array")
-            with archive.open(members[name]) as member:
+            with damaged(), archive.open(members[name]) as member:
                 return _to_numpy(np.lib.format.read_array(member, allow_pickle=False))
 
         yield _Checkpoint(members, shape, read)
@@ -273,13 +291,21 @@ def _fill(root, layout, checkpoint: _Checkpoint, what, tolerated=(),
         if checkpoint.shape(name) not in (official, flat_shapes[name]):
             raise ValueError(f"{name} must have shape {official} {_shape_text(named_shape)} for "
                              f"{what}, got {checkpoint.shape(name)}")
+    non_finite = []
     for name, (path, named_shape, kind) in layout.items():
         value = checkpoint.read(name)
         if not np.issubdtype(value.dtype, np.floating):
             raise TypeError(f"{name} must be floating point, got dtype {value.dtype}")
+        if not np.isfinite(value).all():
+            non_finite.append(name)
         value = value.reshape(flat_shapes[name])
         _variable(root, path).set_value(jnp.asarray(value.T if kind == "linear" else value,
                                                     param_dtype))
+    if non_finite:
+        # Loaded as they are (NaN in, NaN out), but said: such a model gives NaN or inf.
+        warnings.warn(f"the checkpoint for {what} holds NaN or inf in {len(non_finite)} "
+                      f"tensors: {non_finite[:20]}{' ...' if len(non_finite) > 20 else ''}",
+                      RuntimeWarning, stacklevel=3)
 
 
 def load_rwkv7(source, *, dtype=jnp.float32, param_dtype=jnp.float32) -> RWKV7LM:
@@ -332,7 +358,10 @@ def save_rwkv7(model: RWKV7LM, path) -> None:
 
 
 def _save(model, path, model_type, state_dict) -> None:
-    path = os.fspath(path)
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"path must be a str, bytes or os.PathLike file name, got "
+                        f"{type(path).__name__} {path!r}")
+    path = os.fsdecode(path)
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in (".pth", ".pt", ".safetensors", ".npz"):
         raise ValueError(f"path must end in .pth, .pt, .safetensors or .npz, got {path!r}")
@@ -398,6 +427,11 @@ def load_rwkv6_layer(source, layer_id: int, *, dtype=jnp.float32, param_dtype=jn
     """``(RWKV6TimeMix, RWKV6ChannelMix)`` holding layer ``layer_id`` (``blocks.{i}.att.*`` and
     ``blocks.{i}.ffn.*``) of an official RWKV-6 ("x060") checkpoint (a path or a dict of
     arrays); the sizes come from the shapes. Other layers' names are ignored."""
+    if isinstance(layer_id, (bool, np.bool_)) or not isinstance(layer_id, numbers.Integral):
+        raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__} {layer_id!r}")
+    if layer_id < 0:
+        raise ValueError(f"layer_id must be >= 0, got {layer_id}")
+    layer_id = int(layer_id)
     with _open_checkpoint(source) as whole:
         prefixes = (f"blocks.{layer_id}.att.", f"blocks.{layer_id}.ffn.")
         checkpoint = _Checkpoint([name for name in whole.names if name.startswith(prefixes)],

@@ -206,7 +206,9 @@ class GroupNormPerHead(nnx.Module):
         x32 = x.astype(jnp.float32)
         mean = x32.mean(-1, keepdims=True)
         var = x32.var(-1, keepdims=True)
-        y = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).reshape(*x.shape[:-2], -1)
+        # The width spelled out, not -1: -1 cannot be inferred from an empty batch.
+        y = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).reshape(*x.shape[:-2],
+                                                                   x.shape[-2] * x.shape[-1])
         return (y * self.scale[...].astype(jnp.float32)
                 + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 

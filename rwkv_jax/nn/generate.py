@@ -38,6 +38,15 @@ from flax import nnx
 from .. import _checks as checks
 from .common import LanguageModel
 
+_FLOAT32 = np.finfo(np.float32)
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _int32_limit(count: int) -> int:
+    """A count limit as the engine stores it, an int32: larger ones (past any reachable count,
+    in effect no limit) become the largest int32 instead of wrapping."""
+    return min(count, _INT32_MAX)
+
 
 class Generation(NamedTuple):
     """``tokens[i]``: the tokens sampled for prompt ``i`` (without the stop token);
@@ -77,11 +86,17 @@ class Sampling:
             value = getattr(self, name)
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-            if not np.isfinite(float(value)):
-                raise ValueError(f"{name} must be finite, got {value!r}")
+            # The sampler runs in float32: a value beyond its range would become inf there.
+            if not abs(float(value)) <= float(_FLOAT32.max):
+                raise ValueError(f"{name} must be finite in float32 (|x| <= {_FLOAT32.max:.4g}), "
+                                 f"got {value!r}")
             object.__setattr__(self, name, float(value))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if 0 < self.temperature < float(_FLOAT32.tiny):
+            # Below float32's smallest normal number, 1 / temperature is not finite.
+            raise ValueError(f"temperature must be 0 (greedy) or >= {_FLOAT32.tiny:.4g} "
+                             f"(float32's smallest normal number), got {self.temperature}")
         if not 0 <= self.top_p <= 1:
             raise ValueError(f"top_p must be in [0, 1] (1: no nucleus cut), got {self.top_p}")
         if not 0 <= self.alpha_decay <= 1:
@@ -118,31 +133,45 @@ class Lanes(NamedTuple):
     seed: jax.Array  # uint32 scalar
 
 
-def sample_logits(logits, keys, temperature, top_p, top_k=0, *, draw=True, cut=True):
+def sample_logits(logits, keys, temperature, top_p, top_k=0, *, sample_below=None, draw=True,
+                  cut=True):
     """One token per row of ``logits [B, V]`` with the official ``rwkv`` sampler: keep the
     nucleus (the most likely tokens whose probability, at temperature 1, first reaches ``top_p``)
-    and the ``top_k`` most likely (0: all), then draw from ``probs ** (1 / temperature)``;
-    ``temperature == 0`` is greedy. ``keys``: one key, or one per row (``[B]``) for streams
+    and the ``top_k`` most likely (0 or ``>= V``: all), then draw from
+    ``probs ** (1 / temperature)``; ``temperature == 0`` is greedy. ``sample_below``: only ids
+    below it come out (None: all). ``keys``: one key, or one per row (``[B]``) for streams
     that do not depend on the other rows. ``temperature``, ``top_p``, ``top_k``: scalars or
-    ``[B]`` (traced: changing them does not recompile).
+    ``[B]`` (traced: changing them does not recompile). An id outside ``sample_below``, the
+    nucleus or the top k never comes out, whatever the logits (NaN, infinite) and the
+    temperature.
 
     ``draw=False`` promises that every row is greedy, ``cut=False`` that no row cuts (top_p 1,
     top_k 0): the work they skip (a draw over the vocabulary; sorting it) is not compiled in.
     Static flags rather than run-time branches: a branch on device values costs a device-to-host
     read of its predicate on GPUs."""
-    logits = logits.astype(jnp.float32)
     rows, vocab = logits.shape
+    ids = jnp.arange(vocab)
+    # One rule decides which ids may come out: ``allowed`` (below sample_below, inside the
+    # nucleus and the top k; the most likely allowed id always is), applied last to the very
+    # scores drawn from. The arithmetic before it runs on finite values (infinite logits, such
+    # as a penalty's overflow, are clipped to float32's range), so no value can turn a masked
+    # id's score into a NaN or a winner.
+    valid = jnp.ones((vocab,), bool) if sample_below is None else ids < sample_below
+    logits = jnp.where(valid, jnp.clip(logits.astype(jnp.float32), _FLOAT32.min, _FLOAT32.max),
+                       -jnp.inf)
     per_row = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (rows,))
     temperature = per_row(temperature, jnp.float32)
+    if isinstance(top_k, numbers.Integral):
+        top_k = _int32_limit(int(top_k))
     top_p, top_k = per_row(top_p, jnp.float32), per_row(top_k, jnp.int32)
     if jnp.ndim(keys) == 0:
         keys = jax.random.split(keys, rows)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # a NaN logit wins, if allowed
     sampling = temperature > 0
     cutting = sampling & ((top_p < 1) | ((top_k > 0) & (top_k < vocab)))
 
-    def kept(logits):
-        """Per row, the logits outside the nucleus and the top k replaced by -inf."""
+    def kept():
+        """Per row, whether each id is in the nucleus and the top k."""
         probs = jax.nn.softmax(logits, axis=-1)
         ordered = -jnp.sort(-probs, axis=-1)
         reached = jnp.cumsum(ordered, axis=-1) >= top_p[:, None]
@@ -152,14 +181,16 @@ def sample_logits(logits, keys, temperature, top_p, top_k=0, *, draw=True, cut=T
         cutoff = jnp.take_along_axis(ordered, first[:, None], axis=-1)
         kth = jnp.take_along_axis(ordered, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
         cutoff = jnp.where((top_k > 0)[:, None], jnp.maximum(cutoff, kth), cutoff)
-        return jnp.where(cutting[:, None] & (probs < cutoff), -jnp.inf, logits)
+        return ~cutting[:, None] | (probs >= cutoff)
 
     if not draw:
         return greedy
-    if cut:
-        logits = kept(logits)
+    allowed = ((valid & kept()) if cut else valid) | (ids == greedy[:, None])
+    # 1 / temperature is finite (Sampling refuses temperatures below float32's smallest normal
+    # number); a product beyond float32's range is infinite but stays inside ``allowed``.
     scaled = logits / jnp.where(sampling, temperature, 1.0)[:, None]
-    sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    scores = jnp.where(allowed, jnp.maximum(scaled, _FLOAT32.min), -jnp.inf)
+    sampled = jax.vmap(jax.random.categorical)(keys, scores).astype(jnp.int32)
     return jnp.where(sampling, sampled, greedy)
 
 
@@ -196,14 +227,11 @@ def _decode(params, pool, lanes, stop_tokens, stop_on_finish, *, graphdef, steps
     def step(carry):
         i, pool, lanes, out, finished = carry
         logits, pool = model.step(lanes.token[:, None], pool, backend=backend)
-        logits = logits[:, 0].astype(jnp.float32)
-        if sample_below is not None:  # e.g. ids a tokenizer cannot decode
-            logits = jnp.where(jnp.arange(logits.shape[-1]) < sample_below, logits, -jnp.inf)
-        logits = _penalised(logits, lanes)
+        logits = _penalised(logits[:, 0].astype(jnp.float32), lanes)
         keys = jax.vmap(lambda r, n: jax.random.fold_in(jax.random.fold_in(base, r), n))(
             lanes.request, lanes.generated)
         token = sample_logits(logits, keys, lanes.temperature, lanes.top_p, lanes.top_k,
-                              draw=draw, cut=cut)
+                              sample_below=sample_below, draw=draw, cut=cut)
         stop = jnp.any(token[:, None] == stop_tokens[None, :], axis=-1)
         emitted = lanes.active & ~stop
         generated = lanes.generated + emitted
@@ -275,6 +303,17 @@ def _positive_int(name, value):
     return value
 
 
+def _token_limit(max_new_tokens) -> int:
+    """``max_new_tokens`` checked, and as the engine counts it (see :func:`_int32_limit`)."""
+    return _int32_limit(_positive_int("max_new_tokens", max_new_tokens))
+
+
+def _check_sampling(sampling):
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling must be a Sampling, got {type(sampling).__name__} "
+                        f"{sampling!r}")
+
+
 def _bucket(n, smallest=16):
     """The padded size of ``n`` (at least ``smallest``): a multiple of an eighth of the power of
     two below it, so that few sizes ever compile and at most 1/8 is padding."""
@@ -329,8 +368,9 @@ class Generator:
         ``seed`` and ``stop_tokens`` (ids that end a request, not emitted) hold for every
         request until the next reset."""
         seed = operator.index(seed)
-        if isinstance(stop_tokens, (numbers.Integral, np.integer)):
-            stop_tokens = [stop_tokens]  # one id
+        # One id: an int, a numpy scalar, a 0-d numpy or jax array.
+        if isinstance(stop_tokens, numbers.Integral) or getattr(stop_tokens, "ndim", None) == 0:
+            stop_tokens = [stop_tokens]
         stops = sorted({self._token_id("stop_tokens", t) for t in stop_tokens})
         stops = stops + [-1] * (_bucket(len(stops), 8) - len(stops))
         width, vocab = self.max_batch, self.vocab if penalties else 0
@@ -360,15 +400,14 @@ class Generator:
         """Start ``requests`` (ids: each one's random stream) in the free ``lanes``: their
         ``prompts`` but the last token go through the sequence mode into the lanes' slots, the
         last token waits for the next :meth:`decode`. Returns the number of tokens prefilled."""
+        _check_sampling(sampling)
         if self.lanes is None:
             self.reset(penalties=sampling.penalised)
         if sampling.penalised and self.lanes.counts.shape[1] == 0:
             raise ValueError("penalties (alpha_frequency, alpha_presence) need the occurrence "
                              "counts: reset(penalties=True) first")
-        if not isinstance(sampling, Sampling):
-            raise TypeError(f"sampling must be a Sampling, got {type(sampling).__name__}")
         prompts = _check_prompts(list(prompts), self.vocab)
-        max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+        max_new_tokens = _token_limit(max_new_tokens)
         lanes = [operator.index(lane) for lane in lanes]
         if len(lanes) != len(prompts) or len(requests) != len(prompts):
             raise ValueError(f"lanes, prompts and requests must have one entry per request, got "
@@ -407,8 +446,9 @@ class Generator:
                       request=pad(np.asarray(requests, np.int32)),
                       generated=pad([0] * len(lanes)),
                       max_new=pad([max_new_tokens] * len(lanes)),
+                      top_k=pad([_int32_limit(sampling.top_k)] * len(lanes)),
                       **{name: pad([getattr(sampling, name)] * len(lanes))
-                         for name in ("temperature", "top_p", "top_k", "alpha_frequency",
+                         for name in ("temperature", "top_p", "alpha_frequency",
                                       "alpha_presence", "alpha_decay")})
         self.lanes = _admit(self.lanes, slots[:-1], fields)
         return total
@@ -440,9 +480,8 @@ class Generator:
         return ends the request there (finish "stop"), freeing its lane, e.g. when its text
         reached a stop string."""
         prompts = _check_prompts(prompts, self.vocab)
-        max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
-        if not isinstance(sampling, Sampling):
-            raise TypeError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+        max_new_tokens = _token_limit(max_new_tokens)
+        _check_sampling(sampling)
         if on_tokens is not None and not callable(on_tokens):
             raise TypeError(f"on_tokens must be callable or None, got {type(on_tokens).__name__}")
         self.reset(penalties=sampling.penalised, seed=seed, stop_tokens=stop_tokens)
