@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -128,7 +129,6 @@ class TrainStep:
         self.wkv_op = meshes.wkv_op(mesh, config.backend)
         tokens = meshes.batch_sharding(mesh)
         whole = meshes.replicated(mesh)
-        self.init = jax.jit(self._init, out_shardings=self.state_shardings)
         self.step = jax.jit(self._step, in_shardings=(self.state_shardings, tokens, tokens),
                             out_shardings=(self.state_shardings, whole), donate_argnums=0)
         self.eval_loss = jax.jit(self._eval_loss,
@@ -138,6 +138,20 @@ class TrainStep:
     def model(self, params) -> RWKV7LM:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self._state_tree,
                                                            jax.tree.leaves(params)))
+
+    def init(self):
+        """The first train state, laid out in ``state_shardings``.
+
+        Drawn by one program on the host's CPU, then placed shard by shard: compiled for a GPU,
+        the whole initialisation in one program (every layer's draws and the orthogonal LoRA
+        factors' QR decompositions) takes far longer to compile than the step itself. The draws
+        are the same on every backend and process (threefry), so each process places its own
+        shards of one state."""
+        with jax.default_device(jax.devices("cpu")[0]):
+            state = jax.jit(self._init)()
+        return jax.tree.map(
+            lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=np.asarray(x): x[i]),
+            state, self.state_shardings)
 
     def _init(self):
         params = nnx.to_pure_dict(nnx.state(self._new_model()))
