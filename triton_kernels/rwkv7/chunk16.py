@@ -97,7 +97,7 @@ def _matrices_over_key_parts(r_ptr, w_ptr, k_ptr, a_ptr, b_ptr, row_bases, rows_
         k = rows(k_ptr, row_bases, k_cols, k_in)
         a = rows(a_ptr, row_bases, k_cols, k_in)
         b = rows(b_ptr, row_bases, k_cols, k_in)
-        w = _log_decays(w_ptr, row_bases, k_cols, k_in, FLOOR)
+        w = _log_decays(w_ptr, row_bases, k_cols, k_in, FLOOR, False)
         if TAME:
             p_qk, p_qb, p_ak, p_ab = _tame_chunks(q, k, a, b, w, C, PRECISION)
         else:
