@@ -108,11 +108,12 @@ def test_nan_is_causal(backend, op, variant):
     x, _, _ = make_inputs(CAUSAL_CASES[variant], 41)
     run = _jit_vjp(op, backend)
     clean_out, clean_state, _ = jax.tree.map(lambda a: np.asarray(a, np.float64), run(x))
-    for name in (n for n in x if x[n].ndim == 4 and n != "initial_state"):
+    for name in (n for n in x if x[n].ndim >= 3 and n != "initial_state"):
         for t in CAUSAL_POSITIONS:
             label = f"{backend} {variant} {name}[t={t}]"
+            at = (0, t, 0) + (0,) * (x[name].ndim - 3)
             out, state, grads = jax.tree.map(lambda a: np.asarray(a, np.float64),
-                                             run(dict(x, **{name: x[name].at[0, t, 0, 0].set(jnp.nan)})))
+                                             run(dict(x, **{name: x[name].at[at].set(jnp.nan)})))
             read_only = name in READ_ONLY or name == "q"
             # RWKV-6's decay at t first decays the state o_{t+1} reads: o_t stays finite on the
             # sequential backends and may be NaN on the chunked ones.
@@ -139,7 +140,8 @@ def test_nan_stays_in_its_segment(backend, op, variant):
     they were, and its own segment's outputs before it."""
     cu_seqlens = np.array([0, 30, CAUSAL_STEPS], np.int32)
     case = CAUSAL_CASES[variant]
-    x, _, _ = make_inputs(dataclasses.replace(case, inputs=dict(case.inputs, batch=1, state_rows=2)), 42)
+    x, _, _ = make_inputs(dataclasses.replace(case, inputs=dict(case.inputs, batch=1,
+                                                                state_rows=2)), 42)
     run = _jit_vjp(op, backend, cu_seqlens=jnp.asarray(cu_seqlens))
     clean_out, clean_state, _ = jax.tree.map(lambda a: np.asarray(a, np.float64), run(x))
     for segment, t in ((0, 10), (1, 70)):

@@ -412,7 +412,8 @@ def _run(build, advance, tokens, h0, cu_seqlens, chunk_size, read_only=(0,)):
     """Run a chunked recurrence over ``tokens`` ([B, T, H, *] arrays whose zero padding is
     inert) from ``h0`` [N, H, K, V]. ``build`` maps one chunk of them, [B * H, C, *], to
     :class:`_Chunks`; ``read_only``: the indices of the tokens that do not feed the state
-    (the receptance or query first, by default). Returns (o [B, T, H, V], final states [N, H, K, V])."""
+    (the receptance or query first, by default). Returns (o [B, T, H, V], final states
+    [N, H, K, V])."""
     batch, steps, heads = tokens[0].shape[:3]
     if chunk_size < SUB_CHUNK or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= {SUB_CHUNK}, got {chunk_size}")
