@@ -6,7 +6,8 @@ the sequential passes."""
 import triton
 import triton.language as tl
 
-from ..common import diagonal_tile, dot, floored, level_factors_at, row_sums as _row_sums, stored
+from ..common import (diagonal_tile, dot, finite, floored, level_factors_at, nonfinite_rows,
+                      row_sums as _row_sums, stored)
 
 
 @triton.jit
@@ -26,6 +27,14 @@ def _gate_sums(raw, FLOOR: tl.constexpr):
     raw = raw.to(tl.float32)
     gate = floored(raw, FLOOR)
     return gate, tl.cumsum(gate, axis=0), tl.sum(gate, axis=0), raw >= FLOOR
+
+
+@triton.jit
+def _finite_gate(raw, FLOOR: tl.constexpr):
+    """Stored log gates raised to FLOOR, in their own dtype, with NaN and +inf as 0
+    (``finite``), and per row 1 where it held one (``nonfinite_rows``)."""
+    gate = floored(raw, FLOOR).to(raw.dtype)
+    return finite(gate), nonfinite_rows(gate)
 
 
 @triton.jit
