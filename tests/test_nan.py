@@ -70,8 +70,10 @@ def test_nan_in_any_input_comes_out_nan(backend, op, variant):
 # ------------------------------------------------------------------------------------------
 
 CAUSAL_STEPS = 80  # a second chunk on every backend (chunks of 16, 32 and 64 tokens)
-# The second chunk's inside (past a 64-token chunk's start), the first and the last position.
-CAUSAL_POSITIONS = (70, 0, CAUSAL_STEPS - 1)
+# The second chunk's inside (past a 64-token chunk's start) for every input, and the first
+# and the last position for the first and the last input (each run is a kernel call: on the
+# Triton interpreter they are what the test costs).
+MIDDLE = 70
 CAUSAL_CASES = {
     "rwkv7": small_case("rwkv7", key=KEY, steps=CAUSAL_STEPS),
     "rwkv6": small_case("rwkv6", key=KEY, steps=CAUSAL_STEPS),
@@ -88,6 +90,13 @@ def _jit_vjp(op, backend, **options):
     return run
 
 
+def _causal_positions(x):
+    """(input, position) pairs: every input with a time axis at MIDDLE, the first also at 0,
+    the last also at the last position."""
+    names = [n for n in x if x[n].ndim >= 3 and n != "initial_state"]
+    return [(n, MIDDLE) for n in names] + [(names[0], 0), (names[-1], CAUSAL_STEPS - 1)]
+
+
 def _assert_causal(label, out, clean, start, first, end=None, nan_from=None):
     """out[start:first] equals the clean run, every output in out[nan_from (default
     first):end] has a NaN ([T, V] arrays; a NaN value column of RWKV-7 or GLA may reach that
@@ -99,38 +108,54 @@ def _assert_causal(label, out, clean, start, first, end=None, nan_from=None):
     assert np.isnan(out[nan_from:end]).any(-1).all(), f"{label}: finite output at or after the NaN"
 
 
+def _check_causal(op, variant, x, run, differentiated):
+    """``run(x)`` -> (out, state[, gradients]) with a NaN in each input at each of
+    ``_causal_positions`` (row 0, head 0) against the run without it: that head's outputs before
+    t equal the clean ones, those from t on are NaN, and so is its final state; the other heads
+    and batch rows are untouched; under ``differentiated`` some gradient is NaN."""
+    as64 = lambda results: jax.tree.map(lambda a: np.asarray(a, np.float64), results)
+    clean_out, clean_state = as64(run(x))[:2]
+    for name, t in _causal_positions(x):
+        label = f"{variant} {name}[t={t}]{'' if differentiated else ' forward'}"
+        at = (0, t, 0) + (0,) * (x[name].ndim - 3)
+        results = as64(run(dict(x, **{name: x[name].at[at].set(jnp.nan)})))
+        out, state = results[:2]
+        read_only = name in READ_ONLY or name == "q"
+        # RWKV-6's decay at t first decays the state o_{t+1} reads: o_t stays finite on the
+        # sequential backends and may be NaN on the chunked ones.
+        nan_from = t + 1 if (op, name) == ("rwkv6", "w") else t
+        _assert_causal(label, out[0, :, 0], clean_out[0, :, 0], 0, t,
+                       t + 1 if read_only else None, nan_from)
+        if read_only:  # o_t alone
+            np.testing.assert_allclose(out[0, t + 1:, 0], clean_out[0, t + 1:, 0],
+                                       rtol=1e-4, atol=1e-5, err_msg=label)
+        np.testing.assert_allclose(out[1], clean_out[1], rtol=1e-4, atol=1e-5, err_msg=label)
+        np.testing.assert_allclose(out[0, :, 1], clean_out[0, :, 1], rtol=1e-4, atol=1e-5,
+                                   err_msg=label)
+        if not read_only:
+            assert np.isnan(state[0, 0]).any(), f"{label}: finite final state"
+        np.testing.assert_allclose(state[1], clean_state[1], rtol=1e-4, atol=1e-5,
+                                   err_msg=label)
+        if differentiated:
+            assert any(np.isnan(g).any() for g in results[2].values()), \
+                f"{label}: finite gradients"
+
+
 @pytest.mark.parametrize("op, variant", [(case.op, name) for name, case in CAUSAL_CASES.items()],
                          ids=list(CAUSAL_CASES))
 def test_nan_is_causal(backend, op, variant):
-    """A NaN in any input with a time axis at position t (row 0, head 0): that head's outputs
-    before t equal the run without it, those from t on are NaN, and so is its final state;
-    the other heads and batch rows are untouched; some gradient is NaN (none finite garbage)."""
+    """A NaN in any input with a time axis at position t, under jax.vjp (the training
+    kernels): ``_check_causal``."""
     x, _, _ = make_inputs(CAUSAL_CASES[variant], 41)
-    run = _jit_vjp(op, backend)
-    clean_out, clean_state, _ = jax.tree.map(lambda a: np.asarray(a, np.float64), run(x))
-    for name in (n for n in x if x[n].ndim >= 3 and n != "initial_state"):
-        for t in CAUSAL_POSITIONS:
-            label = f"{backend} {variant} {name}[t={t}]"
-            at = (0, t, 0) + (0,) * (x[name].ndim - 3)
-            out, state, grads = jax.tree.map(lambda a: np.asarray(a, np.float64),
-                                             run(dict(x, **{name: x[name].at[at].set(jnp.nan)})))
-            read_only = name in READ_ONLY or name == "q"
-            # RWKV-6's decay at t first decays the state o_{t+1} reads: o_t stays finite on the
-            # sequential backends and may be NaN on the chunked ones.
-            nan_from = t + 1 if (op, name) == ("rwkv6", "w") else t
-            _assert_causal(label, out[0, :, 0], clean_out[0, :, 0], 0, t,
-                           t + 1 if read_only else None, nan_from)
-            if read_only:  # o_t alone
-                np.testing.assert_allclose(out[0, t + 1:, 0], clean_out[0, t + 1:, 0],
-                                           rtol=1e-4, atol=1e-5, err_msg=label)
-            np.testing.assert_allclose(out[1], clean_out[1], rtol=1e-4, atol=1e-5, err_msg=label)
-            np.testing.assert_allclose(out[0, :, 1], clean_out[0, :, 1], rtol=1e-4, atol=1e-5,
-                                       err_msg=label)
-            if not read_only:
-                assert np.isnan(state[0, 0]).any(), f"{label}: finite final state"
-            np.testing.assert_allclose(state[1], clean_state[1], rtol=1e-4, atol=1e-5,
-                                       err_msg=label)
-            assert any(np.isnan(g).any() for g in grads.values()), f"{label}: finite gradients"
+    _check_causal(op, variant, x, _jit_vjp(op, backend), True)
+
+
+def test_nan_is_causal_in_a_forward_alone(backend):
+    """The same for a rwkv7 call that is not differentiated (the inference kernels: on triton
+    the 16-token forward at these head sizes)."""
+    x, _, _ = make_inputs(CAUSAL_CASES["rwkv7"], 43)
+    _check_causal("rwkv7", "rwkv7", x, jax.jit(lambda x: call_op("rwkv7", x, {}, backend)),
+                  False)
 
 
 @pytest.mark.parametrize("op, variant", [(case.op, name) for name, case in CAUSAL_CASES.items()],
