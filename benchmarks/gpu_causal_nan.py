@@ -7,7 +7,9 @@
    chunked CUDA pair at K = V in (64, 128)), float32 and bfloat16, the forward alone (the
    inference kernels) and under ``jax.vjp`` (the training kernels): outputs before t equal the
    run without the NaN, every output from t on holds a NaN, the final state too; RWKV-6 and GLA
-   on triton likewise. Prints one line per case and FAIL for any that is not causal.
+   on triton likewise. rwkv7 on triton at 2 and 80 heads: a forward alone takes the 64-token
+   kernels at few sequence-heads and the 16-token forward at many. Prints one line per case
+   and FAIL for any that is not causal; every case should print ok.
 2. ``--time``: rwkv7 forward and forward+backward medians at B=8 T=4096, H=64 K=64 and H=32
    K=128, bf16, random non-zero inputs (model-range decays), on triton and ffi. Run it once per
    source tree in one GPU session (benchmarks/gpu_causal_nan.sh) to compare before and after.
@@ -54,11 +56,12 @@ def caller(op, backend, differentiated):
 
 def check(t=70):
     failures = 0
-    cases = [("rwkv7", b, key) for b in ("triton", "ffi") for key in (64, 128)]
-    cases += [("rwkv6", "triton", 64), ("gated_linear_attention", "triton", 64)]
-    for op, backend, key in cases:
+    cases = [("rwkv7", b, key, 2) for b in ("triton", "ffi") for key in (64, 128)]
+    cases += [("rwkv7", "triton", key, 80) for key in (64, 128)]
+    cases += [("rwkv6", "triton", 64, 2), ("gated_linear_attention", "triton", 64, 2)]
+    for op, backend, key, heads in cases:
         for dtype in (jnp.float32, jnp.bfloat16):
-            x = inputs(op, 2, 160, 2, key, dtype)
+            x = inputs(op, 2, 160, heads, key, dtype)
             for differentiated in (False, True):
                 run = caller(op, backend, differentiated)
                 clean = np.asarray(run(x)[0], np.float64)  # (out, state[, grads])
@@ -74,7 +77,7 @@ def check(t=70):
                           and (read_only or np.isnan(state[0, 0]).any())
                           and np.isfinite(out[1]).all())
                     failures += not ok
-                    log(f"{'ok  ' if ok else 'FAIL'} {op} {backend} K={key} "
+                    log(f"{'ok  ' if ok else 'FAIL'} {op} {backend} K={key} H={heads} "
                         f"{jnp.dtype(dtype).name} {'vjp' if differentiated else 'forward'} "
                         f"NaN in {name}[t={t}]")
     log(f"causal NaN: {failures} failures")
