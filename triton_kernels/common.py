@@ -216,6 +216,13 @@ def finite(x):
 
 
 @triton.jit
+def nonfinite(x):
+    """Where x is NaN or infinite (elementwise): OR several tiles' before one
+    ``nonfinite_rows``-like reduction, each reduction being a trip across the tile's lanes."""
+    return x - x != 0
+
+
+@triton.jit
 def nonfinite_rows(x):
     """Per row of a [C, N] tile, 1 where it holds a non-finite element, else 0 (int32)."""
     return tl.max(tl.where(x - x == 0, 0, 1), axis=1)

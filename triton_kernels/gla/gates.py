@@ -6,8 +6,7 @@ the sequential passes."""
 import triton
 import triton.language as tl
 
-from ..common import (diagonal_tile, dot, finite, floored, level_factors_at, nonfinite_rows,
-                      row_sums as _row_sums, stored)
+from ..common import diagonal_tile, dot, floored, level_factors_at, row_sums as _row_sums, stored
 
 
 @triton.jit
@@ -30,11 +29,11 @@ def _gate_sums(raw, FLOOR: tl.constexpr):
 
 
 @triton.jit
-def _finite_gate(raw, FLOOR: tl.constexpr):
-    """Stored log gates raised to FLOOR, in their own dtype, with NaN and +inf as 0
-    (``finite``), and per row 1 where it held one (``nonfinite_rows``)."""
-    gate = floored(raw, FLOOR).to(raw.dtype)
-    return finite(gate), nonfinite_rows(gate)
+def _finite_gate(raw):
+    """Stored log gates with NaN and +inf as 0 (-inf, the floor's, kept), in their own dtype
+    (``finite``'s rule), and where they were (int32)."""
+    kept = (raw - raw == 0) | (raw < 0)
+    return tl.where(kept, raw, 0.0).to(raw.dtype), tl.where(kept, 0, 1)
 
 
 @triton.jit

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from ..common import (PREFETCH_UP_TO, clamped, diagonal_tile as _diagonal, dot, finite,
-                      floored, level_factors as _level, nonfinite_rows, rows, stored)
+                      floored, level_factors as _level, nonfinite, nonfinite_rows, rows,
+                      stored)
 from .chunks import (_inverse_unit_lower, _log_decays, _chunk_rows, _one_chunk, _state,
                      _recurrence, _chunk_bases)
 
@@ -290,8 +291,8 @@ def rwkv7_forward_kernel(
         # NaN stays causal: the rows from the chunk's first non-finite w (NaN, +inf), k, v, a
         # or b on get a NaN q~, the state leaving it a NaN e^g, and those inputs enter the
         # products as 0 (``finite``), which keeps the rows before finite.
-        poisoned = tl.cumsum(nonfinite_rows(v) | nonfinite_rows(w) | nonfinite_rows(a)
-                             | nonfinite_rows(k) | nonfinite_rows(b), axis=0) > 0
+        keys = nonfinite(w) | nonfinite(a) | nonfinite(k) | nonfinite(b)
+        poisoned = tl.cumsum(nonfinite_rows(v) | tl.max(keys.to(tl.int32), axis=1), axis=0) > 0
         v = finite(v)
         if not ROUNDED:
             v = v.to(tl.float32)
