@@ -151,16 +151,24 @@ def test_checkpoint_dtype(dtype):
         jax.block_until_ready(wrong(*inputs, h0, cu, scale=np.float32(1.0)))
 
 
-def test_nan_in_nan_out():
-    """A NaN log decay reaches the outputs of its sequence from its token on (no floor eats it);
-    the other sequence stays finite."""
-    x, _ = draw("rwkv7", seed=17, batch=2, steps=20, heads=1, key=64)
-    x["w"] = x["w"].at[0, 18, 0, 3].set(jnp.nan)
-    out, state = call("rwkv7", x, "ffi")
-    out, state = np.asarray(out), np.asarray(state)
-    assert np.isnan(out[0, 18:]).any() and np.isnan(state[0]).any()
-    assert np.isfinite(out[0, :18]).all() and np.isfinite(out[1]).all()
-    assert np.isfinite(state[1]).all()
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_nan_is_causal(dtype):
+    """A NaN in w, k, v, a or b at t = 21 (inside the second chunk) reaches the outputs of its
+    sequence and head from t on and its final state (no floor eats it), never an output before
+    t (those equal the run without it); the other sequence and head stay as they were."""
+    x, _ = draw("rwkv7", seed=17, dtype=dtype, batch=2, steps=37, heads=2, key=64)
+    run = jax.jit(lambda x: call("rwkv7", x, "ffi"))
+    clean_out, clean_state = (np.asarray(a, np.float64) for a in run(x))
+    t = 21
+    for name in "wkvab":
+        out, state = (np.asarray(a, np.float64)
+                      for a in run(dict(x, **{name: x[name].at[0, t, 0, 3].set(jnp.nan)})))
+        np.testing.assert_allclose(out[0, :t, 0], clean_out[0, :t, 0], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+        assert np.isnan(out[0, t:, 0]).any(-1).all() and np.isnan(state[0, 0]).any(), name
+        np.testing.assert_array_equal(out[1], clean_out[1], err_msg=name)
+        np.testing.assert_array_equal(out[0, :, 1], clean_out[0, :, 1], err_msg=name)
+        np.testing.assert_array_equal(state[1], clean_state[1], err_msg=name)
 
 
 def test_step_backward_through_the_chunked_kernels():
