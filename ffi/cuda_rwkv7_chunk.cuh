@@ -141,31 +141,12 @@ template <int D, typename T, int N_IN> struct Prefetch {
         v[n] = Vec16{{0u, 0u, 0u, 0u}};
     }
   }
-  // Into the tiles, with the non-finite elements of the inputs that feed the state (w, k, v, a,
-  // b; a w of -inf is the floor's) as 0 and their rows' bits set in *bad (NaN stays causal:
-  // the in-chunk products multiply later rows by 0, and 0 * NaN would spoil earlier ones; the
-  // caller makes the rows from the first such row on NaN, Block::operands).
-  template <typename Tile> __device__ void store(Tile tile, int* bad) const {
+  template <typename Tile> __device__ void store(Tile tile) const {
 #pragma unroll
     for (int n = 0; n < kCount; ++n) {
       const int g = threadIdx.x + n * kThreads<D>, q = g / kVecs, e = (g % kVecs) * kPer;
-      if (g < N_IN * kVecs) {
-        Vec16 x = v[n];
-        if (q >= 1 && q <= 5) {
-          T* elements = reinterpret_cast<T*>(&x);
-          bool any = false;
-#pragma unroll
-          for (int m = 0; m < kPer; ++m) {
-            const float f = to_f(elements[m]);
-            if (f - f != 0.f && !(q == 1 && f < 0.f)) {
-              elements[m] = from_f<T>(0.f);
-              any = true;
-            }
-          }
-          if (any) atomicOr(bad, 1 << (e / D));
-        }
-        *reinterpret_cast<Vec16*>(tile(q) + (e / D) * ld<D>() + e % D) = x;
-      }
+      if (g < N_IN * kVecs)
+        *reinterpret_cast<Vec16*>(tile(q) + (e / D) * ld<D>() + e % D) = v[n];
     }
   }
 };
@@ -178,10 +159,7 @@ template <int D, typename T, bool BACKWARD> struct Block {
   char* sm;  // the pieces at Layout's offsets: the compiler folds each address
   float scale;
 
-  // (*bad_rows() starts empty: the kernels synchronise before their first store.)
-  __device__ Block(char* sm_, float scale_) : sm(sm_), scale(scale_) {
-    if (threadIdx.x == 0) *bad_rows() = 0;
-  }
+  __device__ Block(char* sm_, float scale_) : sm(sm_), scale(scale_) {}
 
   // r, w, k, v, a, b (, dO): [C, L], rows past the chunk 0.
   __device__ T* in(int q) const { return reinterpret_cast<T*>(sm + q * Lay::tile_in); }
@@ -213,8 +191,6 @@ template <int D, typename T, bool BACKWARD> struct Block {
   __device__ float* eg() const { return mat(Lay::n_mat); }      // e^g [D]
   __device__ float* dg() const { return mat(Lay::n_mat) + D; }  // [D]
   __device__ int* tame_flag() const { return reinterpret_cast<int*>(mat(Lay::n_mat) + 2 * D); }
-  // Bit t: row t of the chunk held a non-finite w, k, v, a or b (Prefetch::store).
-  __device__ int* bad_rows() const { return tame_flag() + 1; }
   __device__ char* states() const {
     return sm + Lay::n_in * Lay::tile_in + Lay::n_op * Lay::tile_op + Lay::n_f * Lay::tile_f +
            Lay::small;
@@ -244,7 +220,7 @@ template <int D, typename T, bool BACKWARD> struct Block {
 
   // Prefetched inputs into their tiles.
   template <typename P> __device__ void store(const P& next) const {
-    next.store([this](int q) { return in(q); }, bad_rows());
+    next.store([this](int q) { return in(q); });
   }
 
   // The cumulative log decays gi of each column: the forward's in the U tile (free until
@@ -253,11 +229,9 @@ template <int D, typename T, bool BACKWARD> struct Block {
 
   // The decays, the operand tiles q~, a~, k^, b^ (and V, dO unless the inputs serve), e^g and,
   // for a tame chunk, its factored tiles q, a, k, b (f(1..4)); then the caller's `extra` stores.
-  // q~ is NaN from the chunk's first bad row (bad_rows) on, and e^g if it has one: the outputs
-  // from there on and every later state are NaN. Ends synchronised, bad_rows emptied.
+  // Ends synchronised.
   template <typename Extra> __device__ void operands(const Extra& extra) {
     const int j = threadIdx.x;
-    const unsigned bad = *bad_rows();
     // gi and e^g. Tame: every column's total >= -kTameSum (a NaN total makes the chunk exact).
     float* gi = this->gi();
     bool tame_col = true;
@@ -267,7 +241,7 @@ template <int D, typename T, bool BACKWARD> struct Block {
         run += w_(t, j);
         gi[t * L + j] = run;
       }
-      eg()[j] = bad ? __int_as_float(0x7fc00000) : expf(run);
+      eg()[j] = expf(run);
       tame_col = run >= -kTameSum;
     }
     const bool tame = __syncthreads_and(tame_col);
@@ -284,8 +258,7 @@ template <int D, typename T, bool BACKWARD> struct Block {
       if (tame) to_end = gi[(C - 1) * L + x] - g_t;
       else for (int s = C - 1; s > t; --s) to_end += w_(s, x);
       const float f_end = expf(to_end);
-      op(0)[e] = from_f<Op>((bad & ((2u << t) - 1)) ? __int_as_float(0x7fc00000)
-                                                    : q_(t, x) * expf(g_t));
+      op(0)[e] = from_f<Op>(q_(t, x) * expf(g_t));
       op(1)[e] = from_f<Op>(a_(t, x) * expf(ge));
       op(2)[e] = from_f<Op>(k_(t, x) * f_end);
       op(3)[e] = from_f<Op>(b_(t, x) * f_end);
@@ -303,7 +276,6 @@ template <int D, typename T, bool BACKWARD> struct Block {
     }
     extra();
     __syncthreads();
-    if (j == 0) *bad_rows() = 0;  // (the next store follows a barrier)
   }
 
   // Entry e of in-chunk matrix q (A_qk, A_qb, A_ak, A_ab) made ready for tensor cores: 0 past

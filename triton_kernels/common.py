@@ -208,27 +208,6 @@ def floored(gate, FLOOR: tl.constexpr):
 
 
 @triton.jit
-def finite(x):
-    """x with its non-finite elements replaced by 0 (``x - x`` is 0 exactly when x is finite).
-    For the operands of in-chunk products that mask or decay later rows by 0, where a NaN row
-    would spoil earlier outputs (0 * NaN); the caller makes the rows it reaches NaN itself."""
-    return tl.where(x - x == 0, x, 0.0).to(x.dtype)
-
-
-@triton.jit
-def nonfinite(x):
-    """Where x is NaN or infinite (elementwise): OR several tiles' before one
-    ``nonfinite_rows``-like reduction, each reduction being a trip across the tile's lanes."""
-    return x - x != 0
-
-
-@triton.jit
-def nonfinite_rows(x):
-    """Per row of a [C, N] tile, 1 where it holds a non-finite element, else 0 (int32)."""
-    return tl.max(tl.where(x - x == 0, 0, 1), axis=1)
-
-
-@triton.jit
 def gate_tile(raw, FLOOR: tl.constexpr):
     """bfloat16 log gates raised to FLOOR (``floored``), still bfloat16 (FLOOR is one)."""
     return floored(raw.to(tl.float32), FLOOR).to(tl.bfloat16)

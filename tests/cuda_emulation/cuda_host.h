@@ -46,7 +46,6 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
   emu_warp_barrier[warp]->arrive_and_wait();
   return r;
 }
-inline int atomicOr(int* address, int value) { return std::atomic_ref<int>(*address).fetch_or(value); }
 inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
 struct __nv_bfloat16 { uint16_t bits; };
 using __half = _Float16;

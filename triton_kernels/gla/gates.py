@@ -29,14 +29,6 @@ def _gate_sums(raw, FLOOR: tl.constexpr):
 
 
 @triton.jit
-def _finite_gate(raw):
-    """Stored log gates with NaN and +inf as 0 (-inf, the floor's, kept), in their own dtype
-    (``finite``'s rule), and where they were (int32)."""
-    kept = (raw - raw == 0) | (raw < 0)
-    return tl.where(kept, raw, 0.0).to(raw.dtype), tl.where(kept, 0, 1)
-
-
-@triton.jit
 def _log_gate(ptr, off, mask, HAS: tl.constexpr, FLOOR: tl.constexpr, C: tl.constexpr,
               BLOCK: tl.constexpr):
     """A chunk's log gates (``_gate_sums``)."""

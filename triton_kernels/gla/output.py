@@ -3,9 +3,8 @@
 import triton
 import triton.language as tl
 
-from ..common import (diagonal_tile, dot, finite, gate_tile as _gate_tile, nonfinite, rows,
-                      stored)
-from .gates import (_finite_gate, _gate_sums, _middle_by_product, _middle_factors, _raw_gate,
+from ..common import diagonal_tile, dot, gate_tile as _gate_tile, rows, stored
+from .gates import (_gate_sums, _log_gate, _middle_by_product, _middle_factors, _raw_gate,
                     _read_by_product, _strictly_lower, _value_mixes)
 from .scores import _scores_offsets
 from .tiles import _chunk_program, _state_tile, _tile
@@ -31,13 +30,7 @@ def gla_output_kernel(
     Otherwise they are read from ``scores`` (gla_scores_kernel, exact). ROUNDED (bfloat16
     inputs): the decayed q and the scores rounded to the inputs' type, so that their products
     with the stored states and v take 16-bit operands. SUMS_BY_PRODUCT (bfloat16 gates): the
-    key gates' sums as products (``_read_by_product``, ``_middle_by_product``).
-
-    NaN stays causal: the in-chunk products multiply later rows by 0 (masks, decays), so the
-    chunk's non-finite k, v, key gates (NaN, +inf; -inf is the floor's) and value gates enter
-    them as 0 (``finite``) and the outputs from its first such row on are made NaN; the state
-    pass carries the NaN to later chunks. (On the exact path k is not loaded here: its NaN
-    reaches the rows from its own on through the scores, whose pairs i > t are not read.)"""
+    key gates' sums as products (``_read_by_product``, ``_middle_by_product``)."""
     slot, head, v_block, used, first, step, count = _chunk_program(
         cu_ptr, state_index_ptr, slot_sequence_ptr, ROWS, C, REVERSE, (V + BV - 1) // BV,
         BLOCKS_FASTEST)
@@ -45,7 +38,6 @@ def gla_output_kernel(
     v_base, v_off, v_in = _tile(first, step, count, head, v_cols, HEADS, V, BV, C)
     t = tl.arange(0, C)
     o = tl.zeros([C, BV], tl.float32)
-    bad = tl.zeros([C], tl.int32)  # rows with a non-finite k, v or gate (one max per tile)
     if TAME:
         scores = tl.zeros([C, C], tl.float32)
         diagonal = tl.zeros([C], tl.float32)
@@ -53,19 +45,15 @@ def gla_output_kernel(
         k_cols = block * BK + tl.arange(0, BK)
         k_base, k_off, k_in = _tile(first, step, count, head, k_cols, HEADS, K, BK, C)
         q = rows(q_ptr, k_base, k_off, k_in) * scale
-        bad_keys = tl.zeros([C, BK], tl.int32)
         if TAME:
             k = rows(k_ptr, k_base, k_off, k_in)
-            bad_keys |= nonfinite(k).to(tl.int32)
-            k = finite(k)
             if BONUS:
                 u = tl.load(u_ptr + head * K + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
                 diagonal += tl.sum(q * u[None, :] * k, axis=1)
             else:
                 diagonal += tl.sum(q * k, axis=1)
         if HAS_A:
-            raw, bad_gates = _finite_gate(_raw_gate(a_ptr + k_base, k_off, k_in, True, C, BK))
-            bad_keys |= bad_gates
+            raw = _raw_gate(a_ptr + k_base, k_off, k_in, True, C, BK)
             if SUMS_BY_PRODUCT and raw.dtype == tl.bfloat16:
                 gate = _gate_tile(raw, FLOOR)
                 read = _read_by_product(gate, BONUS, C)
@@ -81,7 +69,6 @@ def gla_output_kernel(
             q = q * tl.exp(read)
         elif TAME:
             scores = dot(q, tl.trans(k), scores, PRECISION)
-        bad |= tl.max(bad_keys, axis=1)
         state, block_off, state_mask = _state_tile(slot, head, k_cols, v_cols, HEADS, K, V, BK,
                                                    BV)
         h = stored(states_ptr + state, block_off, state_mask & used)
@@ -93,19 +80,13 @@ def gla_output_kernel(
             scores_ptr + _scores_offsets(slot, head, t[:, None], t[None, :], HEADS, C),
             mask=(t[:, None] >= t[None, :]) & used, other=0.0)
     v = stored(v_ptr + v_base, v_off, v_in)
-    bad_values = nonfinite(v).to(tl.int32)
-    v = finite(v)
     if HAS_B:
         v = v.to(tl.float32)
-        raw, bad_gates = _finite_gate(_raw_gate(b_ptr + v_base, v_off, v_in, True, C, BV))
-        bad_values |= bad_gates
-        b, B, _, _ = _gate_sums(raw, FLOOR)
+        b, B, _, _ = _log_gate(b_ptr + v_base, v_off, v_in, True, FLOOR, C, BV)
         mixed, _ = _value_mixes(scores, v, v, b, C, LEVELS, PRECISION)
         diagonal = t[:, None] == t[None, :]
         o = (o * tl.exp(B) + mixed
              + tl.sum(tl.where(diagonal, scores, 0.0), axis=1)[:, None] * v)
     else:
         o = dot(scores.to(v.dtype) if ROUNDED else scores, v, o, PRECISION)
-    bad |= tl.max(bad_values, axis=1)
-    o = tl.where(tl.cumsum(bad, axis=0)[:, None] > 0, float("nan"), o)
     tl.store(o_ptr + v_base + v_off, o.to(o_ptr.dtype.element_ty), mask=v_in)

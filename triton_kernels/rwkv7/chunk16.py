@@ -20,9 +20,8 @@ slot in the in-chunk buffer.
 import triton
 import triton.language as tl
 
-from ..common import (PREFETCH_UP_TO, clamped, diagonal_tile as _diagonal, dot, finite,
-                      floored, level_factors as _level, nonfinite, nonfinite_rows, rows,
-                      stored)
+from ..common import (PREFETCH_UP_TO, clamped, diagonal_tile as _diagonal, dot, floored,
+                      level_factors as _level, rows, stored)
 from .chunks import (_inverse_unit_lower, _log_decays, _chunk_rows, _one_chunk, _state,
                      _recurrence, _chunk_bases)
 
@@ -87,9 +86,7 @@ def _matrices_over_key_parts(r_ptr, w_ptr, k_ptr, a_ptr, b_ptr, row_bases, rows_
                              PRECISION: tl.constexpr, TAME: tl.constexpr):
     """A_qk, A_qb, A_ak, A_ab summed over the K columns KI at a time (fewer registers), from
     rows at ``row_bases`` ([C, 1], or [G, C, 1] for G tame chunks): ``_tame_chunks`` or, for
-    the exact path, ``_in_chunk``. Non-finite w, k, a, b enter as 0 (``finite``: the products
-    multiply later rows by 0, and 0 * NaN would spoil earlier ones); the forward makes the
-    rows they reach NaN."""
+    the exact path, ``_in_chunk``."""
     for part in tl.static_range(BK // KI):
         k_cols = part * KI + tl.arange(0, KI)
         if K % KI == 0:
@@ -97,10 +94,10 @@ def _matrices_over_key_parts(r_ptr, w_ptr, k_ptr, a_ptr, b_ptr, row_bases, rows_
         else:
             k_in = rows_in & (k_cols < K)
         q = rows(r_ptr, row_bases, k_cols, k_in) * scale
-        k = finite(rows(k_ptr, row_bases, k_cols, k_in))
-        a = finite(rows(a_ptr, row_bases, k_cols, k_in))
-        b = finite(rows(b_ptr, row_bases, k_cols, k_in))
-        w = _log_decays(w_ptr, row_bases, k_cols, k_in, FLOOR, True)
+        k = rows(k_ptr, row_bases, k_cols, k_in)
+        a = rows(a_ptr, row_bases, k_cols, k_in)
+        b = rows(b_ptr, row_bases, k_cols, k_in)
+        w = _log_decays(w_ptr, row_bases, k_cols, k_in, FLOOR)
         if TAME:
             p_qk, p_qb, p_ak, p_ab = _tame_chunks(q, k, a, b, w, C, PRECISION)
         else:
@@ -287,29 +284,20 @@ def rwkv7_forward_kernel(
                 c, chunks, start, end, first_chunk_slot, r_ptr, w_ptr, k_ptr, v_ptr, a_ptr,
                 b_ptr, matrices_ptr, head, k_tile, k_cols_in, v_tile, v_cols_in, HEADS, K, V, C,
                 CHUNK_SLOTS)
-        w = floored(w.to(tl.float32), FLOOR)
-        # NaN stays causal: the rows from the chunk's first non-finite w (NaN, +inf), k, v, a
-        # or b on get a NaN q~, the state leaving it a NaN e^g, and those inputs enter the
-        # products as 0 (``finite``), which keeps the rows before finite.
-        keys = nonfinite(w) | nonfinite(a) | nonfinite(k) | nonfinite(b)
-        poisoned = tl.cumsum(nonfinite_rows(v) | tl.max(keys.to(tl.int32), axis=1), axis=0) > 0
-        v = finite(v)
         if not ROUNDED:
             v = v.to(tl.float32)
-        w = finite(w)
-        a = finite(a.to(tl.float32))
+        w = floored(w.to(tl.float32), FLOOR)
+        a = a.to(tl.float32)
         q = q.to(tl.float32) * scale
-        k = finite(k.to(tl.float32))
-        b = finite(b.to(tl.float32))
+        k = k.to(tl.float32)
+        b = b.to(tl.float32)
         gi, ge, g_end, to_end = _decays(w, 0)
-        g_end = tl.where(tl.max(poisoned.to(tl.int32), axis=0) > 0, float("nan"), g_end)
         # X = A_ak V + a~ H, U = (I - A_ab)^-1 X, O = q~ H + A_qk V + A_qb U (V as stored:
         # ``_against``).
         x = tl.dot(a * tl.exp(ge), h, dot(_against(A_ak, v, ROUNDED), v, None, PRECISION),
                    input_precision=PRECISION)
         u = tl.dot(inverse, x, input_precision=PRECISION)
-        o = tl.dot(tl.where(poisoned[:, None], float("nan"), q * tl.exp(gi)), h,
-                   input_precision=PRECISION)
+        o = tl.dot(q * tl.exp(gi), h, input_precision=PRECISION)
         o = dot(_against(A_qk, v, ROUNDED), v, o, PRECISION)
         o = tl.dot(A_qb, u, o, input_precision=PRECISION)
         tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)

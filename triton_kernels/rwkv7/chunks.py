@@ -7,8 +7,8 @@ triangular inverse of a block, and the layout of the buffers between the 64-toke
 import triton
 import triton.language as tl
 
-from ..common import (chunk_tiles, clamped, clamped_rows, dot, finite, floored, gate_tile,
-                      in_range, program, row_bases, row_sums, rows, stored)
+from ..common import (chunk_tiles, clamped, clamped_rows, dot, floored, gate_tile, in_range,
+                      program, row_bases, row_sums, rows, stored)
 
 
 @triton.jit
@@ -30,14 +30,10 @@ def _inverse_unit_lower(lower, C: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _log_decays(w_ptr, base, tile, mask, FLOOR: tl.constexpr, FINITE: tl.constexpr):
+def _log_decays(w_ptr, base, tile, mask, FLOOR: tl.constexpr):
     """A chunk's log decays, raised to FLOOR (e^FLOOR is 0 in float32: no result changes, and
-    cumulative sums stay finite and precise, with no -inf - -inf); NaN and +inf replaced by 0
-    (``finite``) if FINITE."""
-    w = floored(rows(w_ptr, base, tile, mask), FLOOR)
-    if FINITE:
-        w = finite(w)
-    return w
+    cumulative sums stay finite and precise, with no -inf - -inf)."""
+    return floored(rows(w_ptr, base, tile, mask), FLOOR)
 
 
 @triton.jit
@@ -210,18 +206,16 @@ def _k_part(part, base, rows_in, steps, HEADS: tl.constexpr, K: tl.constexpr,
 
 @triton.jit
 def _wy_log_decay_sums(w_ptr, base, tile, mask, FLOOR: tl.constexpr, C: tl.constexpr,
-                       FROM_MIDDLE: tl.constexpr, FINITE: tl.constexpr):
+                       FROM_MIDDLE: tl.constexpr):
     """A chunk's [C, KI] log decays (``_log_decays``, float32) and two sums of them per row:
     gi_t - m (the inclusive sums less the middle row's, ``_middle``) if FROM_MIDDLE, else gi_t
     and g - gi_t (the sum after row t, summed from the chunk's end rather than subtracted:
     precise where gi is large). For bfloat16 decays as exact products (``row_sums``: no scans
-    across the tile's rows), else by scans. NaN and +inf decays are 0 (``finite``) if FINITE."""
+    across the tile's rows), else by scans."""
     raw = stored(w_ptr + base, tile, mask)
     index = tl.arange(0, C)
     if raw.dtype == tl.bfloat16:
         w = gate_tile(raw, FLOOR)
-        if FINITE:
-            w = finite(w)
         if FROM_MIDDLE:
             minus = (index[None, :] <= C // 2 - 1) & (index[:, None] >= 0)  # (every row)
             after = w.to(tl.float32)  # (not used)
@@ -230,8 +224,6 @@ def _wy_log_decay_sums(w_ptr, base, tile, mask, FLOOR: tl.constexpr, C: tl.const
             after = row_sums(w, index[None, :] > index[:, None], False)
         return w.to(tl.float32), row_sums(w, index[None, :] <= index[:, None], minus), after
     w = floored(raw.to(tl.float32), FLOOR)
-    if FINITE:
-        w = finite(w)
     gi = tl.cumsum(w, axis=0)
     if FROM_MIDDLE:
         return w, gi - _middle(gi, 0, C), w  # (the last not used)

@@ -4,21 +4,10 @@
 import triton
 import triton.language as tl
 
-from ..common import (dot, finite, in_range, level_factors as _level, nonfinite_rows, rows)
+from ..common import (dot, in_range, level_factors as _level, rows)
 from .chunks import (_inverse_unit_lower, _log_decays, _one_chunk, _wy_matrix, _wy_load,
                      _wy_store, _k_part, _wy_log_decay_sums, _wy_decay, WY_A_QK, WY_A_QB, WY_A_AK,
                      WY_T)
-
-
-@triton.jit
-def _x_rows(x_ptr, base, tile, mask, STRICT: tl.constexpr):
-    """The rows of x in ``_wy_pairs``: a (STRICT, it feeds the state) with its non-finite
-    elements 0 (``finite``; ``_wy_queries`` makes the rows they reach NaN), q as loaded (a NaN
-    in q reaches its own row of the outputs alone)."""
-    x = rows(x_ptr, base, tile, mask)
-    if STRICT:
-        x = finite(x)
-    return x
 
 
 @triton.jit
@@ -49,16 +38,16 @@ def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.con
     if TAME:
         for part in tl.static_range((K + KI - 1) // KI):
             part_base, tile, mask = _k_part(part, base, rows_in, index, HEADS, K, KI)
-            w, relative, _ = _wy_log_decay_sums(w_ptr, part_base, tile, mask, FLOOR, C, True, True)
-            x_f = _x_rows(x_ptr, part_base, tile, mask, STRICT) * x_scale
+            w, relative, _ = _wy_log_decay_sums(w_ptr, part_base, tile, mask, FLOOR, C, True)
+            x_f = rows(x_ptr, part_base, tile, mask) * x_scale
             if STRICT:
                 x_f = x_f * tl.exp(relative - w)
             else:
                 x_f = x_f * tl.exp(relative)
             column = tl.exp(-relative)
-            xy = tl.dot(x_f, tl.trans(finite(rows(y_ptr, part_base, tile, mask)) * column), xy,
+            xy = tl.dot(x_f, tl.trans(rows(y_ptr, part_base, tile, mask) * column), xy,
                         input_precision=PRECISION)
-            xz = tl.dot(x_f, tl.trans(finite(rows(z_ptr, part_base, tile, mask)) * column), xz,
+            xz = tl.dot(x_f, tl.trans(rows(z_ptr, part_base, tile, mask) * column), xz,
                         input_precision=PRECISION)
         # tl.where, not a multiplication: the entries dropped (i > t) are no factors of the math
         # and may be large (up to e^64).
@@ -79,10 +68,10 @@ def _wy_pairs(x_ptr, y_ptr, z_ptr, w_ptr, base, rows_in, x_scale, STRICT: tl.con
         on_z = tl.zeros([BLOCKS, BLOCK, BLOCK], tl.float32)
         for part in tl.static_range((K + KI - 1) // KI):
             part_base, tile, mask = _k_part(part, base, rows_in, index, HEADS, K, KI)
-            w = _log_decays(w_ptr, part_base, tile, mask, FLOOR, True)
-            x = _x_rows(x_ptr, part_base, tile, mask, STRICT) * x_scale
-            y = finite(rows(y_ptr, part_base, tile, mask))
-            z = finite(rows(z_ptr, part_base, tile, mask))
+            w = _log_decays(w_ptr, part_base, tile, mask, FLOOR)
+            x = rows(x_ptr, part_base, tile, mask) * x_scale
+            y = rows(y_ptr, part_base, tile, mask)
+            z = rows(z_ptr, part_base, tile, mask)
             # Inclusive and reverse exclusive sums inside each block, every one <= 0.
             blocks = tl.reshape(w, [BLOCKS, BLOCK, KI])
             inclusive = tl.reshape(tl.cumsum(blocks, axis=1), w.shape)
@@ -197,8 +186,8 @@ def _wy_transform(a_ptr, k_ptr, b_ptr, w_ptr, v_ptr, wy_ptr, u0_ptr, matrices_pt
     # W = T a~, a~ = a e^ge (per K column: ge is a cumulative sum down the chunk, <= 0).
     for part in tl.static_range((K + KI - 1) // KI):
         part_base, k_tile, k_in = _k_part(part, k_base, rows_in, steps, HEADS, K, KI)
-        w, gi, _ = _wy_log_decay_sums(w_ptr, part_base, k_tile, k_in, FLOOR, C, False, True)
-        decayed = finite(rows(a_ptr, part_base, k_tile, k_in)) * tl.exp(gi - w)
+        w, gi, _ = _wy_log_decay_sums(w_ptr, part_base, k_tile, k_in, FLOOR, C, False)
+        decayed = rows(a_ptr, part_base, k_tile, k_in) * tl.exp(gi - w)
         _wy_store(wy_ptr + part_base, k_tile, tl.dot(inverse, decayed, input_precision=PRECISION),
                   k_in)
     # U0 = T (A_ak V) = (T A_ak) V: one [C, C] product, then one per part of V. A_ak read back
@@ -210,65 +199,33 @@ def _wy_transform(a_ptr, k_ptr, b_ptr, w_ptr, v_ptr, wy_ptr, u0_ptr, matrices_pt
         v_cols = part * VI + tl.arange(0, VI)
         v_in = rows_in & (v_cols < V)[None, :]
         v_tile = steps[:, None] * (HEADS * V) + v_cols[None, :]
-        u0 = tl.dot(inverse_ak, finite(rows(v_ptr, v_base, v_tile, v_in)),
-                    input_precision=PRECISION)
+        u0 = tl.dot(inverse_ak, rows(v_ptr, v_base, v_tile, v_in), input_precision=PRECISION)
         _wy_store(u0_ptr + v_base, v_tile, u0, v_in)
 
 
 @triton.jit
-def _wy_poisoned(w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, steps, rows_in, k_base, v_base,
-                 HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                 KI: tl.constexpr, VI: tl.constexpr, FLOOR: tl.constexpr):
-    """[C] int32: 1 from the chunk's first row with a non-finite w (NaN or +inf: -inf is the
-    floor), k, v, a or b on, else 0. Those inputs' non-finite elements enter the in-chunk
-    products as 0 (``finite``), which keeps the rows before finite; the rows from here on and
-    the state leaving the chunk are made NaN through q~ and e^g."""
-    bad = tl.zeros([steps.shape[0]], tl.int32)
-    for part in tl.static_range((K + KI - 1) // KI):
-        part_base, k_tile, k_in = _k_part(part, k_base, rows_in, steps, HEADS, K, KI)
-        bad |= nonfinite_rows(_log_decays(w_ptr, part_base, k_tile, k_in, FLOOR, False))
-        for x_ptr in tl.static_range(3):
-            bad |= nonfinite_rows(rows((k_ptr, a_ptr, b_ptr)[x_ptr], part_base, k_tile, k_in))
-    for part in tl.static_range(BV // VI):
-        v_cols = part * VI + tl.arange(0, VI)
-        v_tile = steps[:, None] * (HEADS * V) + v_cols[None, :]
-        bad |= nonfinite_rows(rows(v_ptr, v_base, v_tile, rows_in & (v_cols < V)[None, :]))
-    return tl.cumsum(bad, axis=0) > 0
-
-
-@triton.jit
-def _wy_queries(r_ptr, k_ptr, v_ptr, a_ptr, b_ptr, w_ptr, matrices_ptr, qd_ptr, kd_ptr, bd_ptr,
-                decay_ptr, slot, head, used, steps, rows_in, k_base, v_base, scale,
-                HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, KI: tl.constexpr, VI: tl.constexpr, C: tl.constexpr,
+def _wy_queries(r_ptr, k_ptr, b_ptr, w_ptr, matrices_ptr, qd_ptr, kd_ptr, bd_ptr, decay_ptr,
+                slot, head, used, steps, rows_in, k_base, scale, HEADS: tl.constexpr,
+                K: tl.constexpr, BK: tl.constexpr, KI: tl.constexpr, C: tl.constexpr,
                 FLOOR: tl.constexpr, TAME: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_LEVELS: tl.constexpr):
     """A chunk's A_qk and A_qb, stored; then the decayed rows the later kernels read instead of
     the decays, q~ = q e^gi, k^ = k e^(g - gi), b^ = b e^(g - gi) and e^g (every factor <= 1),
-    when no [C, C] tile is live (beside T they spilled 40-68 B, sm_90 4 warps). q~ is NaN in
-    the rows from the chunk's first non-finite input on, and e^g is NaN if the chunk has one
-    (``_wy_poisoned``): the outputs from there on and every later state are NaN."""
+    when no [C, C] tile is live (beside T they spilled 40-68 B, sm_90 4 warps)."""
     A_qk, A_qb = _wy_pairs(r_ptr, k_ptr, b_ptr, w_ptr, k_base, rows_in, scale, False, TAME,
                            HEADS, K, BK, KI, C, BLOCK_LEVELS, FLOOR, PRECISION)
     _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_A_QK, HEADS, C, False), 0, A_qk, used)
     _wy_store(_wy_matrix(matrices_ptr, slot, head, WY_A_QB, HEADS, C, False), 0, A_qb, used)
-    poisoned = _wy_poisoned(w_ptr, k_ptr, v_ptr, a_ptr, b_ptr, steps, rows_in, k_base, v_base,
-                            HEADS, K, V, BV, KI, VI, FLOOR)
     for part in tl.static_range((K + KI - 1) // KI):
         part_base, k_tile, k_in = _k_part(part, k_base, rows_in, steps, HEADS, K, KI)
-        w, gi, after = _wy_log_decay_sums(w_ptr, part_base, k_tile, k_in, FLOOR, C, False, True)
-        qd = rows(r_ptr, part_base, k_tile, k_in) * (scale * tl.exp(gi))
-        _wy_store(qd_ptr + part_base, k_tile, tl.where(poisoned[:, None], float("nan"), qd),
-                  k_in)
+        w, gi, after = _wy_log_decay_sums(w_ptr, part_base, k_tile, k_in, FLOOR, C, False)
+        _wy_store(qd_ptr + part_base, k_tile,
+                  rows(r_ptr, part_base, k_tile, k_in) * (scale * tl.exp(gi)), k_in)
         after = tl.exp(after)
-        _wy_store(kd_ptr + part_base, k_tile,
-                  finite(rows(k_ptr, part_base, k_tile, k_in)) * after, k_in)
-        _wy_store(bd_ptr + part_base, k_tile,
-                  finite(rows(b_ptr, part_base, k_tile, k_in)) * after, k_in)
+        _wy_store(kd_ptr + part_base, k_tile, rows(k_ptr, part_base, k_tile, k_in) * after, k_in)
+        _wy_store(bd_ptr + part_base, k_tile, rows(b_ptr, part_base, k_tile, k_in) * after, k_in)
         k_cols = part * KI + tl.arange(0, KI)
-        decay = tl.where(tl.max(poisoned.to(tl.int32), axis=0) > 0, float("nan"),
-                         tl.exp(tl.sum(w, axis=0)))
-        tl.store(_wy_decay(decay_ptr, slot, head, HEADS, K, k_cols), decay,
+        tl.store(_wy_decay(decay_ptr, slot, head, HEADS, K, k_cols), tl.exp(tl.sum(w, axis=0)),
                  mask=in_range(k_cols, K, KI) & used)
 
 
@@ -313,6 +270,6 @@ def rwkv7_wy_kernel(
                       C, LEVELS, FLOOR, TAME, PRECISION, INVERSE_PRECISION, BLOCK_LEVELS,
                       RESIDUALS)
     else:
-        _wy_queries(r_ptr, k_ptr, v_ptr, a_ptr, b_ptr, w_ptr, matrices_ptr, qd_ptr, kd_ptr,
-                    bd_ptr, decay_ptr, slot, head, used, steps, rows_in, k_base, v_base, scale,
-                    HEADS, K, V, BK, BV, KI, VI, C, FLOOR, TAME, PRECISION, BLOCK_LEVELS)
+        _wy_queries(r_ptr, k_ptr, b_ptr, w_ptr, matrices_ptr, qd_ptr, kd_ptr, bd_ptr, decay_ptr,
+                    slot, head, used, steps, rows_in, k_base, scale, HEADS, K, BK, KI, C, FLOOR,
+                    TAME, PRECISION, BLOCK_LEVELS)

@@ -231,9 +231,9 @@ def rwkv7_wy_key_gradient_kernel(
     # (The decays' sums as products for bfloat16 w, ``_wy_log_decay_sums``, and the K-side
     # tiles loaded once: each scan, reduction or reload is a trip through shared memory. sm_90,
     # K=128, 4 warps, tame: 57 -> 41 barriers, 3264 -> 2752 SASS instructions.)
-    w, gi, to_end = _wy_log_decay_sums(w_ptr, k_base, k_tile, k_in, FLOOR, C, False, False)
+    w, gi, to_end = _wy_log_decay_sums(w_ptr, k_base, k_tile, k_in, FLOOR, C, False)
     if TAME:
-        _, centered, _ = _wy_log_decay_sums(w_ptr, k_base, k_tile, k_in, FLOOR, C, True, False)
+        _, centered, _ = _wy_log_decay_sums(w_ptr, k_base, k_tile, k_in, FLOOR, C, True)
     else:
         centered = w  # (not read)
     q = rows(r_ptr, k_base, k_tile, k_in) * scale

@@ -4,17 +4,14 @@ of every chunk at once from the states the state pass saved (``rwkv7_wy_output_k
 import triton
 import triton.language as tl
 
-from ..common import (dot, finite, stored)
+from ..common import (dot, stored)
 from .chunks import (_state, _wy_load, _wy_chunk_program, WY_A_QK, WY_A_QB)
 
 
 @triton.jit
 def _wy_outputs(o, v, u, matrices_ptr, slot, used, head, o_ptr, v_base, v_tile, v_in,
                 HEADS: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
-    """O = o + A_qk V + A_qb U stored in o's rows (o: q~ H), one [C, C] matrix live at a time.
-    V's non-finite elements enter A_qk V as 0 (``finite``): the rows they reach are NaN through
-    q~ (``rwkv7_wy_kernel``), and the rows before stay finite."""
-    v = finite(v)
+    """O = o + A_qk V + A_qb U stored in o's rows (o: q~ H), one [C, C] matrix live at a time."""
     o = dot(_wy_load(matrices_ptr, slot, used, head, WY_A_QK, HEADS, C, False), v, o, PRECISION)
     o = dot(_wy_load(matrices_ptr, slot, used, head, WY_A_QB, HEADS, C, False), u, o, PRECISION)
     tl.store(o_ptr + v_base + v_tile, o.to(o_ptr.dtype.element_ty), mask=v_in)
