@@ -67,10 +67,10 @@ def test_nan_in_any_input_comes_out_nan(backend, op, variant):
 
 # ------------------------------------------------------------------------------------------
 # Causality: a NaN at position t spoils outputs from t on, never before, in its own sequence —
-# on every backend but triton, whose in-chunk products take the NaN row with a zero weight
-# (0 * NaN): there it spoils outputs from the start of its chunk of 64 tokens (16 in the rwkv7
-# forward alone) on, never further back. (Keeping it causal inside the kernels cost the GPU
-# training path a fifth of its time: BENCHMARKS.md.)
+# on the sequential backends. The chunked ones (chunked, triton) take the NaN row into their
+# in-chunk products with zero weights (0 * NaN), so there it spoils outputs from the start of its
+# chunk on, never further back and never another head, row or segment. (Keeping it causal
+# inside the chunks cost the GPU training path a fifth of its time: BENCHMARKS.md.)
 # ------------------------------------------------------------------------------------------
 
 CAUSAL_STEPS = 80  # a second chunk on every backend (chunks of 16, 32 and 64 tokens)
@@ -84,15 +84,14 @@ CAUSAL_CASES = {
     "gla": small_case("gated_linear_attention", key=KEY, steps=CAUSAL_STEPS,
                       gates=("g", "gk", "gv")),
 }
-
-
-TRITON_CHUNK = 64  # the longest chunk of triton's kernels: how far back a NaN may reach there
+# The longest chunk of each chunked backend: how far back a NaN may reach there.
+CHUNK = {"chunked": 32, "triton": 64}
 
 
 def _clean_before(backend, t, start=0):
     """The first position at or after which a NaN at ``t`` (in a sequence or segment that
     begins at ``start``, where chunks begin too) may spoil outputs on ``backend``."""
-    return t - (t - start) % TRITON_CHUNK if backend == "triton" else t
+    return t - (t - start) % CHUNK[backend] if backend in CHUNK else t
 
 
 def _jit_vjp(op, backend, **options):

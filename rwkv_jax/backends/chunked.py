@@ -355,34 +355,12 @@ def _packing(cu_seqlens, steps, chunk):
                     first_chunk + seg_chunks - 1, lengths > 0)
 
 
-def _nan_where(flag):
-    """NaN where ``flag``, else 1: a factor that makes a result NaN without cutting its
-    gradient (a ``where`` would, leaving finite gradients for a NaN input)."""
-    return jnp.where(flag, jnp.nan, 1.0)
-
-
-def _causal_nan(tokens, read_only):
-    """NaN stays causal inside a chunk (DESIGN.md, numerical contract): a non-finite element
-    of an input that feeds the state (every token but those at ``read_only`` indices) is
-    replaced by 0, so the in-chunk products, which multiply later rows by 0 (masks, decays),
-    see no NaN; the returned flags [L, C] mark the rows at and after the chunk's first such
-    row, whose outputs and the state leaving the chunk the caller makes NaN. A non-finite
-    read-only input (r, q, the bonus) reaches its own row's output only and is left alone."""
-    feeding = [x for i, x in enumerate(tokens) if i not in read_only]
-    bad = jnp.any(jnp.stack([jnp.any(~jnp.isfinite(x), -1) for x in feeding]), 0)
-    poisoned = lax.associative_scan(jnp.logical_or, bad, axis=1)
-    clean = tuple(x if i in read_only else jnp.where(jnp.isfinite(x), x, 0)
-                  for i, x in enumerate(tokens))
-    return clean, poisoned
-
-
-def _scan_chunks(build, advance, tokens, h0, packing, read_only):
+def _scan_chunks(build, advance, tokens, h0, packing):
     """``lax.scan`` over chunks: each step builds its chunk's pieces, emits the chunk's outputs
     and passes the state on. The step is checkpointed, so the backward stores one state per
     chunk and recomputes that chunk's pieces; nothing per step or per pair is kept.
 
-    ``tokens``: [n, L, C, *] arrays (those at indices ``read_only`` do not feed the state,
-    see :func:`_causal_nan`); ``h0``: [L, K, V], or [N, H, K, V] with packing.
+    ``tokens``: [n, L, C, *] arrays; ``h0``: [L, K, V], or [N, H, K, V] with packing.
     Returns (o [n, L, C, V], the state after each chunk [n, L, K, V] with packing else None,
     the last state).
     """
@@ -394,13 +372,10 @@ def _scan_chunks(build, advance, tokens, h0, packing, read_only):
         if reset is not None:  # a chunk that starts a segment loads that segment's state
             starts, segment = reset
             state = jnp.where(starts, h0[segment], state)
-        tokens, poisoned = _causal_nan(tokens, read_only)
         chunk = build(*tokens, sub=SUB_CHUNK)
         o = chunk.read @ state
-        o = ((o if chunk.gate is None else o * chunk.gate) + chunk.intra) * _nan_where(
-            poisoned)[..., None]
-        state = (advance(chunk.transition, state) + chunk.update) * _nan_where(
-            poisoned[:, -1])[:, None, None]
+        o = (o if chunk.gate is None else o * chunk.gate) + chunk.intra
+        state = advance(chunk.transition, state) + chunk.update
         return state, (o, None if packing is None else state)
 
     init = h0 if packing is None else jnp.zeros_like(h0[0])
@@ -408,12 +383,10 @@ def _scan_chunks(build, advance, tokens, h0, packing, read_only):
     return o, states, last
 
 
-def _run(build, advance, tokens, h0, cu_seqlens, chunk_size, read_only=(0,)):
+def _run(build, advance, tokens, h0, cu_seqlens, chunk_size):
     """Run a chunked recurrence over ``tokens`` ([B, T, H, *] arrays whose zero padding is
     inert) from ``h0`` [N, H, K, V]. ``build`` maps one chunk of them, [B * H, C, *], to
-    :class:`_Chunks`; ``read_only``: the indices of the tokens that do not feed the state
-    (the receptance or query first, by default). Returns (o [B, T, H, V], final states
-    [N, H, K, V])."""
+    :class:`_Chunks`. Returns (o [B, T, H, V], final states [N, H, K, V])."""
     batch, steps, heads = tokens[0].shape[:3]
     if chunk_size < SUB_CHUNK or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= {SUB_CHUNK}, got {chunk_size}")
@@ -430,7 +403,7 @@ def _run(build, advance, tokens, h0, cu_seqlens, chunk_size, read_only=(0,)):
             x, unique_indices=True)
     flat_h0 = h0.reshape(-1, *h0.shape[2:]) if packing is None else h0
     o, states, last = _scan_chunks(build, advance, tuple(_to_chunks(pad(x), chunk) for x in tokens),
-                                   flat_h0, packing, read_only)
+                                   flat_h0, packing)
     o = _from_chunks(o, batch, heads)
     if packing is None:
         return o[:, :steps], last.reshape(h0.shape)
@@ -475,7 +448,7 @@ def rwkv6(r, k, v, w, u, *, scale, initial_state, output_final_state, cu_seqlens
         return _gated_chunks(r, k, v, w, None, bonus, sub)
 
     o, h = _run(build, _advance_diagonal, (r * scale, k, v32, w, bonus), h0, cu_seqlens,
-                chunk_size or CHUNK_SIZE, read_only=(0, 4))
+                chunk_size or CHUNK_SIZE)
     return o.astype(v.dtype), h
 
 
