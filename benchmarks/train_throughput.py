@@ -94,6 +94,18 @@ def recipe(args):
         backend=args.backend, data=data, seq=seq, fsdp=args.fsdp)
 
 
+def wkv_backend(args, cfg):
+    """The backend the blocks' rwkv7 calls take: the op's own choice for one device's share
+    of a micro-batch (its shape class: SHAPE_DEFAULTS)."""
+    import jax.numpy as jnp
+
+    import rwkv_jax
+    rows = args.batch // args.devices if args.parallel == "data" else args.batch
+    shape = dict(sequence_heads=rows * cfg.n_head, key=cfg.head_size, value=cfg.head_size,
+                 dtype=jnp.dtype(jnp.bfloat16))
+    return rwkv_jax.backends.resolve("rwkv7", args.backend, dtype=jnp.bfloat16, shape=shape)[0]
+
+
 def run(args):
     import jax.numpy as jnp
     import numpy as np
@@ -143,7 +155,7 @@ def run(args):
                   batch=args.batch, accumulation=args.accumulation, seq=args.seq,
                   tokens_per_step=config.tokens_per_step, fsdp=args.fsdp,
                   param_dtype=args.param_dtype,
-                  backend=rwkv_jax.backends.resolve("rwkv7", args.backend)[0],
+                  backend=wkv_backend(args, cfg),
                   remat=args.remat, params=step_fn.parameters,
                   params_without_embedding=step_fn.parameters - cfg.vocab_size * cfg.n_embd,
                   flops_per_token=per_token, step_ms=1e3 * step_s, compile_s=compile_s,
