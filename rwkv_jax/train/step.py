@@ -147,7 +147,7 @@ class TrainStep:
         factors' QR decompositions) takes far longer to compile than the step itself. The draws
         are the same on every backend and process (threefry), so each process places its own
         shards of one state."""
-        with jax.default_device(jax.devices("cpu")[0]):
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
             state = jax.jit(self._init)()
         return jax.tree.map(
             lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=np.asarray(x): x[i]),
