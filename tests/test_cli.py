@@ -1,4 +1,5 @@
-"""The ``rwkv-jax`` command: info, check (passing, and failing on a broken backend), bench."""
+"""The ``rwkv-jax`` command: info, check (passing, and failing on a broken backend), bench, and
+docs/cli.md naming every flag."""
 
 import argparse
 import importlib.util
@@ -246,7 +247,8 @@ def test_bench_generation_row_on_request(tmp_path, capsys):
 def test_generation_row_runs_by_default_on_a_gpu_only(monkeypatch):
     parser = cli.build_parser()
     assert "generate" not in cli._select.selected_ops(parser.parse_args(["bench"]))  # a CPU here
-    assert cli._select.selected_ops(parser.parse_args(["bench", "--op", "generate"])) == ["generate"]
+    named = parser.parse_args(["bench", "--op", "generate"])
+    assert cli._select.selected_ops(named) == ["generate"]
     monkeypatch.setattr(backends, "platform", lambda: "gpu")
     assert cli._select.selected_ops(parser.parse_args(["bench"]))[-1] == "generate"
     assert "generate" not in cli._select.selected_ops(parser.parse_args(["check"]))
@@ -266,7 +268,7 @@ def test_generation_row_without_flax_says_so(monkeypatch, capsys):
 def test_bench_times_performance_paths_only_unless_named():
     parser = cli.build_parser()
     default = parser.parse_args(["bench"])
-    assert "triton" not in cli._select.selected_backends(default, "rwkv7", timing=True)  # CPU here
+    assert "triton" not in cli._select.selected_backends(default, "rwkv7", timing=True)  # a CPU
     assert "native" in cli._select.selected_backends(default, "rwkv7", timing=True)
     assert "triton" in cli._select.selected_backends(default, "rwkv7")  # check still runs it
     named = parser.parse_args(["bench", "--backend", "triton"])
@@ -275,7 +277,7 @@ def test_bench_times_performance_paths_only_unless_named():
 
 def test_bench_runs_step_ops_once_at_their_decoding_size():
     jobs = cli.bench.bench_jobs(["rwkv4", "rwkv7_step"], lambda op: ["native"],
-                           [(1, 64, 2, 16), (1, 128, 2, 16)], ["float32"])
+                                [(1, 64, 2, 16), (1, 128, 2, 16)], ["float32"])
     assert jobs == [("rwkv4", "native", (1, 64, 2, 16), "float32"),
                     ("rwkv7_step", "native", (1, 1, 2, 16), "float32"),
                     ("rwkv4", "native", (1, 128, 2, 16), "float32")]
@@ -297,7 +299,7 @@ def test_plots_render_every_panel(tmp_path):
     times, bandwidth = tmp_path / "t.png", tmp_path / "t_bandwidth.png"
     cli._plot.plot_bench(results, str(times), device="cpu")
     cli._plot.plot_bandwidth(results, str(bandwidth), device="NVIDIA H100 80GB HBM3",
-                       peak=_bench.peak_bandwidth("NVIDIA H100 80GB HBM3"))
+                             peak=_bench.peak_bandwidth("NVIDIA H100 80GB HBM3"))
     for path in (times, bandwidth):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _bench.peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
@@ -324,7 +326,8 @@ def test_verdict_line_and_exit_status():
 def test_main_job_ends_with_the_verdict(monkeypatch, capsys):
     ok = [dict(op="rwkv4", backend="native", dtype="float32", ok=True)]
     monkeypatch.setattr(cli.check, "check_rows", lambda args: ok)
-    monkeypatch.setattr(cli.bench, "bench_results", lambda args: _timing_rows("rwkv4", "native", 1.0))
+    monkeypatch.setattr(cli.bench, "bench_results",
+                        lambda args: _timing_rows("rwkv4", "native", 1.0))
     assert cli.main([]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("all 1 checks passed")
     monkeypatch.setattr(cli.check, "check_rows", lambda args: [dict(ok[0], ok=False)])
@@ -336,7 +339,7 @@ def test_fla_is_optional_here(capsys):
     assert _bench.fla_unavailable_reason() is not None  # no CUDA device on the CPU machine
     # A failing fla call is reported in fla's rows and never fails our benchmark.
     rows = cli.bench.bench_fla(_bench.make_case("rwkv7", 1, 8, 1, 16), "float32", repeats=1,
-                         max_seconds=1.0)
+                               max_seconds=1.0)
     assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
     assert all(r["backend"] == "fla" and r["fla_error"] for r in rows)
     cli.bench.print_bench(rows)

@@ -30,10 +30,11 @@ COMMANDS = (info, check, bench, train)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="rwkv-jax", description="RWKV linear-attention kernels for JAX: inspect, check, benchmark, "
-        "train. Without a subcommand, the main job (about a minute on a CPU): info, check (quick "
-        "size, float32), a quick bench of the backends that are performance paths here, and a "
-        "verdict line; exit status 0 only if every check passed and no benchmark case errored.")
+        prog="rwkv-jax",
+        description="RWKV linear-attention kernels for JAX: inspect, check, benchmark, train. "
+        "Without a subcommand, the main job (about a minute on a CPU): info, check (quick size, "
+        "float32), a quick bench of the backends that are performance paths here, and a verdict "
+        "line; exit status 0 only if every check passed and no benchmark case errored.")
     parser.add_argument("--version", action="version", version=f"rwkv_jax {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{info,check,bench,train}")
     for command in COMMANDS:

@@ -39,10 +39,9 @@ STEPS_PER_CALL = 64
 # --plot without sizes: a sweep over the sequence length at one (B, H, K).
 PLOT_SWEEP = {"cpu": ((1, 4, 64), (64, 256, 1024)), "gpu": ((8, 32, 64), (512, 1024, 2048, 4096))}
 
-# Timing per case: (repeats, max seconds), and with --quick.
-TIMING = (20, 10.0)
-QUICK_TIMING = (5, 3.0)
-WARMUP = 2
+# Timing per case (time_function's arguments), and with --quick.
+REPEATS, MAX_SECONDS, WARMUP = 20, 10.0, 2
+QUICK_REPEATS, QUICK_MAX_SECONDS = 5, 3.0
 
 
 def register(commands) -> None:
@@ -52,8 +51,6 @@ def register(commands) -> None:
         "forward+backward: the median wall time per call, tokens/s and the compiled peak memory "
         "per case. Exit status 1 if a case errored, 130 if interrupted (Ctrl-C, SIGTERM: what "
         "was measured is still printed and written).")
-    repeats, max_seconds = TIMING
-    quick_repeats, quick_seconds = QUICK_TIMING
     _parser.add_selection(
         parser, ops=lambda: backends.OPS + (GENERATE,),
         op_help=f"ops to run, comma-separated, repeatable (default: all; on a GPU where flax "
@@ -69,22 +66,22 @@ def register(commands) -> None:
                   "decode T=1 (default: the presets small,medium on a CPU, small..xl on a GPU; "
                   "with --plot a sweep over T)",
         quick_help=f"one size: the small preset ({shape_text(PRESETS['small'])}) on a CPU, the "
-                   f"large one ({shape_text(PRESETS['large'])}) on a GPU; {quick_repeats} "
-                   f"repeats, at most {quick_seconds:g} s per case (--size, --preset, --repeats "
+                   f"large one ({shape_text(PRESETS['large'])}) on a GPU; {QUICK_REPEATS} "
+                   f"repeats, at most {QUICK_MAX_SECONDS:g} s per case (--size, --preset, --repeats "
                    f"and --max-seconds override these)")
     parser.add_argument("--preset", type=_parser.names(lambda: tuple(PRESETS)), action="extend",
                         help="size presets, comma-separated, repeatable, beside --size: "
                              + ", ".join(f"{k}={shape_text(v)}" for k, v in PRESETS.items()))
     parser.add_argument("--repeats", type=_parser.at_least(1),
-                        help=f"timed calls per case, at least 1 (default {repeats}, quick "
-                             f"{quick_repeats})")
+                        help=f"timed calls per case, at least 1 (default {REPEATS}, quick "
+                             f"{QUICK_REPEATS})")
     parser.add_argument("--warmup", type=_parser.at_least(0), default=WARMUP,
                         help=f"untimed calls per case after compiling, at least 0 (default "
                              f"{WARMUP}; fla and the generation row warm up on their own)")
     parser.add_argument("--max-seconds", type=_parser.positive_seconds,
                         help=f"stop repeating a case once its timed calls have taken this "
-                             f"long, after at least 3 calls (default {max_seconds:g}, quick "
-                             f"{quick_seconds:g})")
+                             f"long, after at least 3 calls (default {MAX_SECONDS:g}, quick "
+                             f"{QUICK_MAX_SECONDS:g})")
     parser.add_argument("--json", metavar="OUT.json", type=_parser.output_path,
                         help="write every result as JSON, with rwkv-jax info's data")
     parser.add_argument("--plot", metavar="OUT.png", type=_parser.plot_path,
@@ -138,17 +135,15 @@ def bench_results(args) -> list[dict] | None:
     if on_gpu and not args.no_fla and fla_reason:
         print(f"bench: fla not timed beside ours: {fla_reason}")
     dtypes = args.dtype or (["float32"] if not on_gpu else ["bfloat16"])
-    repeats, max_seconds = QUICK_TIMING if args.quick else TIMING
+    repeats = args.repeats or (QUICK_REPEATS if args.quick else REPEATS)
+    max_seconds = args.max_seconds or (QUICK_MAX_SECONDS if args.quick else MAX_SECONDS)
     interrupted = None
     try:
         with _terminate_as_interrupt():
             results = run_bench(selected_ops(args),
                                 lambda op: selected_backends(args, op, timing=True),
                                 bench_sizes(args), dtypes,
-                                repeats=repeats if args.repeats is None else args.repeats,
-                                warmup=args.warmup,
-                                max_seconds=max_seconds if args.max_seconds is None
-                                else args.max_seconds,
+                                repeats=repeats, warmup=args.warmup, max_seconds=max_seconds,
                                 fla=on_gpu and not args.no_fla and not fla_reason)
     except BenchInterrupted as stop:
         interrupted, results = stop, stop.results
@@ -207,8 +202,8 @@ def _terminate_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_bench(ops, backend_names, sizes, dtypes, *, repeats=TIMING[0], warmup=WARMUP,
-              max_seconds=TIMING[1], progress=True, fla=False) -> list[dict]:
+def run_bench(ops, backend_names, sizes, dtypes, *, repeats=REPEATS, warmup=WARMUP,
+              max_seconds=MAX_SECONDS, progress=True, fla=False) -> list[dict]:
     """Every op x backend x size x dtype, then fla's kernel for the ops it has when ``fla``."""
     jobs = bench_jobs(ops, backend_names, sizes, dtypes)
     fla_jobs = [(op, "fla", size, dt) for op, size, dt in dict.fromkeys(

@@ -64,7 +64,8 @@ def summary_lines(info: dict) -> list[str]:
                                       for name, version in info["packages"].items()),
              f"platform: {info['platform']}; devices: " + "; ".join(info["devices"])]
     if info["environment"]:
-        lines.append("environment: " + ", ".join(f"{k}={v}" for k, v in info["environment"].items()))
+        lines.append("environment: " + ", ".join(f"{k}={v}"
+                                                 for k, v in info["environment"].items()))
     return lines
 
 

@@ -38,18 +38,18 @@ FIELD_HELP = {
     "compute_dtype": "the dtype the model computes in: float32 or bfloat16",
     "remat": "recompute in the backward: " + ", ".join(REMAT_POLICIES),
     "vocab_chunk": "vocabulary entries per chunk of the cross-entropy",
-    "backend": "the rwkv7 backend of the blocks (default: the op's default here)",
+    "backend": "the rwkv7 backend of the blocks (None: the op's default here)",
     "data": "devices on the mesh's data axis (-1: every device left)",
     "seq": "devices on the mesh's sequence axis",
     "fsdp": "shard parameters and optimizer state over the data axis",
     "checkpoint_dir": "where checkpoints go; a run whose directory holds one continues from it",
     "checkpoint_every": "steps between checkpoints (and one at the end)",
-    "checkpoint_keep": "checkpoints kept, the latest",
+    "checkpoint_keep": "how many of the latest checkpoints are kept",
     "eval_every": "steps between eval losses (and one at the end)",
     "eval_batches": "micro-batches of --eval-data the eval loss is computed on (the same "
                     "ones each time)",
-    "log_path": "append a JSON line per logged step to this file",
-    "log_every": "steps between log records (and the first and last)",
+    "log_path": "append a JSON line per logged step (and per eval loss) to this file",
+    "log_every": "steps between log records (and the run's first and last step)",
     "seed": "seed of the parameters and of the sampling of training windows",
 }
 
