@@ -17,7 +17,7 @@ import jax
 
 from rwkv_jax import backends
 from rwkv_jax._bench import PRESETS, device_peak_bytes, make_case
-from rwkv_jax.cli import bench_case
+from rwkv_jax.cli.bench import bench_case
 
 SETTINGS = {"cpu": (PRESETS["medium"], "float32"), "gpu": (PRESETS["large"], "bfloat16")}
 

@@ -1,5 +1,8 @@
-"""The ``rwkv-jax`` command: info, check (passing, and failing on a broken backend), bench."""
+"""The ``rwkv-jax`` command: info, check (passing, and failing on a broken backend), bench, and
+docs/cli.md naming every flag."""
 
+import argparse
+import importlib.util
 import json
 import math
 import os
@@ -7,6 +10,7 @@ import re
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -102,15 +106,40 @@ def test_check_runs_every_available_backend_by_default(fake_backend):
     fake_backend("extra", rwkv7=native.rwkv7)
     fake_backend("elsewhere", reason="needs an NVIDIA GPU", rwkv7=native.rwkv7)
     args = cli.build_parser().parse_args(["check"])
-    chosen = cli._selected_backends(args, "rwkv7")
+    chosen = cli._select.selected_backends(args, "rwkv7")
     assert "native" in chosen and "extra" in chosen and "elsewhere" not in chosen
-    assert "extra" not in cli._selected_backends(args, "rwkv4")  # it lacks that op
+    assert "extra" not in cli._select.selected_backends(args, "rwkv4")  # it lacks that op
 
 
 def test_check_refuses_an_unavailable_backend(fake_backend, capsys):
     fake_backend("elsewhere", reason="needs an NVIDIA GPU", rwkv7=native.rwkv7)
     assert cli.main(["check", "--backend", "elsewhere"]) == 1
     assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_check_runs_every_size_given(capsys):
+    """--size repeats in check as in bench: each size is checked, in a table of its own."""
+    status = cli.main(["check", "--size", TINY, "--size", "1,5,1,16", "--op", "rwkv4",
+                       "--backend", "native", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert status == 0
+    titles = [line for line in out.splitlines() if line.startswith("check: ")]
+    assert [title.split("B,T,H,K = ")[1].split()[0] for title in titles] == [TINY, "1,5,1,16"]
+    assert out.count("1 passed, 0 failed") == 2
+    assert [line.split()[-1] for line in out.splitlines() if line.startswith("rwkv4 ")] == [
+        "pass", "pass"]
+
+
+def test_bench_quick_timing_yields_to_the_flags(monkeypatch):
+    """--quick's repeats and time per case are defaults: --repeats and --max-seconds win."""
+    calls = []
+    monkeypatch.setattr(cli.bench, "run_bench",
+                        lambda *args, **kwargs: calls.append(kwargs) or [])
+    command = ["bench", "--quick", "--op", "rwkv4", "--backend", "native"]
+    assert cli.main(command) == 0
+    assert cli.main([*command, "--repeats", "7", "--max-seconds", "0.5", "--warmup", "0"]) == 0
+    assert [(c["repeats"], c["max_seconds"], c["warmup"]) for c in calls] == [(5, 3.0, 2),
+                                                                                (7, 0.5, 0)]
 
 
 def test_bench_writes_json_and_plot(tmp_path, capsys):
@@ -150,8 +179,8 @@ def test_interrupted_bench_keeps_what_it_measured(tmp_path, monkeypatch, capsys)
             raise KeyboardInterrupt
         return real_bench_case(*args, **kwargs)
 
-    real_bench_case = cli.bench_case
-    monkeypatch.setattr(cli, "bench_case", bench_case)
+    real_bench_case = cli.bench.bench_case
+    monkeypatch.setattr(cli.bench, "bench_case", bench_case)
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     with pytest.raises(SystemExit) as stopped:
         cli.main(["bench", "--size", TINY, "--op", "rwkv7,rwkv4", "--backend", "native",
@@ -192,7 +221,7 @@ def test_bench_generation_row_on_request(tmp_path, capsys):
                        "native", "--repeats", "3", "--json", str(out_json),
                        "--plot", str(out_png)])
     assert status == 0
-    model, vocab, new_tokens, lane_counts = cli.GENERATE_SIZES["cpu"]
+    model, vocab, new_tokens, lane_counts = cli.bench.GENERATE_SIZES["cpu"]
     rows = [r for r in json.loads(out_json.read_text())["results"] if r["op"] == "generate"]
     assert [r["B"] for r in rows] == list(lane_counts)
     for r in rows:
@@ -211,25 +240,26 @@ def test_bench_generation_row_on_request(tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     check = [dict(op="rwkv7_step", backend="native", dtype="float32", ok=True)]
     results = json.loads(out_json.read_text())["results"]
-    assert [r["op"] for r in cli.fastest(results)] == ["rwkv7_step"]
-    assert cli.verdict(check, results)[0] == 0
+    assert [r["op"] for r in cli._print.fastest(results)] == ["rwkv7_step"]
+    assert cli._print.verdict(check, results)[0] == 0
 
 
 def test_generation_row_runs_by_default_on_a_gpu_only(monkeypatch):
     parser = cli.build_parser()
-    assert "generate" not in cli._selected_ops(parser.parse_args(["bench"]))  # a CPU here
-    assert cli._selected_ops(parser.parse_args(["bench", "--op", "generate"])) == ["generate"]
+    assert "generate" not in cli._select.selected_ops(parser.parse_args(["bench"]))  # a CPU here
+    named = parser.parse_args(["bench", "--op", "generate"])
+    assert cli._select.selected_ops(named) == ["generate"]
     monkeypatch.setattr(backends, "platform", lambda: "gpu")
-    assert cli._selected_ops(parser.parse_args(["bench"]))[-1] == "generate"
-    assert "generate" not in cli._selected_ops(parser.parse_args(["check"]))
-    monkeypatch.setattr(cli, "_flax_missing", lambda: "the generation row needs flax")
-    assert "generate" not in cli._selected_ops(parser.parse_args(["bench"]))
+    assert cli._select.selected_ops(parser.parse_args(["bench"]))[-1] == "generate"
+    assert "generate" not in cli._select.selected_ops(parser.parse_args(["check"]))
+    monkeypatch.setattr(cli._select, "flax_missing", lambda: "the generation row needs flax")
+    assert "generate" not in cli._select.selected_ops(parser.parse_args(["bench"]))
 
 
 def test_generation_row_without_flax_says_so(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "run_bench", _no_work)
-    find_spec = cli.importlib.util.find_spec
-    monkeypatch.setattr(cli.importlib.util, "find_spec",
+    monkeypatch.setattr(cli.bench, "run_bench", _no_work)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "flax" else find_spec(name, *a))
     assert cli.main(["bench", "--op", "generate"]) == 1
     assert "the generation row needs flax" in capsys.readouterr().err
@@ -238,16 +268,16 @@ def test_generation_row_without_flax_says_so(monkeypatch, capsys):
 def test_bench_times_performance_paths_only_unless_named():
     parser = cli.build_parser()
     default = parser.parse_args(["bench"])
-    assert "triton" not in cli._selected_backends(default, "rwkv7", timing=True)  # CPU here
-    assert "native" in cli._selected_backends(default, "rwkv7", timing=True)
-    assert "triton" in cli._selected_backends(default, "rwkv7")  # check still runs it
+    assert "triton" not in cli._select.selected_backends(default, "rwkv7", timing=True)  # a CPU
+    assert "native" in cli._select.selected_backends(default, "rwkv7", timing=True)
+    assert "triton" in cli._select.selected_backends(default, "rwkv7")  # check still runs it
     named = parser.parse_args(["bench", "--backend", "triton"])
-    assert cli._selected_backends(named, "rwkv7", timing=True) == ["triton"]
+    assert cli._select.selected_backends(named, "rwkv7", timing=True) == ["triton"]
 
 
 def test_bench_runs_step_ops_once_at_their_decoding_size():
-    jobs = cli._bench_jobs(["rwkv4", "rwkv7_step"], lambda op: ["native"],
-                           [(1, 64, 2, 16), (1, 128, 2, 16)], ["float32"])
+    jobs = cli.bench.bench_jobs(["rwkv4", "rwkv7_step"], lambda op: ["native"],
+                                [(1, 64, 2, 16), (1, 128, 2, 16)], ["float32"])
     assert jobs == [("rwkv4", "native", (1, 64, 2, 16), "float32"),
                     ("rwkv7_step", "native", (1, 1, 2, 16), "float32"),
                     ("rwkv4", "native", (1, 128, 2, 16), "float32")]
@@ -267,39 +297,40 @@ def test_plots_render_every_panel(tmp_path):
                + [dict(op="rwkv7", backend="chunked", dtype="float32", B=1, T=64, H=2, K=16,
                        **{"pass": "fwd"}, error="ValueError: refused")])
     times, bandwidth = tmp_path / "t.png", tmp_path / "t_bandwidth.png"
-    cli.plot_bench(results, str(times), device="cpu")
-    cli.plot_bandwidth(results, str(bandwidth), device="NVIDIA H100 80GB HBM3",
-                       peak=_bench.peak_bandwidth("NVIDIA H100 80GB HBM3"))
+    cli._plot.plot_bench(results, str(times), device="cpu")
+    cli._plot.plot_bandwidth(results, str(bandwidth), device="NVIDIA H100 80GB HBM3",
+                             peak=_bench.peak_bandwidth("NVIDIA H100 80GB HBM3"))
     for path in (times, bandwidth):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _bench.peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
     assert _bench.peak_bandwidth("NVIDIA H200") == 4.8e12 and _bench.peak_bandwidth("cpu") is None
-    assert cli._bandwidth_path("out/bench.png") == "out/bench_bandwidth.png"
+    assert cli._plot.bandwidth_path("out/bench.png") == "out/bench_bandwidth.png"
 
 
 def test_verdict_line_and_exit_status():
     check = [dict(op="rwkv7", backend=b, dtype="float32", ok=True) for b in ("native", "ffi")]
     bench = _timing_rows("rwkv7", "native", 2.0) + _timing_rows("rwkv7", "ffi", 0.5) \
         + _timing_rows("rwkv7", "fla", 0.1) + _timing_rows("rwkv7_step", "native", 0.1, (1,))
-    status, line = cli.verdict(check, bench)
+    status, line = cli._print.verdict(check, bench)
     # The fastest of ours at the largest size (fla is beside, not among, the candidates).
     assert status == 0 and line.startswith("all 2 checks passed; fastest here")
     assert "rwkv7 ffi 4 ms" in line and "rwkv7_step native 0.1 ms per step" in line
     assert "forward+backward at B,T,H,K=1,256,2,16; steps: forward, one token" in line
-    status, line = cli.verdict([dict(check[0], ok=False)] + check[1:], None)
+    status, line = cli._print.verdict([dict(check[0], ok=False)] + check[1:], None)
     assert status == 1 and line.startswith("FAILED: 1 of 2 checks failed (rwkv7 native float32)")
-    status, line = cli.verdict(check, bench + [dict(bench[0], error="boom")])
+    status, line = cli._print.verdict(check, bench + [dict(bench[0], error="boom")])
     assert status == 1 and "FAILED: 1 benchmark cases errored" in line
-    assert cli.verdict(None, None)[0] == 1
+    assert cli._print.verdict(None, None)[0] == 1
 
 
 def test_main_job_ends_with_the_verdict(monkeypatch, capsys):
     ok = [dict(op="rwkv4", backend="native", dtype="float32", ok=True)]
-    monkeypatch.setattr(cli, "check_rows", lambda args: ok)
-    monkeypatch.setattr(cli, "bench_results", lambda args: _timing_rows("rwkv4", "native", 1.0))
+    monkeypatch.setattr(cli.check, "check_rows", lambda args: ok)
+    monkeypatch.setattr(cli.bench, "bench_results",
+                        lambda args: _timing_rows("rwkv4", "native", 1.0))
     assert cli.main([]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("all 1 checks passed")
-    monkeypatch.setattr(cli, "check_rows", lambda args: [dict(ok[0], ok=False)])
+    monkeypatch.setattr(cli.check, "check_rows", lambda args: [dict(ok[0], ok=False)])
     assert cli.main([]) == 1
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("FAILED: 1 of 1 checks")
 
@@ -307,19 +338,19 @@ def test_main_job_ends_with_the_verdict(monkeypatch, capsys):
 def test_fla_is_optional_here(capsys):
     assert _bench.fla_unavailable_reason() is not None  # no CUDA device on the CPU machine
     # A failing fla call is reported in fla's rows and never fails our benchmark.
-    rows = cli.bench_fla(_bench.make_case("rwkv7", 1, 8, 1, 16), "float32", repeats=1,
-                         max_seconds=1.0)
+    rows = cli.bench.bench_fla(_bench.make_case("rwkv7", 1, 8, 1, 16), "float32", repeats=1,
+                               max_seconds=1.0)
     assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
     assert all(r["backend"] == "fla" and r["fla_error"] for r in rows)
-    cli.print_bench(rows)
+    cli.bench.print_bench(rows)
     assert "ERROR" in capsys.readouterr().out
     ok = [dict(op="rwkv7", backend="native", dtype="float32", ok=True)]
-    assert cli.verdict(ok, _timing_rows("rwkv7", "native", 1.0) + rows)[0] == 0
+    assert cli._print.verdict(ok, _timing_rows("rwkv7", "native", 1.0) + rows)[0] == 0
 
 
 def test_bench_plot_without_matplotlib_names_it(monkeypatch, capsys):
-    find_spec = cli.importlib.util.find_spec
-    monkeypatch.setattr(cli.importlib.util, "find_spec",
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
     assert cli.main(["bench", "--size", TINY, "--plot", "out.png"]) == 2
     assert "matplotlib" in capsys.readouterr().err
@@ -345,8 +376,8 @@ def test_bench_plot_without_matplotlib_names_it(monkeypatch, capsys):
     (["check", "--seed", "0.5"], r"--seed: needs an integer >= 0"),
 ])
 def test_bad_command_lines_exit_2_before_any_work(argv, message, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "run_bench", _no_work)
-    monkeypatch.setattr(cli, "run_check", _no_work)
+    monkeypatch.setattr(cli.bench, "run_bench", _no_work)
+    monkeypatch.setattr(cli.check, "run_check", _no_work)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2
@@ -359,7 +390,7 @@ def _no_work(*args, **kwargs):
 
 
 def test_an_unwritable_output_path_fails_before_any_work(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "run_bench", _no_work)
+    monkeypatch.setattr(cli.bench, "run_bench", _no_work)
     a_file = tmp_path / "results.txt"
     a_file.write_text("")
     unwritable = [(a_file / "out.json", "is not a directory")]
@@ -376,14 +407,14 @@ def test_an_unwritable_output_path_fails_before_any_work(tmp_path, monkeypatch, 
 
 
 def test_a_plot_format_matplotlib_lacks_fails_before_any_work(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "run_bench", _no_work)
+    monkeypatch.setattr(cli.bench, "run_bench", _no_work)
     assert cli.main(["bench", "--size", TINY, "--plot", str(tmp_path / "out.xyz")]) == 2
     assert "matplotlib writes no '.xyz' files" in capsys.readouterr().err
 
 
 def test_an_op_the_named_backend_lacks_is_named(fake_backend, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "run_check", _no_work)
-    monkeypatch.setattr(cli, "run_bench", _no_work)
+    monkeypatch.setattr(cli.check, "run_check", _no_work)
+    monkeypatch.setattr(cli.bench, "run_bench", _no_work)
     fake_backend("partial", rwkv7=native.rwkv7)
     assert cli.main(["check", "--backend", "partial", "--op", "rwkv4"]) == 1
     err = capsys.readouterr().err
@@ -432,3 +463,19 @@ def test_random_inputs_are_realistic_and_never_zero(op):
     state = "state" if op in _bench.STEP_OPS else "initial_state"
     assert bf16[state].dtype == np.float32
     assert all(x.dtype == jnp.bfloat16 for n, x in bf16.items() if n != state)
+
+
+def test_every_command_and_flag_is_documented():
+    """docs/cli.md names every command and every flag of each (the --help texts say the same
+    in short)."""
+    page = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(commands.choices) == {"info", "check", "bench", "train"}
+    for name, command in commands.choices.items():
+        assert f"## `rwkv-jax {name}`" in page, name
+        flags = [flag for action in command._actions for flag in action.option_strings
+                 if flag not in ("-h", "--help")]
+        missing = [flag for flag in flags if not re.search(f"`{re.escape(flag)}[ `]", page)]
+        assert not missing, (name, missing)
+        assert all(action.help for action in command._actions), name

@@ -374,7 +374,7 @@ def test_each_op_gets_its_own_default(chosen_backends):
 def test_environment_is_a_preference(monkeypatch, chosen_backends, variable, value, preferred):
     """The preferred backend for every op it implements and can run here, the default for the
     others; rwkv-jax info shows the same choice per op."""
-    from rwkv_jax.cli import collect_info
+    from rwkv_jax.cli.info import collect_info
 
     monkeypatch.setenv(variable, value)
     expected = {op: preferred if runs_here(preferred, op) else expected_default(op)

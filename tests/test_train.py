@@ -158,7 +158,7 @@ def runs(tmp_path_factory):
                      "--export", str(resumed / "model.safetensors")]) == 0
     args = cli.build_parser().parse_args([*argv[:-4], "--checkpoint-dir",
                                           str(root / "whole")])
-    from rwkv_jax.train.command import config_from
+    from rwkv_jax.cli.train import config_from
     whole = train(config_from(args))
     return dict(root=root, resumed=resumed, first_steps=first_steps, whole=whole,
                 config=config_from(args))
