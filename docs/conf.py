@@ -14,12 +14,9 @@ exclude_patterns = ["_build"]
 
 # Links to headings inside pages (e.g. BUILD.md#the-build) and the included files' headings.
 myst_heading_anchors = 3
-myst_enable_extensions = ["colon_fence"]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"      # the signatures say it; the docstrings explain it
-napoleon_google_docstring = True
-napoleon_numpy_docstring = False
 
 html_theme = "furo"
 html_title = "rwkv_jax"
