@@ -92,29 +92,36 @@ def _cpu_name() -> str:
     return f"CPU {model or platform.processor()} ({os.cpu_count()} cores)"
 
 
-def describe_run(topic: str) -> dict:
-    """The fields every row of this run carries: what ran where, when, from which tree."""
-    import jax
-    device = jax.devices()[0]
-    kind = _cpu_name() if device.platform == "cpu" else device.device_kind
-    return dict(topic=topic, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-                device=kind, devices=jax.device_count(), platform=device.platform,
-                python=platform.python_version(), jax=jax.__version__, commit=_commit(),
-                command=" ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]))
+def describe_run(topic: str, *, devices: bool = True) -> dict:
+    """The fields every row of this run carries: what ran where, when, from which tree.
+    ``devices=False`` leaves the device out (a parent process whose workers use the devices
+    must not start JAX's GPU client: it would take the memory they need)."""
+    import importlib.metadata
+    run = dict(topic=topic, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+               python=platform.python_version(), jax=importlib.metadata.version("jax"),
+               commit=_commit(),
+               command=" ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]))
+    if devices:
+        import jax
+        device = jax.devices()[0]
+        run.update(device=_cpu_name() if device.platform == "cpu" else device.device_kind,
+                   devices=jax.device_count(), platform=device.platform)
+    return run
 
 
 class Rows:
     """The rows of one run: each gets the run's description, is printed as one line and, with
     a path, appended to that file at once."""
 
-    def __init__(self, topic: str, path: str | None):
-        self.run = describe_run(topic)
+    def __init__(self, topic: str, path: str | None, *, devices: bool = True):
+        self.run = describe_run(topic, devices=devices)
         self.path = path
         self.rows: list[dict] = []
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        log(f"{topic}: {self.run['device']} x{self.run['devices']}, jax {self.run['jax']}, "
-            f"commit {self.run['commit']}, {self.run['date']}")
+        where = f"{self.run['device']} x{self.run['devices']}, " if devices else ""
+        log(f"{topic}: {where}jax {self.run['jax']}, commit {self.run['commit']}, "
+            f"{self.run['date']}")
 
     def add(self, row: dict, line: str) -> dict:
         row = dict(self.run, **row)
