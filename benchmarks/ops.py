@@ -88,7 +88,7 @@ def parse_args(argv=None):
 def _shape(text: str) -> tuple:
     parts = text.replace("x", ",").split(",")
     if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"a shape is four positive integers B,T,H,K, got {text!r}")
+        raise argparse.ArgumentTypeError(f"a shape is four positive integers B,T,H,K, got {text!r}")
     return tuple(int(p) for p in parts)
 
 

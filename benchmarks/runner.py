@@ -14,6 +14,7 @@ allocator's peak above what was held before the call, plus the inputs and cotang
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.util
 import json
@@ -56,7 +57,7 @@ def add_common_arguments(parser, *, peers: tuple[str, ...] = (), default_repeats
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
-        raise ValueError(f"needs a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"needs a positive integer, got {text!r}")
     return value
 
 
@@ -68,7 +69,7 @@ def names_of(choices):
         picked = [name.strip() for name in text.split(",") if name.strip()]
         unknown = [name for name in picked if name not in choices]
         if unknown:
-            raise ValueError(f"unknown {', '.join(unknown)}; choices: {', '.join(choices)}")
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choices: {', '.join(choices)}")
         return picked
     parse.__name__ = "names"  # argparse names the type in its error message
     return parse
