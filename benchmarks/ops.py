@@ -51,6 +51,7 @@ QUICK_SHAPE = (2, 64, 2, 16)
 PASSES = ("fwd", "fwd+bwd")
 GLA_UNUSED_GATES = ("g", "gv", "g_gamma")  # fla's chunk_gla takes the key gate only
 PARAMETERS = ("u", "g_gamma")  # per-head or per-channel: no batch axis
+PACKED = [0]  # --packed: the sequences in batch 0 (each with its state), for the error slice
 
 
 def parse_args(argv=None):
@@ -64,6 +65,9 @@ def parse_args(argv=None):
                         help="B,T,H,K each (RWKV-4: C = H*K channels); default "
                              f"{' '.join(','.join(map(str, s)) for s in GPU_SHAPES)} on a GPU, "
                              f"{' '.join(','.join(map(str, s)) for s in CPU_SHAPES)} on a CPU")
+    parser.add_argument("--packed", type=int, default=0, metavar="N",
+                        help="N sequences of random lengths packed in each shape's T tokens "
+                             "(cu_seqlens; B must be 1; not RWKV-4)")
     parser.add_argument("--dtype", choices=tuple(DTYPES),
                         help="the inputs' dtype (default bfloat16 on a GPU, float32 on a CPU)")
     parser.add_argument("--passes", type=runner.names_of(PASSES), default=list(PASSES),
@@ -80,6 +84,10 @@ def parse_args(argv=None):
     gpu = jax.default_backend() == "gpu"
     args.shapes = args.shapes or list(GPU_SHAPES if gpu else CPU_SHAPES)
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    if args.packed and ("rwkv4" in args.ops or any(s[0] != 1 or s[1] < args.packed
+                                                    for s in args.shapes)):
+        parser.error("--packed needs shapes of B=1 and T >= N, and no rwkv4 (it takes no "
+                     "cu_seqlens)")
     if args.error_heads < 0:
         parser.error(f"--error-heads must be 0 or more, got {args.error_heads}")
     return args
@@ -95,12 +103,21 @@ def _shape(text: str) -> tuple:
 # ---------------------------------------------------------------------------------------------
 # Inputs and the float64 slice
 
-def make_inputs(op: str, shape: tuple, dtype_name: str):
-    """The case (float32 numpy arrays; GLA with its key gate only), the arrays rounded to
-    ``dtype_name`` (the state stays float32) and cotangents typed as the outputs."""
+def make_inputs(op: str, shape: tuple, dtype_name: str, packed: int = 0):
+    """The case (float32 numpy arrays; GLA with its key gate only; with ``packed``, that many
+    sequences of random lengths in the T tokens, each with its initial state), the arrays
+    rounded to ``dtype_name`` (the state stays float32) and cotangents typed as the outputs."""
     case = make_case(op, *shape)
     if op == "gated_linear_attention":
         case.arrays = {n: x for n, x in case.arrays.items() if n not in GLA_UNUSED_GATES}
+    if packed:
+        rng = np.random.default_rng(1)
+        steps = shape[1]
+        cuts = np.sort(rng.choice(np.arange(1, steps), packed - 1, replace=False))
+        case.options["cu_seqlens"] = np.concatenate([[0], cuts, [steps]]).astype(np.int32)
+        state = case.arrays["initial_state"]
+        case.arrays["initial_state"] = (0.5 * rng.standard_normal(
+            (packed,) + state.shape[1:])).astype(np.float32)
     arrays = case.as_dtype(DTYPES[dtype_name])
     native = bind(functools.partial(getattr(rwkv_jax, op), backend="native"), tuple(arrays),
                   case.options)
@@ -116,9 +133,10 @@ def slice_width(op: str, shape: tuple, heads: int) -> int:
 
 def take_slice(name: str, x, width: int):
     """Batch 0 and the first ``width`` heads (or channels) of array ``name`` (an input, its
-    gradient, the output ``o`` or the final ``state``), as float64 numpy."""
+    gradient, the output ``o`` or the final ``state``; states: every sequence's where they are
+    packed in batch 0), as float64 numpy."""
     if name in ("initial_state", "state"):
-        part = x[:1, :width]
+        part = x[:, :width] if PACKED[0] else x[:1, :width]
     elif name in PARAMETERS or x.ndim == 1:
         part = x[:width]
     else:
@@ -164,7 +182,8 @@ def run_ours(op, backend, arrays, cotangents, case, args, reference, width):
     """Rows of one rwkv_jax backend ("default": the op's own choice)."""
     name = None if backend == "default" else backend
     batch, _, heads, head_size = case.shape
-    shape_class = dict(sequence_heads=batch * heads, key=head_size, value=head_size,
+    sequences = len(case.options["cu_seqlens"]) - 1 if "cu_seqlens" in case.options else batch
+    shape_class = dict(sequence_heads=sequences * heads, key=head_size, value=head_size,
                        dtype=DTYPES[args.dtype])
     resolved = backends.resolve(op, name, DTYPES[args.dtype], shape_class)[0]
     names = tuple(arrays)
@@ -203,6 +222,8 @@ def run_fla(op, arrays, cotangents, case, args, reference, width):
     d_state = to_torch(cotangents[1], torch.float32)
     options = dict(scale=case.options.get("scale", 1.0), output_final_state=True,
                    initial_state=leaves["initial_state"])
+    if "cu_seqlens" in case.options:
+        options["cu_seqlens"] = torch.tensor(case.options["cu_seqlens"], device="cuda").long()
     configuration = "defaults"
     if op == "rwkv7" and float(arrays["w"].min()) >= FLA_RWKV7_LOWER_BOUND:
         options.update(FLA_RWKV7_FASTEST)
@@ -252,11 +273,12 @@ def main(argv=None):
     args = parse_args(argv)
     rows = runner.Rows("ops", args.json)
     where = backends.platform()
+    PACKED[0] = args.packed
     for op in (OPS[o] for o in args.ops):
         for shape in args.shapes:
-            common = dict(op=op, shape=list(shape), dtype=args.dtype,
+            common = dict(op=op, shape=list(shape), dtype=args.dtype, packed=args.packed,
                           tokens=shape[0] * shape[1])
-            case, arrays, cotangents = make_inputs(op, shape, args.dtype)
+            case, arrays, cotangents = make_inputs(op, shape, args.dtype, args.packed)
             width = slice_width(op, shape, args.error_heads)
             reference = (float64_reference(case, arrays, cotangents, width)
                          if args.error_heads else None)
