@@ -26,13 +26,13 @@ for carried in ${TRITON_CACHE_TAR:-.gpu-cache/*.tar.xz}; do
         tar -xJf "$carried" -C "$TRITON_CACHE_DIR" && echo "Triton cache from $carried: $(du -sh "$TRITON_CACHE_DIR" | cut -f1)"
     fi
 done
-if [ -n "$OUT" ]; then
+if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     trap 'tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 > "$OUT/triton.tar.xz"' EXIT
 fi
 [ -e rwkv_jax/triton_kernels ] || ln -s ../triton_kernels rwkv_jax/triton_kernels
-if [ -n "$GPU_SETUP_FFI" ]; then
-    if [ -n "$PREBUILT" ]; then
+if [ -n "${GPU_SETUP_FFI:-}" ]; then
+    if [ -n "${PREBUILT:-}" ]; then
         cp "$PREBUILT"/_ffi_cpu*.so "$PREBUILT"/_ffi_cuda*.so rwkv_jax/
     else
         started=$(date +%s)

@@ -4,6 +4,7 @@ error of each against float64.
 
     python benchmarks/ops.py --quick --backends native,chunked --peers none   # a CPU smoke run
     python benchmarks/ops.py --ops rwkv7 --shapes 8,4096,64,64 8,4096,32,128 --json ops.jsonl
+    python benchmarks/ops.py --ops rwkv7,gla --shapes 1,32768,64,64 --packed 16   # cu_seqlens
 
 Inputs are ``rwkv_jax._bench.make_case``'s (the models' distributions, a random initial state;
 gated linear attention with its key gate ``gk`` only, the gate fla's ``chunk_gla`` takes).
@@ -27,6 +28,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch (the peers) shares the GPU
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import sys  # noqa: E402
 
@@ -51,7 +53,6 @@ QUICK_SHAPE = (2, 64, 2, 16)
 PASSES = ("fwd", "fwd+bwd")
 GLA_UNUSED_GATES = ("g", "gv", "g_gamma")  # fla's chunk_gla takes the key gate only
 PARAMETERS = ("u", "g_gamma")  # per-head or per-channel: no batch axis
-PACKED = [0]  # --packed: the sequences in batch 0 (each with its state), for the error slice
 
 
 def parse_args(argv=None):
@@ -125,26 +126,31 @@ def make_inputs(op: str, shape: tuple, dtype_name: str, packed: int = 0):
     return case, arrays, cotangents
 
 
-def slice_width(op: str, shape: tuple, heads: int) -> int:
-    """How many heads (RWKV-4: channels) the error slice keeps."""
-    _, _, total_heads, head_size = shape
-    return min(total_heads, heads) * (head_size if op == "rwkv4" else 1)
+@dataclasses.dataclass(frozen=True)
+class ErrorSlice:
+    """Batch 0 and the first ``width`` heads (RWKV-4: channels) of a call's arrays; states keep
+    every sequence's where the sequences are packed in batch 0."""
+    width: int
+    packed: bool
+
+    @classmethod
+    def of(cls, op: str, shape: tuple, heads: int, packed: bool) -> "ErrorSlice":
+        _, _, total_heads, head_size = shape
+        return cls(min(total_heads, heads) * (head_size if op == "rwkv4" else 1), packed)
+
+    def take(self, name: str, x):
+        """The slice of array ``name`` (an input, its gradient, the output ``o`` or the final
+        ``state``) as float64 numpy."""
+        if name in ("initial_state", "state"):
+            part = x[:, :self.width] if self.packed else x[:1, :self.width]
+        elif name in PARAMETERS or x.ndim == 1:
+            part = x[:self.width]
+        else:
+            part = x[:1, :, :self.width]
+        return np.asarray(part).astype(np.float64)
 
 
-def take_slice(name: str, x, width: int):
-    """Batch 0 and the first ``width`` heads (or channels) of array ``name`` (an input, its
-    gradient, the output ``o`` or the final ``state``; states: every sequence's where they are
-    packed in batch 0), as float64 numpy."""
-    if name in ("initial_state", "state"):
-        part = x[:, :width] if PACKED[0] else x[:1, :width]
-    elif name in PARAMETERS or x.ndim == 1:
-        part = x[:width]
-    else:
-        part = x[:1, :, :width]
-    return np.asarray(part).astype(np.float64)
-
-
-def float64_reference(case, arrays: dict, cotangents, width: int):
+def float64_reference(case, arrays: dict, cotangents, view: ErrorSlice):
     """The native backend in float64 (on the CPU) on the slice of the rounded inputs:
     ``(out, state), gradients`` of the sliced inputs."""
     names = tuple(arrays)
@@ -152,23 +158,22 @@ def float64_reference(case, arrays: dict, cotangents, width: int):
                    case.options)
     out_cot, state_cot = cotangents
     with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
-        xs = tuple(jnp.asarray(take_slice(n, x, width)) for n, x in arrays.items())
-        cots = (jnp.asarray(take_slice("o", out_cot, width)),
-                jnp.asarray(take_slice("state", state_cot, width)))
+        xs = tuple(jnp.asarray(view.take(n, x)) for n, x in arrays.items())
+        cots = jnp.asarray(view.take("o", out_cot)), jnp.asarray(view.take("state", state_cot))
         (out, state), grads = jax.jit(vjp_function(forward))(xs, cots)
         return ((np.asarray(out), np.asarray(state)),
                 {n: np.asarray(g) for n, g in zip(names, grads)})
 
 
-def slice_errors(out, state, grads: dict, reference, width: int) -> dict:
+def slice_errors(out, state, grads: dict, reference, view: ErrorSlice) -> dict:
     """Errors of one call's slice against the float64 reference: output, final state and the
     worst gradient of the per-token inputs and the initial state (``None`` gradients: a
     forward only)."""
     (ref_out, ref_state), ref_grads = reference
-    errors = dict(out=runner.relative_error(take_slice("o", out, width), ref_out),
-                  state=runner.relative_error(take_slice("state", state, width), ref_state))
+    errors = dict(out=runner.relative_error(view.take("o", out), ref_out),
+                  state=runner.relative_error(view.take("state", state), ref_state))
     if grads is not None:
-        per_input = {n: runner.relative_error(take_slice(n, g, width), ref_grads[n])
+        per_input = {n: runner.relative_error(view.take(n, g), ref_grads[n])
                      for n, g in grads.items() if n not in PARAMETERS and np.ndim(g) > 1}
         worst = max(per_input, key=per_input.get)
         errors.update(worst_grad=per_input[worst], worst_input=worst)
@@ -178,7 +183,7 @@ def slice_errors(out, state, grads: dict, reference, width: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Contenders
 
-def run_ours(op, backend, arrays, cotangents, case, args, reference, width):
+def run_ours(op, backend, arrays, cotangents, case, args, reference, view):
     """Rows of one rwkv_jax backend ("default": the op's own choice)."""
     name = None if backend == "default" else backend
     batch, _, heads, head_size = case.shape
@@ -193,7 +198,7 @@ def run_ours(op, backend, arrays, cotangents, case, args, reference, width):
     errors = None
     if reference is not None:
         (out, state), grads = jax.jit(vjp_function(forward))(xs, cots)
-        errors = slice_errors(out, state, dict(zip(names, grads)), reference, width)
+        errors = slice_errors(out, state, dict(zip(names, grads)), reference, view)
         del out, state, grads
     timed = {}
     if "fwd" in args.passes:
@@ -204,7 +209,7 @@ def run_ours(op, backend, arrays, cotangents, case, args, reference, width):
     return label, dict(backend=resolved), timed, errors
 
 
-def run_fla(op, arrays, cotangents, case, args, reference, width):
+def run_fla(op, arrays, cotangents, case, args, reference, view):
     """Rows of fla's kernel for ``op`` on the same (rounded) inputs and cotangents."""
     import importlib
 
@@ -247,7 +252,7 @@ def run_fla(op, arrays, cotangents, case, args, reference, width):
         torch.autograd.backward((out, state), (d_out, d_state))
         to_numpy = lambda t: t.detach().float().cpu().numpy()
         grads = {n: to_numpy(leaves[n].grad) for n in (*names, "initial_state")}
-        errors = slice_errors(to_numpy(out), to_numpy(state), grads, reference, width)
+        errors = slice_errors(to_numpy(out), to_numpy(state), grads, reference, view)
     held = [*leaves.values(), d_out, d_state]
     timed = {}
     if "fwd" in args.passes:
@@ -273,14 +278,13 @@ def main(argv=None):
     args = parse_args(argv)
     rows = runner.Rows("ops", args.json)
     where = backends.platform()
-    PACKED[0] = args.packed
     for op in (OPS[o] for o in args.ops):
         for shape in args.shapes:
             common = dict(op=op, shape=list(shape), dtype=args.dtype, packed=args.packed,
                           tokens=shape[0] * shape[1])
             case, arrays, cotangents = make_inputs(op, shape, args.dtype, args.packed)
-            width = slice_width(op, shape, args.error_heads)
-            reference = (float64_reference(case, arrays, cotangents, width)
+            view = ErrorSlice.of(op, shape, args.error_heads, bool(args.packed))
+            reference = (float64_reference(case, arrays, cotangents, view)
                          if args.error_heads else None)
             contenders = []
             for backend in args.backends:
@@ -302,7 +306,7 @@ def main(argv=None):
                     continue
                 try:
                     label, extra, timed, errors = run(arrays, cotangents, case, args, reference,
-                                                      width)
+                                                      view)
                 except Exception as err:  # one failing contender must not hide the others
                     for pass_name in args.passes:
                         row = dict(common, name=name, **{"pass": pass_name},

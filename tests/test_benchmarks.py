@@ -50,6 +50,14 @@ def test_ops_rows_with_errors_and_absent_peer(tmp_path):
     assert by_name[("rwkv7", "fla")]["absent"]  # not installed here: a row, not a crash
 
 
+def test_ops_packed_sequences(tmp_path):
+    rows, _ = run_topic("ops.py", "--quick", "--ops", "gla", "--shapes", "1,48,2,16", "--packed",
+                        "3", "--backends", "native", "--peers", "none", "--passes", "fwd+bwd",
+                        tmp_path=tmp_path)
+    (row,) = rows
+    assert row["packed"] == 3 and row["errors"]["state"] < 1e-5 and row["errors"]["worst_grad"] < 1e-5
+
+
 def test_ops_refuses_a_bad_flag():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ops.py"), "--ops", "rwkv9"],
                           capture_output=True, text=True, timeout=60,
