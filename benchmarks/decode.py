@@ -325,7 +325,8 @@ def parse_args(argv=None):
                         "'cuda fp32,cuda fp16' for rwkv6)")
     parser.add_argument("--per-token-calls", action="store_true", help="also decode one step "
                         "per call (a host round trip per token), for contrast")
-    runner.add_common_arguments(parser, peers=("official",), default_repeats=1)
+    # (one untimed run compiles each engine: no further warm-up)
+    runner.add_common_arguments(parser, peers=("official",), default_repeats=1, warmup=False)
     args = parser.parse_args(argv)
     if not args.parts:
         parser.error("--parts needs at least one part")

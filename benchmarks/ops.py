@@ -85,6 +85,8 @@ def parse_args(argv=None):
     gpu = jax.default_backend() == "gpu"
     args.shapes = args.shapes or list(GPU_SHAPES if gpu else CPU_SHAPES)
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    if args.packed < 0:
+        parser.error(f"--packed must be 0 (none) or more, got {args.packed}")
     if args.packed and ("rwkv4" in args.ops or any(s[0] != 1 or s[1] < args.packed
                                                     for s in args.shapes)):
         parser.error("--packed needs shapes of B=1 and T >= N, and no rwkv4 (it takes no "
@@ -122,7 +124,8 @@ def make_inputs(op: str, shape: tuple, dtype_name: str, packed: int = 0):
     arrays = case.as_dtype(DTYPES[dtype_name])
     native = bind(functools.partial(getattr(rwkv_jax, op), backend="native"), tuple(arrays),
                   case.options)
-    cotangents = random_cotangents(native, tuple(jnp.asarray(x) for x in arrays.values()))
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays.values())
+    cotangents = random_cotangents(native, shapes)
     return case, arrays, cotangents
 
 

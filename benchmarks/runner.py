@@ -35,16 +35,19 @@ def log(*parts) -> None:
     print(" ".join(str(p) for p in parts), flush=True)
 
 
-def add_common_arguments(parser, *, peers: tuple[str, ...] = (), default_repeats: int = 20):
-    """The flags every topic takes: where the rows go, the timing's repeats and warm-up, the
-    inputs' dtype, and (where the topic has peers) which peers to run."""
+def add_common_arguments(parser, *, peers: tuple[str, ...] = (), default_repeats: int = 20,
+                         warmup: bool = True):
+    """The flags the topics share: where the rows go, the timing's repeats, time limit and
+    (``warmup``) untimed calls, and (where the topic has peers) which peers to run."""
     parser.add_argument("--json", metavar="PATH",
                         help="append every row to this file, one JSON object per line")
     parser.add_argument("--repeats", type=_positive_int, default=default_repeats,
                         help=f"timed calls per measurement, the median reported "
                              f"(default {default_repeats})")
-    parser.add_argument("--warmup", type=_positive_int, default=2,
-                        help="untimed calls after compiling, before the timed ones (default 2)")
+    if warmup:
+        parser.add_argument("--warmup", type=_positive_int, default=2,
+                            help="untimed calls after compiling, before the timed ones "
+                                 "(default 2)")
     parser.add_argument("--max-seconds", type=float, default=30.0,
                         help="stop timing a measurement after this many seconds (at least 3 "
                              "calls; default 30)")
