@@ -9,8 +9,9 @@
 #   QUICK=1 OUT=/some/dir bash benchmarks/gpu_suite.sh install ops decode multi-device
 #                                                         # the topics at tiny shapes: a smoke run
 #
-# Parts: install info gpu-tests tests check ops decode multi-device train. The topics (ops,
-# decode, multi-device, train) append their rows to $OUT/<part>.jsonl. Each part writes
+# Parts: install info gpu-tests tests check ops decode multi-device train. The topics ops,
+# decode and multi-device append their rows to $OUT/<part>.jsonl; train writes $OUT/train.json
+# (QUICK) or $OUT/train/ (benchmarks/gpu_train_throughput.sh). Each part writes
 # $OUT/<part>.log and a line of $OUT/summary.tsv as soon as it ends (so a run cut short keeps
 # what it did); the summary table comes last. Exit status: 0 only if every part that ran
 # succeeded.
