@@ -45,6 +45,7 @@ import argparse
 import collections
 import glob
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -72,7 +73,6 @@ def timed(fn, *args, repeats=5):
     """Median seconds of ``repeats`` calls of ``fn(*args)`` (Python work included: the engine's
     calls are not one jitted function), each waited for, after one untimed call (it
     compiles)."""
-    import statistics
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
