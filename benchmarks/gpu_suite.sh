@@ -1,32 +1,38 @@
 #!/usr/bin/env bash
 # The GPU suite in one command, for an H100/H200 machine without internet (Python 3.12, jax 0.11.2
 # with CUDA 13, triton 3.6.0, torch 2.11, pytest, nanobind, scikit-build-core, cmake, ninja, nvcc
-# preinstalled; jax-triton and fla-core carried as wheels in .whl/, see shared/tools/gpu-wheels.sh).
+# preinstalled; jax-triton, fla-core and rwkv carried as wheels in .whl/, see
+# shared/tools/gpu-wheels.sh), set up by benchmarks/gpu_setup.sh.
 #
 #   OUT=/some/dir bash benchmarks/gpu_suite.sh            # every part below, in order
-#   OUT=/some/dir bash benchmarks/gpu_suite.sh bench      # only some parts (install once first)
+#   OUT=/some/dir bash benchmarks/gpu_suite.sh ops decode # only some parts (install once first)
+#   QUICK=1 OUT=/some/dir bash benchmarks/gpu_suite.sh install ops decode multi-device
+#                                                         # the topics at tiny shapes: a smoke run
 #
-# Parts: install info gpu-tests tests check bench baseline scripts. Each writes $OUT/<part>.log
-# and a line of $OUT/summary.tsv as soon as it ends (so a run cut short keeps what it did); the
-# summary table comes last. Exit status: 0 only if every part that ran succeeded.
+# Parts: install info gpu-tests tests check ops decode multi-device train. The topics ops,
+# decode and multi-device append their rows to $OUT/<part>.jsonl; train writes $OUT/train.json
+# (QUICK) or $OUT/train/ (benchmarks/gpu_train_throughput.sh). Each part writes
+# $OUT/<part>.log and a line of $OUT/summary.tsv as soon as it ends (so a run cut short keeps
+# what it did); the summary table comes last. Exit status: 0 only if every part that ran
+# succeeded.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
-SITE=${SITE:-/tmp/site}
+SITE=/tmp/site
 mkdir -p "$OUT"
 export OUT
+source benchmarks/gpu_setup.sh
 # The package is installed into $SITE (with rwkv_jax.triton_kernels mapped and the extension
-# built). PYTHONSAFEPATH keeps `python -m` and `python -` from putting the working directory,
-# whose source folder rwkv_jax/ lacks both, ahead of it (scripts run with their own folder
-# first, which is harmless, so they run without it).
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# built), ahead of the source tree on PYTHONPATH. PYTHONSAFEPATH keeps `python -m` and
+# `python -` from putting the working directory, whose source folder rwkv_jax/ lacks both,
+# ahead of it (scripts run with their own folder first, which is harmless, so they run without
+# it).
 export PYTHONSAFEPATH=1
-# Several processes share the GPU (pytest workers): none takes most of its memory up front.
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-python3}
+QUICK=${QUICK:-}
 
-ALL_PARTS=(install info gpu-tests tests check bench baseline scripts)
+ALL_PARTS=(install info gpu-tests tests check ops decode multi-device train)
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=("${ALL_PARTS[@]}")
 for part in "${parts[@]}"; do
@@ -34,11 +40,6 @@ for part in "${parts[@]}"; do
 done
 
 install() {
-  shopt -s nullglob
-  local wheels=(.whl/*.whl)
-  if [ ${#wheels[@]} -gt 0 ]; then
-    "$PY" -m pip install -q --no-index --no-deps --upgrade --target "$SITE" "${wheels[@]}" || return
-  fi
   # Its own build folder (kept between runs, so a rerun rebuilds only what changed).
   "$PY" -m pip install --no-index --no-deps --no-build-isolation --upgrade --target "$SITE" \
     -C build-dir=build/gpu-suite/{wheel_tag} . || return
@@ -64,22 +65,46 @@ parallel() {  # four pytest workers where pytest-xdist is installed (the tests m
   "$PY" -c "import xdist" 2>/dev/null && echo "-n 4"
 }
 
-bench() {
-  local plot=()
-  "$PY" -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/bench.png")
-  # The issue's GPU sizes: every op at the baseline size, rwkv7 also at the training-memory size.
-  "$PY" -m rwkv_jax bench --dtype bfloat16 --size 8,1024,32,64 --json "$OUT/bench.json" "${plot[@]}" || return
-  "$PY" -m rwkv_jax bench --dtype bfloat16 --op rwkv7 --size 8,4096,64,64 --json "$OUT/bench_xl.json"
+topic() {  # a topic script with its rows in $OUT/<part>.jsonl
+  local part=$1 script=$2; shift 2
+  env -u PYTHONSAFEPATH "$PY" "benchmarks/$script" --json "$OUT/$part.jsonl" "$@"
 }
 
-scripts() {
-  local status=0 script
-  for script in benchmarks/gpu_*.py; do
-    [ -e "$script" ] || { echo "no benchmarks/gpu_*.py yet"; return 0; }
-    echo "== $script"
-    env -u PYTHONSAFEPATH "$PY" "$script" || { echo "FAILED: $script"; status=1; }
-  done
-  return $status
+ops() {
+  if [ -n "$QUICK" ]; then
+    topic ops ops.py --quick --shapes 2,256,4,64
+  else
+    topic ops ops.py
+  fi
+}
+
+decode() {
+  if [ -n "$QUICK" ]; then
+    topic decode decode.py --sizes 0.1b --new-tokens 16 --concurrent 4 --prompt-tokens 256 \
+      --steps-per-call 8 --parts single,concurrent,prefill,profile --top 5
+  else
+    topic decode decode.py --parts single,concurrent,prefill,breakdown,profile
+  fi
+}
+
+multi_device() {
+  local count
+  count=$(nvidia-smi --list-gpus | wc -l)
+  [ "$count" -ge 2 ] || { echo "multi-device: one GPU here, nothing to split"; return 0; }
+  if [ -n "$QUICK" ]; then
+    topic multi-device multi_device.py --devices 2 --shapes 4x512x4x64 --repeats 3
+  else
+    topic multi-device multi_device.py --devices $(seq 2 2 "$count" | tr '\n' ' ')
+  fi
+}
+
+train() {  # the train topic: benchmarks/train_throughput.py, one process per GPU count
+  if [ -n "$QUICK" ]; then
+    env -u PYTHONSAFEPATH "$PY" benchmarks/train_throughput.py --model 0.1b --batch 1 --seq 512 \
+      --steps 2 --json "$OUT/train.json"
+  else
+    OUT="$OUT/train" bash benchmarks/gpu_train_throughput.sh data 1
+  fi
 }
 
 run_part() {
@@ -92,9 +117,10 @@ run_part() {
     gpu-tests) pytest_ran_tests -q -m gpu $(parallel) ;;
     tests) pytest_ran_tests -q ;;
     check) "$PY" -m rwkv_jax check ;;
-    bench) bench ;;
-    baseline) env -u PYTHONSAFEPATH "$PY" benchmarks/native_baseline.py | tee "$OUT/baseline.md" ;;
-    scripts) scripts ;;
+    ops) ops ;;
+    decode) decode ;;
+    multi-device) multi_device ;;
+    train) train ;;
   esac > "$OUT/$part.log" 2>&1
   rc=$?
   seconds=$(( $(date +%s) - started ))

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Runs benchmarks/train_throughput.py on a GPU machine from the repository root, set up by
-# benchmarks/gpu_env.sh: one process per row (its own memory peak; an out-of-memory error ends
+# benchmarks/gpu_setup.sh: one process per row (its own memory peak; an out-of-memory error ends
 # that row only), JSON rows and the printed reports in $OUT.
 #   benchmarks/gpu_train_throughput.sh data 1   # 1.5B, T=4096, batch 2 per GPU, on 1 GPU
 #   benchmarks/gpu_train_throughput.sh seq 4    # 0.4B, one sequence of 65,536 tokens, remat
@@ -13,7 +13,7 @@ counts=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do counts+=("$1"); shift; don
 [ "$1" = "--" ] && shift
 out=${OUT:-/tmp/gpu_train_throughput}
 mkdir -p "$out"
-source benchmarks/gpu_env.sh
+source benchmarks/gpu_setup.sh
 for n in "${counts[@]}"; do
     case $mode in
         data) run=(--model 1.5b --devices "$n" --batch $((2 * n)) --seq 4096 --parallel data) ;;

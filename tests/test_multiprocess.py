@@ -443,10 +443,10 @@ if __name__ != "__main__":
         np.testing.assert_allclose(got, want, rtol=1e-5)
 
     def test_multi_gpu_benchmark_as_two_processes():
-        """benchmarks/multi_gpu.py --processes 2: a row from two processes of 1 device each,
+        """benchmarks/multi_device.py --processes 2: a row from two processes of 1 device each,
         its results those of one device."""
         from scripts import load_script
-        bench = load_script("benchmarks/multi_gpu.py")
+        bench = load_script("benchmarks/multi_device.py")
         argv = ["--tiny", "--processes", "2", "--devices", "2", "--ops", "rwkv7", "--shapes",
                 "1x16x2x8:sequence", "--repeats", "1", "--backend", "native"]
         args = bench.parse_args(argv)

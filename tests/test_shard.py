@@ -277,9 +277,9 @@ def test_sharded_model_gradients_equal_one_device():
 
 
 def test_multi_gpu_benchmark_rows():
-    """benchmarks/multi_gpu.py, in this process (on the first 2 of the 8 CPU devices): rows of
+    """benchmarks/multi_device.py, in this process (on the first 2 of the 8 CPU devices): rows of
     every op, their check against one device, the table."""
-    bench = load_script("benchmarks/multi_gpu.py")
+    bench = load_script("benchmarks/multi_device.py")
     args = bench.parse_args(["--tiny", "--repeats", "1", "--backend", "native"])
     rows = [bench.measure(mode, "2x16x2x8", args, op)
             for op in bench.OPS for mode in bench.MODES]

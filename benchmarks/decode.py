@@ -1,43 +1,51 @@
-"""Generation speed of ``rwkv_jax.nn.Generator`` against the official ``rwkv`` package (0.8.32)
-on the same random checkpoint, in one process.
+"""Generation with ``rwkv_jax.nn.Generator`` beside the official ``rwkv`` package (0.8.32) on the
+same random checkpoint, in one process, and where a decode step's time goes.
 
-    source benchmarks/gpu_env.sh        # on the GPU machine: wheels (rwkv 0.8.32 among them)
-    python benchmarks/gpu_generate.py --sizes 0.1b,1.5b --backends ffi,triton,native
-    python benchmarks/gpu_generate.py --arch rwkv6 --sizes 1.5b --parts single,concurrent
+    source benchmarks/gpu_setup.sh      # on the GPU machine: wheels (rwkv 0.8.32 among them)
+    python benchmarks/decode.py --sizes 0.1b,1.5b --backends ffi,triton,native --json decode.jsonl
+    python benchmarks/decode.py --arch rwkv6 --sizes 1.5b --parts single,concurrent
+    python benchmarks/decode.py --sizes 1.5b --backends ffi --parts profile
+    python benchmarks/decode.py --peers none            # off the GPU: a tiny model, a smoke run
 
 Random weights in the official RWKV-7 shapes (0.1B: L=12 C=768; 1.5B: L=24 C=2048; vocab 65536,
 head 64), bfloat16 weights and compute, float32 state pool; ``--arch rwkv6``: an RWKV6LM
-("Finch") of the same shapes (1.5b is Finch 1.6B's). Per size and step backend:
+("Finch") of the same shapes (1.5b is Finch 1.6B's). Per size and step backend, the parts
+(``--parts``):
 
-- single stream: one request, 16 prompt tokens, greedy, ``--new-tokens`` decoded; both decode
-  loop forms (``early_exit`` while_loop, and the fixed-length loop);
-- ``--concurrent`` requests at once (one lane each), 16 prompt tokens, greedy, and the same
-  with the official defaults' sampling (top_p 0.85 and the penalties);
-- prefill of one ``--prompt-tokens`` prompt against the model's sequence-mode forward
-  (with and without the output head) on the same tokens;
-- steps per compiled call and calls made: the host sees the lanes once per call
-  (``--per-token-calls`` adds a run of one step per call: a host round trip per token);
-- the official package (``RWKV_CUDA_ON=1``; ``RWKV_V7_ON=1`` and its ``RWKV_x070`` for RWKV-7,
-  its ``RWKV`` class for RWKV-6; each of ``--official-strategies``, default "cuda fp16" for
-  RWKV-7 and "cuda fp32,cuda fp16" for RWKV-6), loading the checkpoint written by
-  ``torch.save`` of our state dict: its single-stream tokens/s, the agreement of its
-  last-position logits on the prompt with ours (relative error against our bfloat16 model and
-  against a float32 copy of it, same top-1), and whether its first 16 greedy tokens are those
-  of our float32 copy's Generator;
-- ``--breakdown``: the time of one decode step split by part (embedding, per layer:
-  projections, LoRAs, the wkv step, norms; output head; sampling), each part a jitted function
-  timed alone, summed over layers.
+- single: one request, 16 prompt tokens, greedy, ``--new-tokens`` decoded; both decode loop
+  forms (``early_exit`` while_loop, and the fixed-length loop);
+- concurrent: ``--concurrent`` requests at once (one lane each), 16 prompt tokens, greedy, and
+  the same with the official defaults' sampling (top_p 0.85 and the penalties);
+- prefill: one ``--prompt-tokens`` prompt against the model's sequence-mode forward (with and
+  without the output head) on the same tokens;
+- breakdown: the time of one decode step split by part (embedding, per layer: projections,
+  LoRAs, the wkv step, norms; output head; sampling), each part a jitted function timed alone,
+  summed over layers (RWKV-7 only);
+- profile: ``--steps-per-call`` steps decoded in one compiled call under JAX's profiler, the
+  trace read back: kernels per step, the device's busy time per step (the sum of kernel
+  durations) against the wall time per step (well above busy: the GPU waits between kernels,
+  launch latency), and the kernels that take the most time (off the GPU: the host's XLA ops).
 
-Off the GPU it runs a tiny model as a smoke test (the official package needs torch CUDA and is
-skipped, saying so). ``$OUT/gpu_generate.json`` gets the numbers when ``OUT`` is set.
+Steps per compiled call and calls made are reported (the host sees the lanes once per call;
+``--per-token-calls`` adds a run of one step per call: a host round trip per token). The peer
+``official`` (``RWKV_CUDA_ON=1``; ``RWKV_V7_ON=1`` and its ``RWKV_x070`` for RWKV-7, its
+``RWKV`` class for RWKV-6; each of ``--official-strategies``, default "cuda fp16" for RWKV-7 and
+"cuda fp32,cuda fp16" for RWKV-6) loads the checkpoint written by ``torch.save`` of our state
+dict: its single-stream tokens/s, the agreement of its last-position logits on the prompt with
+ours (relative error against our bfloat16 model and against a float32 copy of it, same top-1),
+and whether its first 16 greedy tokens are those of our float32 copy's Generator. Where it
+cannot run (no torch with CUDA, the package not installed) its row says why.
+
 XLA flags to try go in ``XLA_FLAGS`` (e.g. ``--xla_gpu_enable_command_buffer=...``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import collections
+import glob
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -53,15 +61,25 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from _log import log, median_seconds  # noqa: E402
+import runner  # noqa: E402
+from runner import log  # noqa: E402
 from rwkv_jax import backends, rwkv7_step  # noqa: E402
 from rwkv_jax import nn as rnn  # noqa: E402
 from rwkv_jax.nn._bench import decode_rate, random_model  # noqa: E402
 from rwkv_jax.nn.common import lora  # noqa: E402
 
 
-def timed(fn, *args):
-    return median_seconds(fn, *args, reps=5)
+def timed(fn, *args, repeats=5):
+    """Median seconds of ``repeats`` calls of ``fn(*args)`` (Python work included: the engine's
+    calls are not one jitted function), each waited for, after one untimed call (it
+    compiles)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def prefill_rate(model, prompt, backend):
@@ -158,12 +176,7 @@ def breakdown(model, batch, backend):
 def official(path_pth, prompt, new_tokens, arch, strategy):
     """The official package on the same checkpoint: single-stream greedy tokens/s, its logits
     after the prompt and its greedy tokens; None (with the reason) where it cannot run."""
-    try:
-        import torch
-    except ImportError:
-        return None, "torch is not installed"
-    if not torch.cuda.is_available():
-        return None, "torch has no CUDA device here: the official package's CUDA path is skipped"
+    import torch
     # Read when rwkv.model is first imported: RWKV_V7_ON picks the RWKV-7 code.
     os.environ["RWKV_V7_ON"] = "1" if arch == "rwkv7" else "0"
     os.environ["RWKV_CUDA_ON"] = "1"
@@ -195,10 +208,6 @@ def official(path_pth, prompt, new_tokens, arch, strategy):
     return dict(tokens_per_s=new_tokens / seconds, logits=first, greedy=tokens), None
 
 
-def relative_error(ours, theirs):
-    return float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
-
-
 def compare_with_official(model, arch, prompt, new_tokens, strategies, greedy_steps=16):
     """The official package on ``model``'s weights (written with torch.save in the official
     layout), per strategy: speed, logits against ours (bfloat16 and a float32 copy) and greedy
@@ -217,11 +226,7 @@ def compare_with_official(model, arch, prompt, new_tokens, strategies, greedy_st
     ours = dict(bf16=last_logits(model), fp32=last_logits(exact))
     ours_greedy = rnn.Generator(exact, max_batch=1).generate(
         [prompt], max_new_tokens=greedy_steps, sampling=rnn.Sampling(temperature=0)).tokens[0]
-    try:
-        import torch
-    except ImportError:
-        log("official rwkv package: skipped (torch is not installed)")
-        return {"skipped": "torch is not installed"}
+    import torch
     path = os.path.join(tempfile.mkdtemp(), "random.pth")
     torch.save({name: torch.from_numpy(value) for name, value in params.items()}, path)
     results = {}
@@ -231,27 +236,70 @@ def compare_with_official(model, arch, prompt, new_tokens, strategies, greedy_st
         except Exception as err:  # keep our numbers
             anchor, reason = None, f"the official package failed: {type(err).__name__}: {err}"
         if anchor is None:
-            log(f"official rwkv package ({strategy}): skipped ({reason})")
-            results[strategy] = {"skipped": reason}
+            results[strategy] = {"error": reason}
             continue
         theirs = anchor.pop("logits")
         greedy = anchor.pop("greedy")[:greedy_steps]
         for kind, logits in ours.items():
-            anchor[f"logits_relative_error_vs_ours_{kind}"] = relative_error(logits, theirs)
+            anchor[f"logits_relative_error_vs_ours_{kind}"] = runner.relative_error(logits, theirs)
             anchor[f"same_top1_as_ours_{kind}"] = bool(np.argmax(logits) == np.argmax(theirs))
         anchor["same_greedy_tokens_as_ours_fp32"] = greedy == ours_greedy
         anchor["greedy_tokens"], anchor["ours_fp32_greedy_tokens"] = greedy, ours_greedy
         results[strategy] = anchor
-        log(f"official rwkv 0.8.32 ({strategy}) single stream: {anchor['tokens_per_s']:.1f} "
-            f"tokens/s; logits relative error vs ours fp32 "
-            f"{anchor['logits_relative_error_vs_ours_fp32']:.2e}, vs ours bf16 "
-            f"{anchor['logits_relative_error_vs_ours_bf16']:.2e}; same top-1 (fp32) "
-            f"{anchor['same_top1_as_ours_fp32']}; same {greedy_steps} greedy tokens (fp32) "
-            f"{anchor['same_greedy_tokens_as_ours_fp32']}")
     return results
 
 
-def main(argv=None):
+def kernel_events(trace_dir):
+    """(name, start_ns, duration_ns) of every event on the device planes (the host's XLA ops
+    where there is no device plane)."""
+    from jax.profiler import ProfileData
+    path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+    data = ProfileData.from_file(path)
+    planes = [p for p in data.planes if p.name.startswith("/device:")]
+    events = []
+    for plane in planes or [p for p in data.planes if p.name == "/host:CPU"]:
+        for line in plane.lines:
+            if planes and not line.name.startswith("Stream"):
+                continue
+            events += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
+    return events
+
+
+def profile(model, prompts, steps, backend, top):
+    """One compiled call of ``steps`` decode steps under JAX's profiler: per step, the kernels
+    launched, the device's busy time, the trace's span and the decode time; the ``top``
+    kernels by time (name, launches per step, us per step, us each)."""
+    engine = rnn.Generator(model, max_batch=len(prompts), steps_per_call=steps, backend=backend,
+                           early_exit=False)
+    greedy = rnn.Sampling(temperature=0)
+    run = lambda: engine.generate(prompts, max_new_tokens=steps, sampling=greedy)
+    run()  # compiles
+    trace_dir = tempfile.mkdtemp()
+    jax.profiler.start_trace(trace_dir)
+    started = time.perf_counter()
+    result = run()
+    wall = time.perf_counter() - started
+    jax.profiler.stop_trace()
+    events = kernel_events(trace_dir)
+    busy = sum(d for _, _, d in events)
+    span = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) if events else 0
+    by_name = collections.defaultdict(lambda: [0, 0])
+    for name, _, duration in events:
+        by_name[name][0] += 1
+        by_name[name][1] += duration
+    kernels = [(name[:70], count / steps, total / steps / 1e3, total / count / 1e3)
+               for name, (count, total) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]]
+    return dict(kernels_per_step=len(events) / steps, busy_ms_per_step=busy / steps / 1e6,
+                span_ms_per_step=span / steps / 1e6,
+                decode_ms_per_step=1e3 * result.decode_seconds / steps,
+                generate_ms_per_step=1e3 * wall / steps, decode_calls=result.decode_calls,
+                top_kernels=kernels)
+
+
+PARTS = ("single", "concurrent", "prefill", "breakdown", "profile")
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", choices=("rwkv7", "rwkv6"), default="rwkv7",
                         help="the model: RWKV7LM, or RWKV6LM (Finch)")
@@ -259,28 +307,39 @@ def main(argv=None):
                         "default both), tiny (CPU default)")
     parser.add_argument("--backends", default=None, help="step backends to compare (default: "
                         "every one that runs the arch's step op here)")
-    parser.add_argument("--new-tokens", type=int, default=None)
-    parser.add_argument("--concurrent", type=int, default=None)
-    parser.add_argument("--prompt-tokens", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help="tokens decoded per request (default 512 on a GPU, 8 on a CPU)")
+    parser.add_argument("--concurrent", type=int, default=None,
+                        help="requests at once in 'concurrent' (default 256 on a GPU, 4 on a CPU)")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="the prompt of 'prefill' (default 4096 on a GPU, 64 on a CPU)")
     parser.add_argument("--steps-per-call", type=int, default=64)
-    parser.add_argument("--breakdown", action="store_true", help="time one step's parts")
-    parser.add_argument("--no-official", action="store_true")
+    parser.add_argument("--parts", type=runner.names_of(PARTS),
+                        default=["single", "concurrent", "prefill"],
+                        help=f"comma-separated: {', '.join(PARTS)} (default single,concurrent,"
+                             f"prefill)")
+    parser.add_argument("--profile-batch", type=int, default=1, help="lanes in 'profile'")
+    parser.add_argument("--top", type=int, default=25, help="kernels listed by 'profile'")
     parser.add_argument("--official-strategies", default=None, help="comma-separated strategies "
                         "of the official package (default: 'cuda fp16' for rwkv7, "
                         "'cuda fp32,cuda fp16' for rwkv6)")
-    parser.add_argument("--parts", default="single,concurrent,prefill",
-                        help="comma-separated parts to run: single, concurrent, prefill")
     parser.add_argument("--per-token-calls", action="store_true", help="also decode one step "
                         "per call (a host round trip per token), for contrast")
+    # (one untimed run compiles each engine: no further warm-up)
+    runner.add_common_arguments(parser, peers=("official",), default_repeats=1, warmup=False)
     args = parser.parse_args(argv)
-    parts = set(args.parts.split(","))
-    if not parts or parts - {"single", "concurrent", "prefill"}:
-        parser.error(f"--parts takes single, concurrent, prefill; got {args.parts!r}")
-    if args.breakdown and args.arch != "rwkv7":
-        parser.error("--breakdown times RWKV-7's parts only")
+    if not args.parts:
+        parser.error("--parts needs at least one part")
+    if "breakdown" in args.parts and args.arch != "rwkv7":
+        parser.error("--parts breakdown times RWKV-7's parts only")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    parts = set(args.parts)
     strategies = (args.official_strategies
                   or ("cuda fp16" if args.arch == "rwkv7" else "cuda fp32,cuda fp16")).split(",")
-
     gpu = jax.default_backend() == "gpu"
     sizes = (args.sizes or ("0.1b,1.5b" if gpu else "tiny")).split(",")
     vocab = 65536 if gpu else 512
@@ -291,19 +350,23 @@ def main(argv=None):
     step_backends = (args.backends.split(",") if args.backends else
                      [b for b in backends.names() if backends.implements(b, f"{args.arch}_step")
                       and backends.unavailable_reason(b, where) is None])
-    log(f"devices: {jax.devices()}; jax {jax.__version__}; step backends {step_backends}")
-    results = {}
+    out = runner.Rows("decode", args.json)
+    log(f"step backends {step_backends}")
+
+    def record(size, backend, label, numbers, line):
+        return out.add(dict(dict(arch=args.arch, size=size, backend=backend, row=label,
+                                 new_tokens=new_tokens, steps_per_call=args.steps_per_call),
+                            **numbers), line)
+
     rng = np.random.default_rng(0)
+    greedy = rnn.Sampling(temperature=0)
+    official_sampling = rnn.Sampling(temperature=1.0, top_p=0.85, alpha_frequency=0.2,
+                                     alpha_presence=0.2, alpha_decay=0.996)
     for size in sizes:
         model = random_model(size, vocab, arch=args.arch)
         log(f"\n== {size}: {model.config}")
         prompt = rng.integers(1, vocab, 16).tolist()
-        out = results[size] = {}
-        greedy = rnn.Sampling(temperature=0)
-        official_sampling = rnn.Sampling(temperature=1.0, top_p=0.85, alpha_frequency=0.2,
-                                         alpha_presence=0.2, alpha_decay=0.996)
         for backend in step_backends:
-            row = out[backend] = {}
             forms = [(args.steps_per_call, True), (args.steps_per_call, False)]
             if "single" not in parts:
                 forms = []
@@ -312,38 +375,65 @@ def main(argv=None):
             for steps, early_exit in forms:
                 label = "single stream" + ("" if early_exit else ", fixed-length loop") + (
                     "" if steps == args.steps_per_call else f", {steps} step per call")
-                row[label], _ = decode_rate(model, [prompt], new_tokens, backend, steps, greedy,
-                                            early_exit=early_exit)
-                log(f"{backend:7s} {label:40s} {row[label]['tokens_per_s']:10.1f} tokens/s "
-                    f"({row[label]['ms_per_step']:.3f} ms/step, {row[label]['decode_calls']} "
-                    f"calls of <= {steps} steps)")
+                rate, _ = decode_rate(model, [prompt], new_tokens, backend, steps, greedy,
+                                      early_exit=early_exit, repeats=args.repeats,
+                                      max_seconds=args.max_seconds)
+                record(size, backend, label, dict(rate, requests=1),
+                       f"{backend:7s} {label:40s} {rate['tokens_per_s']:10.1f} tokens/s "
+                       f"({rate['ms_per_step']:.3f} ms/step, {rate['decode_calls']} calls of "
+                       f"<= {steps} steps)")
             prompts = [rng.integers(1, vocab, 16).tolist() for _ in range(concurrent)]
             for label, sampling in ((f"{concurrent} concurrent, greedy", greedy),
                                     (f"{concurrent} concurrent, official sampling",
                                      official_sampling)) if "concurrent" in parts else ():
-                row[label], _ = decode_rate(model, prompts, new_tokens, backend,
-                                            args.steps_per_call, sampling)
-                log(f"{backend:7s} {label:40s} {row[label]['tokens_per_s']:10.1f} tokens/s "
-                    f"({row[label]['ms_per_step']:.3f} ms/step)")
-            if args.breakdown:
+                rate, _ = decode_rate(model, prompts, new_tokens, backend, args.steps_per_call,
+                                      sampling, repeats=args.repeats,
+                                      max_seconds=args.max_seconds)
+                record(size, backend, label, dict(rate, requests=concurrent),
+                       f"{backend:7s} {label:40s} {rate['tokens_per_s']:10.1f} tokens/s "
+                       f"({rate['ms_per_step']:.3f} ms/step)")
+            if "breakdown" in parts:
                 for batch in (1, concurrent):
                     step_parts = breakdown(model, batch, backend)
-                    row[f"breakdown, batch {batch} (ms)"] = step_parts
-                    log(f"{backend:7s} one step at batch {batch}: " + ", ".join(
-                        f"{name} {ms:.3f}" for name, ms in step_parts.items()) + " ms")
+                    record(size, backend, f"breakdown, batch {batch}", dict(parts_ms=step_parts),
+                           f"{backend:7s} one step at batch {batch}: " + ", ".join(
+                               f"{name} {ms:.3f}" for name, ms in step_parts.items()) + " ms")
+            if "profile" in parts:
+                prompts = [rng.integers(1, vocab, 16).tolist() for _ in range(args.profile_batch)]
+                found = profile(model, prompts, args.steps_per_call, backend, args.top)
+                lines = [f"{backend:7s} profile, batch {args.profile_batch}: per step "
+                         f"{found['kernels_per_step']:.0f} kernels, busy "
+                         f"{found['busy_ms_per_step']:.3f} ms, trace span "
+                         f"{found['span_ms_per_step']:.3f} ms, decode "
+                         f"{found['decode_ms_per_step']:.3f} ms",
+                         f"{'kernel':70s} {'per step':>9s} {'us/step':>9s} {'us each':>8s}"]
+                lines += [f"{name:70s} {count:9.1f} {per_step:9.1f} {each:8.2f}"
+                          for name, count, per_step, each in found["top_kernels"]]
+                record(size, backend, f"profile, batch {args.profile_batch}", found,
+                       "\n".join(lines))
         if "prefill" in parts:
             big = rng.integers(1, vocab, prompt_tokens + 1).tolist()
-            out["prefill"] = prefill_rate(model, big, None)
-            log(f"prefill of {prompt_tokens} tokens: "
-                + ", ".join(f"{k} {v:.3f}" if "over" in k else f"{k} {v:.0f}"
-                            for k, v in out["prefill"].items()))
-        if not args.no_official:
-            out["official"] = compare_with_official(model, args.arch, prompt, new_tokens,
-                                                    strategies)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_generate.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    return results
+            rates = prefill_rate(model, big, None)
+            record(size, "default", f"prefill of {prompt_tokens} tokens", rates,
+                   f"prefill of {prompt_tokens} tokens: "
+                   + ", ".join(f"{k} {v:.3f}" if "over" in k else f"{k} {v:.0f}"
+                               for k, v in rates.items()))
+        if "official" in args.peers:
+            absent = runner.peer_absent("official")
+            if absent is not None:
+                record(size, "official", "official rwkv package", dict(absent=absent),
+                       f"official rwkv package: absent ({absent})")
+                continue
+            for strategy, found in compare_with_official(model, args.arch, prompt, new_tokens,
+                                                         strategies).items():
+                line = f"official rwkv ({strategy}): " + (found.get("error") or (
+                    f"{found['tokens_per_s']:.1f} tokens/s single stream; logits relative "
+                    f"error vs ours fp32 {found['logits_relative_error_vs_ours_fp32']:.2e}, vs "
+                    f"ours bf16 {found['logits_relative_error_vs_ours_bf16']:.2e}; same top-1 "
+                    f"(fp32) {found['same_top1_as_ours_fp32']}; same greedy tokens (fp32) "
+                    f"{found['same_greedy_tokens_as_ours_fp32']}"))
+                record(size, "official", f"official rwkv, {strategy}", found, line)
+    return out.rows
 
 
 if __name__ == "__main__":

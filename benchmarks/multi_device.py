@@ -1,8 +1,8 @@
 """Forward + backward on one GPU against data and sequence parallelism over several.
 
-    python benchmarks/multi_gpu.py --devices 2 4 --backend triton   # the issue's table, 1-4 GPUs
-    python benchmarks/multi_gpu.py --tiny --devices 2 4              # tiny, simulated CPU devices
-    python benchmarks/multi_gpu.py --devices 2 4 --processes 2       # each count as 2 processes
+    python benchmarks/multi_device.py --devices 2 4 --backend triton   # the issue's table, 1-4 GPUs
+    python benchmarks/multi_device.py --tiny --devices 2 4              # tiny, simulated CPU devices
+    python benchmarks/multi_device.py --devices 2 4 --processes 2       # each count as 2 processes
 
 For each op (``--ops``: rwkv7, rwkv6, gated_linear_attention with gk), shape ``BxTxHxK``
 (bfloat16 inputs by default; ``BxTxHxK:mode`` for one mode only: the defaults are B=8 T=4096
@@ -18,7 +18,7 @@ cotangent) as the median of --repeats runs after a warm-up, each ending in
 every row of that count one after the other with the same inputs. Per-device memory is XLA's
 compiled estimate of the program (arguments + outputs + temporaries, the Triton kernels'
 buffers included), so rows of one process do not mix. The check column compares each row's
-outputs and gradients with the 1-device row's: for every array ``x`` and three fixed Gaussian
+outputs and gradients with the 1-device row's: for every array ``x`` and three fixed probe
 arrays ``P``, ``<x, P>`` has the spread of ``|x|``, so ``|<x, P> - <x1, P>| / |x1|`` estimates
 the relative difference ``|x - x1| / |x1|``; the column shows the largest estimate over the
 arrays (bf16 inputs: the backends' contract is 1e-2 each against float64). With
@@ -26,7 +26,7 @@ arrays (bf16 inputs: the backends' contract is 1e-2 each against float64). With
 ``jax.distributed`` (the README's multi-host recipe on one host: n / P GPUs each, or simulated
 CPU devices with gloo collectives); a row's time is the slowest process's, its memory the
 largest of the processes' estimates (each one's in ``process_peak_bytes_per_device``). Prints
-a markdown table; ``--json`` also writes the rows.
+a markdown table; ``--json`` appends the rows (benchmarks/runner.py's JSON lines).
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ import sys
 import tempfile
 import time
 import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import runner  # noqa: E402
 
 MODES = ("1 device", "data", "sequence")
 OPS = ("rwkv7", "rwkv6", "gated_linear_attention")
@@ -64,7 +69,8 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tiny", action="store_true",
                         help=f"shapes {' '.join(TINY_SHAPES)} on simulated CPU devices")
-    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--json", metavar="PATH",
+                        help="append every row to this file, one JSON object per line")
     parser.add_argument("--processes", type=int, default=1,
                         help="run each device count > 1 as this many processes (jax.distributed)")
     parser.add_argument("--one", type=int, metavar="DEVICES", help=argparse.SUPPRESS)
@@ -95,22 +101,37 @@ def _make_inputs(op, seed, batch, steps, heads, key, dtype):
     import jax
     import jax.numpy as jnp
 
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 8))
     shape = (batch, steps, heads, key)
-    normal = lambda: jax.random.normal(next(keys), shape, jnp.float32)
+    # One draw for every array: each separate draw costs its own compile (seconds on a CPU).
+    draws = iter(jax.random.normal(jax.random.PRNGKey(seed), (8,) + shape, jnp.float32))
+    normal = lambda: next(draws)
     if op == "rwkv7":
         kk = normal()
         kk = kk / jnp.linalg.norm(kk, axis=-1, keepdims=True)
         x = dict(r=normal(), w=-jnp.exp(-0.5) * jax.nn.sigmoid(normal()), k=normal(),
                  v=normal(), a=-kk, b=kk * jax.nn.sigmoid(normal()))
     elif op == "rwkv6":
+        # (a normal's distribution function makes it uniform: w's log decay speed in [-3, 0])
         x = dict(r=normal(), k=normal(), v=normal(),
-                 w=-jnp.exp(jax.random.uniform(next(keys), shape, minval=-3.0, maxval=0.0)),
-                 u=0.5 * jax.random.normal(next(keys), (heads, key)))
+                 w=-jnp.exp(-3.0 * jax.scipy.special.ndtr(normal())),
+                 u=0.5 * normal()[0, 0])
     else:
         x = dict(q=normal(), k=normal(), v=normal(), gk=jax.nn.log_sigmoid(normal()) / 16)
     x = {n: y.astype(dtype) for n, y in x.items()}
     return x, normal().astype(dtype)
+
+
+def _probe(shape, seed):
+    """A fixed array of mean 0 and variance 1 (uniform in [-sqrt 3, sqrt 3]) from an integer
+    hash of each element's index and ``seed``: the same under every sharding, and cheap to
+    compile (a PRNG's draw compiles for seconds on a CPU)."""
+    import jax.numpy as jnp
+    index = jnp.arange(int(np.prod(shape)), dtype=jnp.uint32).reshape(shape)
+    h = index * jnp.uint32(0x9E3779B1) + jnp.uint32((seed * 0x85EBCA77) % 2**32)
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        h = (h ^ (h >> shift)) * jnp.uint32(multiplier)
+    h = h ^ (h >> 16)
+    return (h.astype(jnp.float32) / 2.0**32 - 0.5) * (2 * 3 ** 0.5)
 
 
 def measure(mode, shape, args, op="rwkv7", devices=None):
@@ -178,11 +199,11 @@ def measure(mode, shape, args, op="rwkv7", devices=None):
 
     @jax.jit
     def fingerprint(results):
-        """Per array: its norm and PROJECTIONS inner products with fixed Gaussian arrays."""
+        """Per array: its norm and PROJECTIONS inner products with fixed probe arrays."""
         rows = []
         for i, y in enumerate(results):
             y = y.astype(jnp.float32)
-            probes = [jnp.sum(y * jax.random.normal(jax.random.PRNGKey(100 * i + j), y.shape))
+            probes = [jnp.sum(y * _probe(y.shape, PROJECTIONS * i + j))
                       for j in range(PROJECTIONS)]
             rows.append(jnp.stack([jnp.sqrt(jnp.sum(y * y))] + probes))
         return jnp.stack(rows)
@@ -281,10 +302,6 @@ def difference(row, single):
     return worst
 
 
-def _size(n):
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
-
-
 def table(rows):
     lines = ["| op | shape BxTxHxK | mode | devices | fwd+bwd ms (median) | tokens/s | vs 1 device "
              "| memory per device | difference from 1 device |",
@@ -304,7 +321,7 @@ def table(rows):
                    else r["devices"])
         lines.append(f"| {r['op']} | {r['shape'].split(':')[0]} | {r['mode']} | {devices} "
                      f"| {r['milliseconds']:.2f} | {r['tokens_per_second']:,.0f} | {speedup} "
-                     f"| {_size(r['peak_bytes_per_device'])} | {check} |")
+                     f"| {runner.size_text(r['peak_bytes_per_device'])} | {check} |")
     return "\n".join(lines)
 
 
@@ -329,22 +346,18 @@ def main(argv=None):
             sys.stderr.flush()
             os._exit(1)
         return None
+    out = runner.Rows("multi-device", args.json, devices=False)  # (the workers hold the GPUs)
     rows = []
     for devices in [1] + sorted(set(args.devices) - {1}):
-        rows += _run_group(devices, args, argv)
-        for r in rows:
-            if r.get("devices") == devices:
-                print(f"{r['op']} {r['shape']} {r['mode']} x{devices}: "
-                      + (r.get("error") or f"{r['milliseconds']:.2f} ms"), file=sys.stderr)
+        for r in _run_group(devices, args, argv):
+            rows.append(out.add(r, f"{r['op']} {r['shape']} {r['mode']} x{devices}: "
+                                   + (r.get("error") or f"{r['milliseconds']:.2f} ms")))
     first = next((r for r in rows if not r.get("error")), None)
     if first:
         print(f"\nforward + backward, {first['dtype']}, {first['platform']} "
               f"({first['device_kind']}), backend {args.backend or 'automatic'}, median of "
               f"{args.repeats}; memory: XLA's compiled estimate per device\n")
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     return rows
 
 
