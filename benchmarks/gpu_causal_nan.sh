@@ -6,7 +6,7 @@
 #
 # TREE: repository checkouts (default: this one), e.g. main's beside this branch's; each gets
 # its CUDA extension built (build/gpu inside it) and the script run against it, logs in
-# $OUT/<tree's folder name>/. Wheels as benchmarks/gpu_ffi.sh (.whl/: jax-triton).
+# $OUT/<tree's folder name>/. Wheels from .whl/ (jax-triton).
 set -eo pipefail
 here=$PWD
 out=${OUT:-/tmp/gpu_causal_nan}

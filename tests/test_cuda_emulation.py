@@ -11,8 +11,8 @@ reference:
   on a state pool, invalid rows included.
 
 CI has no GPU: this checks the kernels' indexing, synchronisation and arithmetic wherever a C++
-compiler is (the one that builds the CPU extension); the GPU runs (benchmarks/gpu_rwkv7_cuda.py,
-tests/test_ffi.py on a GPU machine) check them on the hardware.
+compiler is (the one that builds the CPU extension); the GPU runs (tests/test_ffi.py on a GPU machine, benchmarks/ops.py)
+check them on the hardware.
 """
 
 import importlib.util

@@ -5,7 +5,7 @@ tracers) raise a ValueError naming the argument before any kernel runs. Traced v
 ``jax.jit``) that turn out invalid never crash or read outside a buffer: invalid ``cu_seqlens``
 make every value of ``o`` and of the final state NaN, an invalid ``state_indices`` row (outside
 the pool, or a slot two rows share) gets a NaN output row and writes no slot, while valid rows
-work as usual. The cases observed in issue 12 are here, tiny (the Triton interpreter runs them).
+work as usual. The cases once observed on the GPU are here, tiny (the Triton interpreter runs them).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 # RWKV-7's sequential passes issue the next chunk's loads before the current chunk's products up
-# to this BK; beyond it the carried tiles spill (sm_90, 4 warps: benchmarks/compile_report.py).
+# to this BK; beyond it the carried tiles spill (sm_90, 4 warps: the compile reports in BENCHMARKS.md).
 # (GLA's sequential passes are ``for`` loops that Triton pipelines instead.)
 PREFETCH_UP_TO = tl.constexpr(64)
 # Whether the kernels run in Triton's interpreter (the launch helper sets TRITON_INTERPRET before

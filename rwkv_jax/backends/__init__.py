@@ -85,7 +85,7 @@ DEFAULTS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
         "native 105.8 / 854"),
     ("gated_linear_attention", "gpu"): (("triton", "chunked", "native"),
         "H100 B=8 T=4096 H=64 K=64 bf16 gk fwd / fwd+bwd: triton 1.35 / 6.53 ms "
-        "(fla 3.20 / 12.78), chunked 18.5 / 85.3, native 67.3 / 378 (issue 12)"),
+        "(fla 3.20 / 12.78), chunked 18.5 / 85.3, native 67.3 / 378"),
     ("gated_linear_attention", "cpu"): (("chunked", "native"),
         "2-core CPU (loaded) f32 fwd+bwd, the dominant cost: chunked 390 ms vs native 1294 at "
         "B=1 T=1024 H=4 K=64, 1450 vs 3131 at B=1 T=4096, a tie at B=2 T=1024 H=4 (758 vs 710) "

@@ -1,6 +1,6 @@
 """Generation speed of :class:`rwkv_jax.nn.Generator` on a random RWKV-7 (or RWKV-6) model in the
 official shapes, shared by ``rwkv-jax bench`` (its generation rows) and
-``benchmarks/gpu_generate.py``."""
+``benchmarks/decode.py``."""
 
 from __future__ import annotations
 

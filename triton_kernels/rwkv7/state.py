@@ -165,7 +165,7 @@ def rwkv7_wy_state_kernel(
     takes no run-time bound) in which, at BK <= 64, the next chunk's W is loaded
     before this chunk's products (carried in the loop, as stored) so that its latency overlaps
     the serial chain H -> U -> H'. Past 64 keys H is carried as two halves of 64 K rows
-    (``_wy_state_halves_step``). sm_90 spills, 4 / 8 warps (benchmarks/compile_report.py):
+    (``_wy_state_halves_step``). sm_90 spills, 4 / 8 warps (compile reports, BENCHMARKS.md):
     see forward_chunk64."""
     (sequence, head, v_cols, k_tile, k_cols_in, v_tile, v_cols_in, state_mask, start, end, chunks,
      first_chunk_slot, h) = _recurrence(cu_ptr, chunk_index_ptr, h0_ptr, HEADS, K, V, BK, BV, C,

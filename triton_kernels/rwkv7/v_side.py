@@ -104,7 +104,7 @@ def rwkv7_wy_state_gradient_kernel(
     [C, BK / 2] tiles are live at a time (``_wy_du_part``, then ``_wy_dh_part``, once per
     half; masked columns past K read and write nothing). A_qb^T dO is added last to dU, after
     the products with dH', and W^T dU before q~^T dO to dH: the order with the fewest spills
-    (sm_90 compile reports, benchmarks/compile_report.py --family rwkv7-64), and no W carried
+    (sm_90 compile reports, BENCHMARKS.md), and no W carried
     through the loop (that spilled).
 
     PIPELINED: on the GPU the loop over chunks is a ``for`` that Triton pipelines (num_stages:

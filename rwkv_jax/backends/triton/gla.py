@@ -27,7 +27,7 @@ _gla_kernels = _launch.kernels("gla")
 # (K side, V side) take one chunk each, all of them at once.
 GLA_SPAN = 64
 # K columns per step of the in-chunk scores kernel: the widest step that spills at neither K = 64
-# nor K = 128 with 4 warps (benchmarks/compile_report.py).
+# nor K = 128 with 4 warps (compile reports, BENCHMARKS.md).
 GLA_SCORES_BLOCK_K = 16
 # A call is tame when no chunk's log gates (GLA: gk + g + g_gamma; RWKV-6: w) sum below
 # -GLA_TAME_SUM in any key channel: the tame path references its in-chunk factors to the chunk's
@@ -37,8 +37,7 @@ GLA_SCORES_BLOCK_K = 16
 # w = -exp(0.7 z - 1.5): about -0.3); channels that forget faster than about e^-1 per token, -inf
 # and NaN take the exact build.
 GLA_TAME_SUM = 64.0
-# _GlaStatic fields -> values, to try other settings (benchmarks/gpu_gla.py --sweep) without
-# editing code.
+# _GlaStatic fields -> values, to try other settings without editing code.
 GLA_OVERRIDES: dict = {}
 
 
@@ -319,7 +318,7 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 
 def _gla_warps(k_size, block_v, has_b, bf16_states):
     """Blocks and warps of each kernel: the fastest measured (BENCHMARKS.md) among those whose
-    registers do not spill (benchmarks/compile_report.py). 4 warps: the state pass, the scores
+    registers do not spill (compile reports, BENCHMARKS.md). 4 warps: the state pass, the scores
     and output kernels (8 with a value gate, whose tiles spill at 4), the state-gradient pass,
     and the tame path's K-side kernel, which takes every key per program in steps of 16 so that
     dO v^T is formed once per chunk and head. 8 warps: the exact path's gradient kernels (16

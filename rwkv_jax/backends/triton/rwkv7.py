@@ -109,7 +109,7 @@ def default_config(k_size: int, v_size: int, streams: int = FEW_RECURRENCE_PROGR
     return KernelConfig(block_v=block_v, **DEFAULTS["few" if few else "many"])
 
 
-# (K, V) -> KernelConfig, to try other settings (benchmarks/gpu_rwkv7.py) without editing code.
+# (K, V) -> KernelConfig, to try other settings without editing code.
 CONFIG_OVERRIDES: dict = {}
 
 
@@ -360,7 +360,7 @@ def forward_chunk64(r, w, k, v, a, b, *, scale=1.0, initial_state=None, cu_seqle
 def _forward_launch_options64(setup, warps, max_registers):
     """The forward's warps and register caps per launch over their defaults: 4 warps
     everywhere (the fewest spills in the in-chunk kernel and the state pass, sm_90 compile
-    reports: benchmarks/compile_report.py --family rwkv7-64; the outputs kernel, as the V
+    reports (BENCHMARKS.md); the outputs kernel, as the V
     side's, ran slower at 8)."""
     warps = dict(dict(tame=4, exact=4, state=4, output=4), **(warps or {}))
     max_registers = dict(dict(tame=IN_CHUNK_MAX_REGISTERS64.get(setup.common["BK"])),
