@@ -77,7 +77,9 @@ def _values_of(o, values):
 
 @_values_of.defjvp
 def _values_of_jvp(primals, tangents):
-    return primals[1], tangents[0]
+    # The primal through _values_of again, so that a derivative of this rule (jax.hessian)
+    # differentiates it as ``o`` too.
+    return _values_of(*primals), tangents[0]
 
 
 def _causal_nan(o, h, sequential):
