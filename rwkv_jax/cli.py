@@ -36,7 +36,7 @@ from . import ops as public_ops
 from ._bench import (DTYPES, FLA_OPS, PRESETS, STEP_OPS, Case, bind, bytes_moved,
                      device_peak_bytes, fla_unavailable_reason, make_case, peak_bandwidth,
                      random_cotangents, time_fla, time_function, vjp_function)
-from .backends import native
+from .backends import ffi as ffi_backend, native
 from .train import command as train_command
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "numpy", "triton", "torch", "jax-triton", "flax")
@@ -161,6 +161,7 @@ def print_info(info: dict) -> None:
     print("packages: " + ", ".join(f"{name} {version or '-'}"
                                    for name, version in info["packages"].items()))
     print(f"platform: {info['platform']}; devices: " + "; ".join(info["devices"]))
+    print(f"CUDA kernels (ffi): {ffi_backend.cuda_build_report()}")
     if info["environment"]:
         print("environment: " + ", ".join(f"{k}={v}" for k, v in info["environment"].items()))
     print()
