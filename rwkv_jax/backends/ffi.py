@@ -64,7 +64,7 @@ def _reinstall_command() -> str:
                             or "{}")
     except importlib.metadata.PackageNotFoundError:
         origin = {}
-    if origin.get("url", "").startswith("file://"):
+    if "dir_info" in origin and origin.get("url", "").startswith("file://"):  # a source folder
         source = urllib.parse.unquote(urllib.parse.urlparse(origin["url"]).path)
         editable = origin.get("dir_info", {}).get("editable", False)
     return f'RWKV_JAX_CUDA=ON pip install {"-e " if editable else ""}"{source}[gpu]"'
