@@ -2,8 +2,8 @@
 # The CUDA extension built with nothing but pip's CUDA wheels, on a GPU machine without internet:
 # a fresh venv (over the image's site-packages, for jax and the build tools), the nvcc of the
 # nvidia-cuda-nvcc wheel (the image's own if it has a whole set, else the wheels carried in
-# .whl/), PATH stripped of every other nvcc, then `pip install` of the package, `rwkv-jax info`
-# and the ffi backend's GPU tests.
+# .whl/), a failing stand-in for every other nvcc on PATH, then `pip install` of the package,
+# `rwkv-jax info` and the ffi backend's GPU tests.
 #
 #   OUT=/some/dir bash benchmarks/gpu_pip_build.sh
 #
@@ -24,8 +24,8 @@ exec > >(tee "$OUT/gpu_pip_build.log") 2>&1
 TOOLKIT_FILES="bin/nvcc bin/ptxas bin/nvlink bin/fatbinary nvvm/bin/cicc include/cuda_runtime.h
 include/cuda_bf16.h include/crt/host_config.h lib/libcudart_static.a include/cccl/cuda/std/version"
 
-toolkit_report() {  # toolkit_report PYTHON: the nvidia-* wheels it sees and what their root lacks
-  "$1" - "$TOOLKIT_FILES" <<'EOF'
+toolkit_report() {  # toolkit_report PYTHON [check]: its nvidia-* wheels, what their root lacks
+  "$1" - "$TOOLKIT_FILES" "${@:2}" <<'EOF'
 import importlib.metadata as metadata, os, sys
 wheels = sorted((d.metadata["Name"], d.version, str(d.locate_file("")))
                 for d in metadata.distributions() if d.metadata["Name"].startswith("nvidia-"))
@@ -40,6 +40,18 @@ print(f"  nvidia/cu13 roots: {roots or 'none'}")
 for root in roots:
     missing = [f for f in sys.argv[1].split() if not os.path.exists(os.path.join(root, f))]
     print(f"  {root}: {'complete' if not missing else 'lacks ' + ', '.join(missing)}")
+if len(sys.argv) > 2:  # "check": the tree of the nvidia-cuda-nvcc wheel must be complete
+    try:
+        nvcc = metadata.distribution("nvidia-cuda-nvcc")
+    except metadata.PackageNotFoundError:
+        sys.exit("FAILED: no nvidia-cuda-nvcc wheel: carry the wheels in .whl/ (BUILD.md)")
+    root = os.path.join(str(nvcc.locate_file("")), "nvidia", "cu13")
+    missing = [f for f in sys.argv[1].split() if not os.path.exists(os.path.join(root, f))]
+    if missing:
+        sys.exit(f"FAILED: the nvcc wheel's tree {root} lacks {', '.join(missing)}: carry "
+                 "nvidia-cuda-nvcc, nvidia-nvvm, nvidia-cuda-runtime, nvidia-cuda-crt and "
+                 "nvidia-cuda-cccl in .whl/ (BUILD.md)")
+    print(f"  the build's nvcc: {root}/bin/nvcc ({nvcc.version})")
 EOF
 }
 
@@ -62,14 +74,16 @@ if [ ${#carried[@]} -gt 0 ]; then
   pip install -q --no-index --no-deps --ignore-installed "${carried[@]}" || exit 1
 fi
 echo "CUDA wheels seen in the venv:"
-toolkit_report python
+toolkit_report python check || exit 1
 
-# No nvcc but the wheel's: PATH without any folder that holds one, no CUDACXX or CUDA_PATH.
-PATH=$(tr ':' '\n' <<< "$PATH" | while read -r dir; do [ -x "$dir/nvcc" ] || echo "$dir"; done \
-       | paste -sd:)
-export PATH
+# No nvcc but the wheel's: the nvcc that PATH finds fails (the folders it shared with cmake, ninja
+# or the host compiler stay on PATH), and no CUDACXX or CUDA_PATH.
+stub=$(mktemp -d)
+printf '#!/bin/sh\necho "a system nvcc was run: only the wheel'"'"'s may be" >&2\nexit 1\n' > "$stub/nvcc"
+chmod +x "$stub/nvcc"
+export PATH="$stub:$PATH"
 unset CUDACXX CUDA_PATH CUDA_HOME
-echo "nvcc on PATH now: $(command -v nvcc || echo none)"
+echo "nvcc on PATH now: $(command -v nvcc), which fails: $(nvcc --version 2>&1)"
 
 echo "== pip install (no index, no isolation: the venv's nvcc wheel, the visible GPU's architecture)"
 started=$SECONDS

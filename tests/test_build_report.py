@@ -23,8 +23,8 @@ def _record(**fields):
 
 def test_report_of_this_installation_names_its_build():
     report = ffi.cuda_build_report()
-    assert report.startswith(("built for sm", "not built: ")), report
-    if report.startswith("not built: "):
+    assert report.startswith(("built for sm", "not built: ", "unknown: ")), report
+    if not report.startswith("built"):
         assert "RWKV_JAX_CUDA=ON pip install" in report
 
 
