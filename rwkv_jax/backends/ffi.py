@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
+import json
+import urllib.parse
 from typing import Optional
 
 import jax
@@ -51,6 +54,38 @@ def unavailable(platform: str) -> Optional[str]:
         return (f"the {what} {_module_name(platform)} is not built; reinstall with "
                 f"`pip install .` (see BUILD.md)")
     return None
+
+
+def _reinstall_command() -> str:
+    """The install command that builds the CUDA extension for this installation of rwkv_jax."""
+    source, editable = ".", False
+    try:
+        origin = json.loads(importlib.metadata.distribution("rwkv_jax").read_text("direct_url.json")
+                            or "{}")
+    except importlib.metadata.PackageNotFoundError:
+        origin = {}
+    if "dir_info" in origin and origin.get("url", "").startswith("file://"):  # a source folder
+        source = urllib.parse.unquote(urllib.parse.urlparse(origin["url"]).path)
+        editable = origin.get("dir_info", {}).get("editable", False)
+    return f'RWKV_JAX_CUDA=ON pip install {"-e " if editable else ""}"{source}[gpu]"'
+
+
+def cuda_build_report() -> str:
+    """Which compiler built the CUDA kernels, for which GPUs and why; or why there are none and
+    the one command that brings them. From rwkv_jax/_build_info.py, which the build writes."""
+    try:
+        info = importlib.import_module("rwkv_jax._build_info")
+    except ModuleNotFoundError:
+        return ("unknown: this installation has no build record (rwkv_jax/_build_info.py), so it "
+                f"was not built by `pip install`; to build the CUDA kernels: {_reinstall_command()}")
+    if not info.CUDA_EXTENSION:
+        return (f"not built: {info.CUDA_REASON} (RWKV_JAX_CUDA={info.CUDA_MODE}); to build them: "
+                f"{_reinstall_command()}")
+    report = (f"built for sm {info.CUDA_ARCHITECTURES} by nvcc {info.CUDA_COMPILER_VERSION} "
+              f"({info.CUDA_COMPILER}), {info.CUDA_COMPILER_ORIGIN}; because {info.CUDA_REASON}")
+    if importlib.util.find_spec(_module_name("gpu")) is None:
+        report += f"; but {_module_name('gpu')} is missing from this installation"
+    return report
 
 
 @functools.lru_cache(maxsize=None)

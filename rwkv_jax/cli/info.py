@@ -10,6 +10,7 @@ import platform as host
 import jax
 
 from .. import __version__, backends
+from ..backends import ffi as ffi_backend
 from ._print import error_text, format_table
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "numpy", "triton", "torch", "jax-triton", "flax")
@@ -51,6 +52,7 @@ def collect_info() -> dict:
         packages={name: _version(name) for name in PACKAGES},
         platform=backends.platform(),
         devices=[f"{d.id}: {d.device_kind} ({d.platform})" for d in jax.devices()],
+        cuda_kernels=ffi_backend.cuda_build_report(),
         environment={v: os.environ[v] for v in ENVIRONMENT if os.environ.get(v)},
         backends=backends.describe(),
         defaults=defaults,
@@ -62,7 +64,8 @@ def summary_lines(info: dict) -> list[str]:
     lines = [f"rwkv_jax {info['rwkv_jax']} on Python {info['python']}, {info['machine']}",
              "packages: " + ", ".join(f"{name} {version or '-'}"
                                       for name, version in info["packages"].items()),
-             f"platform: {info['platform']}; devices: " + "; ".join(info["devices"])]
+             f"platform: {info['platform']}; devices: " + "; ".join(info["devices"]),
+             f"CUDA kernels (ffi): {info['cuda_kernels']}"]
     if info["environment"]:
         lines.append("environment: " + ", ".join(f"{k}={v}"
                                                  for k, v in info["environment"].items()))
