@@ -5,12 +5,11 @@ The math of each op is in DESIGN.md and in ``rwkv_jax.backends.native``.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import _checks as checks
-from .backends import resolve, spreads_nan_in_chunks
+from .backends import resolve
 
 _TIME_MAJOR = ("B", "T", "H")
 _HEAD_MAJOR = ("B", "H", "T")
@@ -64,37 +63,6 @@ def _nan_unless(ok, x):
         return x
     ok = jnp.reshape(ok, ok.shape + (1,) * (x.ndim - ok.ndim))
     return jnp.where(ok, x, jnp.asarray(jnp.nan, x.dtype))
-
-
-# --- causal NaN over chunked kernels (DESIGN.md, "Numerical contract") ---------------------------
-
-
-@jax.custom_jvp
-def _values_of(o, values):
-    """``values`` in place of ``o``, differentiated as ``o``."""
-    return values
-
-
-@_values_of.defjvp
-def _values_of_jvp(primals, tangents):
-    # The primal through _values_of again, so that a derivative of this rule (jax.hessian)
-    # differentiates it as ``o`` too.
-    return _values_of(*primals), tangents[0]
-
-
-def _causal_nan(o, h, sequential):
-    """``o`` from a kernel that spreads a NaN to its chunk's start (``spreads_nan_in_chunks``),
-    made causal. Only an input that feeds the state can spread (a NaN in ``r`` or ``q`` reaches
-    its own row alone), and such an input makes the final state ``h`` non-finite (NaN in, NaN
-    out): then ``o`` is recomputed by ``sequential()`` (the native scan, forward only), so the
-    positions before the first bad one keep their values. Finite inputs, the common case, cost
-    one reduction over ``h``. The gradients stay the kernel's (NaN in, NaN gradients)."""
-    # A loop that runs once or never, not a cond: a cond's untaken branch would copy ``o`` into
-    # its result, while a loop updates its carry in place.
-    _, values = jax.lax.while_loop(
-        lambda carry: carry[0], lambda carry: (False, sequential().astype(o.dtype)),
-        (~jnp.isfinite(jax.lax.stop_gradient(h)).all(), jax.lax.stop_gradient(o)))
-    return _values_of(o, values)
 
 
 # --- dtypes (DESIGN.md, "Operators"): one rule for every backend --------------------------------
@@ -172,16 +140,8 @@ def _sequence(op, named, scale, initial_state, output_final_state, cu_seqlens, h
                  value=sizes["V"][0], dtype=dtype)
     name, fn = resolve(op, backend, dtype=dtype, shape=shape)
     arrays = {n: (_to_bthk(x, head_first) if n in named else x) for n, x in arrays.items()}
-    initial_state = _in_state_dtype(initial_state, dtype)
-    spreads = spreads_nan_in_chunks(name, op, shape)
-    o, h = fn(**arrays, scale=scale, initial_state=initial_state,
-              output_final_state=output_final_state or spreads, cu_seqlens=cu_seqlens,
-              **options)
-    if spreads:
-        sequential = resolve(op, "native", dtype=dtype)[1]
-        o = _causal_nan(o, h, lambda: sequential(
-            **jax.lax.stop_gradient(dict(arrays, initial_state=initial_state)), scale=scale,
-            output_final_state=False, cu_seqlens=cu_seqlens, **options)[0])
+    o, h = fn(**arrays, scale=scale, initial_state=_in_state_dtype(initial_state, dtype),
+              output_final_state=output_final_state, cu_seqlens=cu_seqlens, **options)
     o, h = _results(o, h, dtype)
     o, h = _nan_unless(offsets_ok, o), _nan_unless(offsets_ok, h)
     if head_first:

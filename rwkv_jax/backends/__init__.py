@@ -234,19 +234,6 @@ def preference() -> Optional[str]:
     return None
 
 
-def spreads_nan_in_chunks(name: str, op: str, shape: dict) -> bool:
-    """Whether backend ``name``'s kernel for ``op`` at ``shape`` (``resolve``'s shape class)
-    computes each chunk's outputs from all of the chunk's positions at once: its in-chunk
-    products give a NaN at position t zero weight, and 0 * NaN is NaN, so the NaN reaches the
-    outputs from its chunk's start on. ``rwkv_jax.ops`` keeps NaN causal over such kernels."""
-    if name in ("chunked", "triton"):
-        return True
-    if name == "ffi" and op == "rwkv7":
-        ffi = importlib.import_module("rwkv_jax.backends.ffi")
-        return ffi.rwkv7_kernel(shape["key"], shape["value"], shape["dtype"]) == "rwkv7_chunk"
-    return False
-
-
 def resolve(op: str, backend: Optional[str], dtype=None,
             shape: Optional[dict] = None) -> tuple[str, Callable]:
     """The (name, function) that runs ``op`` on inputs of ``dtype`` (None: any): the explicit
