@@ -8,14 +8,16 @@
 #   OUT=/some/dir bash benchmarks/gpu_pip_build.sh
 #
 # Wheels to carry where the image has none (BUILD.md, "CUDA kernels from pip's wheels alone"):
-# nvidia-cuda-nvcc, nvidia-nvvm, nvidia-cuda-runtime, nvidia-cuda-crt, nvidia-cuda-cccl, any
-# where under .whl/ (e.g. .whl/cuda-a/ and .whl/cuda-b/, carried by two calls). Exit status: 0
-# only if the build used the wheel's nvcc and the GPU tests passed.
+# nvidia-cuda-nvcc, nvidia-nvvm, nvidia-cuda-runtime, nvidia-cuda-crt, nvidia-cuda-cccl, at any
+# depth under $CUDA_WHEELS (default .whl/; e.g. .whl/cuda-a/ and .whl/cuda-b/, carried by two
+# calls and copied out of the tree by the first). Exit status: 0 only if the build used the
+# wheel's nvcc and the GPU tests passed.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
 VENV=${VENV:-/tmp/gpu-pip-venv}
+CUDA_WHEELS=${CUDA_WHEELS:-.whl}  # where the carried nvidia-* wheels are (any depth)
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_pip_build.log") 2>&1
@@ -62,13 +64,17 @@ nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
 echo "nvcc on PATH: $(command -v nvcc || echo none)"
 echo "the image's CUDA wheels:"
 toolkit_report "$PY"
-echo "carried wheels: $(find .whl -name 'nvidia_*.whl' 2>/dev/null | sort | tr '\n' ' ')"
+echo "carried wheels: $(find "$CUDA_WHEELS" -name 'nvidia_*.whl' 2>/dev/null | sort | tr '\n' ' ')"
 
 echo "== a fresh venv over the image's site-packages ($VENV)"
 rm -rf "$VENV"
 "$PY" -m venv --system-site-packages "$VENV"
+# Where the image's python3 is itself a venv's, --system-site-packages reaches only its base
+# interpreter's: a .pth file adds the image's own site-packages (jax, the build tools).
+"$PY" -c 'import site; print("\n".join(site.getsitepackages()))' \
+  > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/_image.pth"
 . "$VENV/bin/activate"
-mapfile -t carried < <(find .whl -name 'nvidia_*.whl' 2>/dev/null | sort)
+mapfile -t carried < <(find "$CUDA_WHEELS" -name 'nvidia_*.whl' 2>/dev/null | sort)
 if [ ${#carried[@]} -gt 0 ]; then
   # All into the venv (--ignore-installed), so that nvcc, cicc and the headers share one root.
   pip install -q --no-index --no-deps --ignore-installed "${carried[@]}" || exit 1
