@@ -1,7 +1,7 @@
 # The one set-up of a GPU machine for the benchmarks, sourced from the repository root:
 #   source benchmarks/gpu_setup.sh                        # wheels, import path, Triton cache
 #   GPU_SETUP_FFI=1 source benchmarks/gpu_setup.sh        # also builds the ffi backend's extension
-# - installs the wheels carried in .whl/ (shared/tools/gpu-wheels.sh: jax-triton, fla-core,
+# - installs the wheels carried in .whl/ (BUILD.md, "The GPU suite": jax-triton, fla-core,
 #   einops, rwkv) and .whl_ffi/ where there is one into /tmp/site, and puts /tmp/site and the
 #   source tree on PYTHONPATH;
 # - unpacks the Triton caches carried in .gpu-cache/*.tar.xz (compiles and autotuning results:

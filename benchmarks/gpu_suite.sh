@@ -2,7 +2,7 @@
 # The GPU suite in one command, for an H100/H200 machine without internet (Python 3.12, jax 0.11.2
 # with CUDA 13, triton 3.6.0, torch 2.11, pytest, nanobind, scikit-build-core, cmake, ninja, nvcc
 # preinstalled; jax-triton, fla-core and rwkv carried as wheels in .whl/, see
-# shared/tools/gpu-wheels.sh), set up by benchmarks/gpu_setup.sh.
+# BUILD.md says which), set up by benchmarks/gpu_setup.sh.
 #
 #   OUT=/some/dir bash benchmarks/gpu_suite.sh            # every part below, in order
 #   OUT=/some/dir bash benchmarks/gpu_suite.sh ops decode # only some parts (install once first)
