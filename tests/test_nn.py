@@ -473,6 +473,122 @@ def test_checkpoint_of_the_other_version_says_which_loader(checkpoint, rwkv6_che
         rnn.save_rwkv6(rnn.load_rwkv7(checkpoint), "model.npz")
 
 
+# --- documents inside rows (resets) ----------------------------------------------------------
+
+# Two rows of 12 tokens: documents begin at positions 0, 3 and 8 of row 0, 0 and 5 of row 1.
+DOCUMENTS, DOC_LENGTH = ((0, 3, 8), (0, 5)), 12
+DOC_TOKENS = np.random.default_rng(3).integers(0, VOCAB, (2, DOC_LENGTH)).astype(np.int32)
+
+
+def document_resets(starts=DOCUMENTS):
+    resets = np.zeros((len(starts), DOC_LENGTH), bool)
+    for row, row_starts in enumerate(starts):
+        resets[row, list(row_starts)] = True
+    return resets
+
+
+def each_document_alone(fn):
+    """``fn(tokens [1, t]) -> [1, t, ...]`` on each document of DOC_TOKENS alone, in place."""
+    rows = []
+    for row, starts in enumerate(DOCUMENTS):
+        bounds = (*starts, DOC_LENGTH)
+        rows.append(jnp.concatenate([fn(DOC_TOKENS[row:row + 1, a:b])
+                                     for a, b in zip(bounds, bounds[1:])], axis=1))
+    return jnp.concatenate(rows, axis=0)
+
+
+# Every document of every row, one after another along T (B = 1).
+DOC_CU_SEQLENS = np.array([row * DOC_LENGTH + start for row, starts in enumerate(DOCUMENTS)
+                           for start in starts] + [len(DOCUMENTS) * DOC_LENGTH])
+
+
+@pytest.mark.parametrize("version", ["rwkv7", "rwkv6"])
+@pytest.mark.parametrize("backend", ["native", "chunked"])
+def test_resets_run_each_document_alone(version, backend, model, rwkv6_model):
+    """With resets, each document's logits are those of the document run alone, and those of
+    the packed mode (cu_seqlens) on the same documents; without its reset at position 0, where
+    a row begins from zeros anyway, nothing changes."""
+    lm = model if version == "rwkv7" else rwkv6_model
+    resets = document_resets()
+    logits = lm(DOC_TOKENS, resets=resets, backend=backend)
+    alone = each_document_alone(lambda t: lm(t, backend=backend))
+    assert relative_error(logits, alone) < 1e-5
+    assert relative_error(lm(DOC_TOKENS, backend=backend), alone) > 1e-2   # the resets matter
+    packed = lm(DOC_TOKENS.reshape(1, -1), cu_seqlens=DOC_CU_SEQLENS, backend=backend)
+    assert relative_error(logits, packed.reshape(logits.shape)) < 1e-5
+    resets[:, 0] = False
+    assert relative_error(lm(DOC_TOKENS, resets=resets, backend=backend), logits) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["native", "chunked"])
+def test_resets_gradients_are_the_packed_modes(backend, model):
+    """The parameters' gradient of a function of the hidden states through resets is the one
+    through the packed mode (cu_seqlens) on the same documents."""
+    cotangent = jax.random.normal(jax.random.key(0), (1, 2 * DOC_LENGTH, 32))
+
+    def gradient(tokens, **documents):
+        def loss(lm):
+            h, _ = lm.hidden(tokens, backend=backend, **documents)
+            return jnp.sum(h.reshape(cotangent.shape) * cotangent)
+        return jax.tree.leaves(nnx.state(nnx.grad(loss)(model), nnx.Param))
+
+    through_resets = gradient(DOC_TOKENS, resets=document_resets())
+    packed = gradient(DOC_TOKENS.reshape(1, -1), cu_seqlens=DOC_CU_SEQLENS)
+    # 1e-4: the float32 gradient contract of the exact backends (backends.tolerance); chunked
+    # takes its path for strong decays at the resets' -inf, which rounds differently.
+    for got, want in zip(through_resets, packed):
+        assert relative_error(got, want) < 1e-4
+
+
+def test_resets_are_checked(model, rwkv6_model):
+    resets = document_resets()
+    with pytest.raises(TypeError, match=r"resets must be a bool array \[B, T\]"):
+        model(DOC_TOKENS, resets=resets.astype(np.int32))
+    with pytest.raises(TypeError, match=r"resets must be a bool array \[B, T\]"):
+        rwkv6_model(DOC_TOKENS, resets=resets[0])
+    with pytest.raises(ValueError, match=r"resets must be \[B, T\] = \[2, 12\].*\(2, 6\)"):
+        model(DOC_TOKENS, resets=resets[:, :6])
+    with pytest.raises(ValueError, match="either cu_seqlens= .* or resets="):
+        model(DOC_TOKENS[:1], cu_seqlens=np.array([0, DOC_LENGTH]), resets=resets[:1])
+
+
+def test_weighted_cross_entropy_and_l2wrap_against_float64():
+    """With weights, the loss is sum(w * ce) / sum(w) and L2-wrap adds l2wrap * w * m / sum(w)
+    at each token's largest logit m (float64 numpy); weights summing to 0 give 0."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 5, 16))
+    kernel = rng.standard_normal((16, 40))
+    labels = rng.integers(0, 40, (2, 5))
+    weights = rng.uniform(0.5, 2.0, (2, 5)) * (rng.random((2, 5)) > 0.3)
+
+    def value_and_grads(weights):
+        return jax.value_and_grad(
+            lambda x, k: rnn.chunked_cross_entropy(x, k, labels, vocab_chunk=16, l2wrap=0.01,
+                                                   weights=jnp.asarray(weights, jnp.float32)),
+            argnums=(0, 1))(jnp.asarray(x, jnp.float32), jnp.asarray(kernel, jnp.float32))
+
+    loss, grads = value_and_grads(weights)
+    logits = x @ kernel
+    top = logits.max(-1, keepdims=True)
+    exp = np.exp(logits - top)
+    log_total = np.log(exp.sum(-1)) + top[..., 0]
+    ce = log_total - np.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    share = weights / weights.sum()
+    d_logits = exp / exp.sum(-1, keepdims=True)
+    d_logits[np.arange(2)[:, None], np.arange(5), labels] -= 1
+    d_logits *= share[..., None]
+    d_logits[np.arange(2)[:, None], np.arange(5), logits.argmax(-1)] += 0.01 * share * top[..., 0]
+    assert abs(float(loss) - float(np.sum(share * ce))) <= 1e-6 * float(np.sum(share * ce))
+    assert relative_error(grads[0], d_logits @ kernel.T) < 1e-5
+    assert relative_error(grads[1], np.einsum("btc,btv->cv", x, d_logits)) < 1e-5
+
+    loss, grads = value_and_grads(np.zeros((2, 5)))
+    assert float(loss) == 0 and all(not np.any(np.asarray(g)) for g in grads)
+    with pytest.raises(ValueError, match=r"weights must have labels' shape \(2, 5\)"):
+        rnn.chunked_cross_entropy(jnp.asarray(x), jnp.asarray(kernel), labels,
+                                  weights=jnp.ones((2, 4)))
+
+
 # --- Linen wrappers --------------------------------------------------------------------------
 
 def test_linen_wrappers_call_the_ops():

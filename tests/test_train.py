@@ -1,7 +1,9 @@
 """rwkv_jax.train on this process's 8 CPU devices (tests/conftest.py makes them): the step's
 accumulation and FSDP against one batch on one device, the weight-decay mask, the L2-wrap
-gradient, and the loop through ``rwkv-jax train``: log, checkpoints, exact resume, export.
-The two-process run is in tests/test_multiprocess.py."""
+gradient, and the loop through ``rwkv-jax train``: log, checkpoints, exact resume, export;
+with documents (``--documents``), the step's loss against each document run alone, the
+token-weighted accumulation and the exact resume. The two-process run is in
+tests/test_multiprocess.py."""
 
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ import pytest
 
 from rwkv_jax import cli
 from rwkv_jax.nn import chunked_cross_entropy, read_checkpoint
-from rwkv_jax.train import Checkpoints, TrainConfig, TrainStep, train
+from rwkv_jax.cli.train import config_from
+from rwkv_jax.train import (Checkpoints, TrainConfig, TrainStep, WindowSampler, open_tokens,
+                            train, write_binidx)
 from rwkv_jax.train import mesh as meshes
+from rwkv_jax.train.loop import document_resets
 from rwkv_jax.train.step import decay_mask
 
 TINY = dict(vocab_size=64, n_layer=2, n_embd=32, head_size=16, seq_len=8,
@@ -33,16 +38,35 @@ def tiny_corpus(path, tokens=3000, seed=0):
     return str(path)
 
 
-def _step_run(config, batches):
+def document_corpus(prefix, documents=400, seed=0):
+    """A binidx corpus of short documents (1 to 6 tokens: a window of 8 crosses several)."""
+    rng = np.random.default_rng(seed)
+    write_binidx(prefix, [rng.integers(0, TINY["vocab_size"], rng.integers(1, 7))
+                          for _ in range(documents)])
+    return str(prefix)
+
+
+def document_batches(prefix, rows, steps):
+    """``steps`` batches of ``rows`` windows of the corpus with documents: tokens
+    ``[steps, rows, seq_len + 1]``, and the resets and loss weights ``[steps, rows, seq_len]``."""
+    sampler = WindowSampler(open_tokens(prefix), TINY["seq_len"], rows, documents=True)
+    batches = [sampler.batch(step) for step in range(steps)]
+    tokens = np.stack([np.concatenate([b.inputs, b.targets[:, -1:]], 1) for b in batches])
+    resets = np.stack([document_resets(b.segment_starts, TINY["seq_len"]) for b in batches])
+    return tokens, resets, np.stack([b.loss_mask for b in batches])
+
+
+def _step_run(config, batches, documents=()):
     """The losses and final parameters of ``config``'s step over host ``batches`` of
-    ``[micro-batches, rows, seq_len + 1]`` tokens."""
+    ``[micro-batches, rows, seq_len + 1]`` tokens (``documents``: their resets and loss
+    weights, ``[steps, rows, seq_len]`` each)."""
     mesh = meshes.make_mesh(config)
     step = TrainStep(config, mesh)
     state, losses, norms = step.init(), [], []
-    for tokens in batches:
-        tokens = tokens.reshape(config.accumulation, config.micro_batch, -1)
-        state, metrics = step.step(state, meshes.global_batch(mesh, tokens[..., :-1]),
-                                   meshes.global_batch(mesh, tokens[..., 1:]))
+    for i, tokens in enumerate(batches):
+        arrays = (tokens[..., :-1], tokens[..., 1:], *(x[i] for x in documents))
+        state, metrics = step.step(state, *(meshes.global_batch(
+            mesh, x.reshape(config.accumulation, config.micro_batch, -1)) for x in arrays))
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
     return np.asarray(losses), jax.tree.map(np.asarray, state["params"]), state, norms
@@ -89,6 +113,84 @@ def test_fsdp_over_eight_devices_equals_one_device(one_batch_run):
     assert len(split) > len(jax.tree.leaves(state["params"])), "FSDP left the state whole"
     emb = state["params"]["emb"]["embedding"]
     assert tuple(emb.sharding.spec) == ("data", None) and emb.addressable_shards[0].data.shape == (8, 32)
+
+
+def test_documents_step_loss_is_the_per_document_mean(tmp_path):
+    """A step with documents: its loss is the cross-entropy of each document run alone (from
+    a zero state), averaged over the targets that loss_mask keeps."""
+    config = TrainConfig(**TINY, micro_batch=4, data=1)
+    tokens, resets, weights = document_batches(document_corpus(tmp_path / "docs"), 4, 1)
+    mesh = meshes.make_mesh(config)
+    step = TrainStep(config, mesh)
+    state = step.init()
+    # Random parameters: at init every layer's output projection is 0, and no logit would
+    # depend on the tokens before it.
+    rng = np.random.default_rng(0)
+    state["params"] = jax.tree.map(
+        lambda p: jax.device_put(rng.normal(0, 0.3, p.shape).astype(np.float32), p.sharding),
+        state["params"])
+    lm = step.model(jax.tree.map(jnp.array, state["params"]))   # copies: the step donates
+    _, metrics = step.step(state, *(meshes.global_batch(mesh, x) for x in
+                                    (tokens[:, :, :-1], tokens[:, :, 1:], resets, weights)))
+
+    def cross_entropy(inputs, targets):
+        logits = np.asarray(lm(inputs[None], backend="native")[0], np.float64)
+        top = logits.max(-1)
+        log_total = np.log(np.exp(logits - top[:, None]).sum(-1)) + top
+        return log_total - logits[np.arange(len(targets)), targets]
+
+    inputs, targets, mask = tokens[0, :, :-1], tokens[0, :, 1:], weights[0]
+    alone = []
+    for row in range(4):
+        starts = np.flatnonzero(resets[0, row])
+        for a, b in zip(starts, [*starts[1:], TINY["seq_len"]]):
+            alone.append(cross_entropy(inputs[row, a:b], targets[row, a:b]))
+    alone = np.concatenate(alone)
+    assert mask.min() == 0 and resets[0, :, 1:].sum() > 4
+    want = np.sum(alone * mask.ravel()) / mask.sum()
+    np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-5)
+    across = np.concatenate([cross_entropy(inputs[row], targets[row]) for row in range(4)])
+    assert np.abs(across - alone).max() > 0.1   # run across the documents, the losses differ
+
+
+def test_documents_accumulation_is_token_weighted(tmp_path):
+    """4 micro-batches of 2 rows with documents, on 2 devices, make the step of one batch of 8
+    rows: loss and gradient are the token-weighted means over the step, although the
+    micro-batches keep different numbers of targets."""
+    tokens, *documents = document_batches(document_corpus(tmp_path / "docs"), 8, 2)
+    kept = documents[1].reshape(2, 4, -1).sum(-1)
+    assert len(np.unique(kept)) > 1
+    want = _step_run(TrainConfig(**TINY, micro_batch=8, data=1), tokens, documents)
+    got = _step_run(TrainConfig(**TINY, micro_batch=2, accumulation=4, data=2), tokens,
+                    documents)
+    _assert_same_run(got, want, 1e-5)
+
+
+def test_documents_flag_and_resume(tmp_path):
+    """``rwkv-jax train --documents`` stopped after step 2 and resumed: the losses, eval losses
+    and final state of the same run uninterrupted."""
+    corpus = document_corpus(tmp_path / "docs")
+    argv = ["train", *CLI_ARGS, "--documents", "--train-data", corpus, "--eval-data", corpus,
+            "--log-path", str(tmp_path / "log.jsonl")]
+    resumed = [*argv, "--checkpoint-dir", str(tmp_path / "resumed")]
+    assert cli.main([*resumed, "--until", "2"]) == 0
+    assert cli.main(resumed) == 0
+    config = config_from(cli.build_parser().parse_args(
+        [*argv[:-2], "--checkpoint-dir", str(tmp_path / "whole")]))
+    assert config.documents and not config_from(cli.build_parser().parse_args(
+        ["train", "--no-documents"])).documents
+    whole = train(config)
+    with open(tmp_path / "log.jsonl") as f:
+        logged = [json.loads(line) for line in f]
+    for name in ("loss", "eval_loss", "grad_norm"):
+        pick = lambda records: sorted((r["step"], r[name]) for r in records if name in r)
+        np.testing.assert_allclose(pick(logged), pick(whole), rtol=1e-6)
+    step = TrainStep(config, meshes.make_mesh(config))
+    got, got_data, _ = Checkpoints(tmp_path / "resumed").restore(step.abstract_state)
+    want, want_data, _ = Checkpoints(tmp_path / "whole").restore(step.abstract_state)
+    assert got_data == want_data and got_data["documents"] == 1 and int(got["step"]) == 4
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-12)
 
 
 def test_weight_decay_mask_is_rwkv_lms():
@@ -158,7 +260,6 @@ def runs(tmp_path_factory):
                      "--export", str(resumed / "model.safetensors")]) == 0
     args = cli.build_parser().parse_args([*argv[:-4], "--checkpoint-dir",
                                           str(root / "whole")])
-    from rwkv_jax.cli.train import config_from
     whole = train(config_from(args))
     return dict(root=root, resumed=resumed, first_steps=first_steps, whole=whole,
                 config=config_from(args))
@@ -206,7 +307,11 @@ def test_command_writes_log_checkpoints_plot_and_export(runs):
     np.testing.assert_array_equal(exported["head.weight"], head.T)
 
 
-def test_config_rejects_bad_values():
+def test_config_rejects_bad_values(tmp_path):
+    with pytest.raises(ValueError, match="documents must be a bool"):
+        TrainConfig(documents=1)
+    with pytest.raises(ValueError, match="documents=True restarts .* marks none"):
+        train(TrainConfig(**TINY, documents=True, train_data=tiny_corpus(tmp_path / "t.npy")))
     with pytest.raises(ValueError, match="remat must be one of"):
         TrainConfig(remat="all")
     with pytest.raises(ValueError, match="micro_batch must be a positive int"):

@@ -14,6 +14,8 @@ FIELD_HELP = {
                   "of ids (then --token-dtype)",
     "eval_data": "a held-out token file for the eval loss",
     "token_dtype": "the id dtype of flat token files (uint16, uint32, ...)",
+    "documents": "restart the model's state at every document of the (binidx) corpora and "
+                 "leave out of the loss each document's first token",
     "vocab_size": "vocabulary size",
     "n_layer": "number of blocks",
     "n_embd": "model width, a multiple of --head-size",

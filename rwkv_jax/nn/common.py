@@ -70,15 +70,45 @@ class Sequence:
 
     ``cu_seqlens`` (int ``[N + 1]``, B = 1) packs N sequences along T: the wkv op restarts its
     state at every segment, and so does the token shift (the first token of a segment sees its
-    own initial shift, never the last token of the segment before it)."""
+    own initial shift, never the last token of the segment before it).
 
-    def __init__(self, backend=None, wkv_op=None, cu_seqlens=None):
+    ``resets`` (bool ``[B, T]``) restarts rows in place instead, keeping the batch's rows (and
+    their sharding): where it is True a document begins, the token shifts see zeros before it
+    and the layers make the wkv transition there annihilate the previous state
+    (:meth:`at_resets`), so every document runs as if alone from a zero state."""
+
+    def __init__(self, backend=None, wkv_op=None, cu_seqlens=None, resets=None):
         if backend is not None and wkv_op is not None:
             raise ValueError(f"pass either backend= or wkv_op= (which picks its own backend), "
                              f"got backend={backend!r} and wkv_op={wkv_op!r}")
+        if resets is not None:
+            if cu_seqlens is not None:
+                raise ValueError("pass either cu_seqlens= (sequences packed along T, B = 1) or "
+                                 "resets= (documents restarting inside each row), not both")
+            resets = checks.array("resets", resets)
+            if resets.dtype != jnp.bool_ or resets.ndim != 2:
+                raise TypeError(f"resets must be a bool array [B, T] (True where a document "
+                                f"begins), got shape {tuple(resets.shape)} and dtype "
+                                f"{resets.dtype}")
         self.backend = backend
         self.wkv_op = wkv_op
         self.cu_seqlens = cu_seqlens
+        self.resets = resets
+
+    def _resets(self, x):
+        """``resets`` checked against ``x [B, T, ...]``."""
+        if self.resets.shape != x.shape[:2]:
+            raise ValueError(f"resets must be [B, T] = {list(x.shape[:2])} (the tokens' shape), "
+                             f"got shape {tuple(self.resets.shape)}")
+        return jnp.asarray(self.resets)
+
+    def at_resets(self, value, fill):
+        """``value [B, T, ...]`` with ``fill`` at the reset positions (unchanged without
+        resets)."""
+        if self.resets is None:
+            return value
+        where = self._resets(value).reshape(value.shape[:2] + (1,) * (value.ndim - 2))
+        return jnp.where(where, jnp.asarray(fill, value.dtype), value)
 
     def segments(self, x):
         """For packed ``x [1, T, C]``: (int32 offsets, traced validity or None), offsets checked
@@ -98,7 +128,8 @@ class Sequence:
                              f"{tuple(shift.shape)}")
         before = jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
         if self.cu_seqlens is None:
-            return before if shift is None else before.at[:, 0].set(shift.astype(x.dtype))
+            before = before if shift is None else before.at[:, 0].set(shift.astype(x.dtype))
+            return self.at_resets(before, 0)
         cu, _ = self.segments(x)
         position = jnp.arange(x.shape[1])
         segment = jnp.searchsorted(cu[1:], position, side="right")  # cu[s] <= t < cu[s + 1]
@@ -129,6 +160,7 @@ class Step:
     ``_guard_rows``): known indices are checked (in ``[0, S)``, distinct); a traced index that
     is out of range or shared by two rows reads a NaN row and writes nothing, so no other slot
     of any pool changes."""
+    resets = None   # steps continue their rows' states
 
     def __init__(self, batch, state_indices=None, backend=None):
         if state_indices is not None:
@@ -172,6 +204,9 @@ class Step:
         if isinstance(rows, slice):
             return last if shift.shape[0] == self.batch else shift.at[rows].set(last)
         return shift.at[rows].set(last, mode="drop")
+
+    def at_resets(self, value, fill):
+        return value
 
     def wkv(self, sequence_op, step_op, args, state):
         return step_op(*args, state, state_indices=self.indices, backend=self.backend)
@@ -217,11 +252,12 @@ class ChannelMixBase(nnx.Module):
     """The two modes of a channel-mix layer, whose only state is its token shift; subclasses
     define ``run(x, shift, runner) -> (y, shift)``."""
 
-    def __call__(self, x, shift=None, *, cu_seqlens=None):
+    def __call__(self, x, shift=None, *, cu_seqlens=None, resets=None):
         """Sequence mode: ``x [B, T, C]``, ``shift [B, C]`` (the token before ``x``) or None
         for zeros. Returns ``(y [B, T, C], the last token of x as float32 [B, C])``. With
-        ``cu_seqlens`` (B = 1) per packed segment: ``shift`` and the result are ``[N, C]``."""
-        return self.run(x, shift, Sequence(cu_seqlens=cu_seqlens))
+        ``cu_seqlens`` (B = 1) per packed segment: ``shift`` and the result are ``[N, C]``.
+        ``resets`` (bool ``[B, T]``): zeros precede the positions where it is True."""
+        return self.run(x, shift, Sequence(cu_seqlens=cu_seqlens, resets=resets))
 
     def step(self, x, shift, *, state_indices=None):
         """Step mode on a token-shift pool ``shift [S, C]``. Returns ``(y, updated pool)``."""
@@ -347,7 +383,7 @@ class LanguageModel(nnx.Module):
                      for _ in range(cfg.n_layer))
 
     def __call__(self, tokens, state=None, *, return_state=False, backend=None, wkv_op=None,
-                 cu_seqlens=None):
+                 cu_seqlens=None, resets=None):
         """Sequence mode. ``tokens`` int ``[B, T]``; ``state`` None (zeros) or one row per batch
         row (``init_state(B)`` or a state returned earlier). Returns logits ``[B, T, vocab]``,
         and the final state too when ``return_state``. ``backend`` picks the kernels;
@@ -355,21 +391,29 @@ class LanguageModel(nnx.Module):
         :func:`rwkv_jax.rwkv6`: same signature, e.g. a ``rwkv_jax.shard`` of it).
         ``cu_seqlens`` (int ``[N + 1]``, B = 1) packs N sequences along T: each starts from its
         own row of ``state`` (``init_state(N)``), its token shifts and wkv state restart at its
-        first token, and the final state has one row per sequence.
+        first token, and the final state has one row per sequence. ``resets`` (bool ``[B, T]``,
+        not with ``cu_seqlens``) restarts documents inside the rows instead: where it is True
+        a document begins, its token shifts and wkv state restart from zeros (the state's and
+        the previous document's contribution gone exactly), so each document's logits are
+        those of the document run alone; the batch keeps its rows.
 
         Token ids must lie in ``[0, vocab)``: known ones are checked (ValueError); traced ones
         (under ``jax.jit``) cannot be, and an id outside gives NaN logits for its position and
         the positions after it in its sequence."""
         x, state = self.hidden(tokens, state, backend=backend, wkv_op=wkv_op,
-                               cu_seqlens=cu_seqlens)
+                               cu_seqlens=cu_seqlens, resets=resets)
         logits = self.head(x)
         return (logits, state) if return_state else logits
 
-    def hidden(self, tokens, state=None, *, backend=None, wkv_op=None, cu_seqlens=None):
+    def hidden(self, tokens, state=None, *, backend=None, wkv_op=None, cu_seqlens=None,
+               resets=None):
         """The sequence mode up to the output head: ``(ln_out(x) [B, T, C], final state)``, for
         callers that need logits at a few positions only (prefill)."""
         tokens = check_tokens(tokens, self.config.vocab_size)
-        return self.run(tokens, state, Sequence(backend, wkv_op, cu_seqlens))
+        runner = Sequence(backend, wkv_op, cu_seqlens, resets)
+        if resets is not None:
+            runner._resets(tokens)
+        return self.run(tokens, state, runner)
 
     def step(self, tokens, state, *, state_indices=None, backend=None):
         """Step mode: feed ``tokens [B, T]`` (T small, usually 1) to the rows ``state_indices``

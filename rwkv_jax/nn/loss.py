@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from .. import _checks as checks
 
 
-def chunked_cross_entropy(x, kernel, labels, *, vocab_chunk=8192, l2wrap=0.0):
+def chunked_cross_entropy(x, kernel, labels, *, vocab_chunk=8192, l2wrap=0.0, weights=None):
     """Mean over tokens of ``logsumexp(l) - l[label]`` for the logits ``l = x @ kernel``.
 
     ``x [..., C]`` (any floating dtype; the products run in it and accumulate in float32, or
@@ -25,10 +25,16 @@ def chunked_cross_entropy(x, kernel, labels, *, vocab_chunk=8192, l2wrap=0.0):
     that of one slice plus three float32 values per token. Batch and sequence shardings of ``x``
     are kept (every slice is a product with the whole of ``x``).
 
+    ``weights`` (floating ``[...]``, like ``labels``; None: every token 1) makes the mean a
+    weighted one, ``sum(weights * ce) / sum(weights)``, and 0 when the weights sum to 0 (a
+    batch whose every target is masked out); 0 leaves a token out (e.g. the first token of a
+    document, predicted across a state reset).
+
     ``l2wrap`` > 0 adds RWKV-LM's L2-wrap to the gradient, not to the value: at each of the
     ``n`` tokens the largest logit ``m`` gets ``l2wrap * m / n`` more gradient (RWKV-LM: 1e-4),
-    which keeps the logits from drifting up. It is the gradient of ``l2wrap * mean(m**2) / 2``,
-    added here as that term minus its own value, so the result is still the cross-entropy.
+    which keeps the logits from drifting up. It is the gradient of ``l2wrap * mean(m**2) / 2``
+    (with ``weights``, their weighted mean: ``l2wrap * w * m / sum(w)`` at each token), added
+    here as that term minus its own value, so the result is still the cross-entropy.
     """
     x = checks.floating("x", x)
     kernel = checks.floating("kernel", kernel)
@@ -41,6 +47,11 @@ def chunked_cross_entropy(x, kernel, labels, *, vocab_chunk=8192, l2wrap=0.0):
         raise ValueError(f"vocab_chunk must be a positive int, got {vocab_chunk!r}")
     if isinstance(l2wrap, bool) or not isinstance(l2wrap, (int, float)) or not l2wrap >= 0:
         raise ValueError(f"l2wrap must be a number >= 0, got {l2wrap!r}")
+    if weights is not None:
+        weights = checks.floating("weights", weights)
+        if weights.shape != labels.shape:
+            raise ValueError(f"weights must have labels' shape {tuple(labels.shape)}, got "
+                             f"{tuple(weights.shape)}")
     channels, vocab = kernel.shape
     values = checks.host_values(labels)
     if values is not None and values.size and (values.min() < 0 or values.max() >= vocab):
@@ -73,8 +84,16 @@ def chunked_cross_entropy(x, kernel, labels, *, vocab_chunk=8192, l2wrap=0.0):
     lead = x.shape[:-1]
     start = (jnp.full(lead, -jnp.inf, wide), jnp.zeros(lead, wide), jnp.zeros(lead, wide))
     (top, total, picked), _ = jax.lax.scan(step, start, (kernel, starts))
-    loss = jnp.mean(top + jnp.log(total) - picked)
+    if weights is None:
+        mean = jnp.mean
+    else:
+        weights = jnp.asarray(weights).astype(wide)
+        weight = jnp.sum(weights)
+        # The where keeps a zero total from dividing (and from a NaN gradient).
+        scale = jnp.where(weight > 0, 1 / jnp.where(weight > 0, weight, 1), 0)
+        mean = lambda values: jnp.sum(weights * values) * scale
+    loss = mean(top + jnp.log(total) - picked)
     if l2wrap:
-        wrap = 0.5 * l2wrap * jnp.mean(jnp.square(top))
+        wrap = 0.5 * l2wrap * mean(jnp.square(top))
         loss = loss + (wrap - jax.lax.stop_gradient(wrap))
     return loss

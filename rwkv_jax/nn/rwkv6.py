@@ -84,11 +84,12 @@ class RWKV6TimeMix(nnx.Module):
         self.ln_x = GroupNormPerHead(c, param_dtype=param_dtype)
 
     def __call__(self, x, state: Optional[TimeMixState] = None, *, backend=None, wkv_op=None,
-                 cu_seqlens=None):
+                 cu_seqlens=None, resets=None):
         """Sequence mode: ``x [B, T, C]``, ``state`` None (zeros) or one row per batch row (per
         segment with ``cu_seqlens``, which packs sequences along T with B = 1); ``wkv_op``
-        replaces :func:`rwkv_jax.rwkv6`. Returns ``(y, final TimeMixState)``."""
-        return self.run(x, state, Sequence(backend, wkv_op, cu_seqlens))
+        replaces :func:`rwkv_jax.rwkv6`; ``resets`` (bool ``[B, T]``): the token shift and the
+        wkv state restart from zeros where it is True. Returns ``(y, final TimeMixState)``."""
+        return self.run(x, state, Sequence(backend, wkv_op, cu_seqlens, resets))
 
     def step(self, x, state: TimeMixState, *, state_indices=None, backend=None):
         """Step mode on state pools. Returns ``(y, updated TimeMixState)``."""
@@ -115,9 +116,14 @@ class RWKV6TimeMix(nnx.Module):
              + lora(xw, self.time_decay_w1, self.time_decay_w2, jnp.tanh).astype(jnp.float32))
         w = -jnp.exp(w)
         heads = lambda t: t.reshape(batch, steps, h, n).astype(x.dtype)
-        o, wkv = runner.wkv(rwkv6, rwkv6_step,
-                            (heads(r), heads(k), heads(v), heads(w), own(self.time_faaaa)),
+        r, k, v, u = heads(r), heads(k), heads(v), own(self.time_faaaa)
+        # At a reset, decay 0 (log decay -inf) drops the previous state from the next ones.
+        o, wkv = runner.wkv(rwkv6, rwkv6_step, (r, k, v, runner.at_resets(heads(w), -jnp.inf), u),
                             None if state is None else state.wkv)
+        if runner.resets is not None:
+            # The output reads the state before that update, o_t = (h_{t-1} + diag(u) k_t
+            # v_t^T)^T r_t: at a reset it is the bonus term alone.
+            o = runner.at_resets(o, (r * u * k).sum(-1, keepdims=True) * v)
         shift = runner.keep_last(None if state is None else state.shift, x)
         return self.output(self.ln_x(o) * g), TimeMixState(shift, wkv)
 
@@ -153,9 +159,9 @@ class RWKV6Block(BlockBase):
     channel_mix = RWKV6ChannelMix
 
     def __call__(self, x, state: Optional[LayerState] = None, *, backend=None, wkv_op=None,
-                 cu_seqlens=None):
-        """Sequence mode; returns ``(x, final LayerState)``."""
-        x, _, state = self.run(x, None, state, Sequence(backend, wkv_op, cu_seqlens))
+                 cu_seqlens=None, resets=None):
+        """Sequence mode (``resets``: see the time-mix); returns ``(x, final LayerState)``."""
+        x, _, state = self.run(x, None, state, Sequence(backend, wkv_op, cu_seqlens, resets))
         return x, state
 
     def step(self, x, state: LayerState, *, state_indices=None, backend=None):

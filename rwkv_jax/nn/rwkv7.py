@@ -109,13 +109,14 @@ class RWKV7TimeMix(nnx.Module):
         self.ln_x = GroupNormPerHead(c, param_dtype=param_dtype)
 
     def __call__(self, x, v_first=None, state: Optional[TimeMixState] = None, *, backend=None,
-                 wkv_op=None, cu_seqlens=None):
+                 wkv_op=None, cu_seqlens=None, resets=None):
         """Sequence mode. ``x [B, T, C]``; ``v_first [B, T, C]`` from layer 0 (None in layer 0);
         ``state`` None (zeros) or one row per batch row (per segment with ``cu_seqlens``, which
         packs sequences along T with B = 1). ``wkv_op`` replaces :func:`rwkv_jax.rwkv7` (same
-        signature, e.g. a ``rwkv_jax.shard`` of it).
+        signature, e.g. a ``rwkv_jax.shard`` of it). ``resets`` (bool ``[B, T]``): the token
+        shift and the wkv state restart from zeros where it is True.
         Returns ``(y [B, T, C], v_first, final TimeMixState)``."""
-        return self.run(x, v_first, state, Sequence(backend, wkv_op, cu_seqlens))
+        return self.run(x, v_first, state, Sequence(backend, wkv_op, cu_seqlens, resets))
 
     def step(self, x, v_first, state: TimeMixState, *, state_indices=None, backend=None):
         """Step mode: as the sequence mode, advancing rows ``state_indices`` of the pools."""
@@ -152,7 +153,10 @@ class RWKV7TimeMix(nnx.Module):
                               1e-12).astype(x.dtype)
         k = k * (1 + (a - 1) * self.k_a[...].astype(x.dtype))
         r, w, k, v, a = map(heads, (r, w, k, v, a))
-        o, wkv = runner.wkv(rwkv7, rwkv7_step, (r, w, k, v, -kk, kk * a),
+        # At a reset, decay 0 (log decay -inf) and no a-term make the transition zero: the
+        # previous state is gone exactly, whatever it held.
+        o, wkv = runner.wkv(rwkv7, rwkv7_step, (r, runner.at_resets(w, -jnp.inf), k, v,
+                                                runner.at_resets(-kk, 0), kk * a),
                             None if state is None else state.wkv)
 
         bonus = (r * k * self.r_k[...].astype(x.dtype)).sum(-1, keepdims=True) * v
@@ -188,9 +192,10 @@ class RWKV7Block(BlockBase):
     channel_mix = RWKV7ChannelMix
 
     def __call__(self, x, v_first=None, state: Optional[LayerState] = None, *, backend=None,
-                 wkv_op=None, cu_seqlens=None):
-        """Sequence mode; returns ``(x, v_first, final LayerState)``."""
-        return self.run(x, v_first, state, Sequence(backend, wkv_op, cu_seqlens))
+                 wkv_op=None, cu_seqlens=None, resets=None):
+        """Sequence mode (``resets``: see the time-mix); returns ``(x, v_first, final
+        LayerState)``."""
+        return self.run(x, v_first, state, Sequence(backend, wkv_op, cu_seqlens, resets))
 
     def step(self, x, v_first, state: LayerState, *, state_indices=None, backend=None):
         """Step mode on state pools; returns ``(x, v_first, updated LayerState)``."""

@@ -22,6 +22,10 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 class TrainConfig:
     """A training run of an :class:`rwkv_jax.nn.RWKV7LM`.
 
+    Data: token files (``train_data``, ``eval_data``); ``documents`` (corpora that mark their
+    documents: binidx) restarts the model's state and token shifts at every document inside
+    the rows and leaves out of the loss each target predicted across such a restart.
+
     Batch: each optimizer step takes ``accumulation`` micro-batches of ``micro_batch`` rows
     (global, over every process) of ``seq_len`` tokens, accumulated inside one jitted step.
 
@@ -45,6 +49,7 @@ class TrainConfig:
     train_data: Optional[str] = None
     eval_data: Optional[str] = None
     token_dtype: Optional[str] = None      # for flat files without a dtype of their own
+    documents: bool = False
     # model
     vocab_size: int = 65536
     n_layer: int = 12
@@ -95,6 +100,9 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("documents", "fsdp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.n_embd % self.head_size:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of head_size "
                              f"({self.head_size})")

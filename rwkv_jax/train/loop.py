@@ -23,6 +23,15 @@ from .checkpoint import Checkpoints
 from .step import TrainStep
 
 
+def document_resets(segment_starts: np.ndarray, seq_len: int) -> np.ndarray:
+    """The model's ``resets`` (bool ``[..., seq_len]``, True where a segment begins) from a
+    batch's ``segment_starts`` (int ``[..., S]``, padded with ``seq_len``). Position 0, where
+    every row begins, is True too: a reset at a row's start changes nothing."""
+    resets = np.zeros(segment_starts.shape[:-1] + (seq_len + 1,), bool)
+    np.put_along_axis(resets, segment_starts.astype(np.intp), True, axis=-1)
+    return resets[..., :seq_len]
+
+
 class _Data:
     """The run's token windows: the one place the loop meets :mod:`rwkv_jax.train.data`."""
 
@@ -30,15 +39,25 @@ class _Data:
         from .data import WindowSampler, open_tokens
         corpus = open_tokens(path, config.token_dtype)
         corpus.check_vocab(config.vocab_size)
+        if config.documents and corpus.document_starts is None:
+            raise ValueError(f"documents=True restarts the model at every document, and {path} "
+                             f"marks none: give a binidx corpus (its .idx lists the documents)")
+        self.documents, self.seq_len = config.documents, config.seq_len
         self.sampler = WindowSampler(corpus, config.seq_len, config.micro_batch, mode=mode,
-                                     seed=config.seed, process_index=jax.process_index(),
+                                     seed=config.seed, documents=config.documents,
+                                     process_index=jax.process_index(),
                                      process_count=jax.process_count())
 
-    def take(self, micro_batches: int):
-        """This process's rows of the next ``micro_batches`` micro-batches: int32 inputs and
-        targets ``[micro_batches, rows, seq_len]``."""
+    def take(self, micro_batches: int) -> tuple:
+        """This process's rows of the next ``micro_batches`` micro-batches, each array
+        ``[micro_batches, rows, seq_len]``: int32 inputs and targets, and with documents the
+        resets (bool) and the loss weights (float32, the batches' ``loss_mask``)."""
         batches = [next(self.sampler) for _ in range(micro_batches)]
-        return (np.stack([b.inputs for b in batches]), np.stack([b.targets for b in batches]))
+        stack = lambda field: np.stack([getattr(b, field) for b in batches])
+        if not self.documents:
+            return stack("inputs"), stack("targets")
+        return (stack("inputs"), stack("targets"),
+                document_resets(stack("segment_starts"), self.seq_len), stack("loss_mask"))
 
     def state(self) -> dict:
         return self.sampler.state()
@@ -116,9 +135,8 @@ def train(config, *, until: Optional[int] = None, plot: Optional[str] = None,
     timed = None   # (step, time) from which tokens/s counts: the end of the first (compiling) step
     try:
         for step in range(first, stop):
-            inputs, targets = (meshes.global_batch(mesh, x) for x in
-                               data.take(config.accumulation))
-            state, metrics = step_fn.step(state, inputs, targets)
+            batch = [meshes.global_batch(mesh, x) for x in data.take(config.accumulation)]
+            state, metrics = step_fn.step(state, *batch)
             done = step + 1
             if checkpoints is not None and (done % config.checkpoint_every == 0 or done == stop):
                 checkpoints.save(done, state, data.state(), config)

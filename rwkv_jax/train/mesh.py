@@ -52,7 +52,7 @@ def array_sharding(mesh, shape, fsdp: bool) -> NamedSharding:
     data = mesh.shape["data"]
     dims = [i for i, n in enumerate(shape) if n % data == 0]
     if not fsdp or data == 1 or not dims:
-        return NamedSharding(mesh, P())
+        return replicated(mesh)
     dim = max(dims, key=lambda i: shape[i])
     return NamedSharding(mesh, P(*(("data" if i == dim else None) for i in range(len(shape)))))
 

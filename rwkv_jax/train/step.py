@@ -8,6 +8,11 @@ end). The loss is :func:`rwkv_jax.nn.chunked_cross_entropy` on ``model.hidden``'
 the full float32 logits), with RWKV-LM's L2-wrap gradient as an option. The train state is
 donated: its buffers are reused for the next one.
 
+With documents (``TrainConfig.documents``) a batch also brings ``resets`` (True where a document
+begins: the model restarts its state there, rows kept) and loss ``weights`` (0 for a target
+predicted across a reset); the step's loss and gradient are then the token-weighted mean over
+all its micro-batches, ``sum(weights * ce) / sum(weights)``, not a mean of their means.
+
 Weight decay as RWKV-LM's ``configure_optimizers`` puts it: on every parameter that is a 2-D
 ``.weight`` there, that is the embedding, the head and the block's projection matrices
 (``kernel``/``embedding`` here); not on the norms, the token-shift mixes, decays, biases, the
@@ -77,6 +82,31 @@ def _norm(tree):
     return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
 
 
+def _weight(weights):
+    """What a micro-batch's mean loss counts for in its step: its total weight, or 1 without
+    weights (every micro-batch has as many tokens)."""
+    return 1.0 if weights is None else jnp.sum(weights, dtype=jnp.float32)
+
+
+def _weighted_mean(total, count):
+    """``total / count``, 0 where nothing counted (every target of the step masked out)."""
+    return total / jnp.where(count > 0, count, 1)
+
+
+class _OptionalDocuments:
+    """A jitted ``fn(first, inputs, targets, resets, weights)`` that may be called (and
+    lowered) without the last two, which are then None: a batch without documents."""
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+
+    def __call__(self, first, inputs, targets, resets=None, weights=None):
+        return self.jitted(first, inputs, targets, resets, weights)
+
+    def lower(self, first, inputs, targets, resets=None, weights=None):
+        return self.jitted.lower(first, inputs, targets, resets, weights)
+
+
 def _kernel_outputs(primitive, *args, **params) -> bool:
     return primitive.name in KERNEL_PRIMITIVES
 
@@ -95,13 +125,14 @@ class TrainStep:
     The train state is a dict: ``step`` (int32), ``params`` (the model's parameters as a nested
     dict, :func:`flax.nnx.to_pure_dict`'s layout) and ``opt_state``, every array placed by
     :mod:`rwkv_jax.train.mesh`. Batches are ``(inputs, targets)``, int32 ``[accumulation,
-    micro_batch, seq_len]`` global arrays (:func:`rwkv_jax.train.mesh.global_batch`).
+    micro_batch, seq_len]`` global arrays (:func:`rwkv_jax.train.mesh.global_batch`), with
+    documents also ``resets`` (bool) and ``weights`` (float32) of that shape, laid out alike.
 
     ``init()`` the first state (the parameters drawn from ``config.seed``, each made where it
-    lives: a model too big for one device never is on one); ``step(state, inputs, targets)``
-    the next state and the step's metrics (loss, gradient norm, learning rate); ``eval_loss(
-    params, inputs, targets)`` the mean loss of a batch; ``model(params)`` an RWKV7LM holding
-    ``params``.
+    lives: a model too big for one device never is on one); ``step(state, inputs, targets[,
+    resets, weights])`` the next state and the step's metrics (loss, gradient norm, learning
+    rate); ``eval_loss(params, inputs, targets[, resets, weights])`` the mean loss of a batch;
+    ``model(params)`` an RWKV7LM holding ``params``.
     """
 
     def __init__(self, config, mesh):
@@ -129,11 +160,12 @@ class TrainStep:
         self.wkv_op = meshes.wkv_op(mesh, config.backend)
         tokens = meshes.batch_sharding(mesh)
         whole = meshes.replicated(mesh)
-        self.step = jax.jit(self._step, in_shardings=(self.state_shardings, tokens, tokens),
-                            out_shardings=(self.state_shardings, whole), donate_argnums=0)
-        self.eval_loss = jax.jit(self._eval_loss,
-                                 in_shardings=(self.param_shardings, tokens, tokens),
-                                 out_shardings=whole)
+        batch = (tokens,) * 4   # inputs, targets, resets, weights: laid out alike
+        self.step = _OptionalDocuments(jax.jit(
+            self._step, in_shardings=(self.state_shardings, *batch),
+            out_shardings=(self.state_shardings, whole), donate_argnums=0))
+        self.eval_loss = _OptionalDocuments(jax.jit(
+            self._eval_loss, in_shardings=(self.param_shardings, *batch), out_shardings=whole))
 
     def model(self, params) -> RWKV7LM:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self._state_tree,
@@ -158,10 +190,11 @@ class TrainStep:
         return dict(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=self.optimizer.init(_float32(params)))
 
-    def hidden(self, params, tokens):
+    def hidden(self, params, tokens, resets=None):
         """``ln_out`` of the last block's output ``[B, T, C]`` and the head's kernel: the
-        model's sequence mode with each block rematerialised as ``config.remat`` says and its
-        parameters gathered where it runs (FSDP)."""
+        model's sequence mode (``resets``: documents restarting in the rows, see
+        :class:`rwkv_jax.nn.RWKV7LM`) with each block rematerialised as ``config.remat`` says
+        and its parameters gathered where it runs (FSDP)."""
         lm = self.model(params)
         x = embed(meshes.gathered(self.mesh, lm.emb.embedding[...]), tokens,
                   lm.emb.dtype or lm.emb.param_dtype)
@@ -169,42 +202,54 @@ class TrainStep:
         for block in lm.blocks:
             block_graph, block_state = nnx.split(block)
 
-            def run_block(state, x, v_first, block_graph=block_graph):
+            def run_block(state, x, v_first, resets, block_graph=block_graph):
                 block = nnx.merge(block_graph, meshes.gathered(self.mesh, state))
-                return block(x, v_first, wkv_op=self.wkv_op)[:2]
+                return block(x, v_first, wkv_op=self.wkv_op, resets=resets)[:2]
 
-            x, v_first = _remat(run_block, self.config.remat)(block_state, x, v_first)
+            x, v_first = _remat(run_block, self.config.remat)(block_state, x, v_first, resets)
         return lm.ln_out(x), meshes.gathered(self.mesh, lm.head.kernel[...])
 
-    def loss(self, params, inputs, targets, l2wrap=0.0):
-        """The mean cross-entropy of one micro-batch (``l2wrap``: see chunked_cross_entropy)."""
-        h, kernel = self.hidden(params, inputs)
+    def loss(self, params, inputs, targets, l2wrap=0.0, *, resets=None, weights=None):
+        """The mean cross-entropy of one micro-batch, weighted by ``weights`` when given
+        (``l2wrap``, ``weights``: see chunked_cross_entropy; ``resets``: see :meth:`hidden`)."""
+        h, kernel = self.hidden(params, inputs, resets)
         chunk = min(self.config.vocab_chunk, self.config.vocab_size)
-        return chunked_cross_entropy(h, kernel, targets, vocab_chunk=chunk, l2wrap=l2wrap)
+        return chunked_cross_entropy(h, kernel, targets, vocab_chunk=chunk, l2wrap=l2wrap,
+                                     weights=weights)
 
-    def _eval_loss(self, params, inputs, targets):
-        losses = jax.lax.map(lambda xy: self.loss(params, *xy), (inputs, targets))
-        return jnp.mean(losses)
+    def _eval_loss(self, params, inputs, targets, resets, weights):
+        def micro_batch(batch):
+            x, y, r, w = batch
+            return self.loss(params, x, y, resets=r, weights=w), _weight(w)
 
-    def _step(self, state, inputs, targets):
+        losses, counts = jax.lax.map(micro_batch, (inputs, targets, resets, weights))
+        return _weighted_mean(jnp.sum(losses * counts), jnp.sum(counts))
+
+    def _step(self, state, inputs, targets, resets, weights):
         params = state["params"]
-        grad_fn = jax.value_and_grad(lambda p, x, y: self.loss(p, x, y, self.config.l2wrap))
+        grad_fn = jax.value_and_grad(lambda p, x, y, r, w: self.loss(
+            p, x, y, self.config.l2wrap, resets=r, weights=w))
         grad_shardings = self.param_shardings
 
-        def micro_batch(carry, xy):
-            total, loss_sum = carry
-            loss, grads = grad_fn(params, *xy)
-            grads = jax.lax.with_sharding_constraint(_float32(grads), grad_shardings)
-            return (jax.tree.map(jnp.add, total, grads), loss_sum + loss), None
+        def micro_batch(carry, batch):
+            total, loss_sum, count = carry
+            loss, grads = grad_fn(params, *batch)
+            grads, weight = _float32(grads), _weight(batch[3])
+            if batch[3] is not None:
+                # Back from the micro-batch's mean to its sum, to divide by the step's weight.
+                grads = jax.tree.map(lambda g: g * weight, grads)
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+            return (jax.tree.map(jnp.add, total, grads), loss_sum + loss * weight,
+                    count + weight), None
 
         zeros = jax.lax.with_sharding_constraint(
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_shardings)
-        (total, loss_sum), _ = jax.lax.scan(micro_batch, (zeros, jnp.zeros((), jnp.float32)),
-                                            (inputs, targets))
-        count = inputs.shape[0]
-        grads = jax.tree.map(lambda g: g / count, total)
+        scalar = jnp.zeros((), jnp.float32)
+        (total, loss_sum, count), _ = jax.lax.scan(micro_batch, (zeros, scalar, scalar),
+                                                   (inputs, targets, resets, weights))
+        grads = jax.tree.map(lambda g: _weighted_mean(g, count), total)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], _float32(params))
-        metrics = dict(loss=loss_sum / count, grad_norm=_norm(grads),
+        metrics = dict(loss=_weighted_mean(loss_sum, count), grad_norm=_norm(grads),
                        learning_rate=schedule(self.config)(state["step"]))
         new_state = dict(step=state["step"] + 1, params=optax.apply_updates(params, updates),
                          opt_state=opt_state)
