@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from rwkv_jax.cli.check import relative_error  # noqa: F401 (the topics' error column)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -229,17 +231,6 @@ def time_torch(fn, options, *, before=None, held=()) -> dict:
             + sum(t.numel() * t.element_size() for t in held))
     return dict(median_ms=statistics.median(times), min_ms=min(times), repeats=len(times),
                 peak_bytes=peak)
-
-
-def relative_error(x, ref) -> float:
-    """``||x - ref|| / ||ref||`` in float64; inf when ``x`` has a non-finite value."""
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    if x.shape != ref.shape:
-        raise ValueError(f"result of shape {x.shape} where the reference has {ref.shape}")
-    if not np.all(np.isfinite(x)):
-        return float("inf")
-    norm = np.linalg.norm(ref)
-    return float(np.linalg.norm(x - ref) / (norm if norm > 0 else 1.0))
 
 
 def size_text(n) -> str:

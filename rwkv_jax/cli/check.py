@@ -115,8 +115,8 @@ def check_case(case: Case, dtype_name: str, backend_names: list[str]) -> list[di
             mistyped = [n for n, g, x in zip(names, grads, xs) if g.dtype != x.dtype]
             if mistyped:
                 raise TypeError(f"gradients of {', '.join(mistyped)} are not in their input's dtype")
-            grad_errors = {n: _relative_error(g, r) for n, g, r in zip(names, grads, ref_grads)}
-            output, final_state = _relative_error(out, ref_out), _relative_error(state, ref_state)
+            grad_errors = {n: relative_error(g, r) for n, g, r in zip(names, grads, ref_grads)}
+            output, final_state = relative_error(out, ref_out), relative_error(state, ref_state)
         except Exception as err:  # a backend that raises fails the check; the message says why
             rows.append(dict(row, ok=False, error=error_text(err)))
             continue
@@ -127,9 +127,9 @@ def check_case(case: Case, dtype_name: str, backend_names: list[str]) -> list[di
     return rows
 
 
-def _relative_error(x, ref) -> float:
+def relative_error(x, ref) -> float:
     """``||x - ref|| / ||ref||`` in float64; inf when x is non-finite."""
-    x = np.asarray(x, np.float64)
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
     if x.shape != ref.shape:
         raise ValueError(f"result of shape {x.shape} where the reference has {ref.shape}")
     if not np.all(np.isfinite(x)):
