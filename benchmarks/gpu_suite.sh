@@ -10,8 +10,8 @@
 #                                                         # the topics at tiny shapes: a smoke run
 #
 # Parts: install info gpu-tests tests check ops decode multi-device train. The topics ops,
-# decode and multi-device append their rows to $OUT/<part>.jsonl; train writes $OUT/train.json
-# (QUICK) or $OUT/train/ (benchmarks/gpu_train_throughput.sh). Each part writes
+# decode and multi-device append their rows to $OUT/<part>.jsonl, train to $OUT/train.jsonl
+# (QUICK) or $OUT/train/ (benchmarks/gpu_train.sh table). Each part writes
 # $OUT/<part>.log and a line of $OUT/summary.tsv as soon as it ends (so a run cut short keeps
 # what it did); the summary table comes last. Exit status: 0 only if every part that ran
 # succeeded.
@@ -98,12 +98,12 @@ multi_device() {
   fi
 }
 
-train() {  # the train topic: benchmarks/train_throughput.py, one process per GPU count
+train() {  # the train topic: benchmarks/gpu_train.sh, one process per row
   if [ -n "$QUICK" ]; then
     env -u PYTHONSAFEPATH "$PY" benchmarks/train_throughput.py --model 0.1b --batch 1 --seq 512 \
-      --steps 2 --json "$OUT/train.json"
+      --steps 2 --json "$OUT/train.jsonl"
   else
-    OUT="$OUT/train" bash benchmarks/gpu_train_throughput.sh data 1
+    OUT="$OUT/train" bash benchmarks/gpu_train.sh table
   fi
 }
 

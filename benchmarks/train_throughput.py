@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import os
 import statistics
 import sys
 import time
@@ -45,6 +45,9 @@ import jax
 
 from rwkv_jax.train import MODEL_SIZES
 from rwkv_jax.train.config import REMAT_POLICIES
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import runner  # noqa: E402 (benchmarks/runner.py: the JSON lines and the run's description)
 
 
 def parse_args(argv=None):
@@ -74,7 +77,8 @@ def parse_args(argv=None):
                         help="the device's dense bf16 peak (default: known GPUs)")
     parser.add_argument("--cpu-devices", type=int, default=0,
                         help="simulate this many CPU devices (smoke tests)")
-    parser.add_argument("--json", help="also write the result to this file")
+    parser.add_argument("--json", help="append the result as a JSON line (with the run's date, "
+                        "device, versions, commit and command) to this file")
     args = parser.parse_args(argv)
     if args.batch is None:
         args.batch = args.devices if args.parallel == "data" else 1
@@ -131,12 +135,13 @@ def run(args):
     inputs, targets = (jax.device_put(x, meshes.batch_sharding(mesh)) for x in tokens)
 
     start = time.perf_counter()
-    compiled = step_fn.step.lower(state, inputs, targets).compile()
+    compiled = step_fn.step.lower(state, inputs, targets).compile()   # no documents: resets and
+    # weights are None, and the compiled step takes them as such
     compile_s = time.perf_counter() - start
     losses, times = [], []
     for _ in range(args.warmup + args.steps):
         t0 = time.perf_counter()
-        state, metrics = compiled(state, inputs, targets)
+        state, metrics = compiled(state, inputs, targets, None, None)
         losses.append(float(metrics["loss"]))   # waits for the step
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[args.warmup:])
@@ -264,10 +269,7 @@ def main(argv=None):
     if args.cpu_devices:   # before anything asks JAX for its devices
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     result = run(args)
-    print(report(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    runner.Rows("train", args.json).add(result, report(result))
     return result
 
 

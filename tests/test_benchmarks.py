@@ -1,5 +1,6 @@
-"""The benchmark topics (benchmarks/ops.py, decode.py, multi_device.py) run end to end at their
-smallest CPU configuration, each in its own process as on a GPU machine, so that the harness
+"""The benchmark topics (benchmarks/ops.py, decode.py, multi_device.py, train_throughput.py)
+run end to end at their smallest CPU configuration, each in its own process as on a GPU
+machine, so that the harness
 cannot rot: flags parse, every row is measured or reported absent, rows reach the JSON file.
 Nothing here needs a GPU (the peers are absent on a CPU and must be reported so)."""
 
@@ -27,7 +28,8 @@ def run_topic(script, *args, tmp_path):
     return rows, done.stdout
 
 
-@pytest.mark.parametrize("script", ["ops.py", "decode.py", "multi_device.py"])
+@pytest.mark.parametrize("script", ["ops.py", "decode.py", "multi_device.py",
+                                    "train_throughput.py"])
 def test_help(script):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"],
                           capture_output=True, text=True, timeout=60,
@@ -81,3 +83,13 @@ def test_multi_device_rows(tmp_path):
     assert [(r["mode"], r["devices"]) for r in rows] == [("1 device", 1), ("data", 2)]
     assert all(r["error"] is None and r["milliseconds"] > 0 for r in rows)
     assert "| rwkv7 | 2x32x2x8 | data | 2 |" in out
+
+
+def test_train_rows(tmp_path):
+    """The train topic's row: the recipe's step measured and described like every topic's."""
+    rows, out = run_topic("train_throughput.py", "--model", "tiny", "--cpu-devices", "2",
+                          "--devices", "2", "--batch", "2", "--seq", "16", "--steps", "1",
+                          "--warmup", "1", "--backend", "native", tmp_path=tmp_path)
+    assert len(rows) == 1 and rows[0]["topic"] == "train"
+    assert rows[0]["tokens_per_s"] > 0 and rows[0]["devices"] == 2
+    assert "tokens/s" in out
