@@ -23,7 +23,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -208,18 +207,8 @@ def time_torch(fn, options, *, before=None, held=()) -> dict:
             before()
         fn()
     torch.cuda.synchronize()
-    times, started = [], time.perf_counter()
-    while len(times) < max(options.repeats, 3):
-        if before is not None:
-            before()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end))
-        if len(times) >= 3 and time.perf_counter() - started > options.max_seconds:
-            break
+    from rwkv_jax._bench import cuda_event_ms
+    times = cuda_event_ms(fn, options.repeats, options.max_seconds, before)
     if before is not None:
         before()
     torch.cuda.synchronize()

@@ -48,6 +48,26 @@ class Case:
                 for n, x in self.arrays.items()}
 
 
+def cuda_event_ms(fn, repeats, max_seconds, before=None) -> list[float]:
+    """The milliseconds of calls of ``fn()`` (torch work on the GPU) between CUDA events around
+    each: ``repeats`` of them (at least 3), fewer once ``max_seconds`` have passed after the
+    third. ``before`` runs ahead of each call, untimed."""
+    import torch
+    times, started = [], time.perf_counter()
+    while len(times) < max(repeats, 3):
+        if before is not None:
+            before()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end))
+        if len(times) >= 3 and time.perf_counter() - started > max_seconds:
+            break
+    return times
+
+
 def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
@@ -264,17 +284,7 @@ def time_fla(case: Case, dtype_name: str, *, repeats: int, max_seconds: float) -
     def median_ms(fn):
         for _ in range(2):
             fn()
-        times, started = [], time.perf_counter()
-        while len(times) < max(repeats, 3):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(begin.elapsed_time(end))
-            if time.perf_counter() - started > max_seconds:
-                break
-        return statistics.median(times)
+        return statistics.median(cuda_event_ms(fn, repeats, max_seconds))
 
     with torch.no_grad():
         fwd = median_ms(forward)
