@@ -227,20 +227,18 @@ class TrainStep:
 
     def _step(self, state, inputs, targets, resets, weights):
         params = state["params"]
+        # A micro-batch's mean loss times its weight: its sum (and the gradient's), to divide by
+        # the step's total weight; the weight is the batch's, a constant to the parameters.
         grad_fn = jax.value_and_grad(lambda p, x, y, r, w: self.loss(
-            p, x, y, self.config.l2wrap, resets=r, weights=w))
+            p, x, y, self.config.l2wrap, resets=r, weights=w) * _weight(w))
         grad_shardings = self.param_shardings
 
         def micro_batch(carry, batch):
             total, loss_sum, count = carry
-            loss, grads = grad_fn(params, *batch)
-            grads, weight = _float32(grads), _weight(batch[3])
-            if batch[3] is not None:
-                # Back from the micro-batch's mean to its sum, to divide by the step's weight.
-                grads = jax.tree.map(lambda g: g * weight, grads)
-            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-            return (jax.tree.map(jnp.add, total, grads), loss_sum + loss * weight,
-                    count + weight), None
+            weighted_loss, grads = grad_fn(params, *batch)
+            grads = jax.lax.with_sharding_constraint(_float32(grads), grad_shardings)
+            return (jax.tree.map(jnp.add, total, grads), loss_sum + weighted_loss,
+                    count + _weight(batch[3])), None
 
         zeros = jax.lax.with_sharding_constraint(
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_shardings)
